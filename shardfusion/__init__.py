@@ -9,7 +9,27 @@ Public API (v0, see DESIGN.md)::
     full = sf.full_state_dict(model)
 """
 
-from shardfusion import topology
+from shardfusion import comm, topology
+from shardfusion.clip import clip_grad_norm_
+from shardfusion.fully_shard import (
+    finish_grad_sync,
+    fully_shard,
+    get_units,
+    no_sync,
+    set_requires_gradient_sync,
+)
+from shardfusion.state_dict import full_state_dict
 from shardfusion.topology import Topology
 
-__all__ = ["Topology", "topology"]
+__all__ = [
+    "Topology",
+    "clip_grad_norm_",
+    "comm",
+    "finish_grad_sync",
+    "full_state_dict",
+    "fully_shard",
+    "get_units",
+    "no_sync",
+    "set_requires_gradient_sync",
+    "topology",
+]

@@ -1,0 +1,116 @@
+"""The collectives the runtime issues, in one place, with a record of each for counting.
+
+Every collective shardfusion issues goes through the functions here. A group of one rank issues nothing (the
+operation is done locally), so world size 1 runs the same code path (STYLE.md item 10). While a
+:class:`CommCounter` is active, each issued collective appends a :class:`CommRecord`; tests assert counts per group
+from it and cross-check the totals with ``torch.distributed.tensor.debug.CommDebugMode``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+_active_counters: list["CommCounter"] = []
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One issued collective.
+
+    Attributes:
+        op: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` or ``"broadcast"``.
+        group_ranks: global ranks of the group, sorted.
+        numel: elements of the full (unsharded) tensor involved: the gathered output, the reduce-scatter input, the
+            all-reduced or broadcast tensor.
+        nbytes: ``numel * element_size`` in bytes.
+    """
+
+    op: str
+    group_ranks: tuple[int, ...]
+    numel: int
+    nbytes: int
+
+
+class CommCounter:
+    """Context manager that records the collectives shardfusion issues while it is active (on this rank)."""
+
+    def __init__(self) -> None:
+        self.records: list[CommRecord] = []
+
+    def __enter__(self) -> "CommCounter":
+        _active_counters.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _active_counters.remove(self)
+
+    def count(self, op: str, group_ranks: Optional[tuple[int, ...]] = None) -> int:
+        """Number of records of ``op``, optionally only those on the group with these ranks."""
+        return sum(
+            1 for r in self.records if r.op == op and (group_ranks is None or r.group_ranks == tuple(group_ranks))
+        )
+
+    def nbytes(self, op: str, group_ranks: Optional[tuple[int, ...]] = None) -> int:
+        """Total bytes of ``op`` records, optionally only those on the group with these ranks."""
+        return sum(
+            r.nbytes for r in self.records if r.op == op and (group_ranks is None or r.group_ranks == tuple(group_ranks))
+        )
+
+
+def group_size(group: Optional[ProcessGroup]) -> int:
+    """Size of ``group`` (1 for ``None``, meaning "no group": a local operation)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _record(op: str, group: ProcessGroup, tensor: torch.Tensor) -> None:
+    if _active_counters:
+        rec = CommRecord(op, tuple(dist.get_process_group_ranks(group)), tensor.numel(),
+                         tensor.numel() * tensor.element_size())
+        for c in _active_counters:
+            c.records.append(rec)
+
+
+def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Optional[ProcessGroup], async_op: bool = False):
+    """All-gather equal 1-D shards into ``full`` (``full.numel() == shard.numel() * group size``).
+
+    Returns a work handle when ``async_op`` and a collective was issued, else ``None``.
+    """
+    if group_size(group) == 1:
+        if full.data_ptr() != shard.data_ptr():
+            full.copy_(shard)
+        return None
+    _record("all_gather", group, full)
+    return dist.all_gather_into_tensor(full, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Optional[ProcessGroup], async_op: bool = False):
+    """Sum ``full`` over the group and scatter equal 1-D shards into ``shard``.
+
+    Returns a work handle when ``async_op`` and a collective was issued, else ``None``.
+    """
+    if group_size(group) == 1:
+        shard.copy_(full)
+        return None
+    _record("reduce_scatter", group, full)
+    return dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group: Optional[ProcessGroup], op=dist.ReduceOp.SUM, async_op: bool = False):
+    """All-reduce ``tensor`` in place over ``group``; nothing is issued for a group of one."""
+    if group_size(group) == 1:
+        return None
+    _record("all_reduce", group, tensor)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, group: Optional[ProcessGroup], group_src: int = 0) -> None:
+    """Broadcast ``tensor`` in place from the group's rank ``group_src``; nothing is issued for a group of one."""
+    if group_size(group) == 1:
+        return
+    _record("broadcast", group, tensor)
+    dist.broadcast(tensor, group=group, group_src=group_src)

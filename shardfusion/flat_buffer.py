@@ -1,0 +1,142 @@
+"""Pure layout math for a flat buffer: offsets, alignment, padding and per-rank fragments.
+
+No tensors are allocated here. A :class:`FlatLayout` describes how the parameters of one flat buffer of a unit are
+laid out in one 1-D buffer of ``padded_numel`` elements that is split into ``shard_count`` equal contiguous shards::
+
+    | p0 ....... | pad | p1 ... | pad | p2 ......... | tail pad |
+    |<-- shard 0 -->|<-- shard 1 -->|<-- shard 2 -->|<-- shard 3 -->|
+
+Every parameter starts at an offset aligned to ``align`` elements (so views are aligned for vectorized kernels); the
+total is padded to a multiple of ``shard_count * align``. A *fragment* is the intersection of one parameter's range
+with one shard; it may be empty (0 elements). Zero-element parameters take no space.
+
+The idea of one flat buffer per group of parameters comes from FSDP1's ``FlatParameter`` and Megatron-FSDP's
+parameter/gradient buffers; the layout rules here are our own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter's place in the flat buffer.
+
+    Attributes:
+        name: fully qualified parameter name (the first name it was registered under).
+        shape: original shape of the parameter.
+        offset: start offset in the flat buffer, in elements.
+        numel: number of elements (0 allowed).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+
+    @property
+    def end(self) -> int:
+        """One past the last element of the parameter in the flat buffer (elements)."""
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """The part of one parameter that lies in one shard.
+
+    Attributes:
+        slot: the parameter's :class:`ParamSlot`.
+        shard_offset: start of the fragment inside the shard (elements).
+        param_offset: start of the fragment inside the flattened parameter (elements).
+        numel: fragment length in elements (0 when the parameter does not touch this shard).
+    """
+
+    slot: ParamSlot
+    shard_offset: int
+    param_offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Layout of a flat buffer split into ``shard_count`` equal shards.
+
+    Attributes:
+        slots: parameters in flat order.
+        padded_numel: total length of the flat buffer in elements, a multiple of ``shard_count``.
+        shard_count: number of shards (the inner degree of the group the buffer is sharded over; 1 = kept whole).
+    """
+
+    slots: tuple[ParamSlot, ...]
+    padded_numel: int
+    shard_count: int
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements per shard: ``padded_numel // shard_count``."""
+        return self.padded_numel // self.shard_count
+
+    @property
+    def numel(self) -> int:
+        """Elements that belong to parameters (no padding)."""
+        return sum(s.numel for s in self.slots)
+
+    def fragments(self, shard_index: int) -> list[Fragment]:
+        """The fragment of every parameter in shard ``shard_index`` (empty ones included, in flat order).
+
+        Raises:
+            ValueError: if ``shard_index`` is not in ``[0, shard_count)``.
+        """
+        if not 0 <= shard_index < self.shard_count:
+            raise ValueError(f"shard_index({shard_index}) must be in [0, shard_count({self.shard_count}))")
+        lo = shard_index * self.shard_numel
+        hi = lo + self.shard_numel
+        out = []
+        for s in self.slots:
+            start, end = max(s.offset, lo), min(s.end, hi)
+            if start >= end:
+                out.append(Fragment(s, 0, 0, 0))
+            else:
+                out.append(Fragment(s, start - lo, start - s.offset, end - start))
+        return out
+
+
+def build_layout(
+    names: Sequence[str], shapes: Sequence[Sequence[int]], shard_count: int, align: int = 4
+) -> FlatLayout:
+    """Lay parameters out in order, each aligned to ``align`` elements, padded to a multiple of the shard count.
+
+    Args:
+        names: parameter names, in flat order.
+        shapes: their shapes (``torch.Size`` or tuples).
+        shard_count: how many equal shards the buffer is split into (>= 1).
+        align: alignment of each parameter's start offset, in elements (>= 1).
+
+    Returns:
+        The :class:`FlatLayout`. An empty or all-zero-size list gives ``padded_numel == 0``.
+
+    Raises:
+        ValueError: if ``shard_count`` or ``align`` is < 1, or ``names`` and ``shapes`` differ in length.
+    """
+    if shard_count < 1:
+        raise ValueError(f"shard_count({shard_count}) must be >= 1")
+    if align < 1:
+        raise ValueError(f"align({align}) must be >= 1")
+    if len(names) != len(shapes):
+        raise ValueError(f"len(names)({len(names)}) != len(shapes)({len(shapes)})")
+    slots, offset = [], 0
+    for name, shape in zip(names, shapes):
+        numel = math.prod(shape)
+        if numel:
+            offset = _round_up(offset, align)
+        slots.append(ParamSlot(name, tuple(shape), offset, numel))
+        offset += numel
+    padded = _round_up(offset, shard_count * align) if offset else 0
+    return FlatLayout(tuple(slots), padded, shard_count)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple

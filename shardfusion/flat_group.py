@@ -1,0 +1,240 @@
+"""One flat buffer of a unit: its tensors, their lifetimes, and the collectives that move them.
+
+[Note: flat group tensors]
+A unit keeps one :class:`FlatGroup` per kind of parameter it holds (same dtype and device, trainable or frozen,
+sharded or kept whole). ``P`` is the padded flat length (``layout.padded_numel``), ``S = P / shard_count``.
+
+- ``shard``       # (S,)  persistent. This rank's slice of the flat buffer; the optimizer updates it in place through
+                  #       the *fragments*: one ``nn.Parameter`` per original parameter, a 1-D view of ``shard`` (0
+                  #       elements allowed), registered in the modules under the original names while sharded.
+- ``full``        # (P,)  alive while unsharded. The all-gathered buffer; its storage is resized to 0 when resharded.
+                  #       With ``shard_count == 1`` it *is* ``shard`` (nothing is gathered or freed). ``full_views``
+                  #       are leaf ``nn.Parameter`` views of it with the original shapes, put into the modules while
+                  #       unsharded; they are created once and keep pointing at the same storage.
+- ``grad_full``   # (P,)  alive from the first gradient of a backward until its reduce-scatter completes (or, while
+                  #       gradient sync is off, across micro-batches). Each full view's ``.grad`` is a view of it, so
+                  #       autograd accumulates in place: no per-parameter copy.
+- ``grad_shard``  # (S,)  persistent once created. The sharded gradient the optimizer reads: each fragment's ``.grad``
+                  #       is a view of it. Reduce-scatter outputs (divided by the data-parallel world size) are added
+                  #       into it, or into ``step_grad`` when the user kept last step's gradients (see ``add_reduced``).
+- ``step_grad``   # (S,)  this step's not-yet-all-reduced sharded gradient: ``grad_shard`` itself in the common case,
+                  #       a temporary when the user did not reset gradients. All-reduced over the replicate group once
+                  #       per optimizer step (``sync_replicas``), then dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed import ProcessGroup
+
+from shardfusion import comm
+from shardfusion.flat_buffer import FlatLayout
+
+
+def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over ``base``'s storage at ``offset`` elements with ``shape``, with its own version counter.
+
+    Unlike a view, in-place writes into ``base`` (the all-gather) do not bump this tensor's version counter, so
+    tensors that autograd saved in forward stay valid when the buffer is refilled for backward.
+    """
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    t = torch.empty(0, dtype=base.dtype, device=base.device)
+    t.set_(base.untyped_storage(), base.storage_offset() + offset, shape, tuple(reversed(strides)))
+    return t
+
+
+class FlatGroup:
+    """One flat buffer of a unit. See [Note: flat group tensors] at the top of this file.
+
+    Args:
+        layout: the pure layout (offsets, padding, shard count).
+        params: the original parameters in layout order (their data is copied into the shard).
+        shard_index: this rank's shard index (its rank in ``shard_group``; 0 when kept whole).
+        shard_group: group the buffer is sharded over (all-gather, reduce-scatter); ``None`` or size 1 = kept whole.
+        reduce_group: a second group over the same ranks as ``shard_group`` for reduce-scatters, so that their
+            order is independent of all-gathers (``None`` = use ``shard_group``).
+        replicate_group: group holding identical shards; gradients are all-reduced over it once per step.
+        grad_divisor: the data-parallel world size (dp * sharding); reduced gradients are divided by it so they are
+            the gradient of the mean loss over the global batch.
+    """
+
+    def __init__(
+        self,
+        layout: FlatLayout,
+        params: list[nn.Parameter],
+        shard_index: int,
+        shard_group: Optional[ProcessGroup],
+        reduce_group: Optional[ProcessGroup],
+        replicate_group: Optional[ProcessGroup],
+        grad_divisor: int,
+        data_parallel_group: Optional[ProcessGroup],
+    ) -> None:
+        self.layout = layout
+        self.shard_group = shard_group
+        self.reduce_group = reduce_group if reduce_group is not None else shard_group
+        self.replicate_group = replicate_group
+        self.grad_divisor = grad_divisor
+        self.requires_grad = params[0].requires_grad
+        self.counts_in_norm = True  # set by the owner: whether this rank counts this group's elements in a norm
+        dtype, device = params[0].dtype, params[0].device
+        P, S = layout.padded_numel, layout.shard_numel
+
+        # Initial values: every data-parallel replica starts from the first rank's parameters (case F7).
+        with torch.no_grad():
+            flat = torch.zeros(P, dtype=dtype, device=device)  # (P,)
+            for slot, p in zip(layout.slots, params):
+                flat[slot.offset:slot.end].copy_(p.detach().reshape(-1))
+            comm.broadcast(flat, data_parallel_group)
+            self.shard = flat[shard_index * S:(shard_index + 1) * S].clone()  # (S,)
+        del flat
+
+        self.fragments: list[nn.Parameter] = []
+        self._frag_ranges: list[tuple[int, int]] = []  # (offset in shard, numel) per fragment
+        for frag in layout.fragments(shard_index):
+            self._frag_ranges.append((frag.shard_offset, frag.numel))
+            view = self.shard[frag.shard_offset:frag.shard_offset + frag.numel]
+            self.fragments.append(nn.Parameter(view, requires_grad=self.requires_grad))
+
+        if layout.shard_count == 1:
+            self.full = self.shard
+        else:
+            self.full = torch.empty(P, dtype=dtype, device=device)  # (P,)
+            self.full.untyped_storage().resize_(0)
+        self.full_views: list[nn.Parameter] = [
+            nn.Parameter(_alias(self.full, s.offset, s.shape), requires_grad=self.requires_grad)
+            for s in layout.slots
+        ]
+        self._gather_work = None
+        self.is_unsharded = layout.shard_count == 1
+
+        self.grad_full: Optional[torch.Tensor] = None
+        self.grad_views: list[torch.Tensor] = []
+        self.grad_shard: Optional[torch.Tensor] = None
+        self.step_grad: Optional[torch.Tensor] = None
+        self._reduce_out: Optional[torch.Tensor] = None
+        self._reduce_work = None
+
+    # ---- unshard / reshard -------------------------------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Start (``async_op``) or complete the all-gather of ``full`` over ``shard_group``. Idempotent."""
+        if self.is_unsharded or self._gather_work is not None:
+            if not async_op:
+                self.wait_unshard()
+            return
+        self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
+        with torch.no_grad():
+            work = comm.all_gather(self.full, self.shard, self.shard_group, async_op=True)
+        self._gather_work = work
+        if work is None:
+            self._gather_work = None
+            self.is_unsharded = True
+        elif not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        """Wait for an in-flight all-gather, if any."""
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
+            self.is_unsharded = True
+
+    def reshard(self) -> None:
+        """Free ``full`` (waiting for an in-flight all-gather first). A kept-whole group stays as it is."""
+        self.wait_unshard()
+        if self.layout.shard_count == 1 or not self.is_unsharded:
+            return
+        self.full.untyped_storage().resize_(0)
+        self.is_unsharded = False
+
+    @property
+    def gather_in_flight(self) -> bool:
+        """Whether an asynchronous all-gather has been issued and not yet waited for."""
+        return self._gather_work is not None
+
+    # ---- gradients ---------------------------------------------------------------------------------------------
+    def ensure_grad_full(self) -> None:
+        """Allocate and zero ``grad_full`` if it is not alive; make each full view's ``.grad`` a view of it."""
+        if self.grad_full is None:
+            P = self.layout.padded_numel
+            self.grad_full = torch.zeros(P, dtype=self.full.dtype, device=self.full.device)  # (P,)
+            self.grad_views = [_alias(self.grad_full, s.offset, s.shape) for s in self.layout.slots]
+        for view, g in zip(self.full_views, self.grad_views):
+            if view.grad is not g:
+                view.grad = g
+
+    def reduce_scatter(self) -> None:
+        """Issue the asynchronous reduce-scatter of ``grad_full`` (zeros if no gradient arrived on this rank)."""
+        self.ensure_grad_full()
+        self._reduce_out = torch.empty(self.layout.shard_numel, dtype=self.full.dtype, device=self.full.device)
+        with torch.no_grad():
+            self._reduce_work = comm.reduce_scatter(self._reduce_out, self.grad_full, self.reduce_group, async_op=True)
+
+    def reduce_done(self) -> bool:
+        """Whether the issued reduce-scatter has completed (non-blocking)."""
+        return self._reduce_work is None or self._reduce_work.is_completed()
+
+    def finish_reduce_scatter(self) -> None:
+        """Wait for the reduce-scatter, add its output / grad_divisor into this step's gradient, free grad_full."""
+        if self._reduce_out is None:
+            return
+        if self._reduce_work is not None:
+            self._reduce_work.wait()
+            self._reduce_work = None
+        out, self._reduce_out = self._reduce_out, None
+        with torch.no_grad():
+            out.div_(self.grad_divisor)
+            self._step_grad_buffer().add_(out)
+        for view in self.full_views:
+            view.grad = None
+        self.grad_full, self.grad_views = None, []
+
+    def _step_grad_buffer(self) -> torch.Tensor:
+        """This step's accumulator: ``grad_shard`` if the user reset gradients, else a zeroed temporary."""
+        if self.step_grad is not None:
+            return self.step_grad
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros_like(self.shard)  # (S,)
+        user_grads = [f.grad for f in self.fragments if f.grad is not None]
+        if not user_grads or not self.grad_shard.any():
+            self.grad_shard.zero_()
+            self._attach_fragment_grads()
+            self.step_grad = self.grad_shard
+        else:
+            self.step_grad = torch.zeros_like(self.shard)  # (S,)
+        return self.step_grad
+
+    def _grad_slice(self, i: int) -> torch.Tensor:
+        off, n = self._frag_ranges[i]
+        return self.grad_shard[off:off + n]
+
+    def _attach_fragment_grads(self) -> None:
+        """Make each fragment's ``.grad`` a view of ``grad_shard`` (re-attached after ``zero_grad(set_to_none)``)."""
+        for i, frag in enumerate(self.fragments):
+            g = self._grad_slice(i)
+            if frag.grad is None or frag.grad.data_ptr() != g.data_ptr() or frag.grad.numel() != g.numel():
+                frag.grad = g
+
+    @property
+    def has_pending_sync(self) -> bool:
+        """Whether this step's sharded gradient still has to be all-reduced over the replicate group."""
+        return self.step_grad is not None
+
+    def sync_replicas(self) -> None:
+        """All-reduce this step's sharded gradient over the replicate group and publish it in ``grad_shard``."""
+        if self.step_grad is None:
+            return
+        comm.all_reduce(self.step_grad, self.replicate_group)
+        if self.step_grad is not self.grad_shard:
+            with torch.no_grad():
+                for i, frag in enumerate(self.fragments):
+                    if frag.grad is None:
+                        self._grad_slice(i).zero_()
+                self.grad_shard.add_(self.step_grad)
+        self._attach_fragment_grads()
+        self.step_grad = None

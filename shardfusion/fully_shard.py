@@ -1,0 +1,291 @@
+"""``fully_shard``: split a model into units, lay each unit's parameters into flat buffers, shard them, add hooks.
+
+Data flow of a step and the invariants are in DESIGN.md; the tensors a unit owns are in [Note: flat group tensors]
+(``flat_group.py``); when collectives run is in ``schedule.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardfusion.flat_buffer import build_layout
+from shardfusion.flat_group import FlatGroup
+from shardfusion.schedule import ShardState
+from shardfusion.unit import Unit
+
+ReshardFilter = Union[str, Callable[[str, nn.Module], bool]]
+_RESHARD_POLICIES = ("after_forward", "after_backward")
+ALIGN_BYTES = 16  # each parameter starts at a multiple of 16 bytes in its flat buffer
+
+
+def fully_shard(
+    model: nn.Module,
+    topology,
+    units: Optional[Sequence[type]] = None,
+    comm_unit_size: Optional[int] = None,
+    reshard_policy: str = "after_forward",
+    reshard_filter: ReshardFilter = "all",
+    param_dtype: Optional[torch.dtype] = None,
+    grad_comm_dtype: Optional[torch.dtype] = None,
+    replicate_filter: Optional[Callable[[str, nn.Parameter], bool]] = None,
+) -> nn.Module:
+    """Shard ``model`` in place with FSDP (``fsdp_outer_degree == 1``) or HSDP (``> 1``) and return it.
+
+    Units: every module whose class is in ``units`` is a unit; otherwise, with ``comm_unit_size``, consecutive
+    sibling modules are packed greedily into units of at most ``comm_unit_size`` elements (a larger module is split
+    into its children). Parameters outside every unit form the root unit (the model itself), which is never
+    resharded after forward. A parameter registered in several modules (tied) belongs to the unit of their lowest
+    common ancestor.
+
+    Each unit keeps one flat buffer per (dtype, device, trainable or frozen, sharded or kept whole); parameters start
+    at 16-byte aligned offsets and the buffer is padded to a multiple of the inner degree. Each rank keeps its
+    ``1/inner`` shard in the parameters' own dtype. Afterwards ``model.named_parameters()`` yields, under the original
+    names, 1-D fragments (views into the shard, possibly of 0 elements), so any ``torch.optim`` optimizer works
+    unchanged. Gradients become the gradient of the mean loss over the global batch (summed over the data-parallel
+    world and divided by ``dp * sharding``); they are all-reduced over the replicate group (``dp x outer``) once per
+    optimizer step (see :func:`finish_grad_sync`).
+
+    Args:
+        model: the module to shard (on its target device; parameters of any float dtype).
+        topology: a :class:`shardfusion.Topology`.
+        units: module classes that each form a unit (e.g. ``(Block,)``).
+        comm_unit_size: with no ``units``: the largest unit, in elements (> 0).
+        reshard_policy: ``"after_forward"`` (free full buffers after each unit's forward, gather again for backward;
+            ZeRO-3) or ``"after_backward"`` (keep them from forward until the unit's backward is done).
+        reshard_filter: which units follow ``reshard_policy`` after forward: ``"all"``, ``"none"`` (all keep their
+            full buffers until backward), or a callable ``(qualified_name, module) -> bool``.
+        param_dtype, grad_comm_dtype: mixed precision; not supported yet (must be ``None``).
+        replicate_filter: optional ``(name, parameter) -> bool``; parameters for which it is true are kept whole on
+            every rank (not sharded) and their gradients all-reduced over the data-parallel group.
+
+    Returns:
+        ``model``, changed in place.
+
+    Raises:
+        ValueError: bad ``units``, ``comm_unit_size``, ``reshard_policy`` or ``reshard_filter``; a model that is
+            already sharded.
+        NotImplementedError: ``sep * cp > 1``, or ``param_dtype``/``grad_comm_dtype`` given.
+    """
+    _check_args(model, topology, units, comm_unit_size, reshard_policy, reshard_filter, param_dtype, grad_comm_dtype)
+    unit_specs = _unit_modules(model, tuple(units or ()), comm_unit_size)
+    built: list[Unit] = []
+    for name, modules in unit_specs:
+        reshard = reshard_policy == "after_forward" and name != "" and _filter(reshard_filter, name, modules[0])
+        built.append(Unit(name, modules, reshard))
+    owner = _owning_unit(model, unit_specs)
+    placed = _assign_params(model, owner)
+    for unit_index, params in enumerate(placed):
+        _add_flat_groups(built[unit_index], params, topology, replicate_filter)
+    for name, buf in model.named_buffers():
+        comm_broadcast_buffer(buf, topology)
+    state = ShardState(model, built, topology)
+    state.register_hooks()
+    model._sf_state = state
+    return model
+
+
+def comm_broadcast_buffer(buf: torch.Tensor, topology) -> None:
+    """Broadcast a module buffer (e.g. BatchNorm statistics) from the first rank of the data-parallel group."""
+    from shardfusion import comm
+
+    with torch.no_grad():
+        comm.broadcast(buf, topology.get_data_parallel_group())
+
+
+def get_units(model: nn.Module) -> list[Unit]:
+    """The units of a sharded model, root unit first.
+
+    Raises:
+        ValueError: if ``model`` was not passed to :func:`fully_shard`.
+    """
+    return _state(model).units
+
+
+def finish_grad_sync(model: nn.Module) -> None:
+    """Finish this step's gradient synchronization: all-reduce sharded gradients over the replicate group.
+
+    Called automatically before any ``torch.optim`` optimizer steps on the model's parameters and by
+    :func:`shardfusion.clip_grad_norm_`; call it yourself before reading ``.grad`` of the fragments. Idempotent.
+    Every rank of the model must call it (it is collective).
+    """
+    _state(model).finish_grad_sync()
+
+
+def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
+    """Turn gradient reduction on or off for the following backwards (FSDP2's convention).
+
+    While off, gradients accumulate in the full-size per-unit gradient buffers with no reduce-scatter or
+    all-reduce; turn it on again before the last micro-batch of the step, whose backward reduces the total.
+    """
+    _state(model).requires_gradient_sync = bool(requires_gradient_sync)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Context manager form of ``set_requires_gradient_sync(model, False)``; restores the previous setting."""
+    state = _state(model)
+    prev, state.requires_gradient_sync = state.requires_gradient_sync, False
+    try:
+        yield
+    finally:
+        state.requires_gradient_sync = prev
+
+
+def _state(model: nn.Module) -> ShardState:
+    state = getattr(model, "_sf_state", None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} is not sharded: pass it to shardfusion.fully_shard first")
+    return state
+
+
+def _check_args(model, topology, units, comm_unit_size, reshard_policy, reshard_filter, param_dtype,
+                grad_comm_dtype) -> None:
+    if getattr(model, "_sf_state", None) is not None:
+        raise ValueError(f"model ({type(model).__name__}) is already sharded by fully_shard")
+    if topology.sep * topology.cp > 1:
+        raise NotImplementedError(
+            f"sep({topology.sep}) * cp({topology.cp}) = {topology.sep * topology.cp} > 1 is not supported yet: "
+            "the gradient all-reduce over sep x cp is not implemented")
+    if param_dtype is not None or grad_comm_dtype is not None:
+        raise NotImplementedError(
+            f"mixed precision (param_dtype={param_dtype}, grad_comm_dtype={grad_comm_dtype}) is not supported yet")
+    if units is not None:
+        if isinstance(units, type) or not all(isinstance(u, type) and issubclass(u, nn.Module) for u in units):
+            raise ValueError(f"units must be a tuple of nn.Module classes, got {units!r}")
+    if comm_unit_size is not None and (isinstance(comm_unit_size, bool) or not isinstance(comm_unit_size, int)
+                                       or comm_unit_size <= 0):
+        raise ValueError(f"comm_unit_size must be a positive int (elements), got {comm_unit_size!r}")
+    if reshard_policy not in _RESHARD_POLICIES:
+        raise ValueError(f"reshard_policy must be one of {_RESHARD_POLICIES}, got {reshard_policy!r}")
+    if not (reshard_filter in ("all", "none") or callable(reshard_filter)):
+        raise ValueError(f"reshard_filter must be 'all', 'none' or a callable (name, module) -> bool, "
+                         f"got {reshard_filter!r}")
+
+
+def _filter(reshard_filter: ReshardFilter, name: str, module: nn.Module) -> bool:
+    if reshard_filter == "all":
+        return True
+    if reshard_filter == "none":
+        return False
+    return bool(reshard_filter(name, module))
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _unit_modules(model: nn.Module, classes: tuple, comm_unit_size: Optional[int]) -> list[tuple[str, list]]:
+    """``[(name, modules)]`` for every unit, the root unit ``("", [model])`` first, then in registration order."""
+    specs: list[tuple[str, list]] = [("", [model])]
+    if classes:
+        for name, m in model.named_modules():
+            if m is not model and isinstance(m, classes):
+                specs.append((name, [m]))
+        return specs
+    if comm_unit_size is None:
+        return specs
+
+    def pack(parent: nn.Module, prefix: str) -> None:
+        run: list[tuple[str, nn.Module]] = []
+        size = 0
+
+        def close() -> None:
+            nonlocal run, size
+            if run:
+                specs.append((run[0][0], [m for _, m in run]))
+            run, size = [], 0
+
+        for cname, child in parent.named_children():
+            qual = f"{prefix}{cname}"
+            n = _numel(child)
+            if n == 0:
+                continue
+            if n > comm_unit_size and any(True for _ in child.children()):
+                close()
+                pack(child, qual + ".")
+                continue
+            if size + n > comm_unit_size:
+                close()
+            run.append((qual, child))
+            size += n
+        close()
+
+    pack(model, "")
+    return specs
+
+
+def _owning_unit(model: nn.Module, specs: list[tuple[str, list]]) -> dict[str, int]:
+    """Map every module's qualified name to the index of the innermost unit containing it."""
+    owner: dict[str, int] = {}
+    for idx, (_, modules) in enumerate(specs):
+        for top in modules:
+            for name, m in model.named_modules(remove_duplicate=False):
+                if m is top:
+                    for sub, _ in top.named_modules(remove_duplicate=False):
+                        owner[f"{name}.{sub}".strip(".") if name else sub] = idx
+    return owner
+
+
+def _assign_params(model: nn.Module, owner: dict[str, int]) -> list[list[tuple[str, nn.Parameter, list]]]:
+    """For each unit: ``[(name, param, [(module, attr), ...])]`` in registration order (tied: common ancestor)."""
+    places: dict[int, list] = {}
+    first: dict[int, tuple[str, nn.Parameter]] = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        for attr, p in m._parameters.items():
+            if p is None:
+                continue
+            places.setdefault(id(p), [])
+            if (m, attr) not in [(pm, pa) for pm, pa, _ in places[id(p)]]:
+                places[id(p)].append((m, attr, mname))
+            first.setdefault(id(p), (f"{mname}.{attr}" if mname else attr, p))
+    out: list[list] = [[] for _ in range(max(owner.values(), default=0) + 1)]
+    for pid, (pname, p) in first.items():
+        mnames = [mn for _, _, mn in places[pid]]
+        common = _common_prefix(mnames)
+        while common not in owner:
+            common = common.rpartition(".")[0]
+        out[owner[common]].append((pname, p, [(pm, pa) for pm, pa, _ in places[pid]]))
+    return out
+
+
+def _common_prefix(module_names: list[str]) -> str:
+    parts = [n.split(".") if n else [] for n in module_names]
+    prefix = []
+    for tokens in zip(*parts):
+        if len(set(tokens)) != 1:
+            break
+        prefix.append(tokens[0])
+    return ".".join(prefix)
+
+
+def _add_flat_groups(unit: Unit, params: list, topology, replicate_filter) -> None:
+    """Group a unit's parameters by kind and build one :class:`FlatGroup` per kind, in first-seen order."""
+    kinds: dict[tuple, list] = {}
+    for name, p, regs in params:
+        whole = bool(replicate_filter(name, p)) if replicate_filter is not None else False
+        tp = bool(getattr(p, "tensor_model_parallel", False))
+        kinds.setdefault((p.dtype, p.device, p.requires_grad, whole, tp), []).append((name, p, regs))
+    dp_group = topology.get_data_parallel_group()
+    divisor = topology.dp * topology.sharding
+    for (dtype, _device, _rg, whole, tp), members in kinds.items():
+        if whole:
+            shard_group = reduce_group = None
+            replicate_group = dp_group
+        else:
+            shard_group = topology.get_fsdp_inner_group()
+            reduce_group = topology.get_fsdp_inner_reduce_group()
+            replicate_group = topology.get_replicate_group()
+        shard_count = 1 if shard_group is None else dist.get_world_size(shard_group)
+        shard_index = 0 if shard_group is None else dist.get_rank(shard_group)
+        align = max(1, ALIGN_BYTES // torch.tensor([], dtype=dtype).element_size())
+        layout = build_layout([n for n, _, _ in members], [tuple(p.shape) for _, p, _ in members], shard_count,
+                              align)
+        group = FlatGroup(layout, [p for _, p, _ in members], shard_index, shard_group, reduce_group,
+                          replicate_group, divisor, dp_group)
+        group.counts_in_norm = dist.get_rank(replicate_group) == 0 and (tp or topology.mp_rank == 0)
+        unit.add_group(group, [regs for _, _, regs in members])

@@ -1,0 +1,216 @@
+"""Hooks and scheduling: when units all-gather, reshard, reduce-scatter and all-reduce.
+
+Forward: a unit's forward pre-hook unshards it (waiting for its prefetch) and prefetches the next unit in unit order;
+its post-hook reshards it when its policy says so and registers a pre-backward hook on its outputs.
+
+Backward: the pre-backward hook unshards the unit again (prefetching the one before it). Each full-shape view has a
+hook that makes sure the gradient buffer is alive before autograd accumulates into it, and a post-accumulate hook
+that counts arrivals; a unit whose trainable views all got their gradient is READY. Reduce-scatters are issued in one
+fixed order (reverse unit order), as soon as the unit at the head of that order is READY, on a process group of their
+own, so every rank issues the same sequence whatever gradients it got (invariant 1). A callback queued on the autograd
+engine flushes the rest at the end of backward: units that got no gradient reduce-scatter zeros.
+
+Step boundary: the replicate-group all-reduce runs once per optimizer step in ``finish_grad_sync``, called by
+``clip_grad_norm_``, by a global optimizer step pre-hook, or by the user.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from shardfusion.unit import ReduceState, ShardedState, Unit
+
+# fragment parameter -> its model's ShardState, for the optimizer step pre-hook.
+_FRAGMENT_OWNER = WeakIdKeyDictionary()
+_OPTIMIZER_HOOK = None
+
+
+class ShardState:
+    """Scheduling state of one sharded model: its units in order and the per-backward bookkeeping.
+
+    Args:
+        root: the model passed to ``fully_shard``.
+        units: units in unit order (the root unit first, then by module registration order).
+    """
+
+    def __init__(self, root: nn.Module, units: list[Unit], topology) -> None:
+        self.root = root
+        self.units = units
+        self.topology = topology
+        self.requires_gradient_sync = True
+        self._reduce_order = [u for u in reversed(units) if u.trainable_groups]
+        self._next_reduce = 0
+        self._callback_queued = False
+        self._index = {id(u): i for i, u in enumerate(units)}
+        for u in units:
+            for g in u.groups:
+                for f in g.fragments:
+                    _FRAGMENT_OWNER[f] = self
+        _install_optimizer_hook()
+
+    # ---- hooks -------------------------------------------------------------------------------------------------
+    def register_hooks(self) -> None:
+        """Install the forward hooks on every unit's modules and the gradient hooks on every full view."""
+        root_unit = self.units[0]
+        self.root.register_forward_pre_hook(self._root_pre_forward, prepend=True)
+        self.root.register_forward_hook(self._root_post_forward)
+        for unit in self.units:
+            if unit is not root_unit:
+                for m in unit.modules:
+                    m.register_forward_pre_hook(self._make_pre_forward(unit))
+                last = unit.modules[-1]
+                last.register_forward_hook(self._make_post_forward(unit))
+                for m in unit.modules[:-1]:
+                    m.register_forward_hook(self._make_backward_hook_only(unit))
+            for g in unit.trainable_groups:
+                for view in g.full_views:
+                    view.register_hook(self._make_pre_accumulate(unit, g))
+                    view.register_post_accumulate_grad_hook(self._make_post_accumulate(unit))
+
+    def _root_pre_forward(self, module, args):
+        # A forward without a following backward (evaluation) may have left units gathered: start clean.
+        if not _in_backward():
+            for u in self.units[1:]:
+                u.reshard()
+        self._pre_forward(self.units[0])
+
+    def _root_post_forward(self, module, args, output):
+        if not torch.is_grad_enabled():
+            for u in self.units:  # no backward follows: free everything
+                u.reshard()
+            return
+        self._register_pre_backward(self.units[0], output)
+        if not _in_backward():
+            for u in self.units[1:]:  # e.g. a prefetched unit that did not run in this forward
+                if u.reshard_after_forward and u.is_unsharded:
+                    u.reshard()
+
+    def _make_pre_forward(self, unit: Unit):
+        def hook(module, args):
+            self._pre_forward(unit)
+
+        return hook
+
+    def _pre_forward(self, unit: Unit) -> None:
+        unit.unshard()
+        unit.ran_forward = True
+        nxt = self._index[id(unit)] + 1
+        if nxt < len(self.units):
+            self.units[nxt].prefetch()
+
+    def _make_post_forward(self, unit: Unit):
+        def hook(module, args, output):
+            if unit.reshard_after_forward and not _in_backward():
+                unit.reshard()
+            if torch.is_grad_enabled():
+                self._register_pre_backward(unit, output)
+
+        return hook
+
+    def _make_backward_hook_only(self, unit: Unit):
+        def hook(module, args, output):
+            if torch.is_grad_enabled():
+                self._register_pre_backward(unit, output)
+
+        return hook
+
+    def _register_pre_backward(self, unit: Unit, output: Any) -> None:
+        tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            register_multi_grad_hook(tensors, lambda grads: self._pre_backward(unit), mode="any")
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self._queue_callback()
+        unit.unshard()
+        for g in unit.trainable_groups:
+            g.ensure_grad_full()
+        prev = self._index[id(unit)] - 1
+        while prev >= 1 and not self.units[prev].ran_forward:
+            prev -= 1
+        if prev >= 1:
+            self.units[prev].prefetch()
+
+    def _make_pre_accumulate(self, unit: Unit, group):
+        def hook(grad):
+            self._queue_callback()
+            group.ensure_grad_full()
+            return grad
+
+        return hook
+
+    def _make_post_accumulate(self, unit: Unit):
+        def hook(param):
+            if unit.grad_arrived():
+                if unit.state is ShardedState.UNSHARDED and unit is not self.units[0]:
+                    unit.reshard()
+                self._issue_ready_reduces()
+
+        return hook
+
+    # ---- reduce scheduling -------------------------------------------------------------------------------------
+    def _issue_ready_reduces(self) -> None:
+        if not self.requires_gradient_sync:
+            return
+        order = self._reduce_order
+        while self._next_reduce < len(order) and order[self._next_reduce].reduce_state is ReduceState.READY:
+            order[self._next_reduce].reduce_scatter()
+            self._next_reduce += 1
+
+    def _queue_callback(self) -> None:
+        if not self._callback_queued and _in_backward():
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
+
+    def _post_backward(self) -> None:
+        """End of backward: reduce-scatter what is left, in order, wait for all, free full buffers."""
+        self._callback_queued = False
+        if self.requires_gradient_sync:
+            order = self._reduce_order
+            while self._next_reduce < len(order):
+                order[self._next_reduce].reduce_scatter()
+                self._next_reduce += 1
+            self._next_reduce = 0
+            for u in self._reduce_order:
+                u.finish_backward()
+        else:
+            for u in self.units:
+                u.reduce_state = ReduceState.IDLE
+                u._grads_arrived = 0
+                u.ran_forward = False
+        for u in self.units:
+            u.reshard()
+
+    # ---- step boundary -----------------------------------------------------------------------------------------
+    def finish_grad_sync(self) -> None:
+        """All-reduce this step's sharded gradients over their replicate groups (once per step; idempotent)."""
+        for u in self._reduce_order:
+            for g in u.trainable_groups:
+                g.sync_replicas()
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _optimizer_pre_step(optimizer, args, kwargs) -> None:
+    states = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            s = _FRAGMENT_OWNER.get(p)
+            if s is not None:
+                states[id(s)] = s
+    for s in states.values():
+        s.finish_grad_sync()
+
+
+def _install_optimizer_hook() -> None:
+    global _OPTIMIZER_HOOK
+    if _OPTIMIZER_HOOK is None:
+        _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_optimizer_pre_step)

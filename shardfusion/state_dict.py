@@ -1,0 +1,30 @@
+"""Full (unsharded) state dicts of a sharded model, for tests, export and inspection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from shardfusion import comm
+from shardfusion.fully_shard import _state
+
+
+def full_state_dict(model: nn.Module, buffers: bool = True) -> dict[str, torch.Tensor]:
+    """Gather every parameter of a sharded model: ``{name: full tensor}`` with original shapes, on every rank.
+
+    Collective: every rank of the model must call it, in the same order. Tensors are fresh copies (not views of any
+    runtime buffer) in the parameters' dtype and device; a tied parameter appears once, under its first name.
+    With ``buffers`` the module buffers (e.g. BatchNorm statistics) are included too.
+    """
+    state = _state(model)
+    out: dict[str, torch.Tensor] = {}
+    for unit in state.units:
+        for g in unit.groups:
+            full = torch.empty(g.layout.padded_numel, dtype=g.shard.dtype, device=g.shard.device)  # (P,)
+            comm.all_gather(full, g.shard, g.shard_group)
+            for slot in g.layout.slots:
+                out[slot.name] = full[slot.offset:slot.end].view(slot.shape).clone()
+    if buffers:
+        for name, buf in model.named_buffers():
+            out[name] = buf.detach().clone()
+    return out

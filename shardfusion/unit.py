@@ -1,0 +1,135 @@
+"""A unit: the parameters gathered and reduced together, and its state machine.
+
+A unit owns one :class:`~shardfusion.flat_group.FlatGroup` per kind of parameter (see [Note: flat group tensors]
+in ``flat_group.py``) and the places in the modules where its parameters are registered. Its sharded state says
+which tensors the modules see:
+
+- ``SHARDED``: the modules hold the fragments (1-D local pieces, what the optimizer updates); no full buffer.
+- ``UNSHARDED``: the modules hold full-shape views of the all-gathered buffers (forward and backward run on them).
+
+Per backward, a unit with trainable parameters goes IDLE -> (gradients arrive) -> READY (every trainable view got
+its gradient) -> REDUCING (reduce-scatter issued) -> IDLE (flushed at the end of backward).
+"""
+
+from __future__ import annotations
+
+import enum
+import torch.nn as nn
+
+from shardfusion.flat_group import FlatGroup
+
+
+class ShardedState(enum.Enum):
+    """Which tensors the modules of a unit hold."""
+
+    SHARDED = enum.auto()  # fragments registered; full buffers freed
+    UNSHARDED = enum.auto()  # full-shape views registered; full buffers alive
+
+
+class ReduceState(enum.Enum):
+    """Progress of a unit's gradients within one backward."""
+
+    IDLE = enum.auto()  # no gradient handled yet in this backward
+    READY = enum.auto()  # every trainable view has its gradient; waiting its turn to reduce-scatter
+    REDUCING = enum.auto()  # reduce-scatter issued, not yet finished
+
+
+class Unit:
+    """One unit of a sharded model.
+
+    Attributes:
+        name: qualified name of the unit's first module (``""`` for the root unit).
+        modules: the modules whose forward hooks drive this unit (one for a class unit; several consecutive
+            siblings for a unit built from ``comm_unit_size``; the model itself for the root unit).
+        param_names: names of the unit's parameters (first registered name of each), in flat order.
+        groups: the unit's flat buffers.
+        reshard_after_forward: whether the full buffers are freed after forward (else kept until backward ends).
+    """
+
+    def __init__(self, name: str, modules: list[nn.Module], reshard_after_forward: bool) -> None:
+        self.name = name
+        self.modules = modules
+        self.reshard_after_forward = reshard_after_forward
+        self.param_names: list[str] = []
+        self.groups: list[FlatGroup] = []
+        # For each group, for each slot: the (module, attribute) places the parameter is registered under.
+        self.registrations: list[list[list[tuple[nn.Module, str]]]] = []
+        self.state = ShardedState.SHARDED
+        self.reduce_state = ReduceState.IDLE
+        self.ran_forward = False
+        self._grads_arrived = 0
+
+    def add_group(self, group: FlatGroup, registrations: list[list[tuple[nn.Module, str]]]) -> None:
+        """Attach a flat buffer and register its fragments in the modules."""
+        self.groups.append(group)
+        self.registrations.append(registrations)
+        self.param_names.extend(s.name for s in group.layout.slots)
+        self._put(use_full=False)
+
+    @property
+    def num_trainable_views(self) -> int:
+        """Number of full-shape views that receive gradients in a backward."""
+        return sum(len(g.full_views) for g in self.groups if g.requires_grad)
+
+    @property
+    def trainable_groups(self) -> list[FlatGroup]:
+        """The flat buffers that hold trainable parameters."""
+        return [g for g in self.groups if g.requires_grad]
+
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether any full buffer of this unit that needs gathering is alive (or being gathered)."""
+        return any((g.is_unsharded or g.gather_in_flight) and g.layout.shard_count > 1 for g in self.groups) or (
+            self.state is ShardedState.UNSHARDED
+        )
+
+    # ---- transitions -------------------------------------------------------------------------------------------
+    def prefetch(self) -> None:
+        """Issue the asynchronous all-gathers of every flat buffer (no-op when already gathered or in flight)."""
+        for g in self.groups:
+            g.unshard(async_op=True)
+
+    def unshard(self) -> None:
+        """SHARDED -> UNSHARDED: complete the all-gathers and register the full-shape views."""
+        for g in self.groups:
+            g.unshard(async_op=False)
+        if self.state is ShardedState.SHARDED:
+            self._put(use_full=True)
+            self.state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """UNSHARDED -> SHARDED: register the fragments again and free the full buffers."""
+        if self.state is ShardedState.UNSHARDED:
+            self._put(use_full=False)
+            self.state = ShardedState.SHARDED
+        for g in self.groups:
+            g.reshard()
+
+    def grad_arrived(self) -> bool:
+        """Count one accumulated gradient; returns True when the unit just became READY."""
+        self._grads_arrived += 1
+        if self._grads_arrived == self.num_trainable_views and self.reduce_state is ReduceState.IDLE:
+            self.reduce_state = ReduceState.READY
+            return True
+        return False
+
+    def reduce_scatter(self) -> None:
+        """Issue the reduce-scatter of every trainable flat buffer (asynchronous)."""
+        for g in self.trainable_groups:
+            g.reduce_scatter()
+        self.reduce_state = ReduceState.REDUCING
+
+    def finish_backward(self) -> None:
+        """Complete reduce-scatters, free gradient buffers, and reset the per-backward state."""
+        for g in self.trainable_groups:
+            g.finish_reduce_scatter()
+        self.reduce_state = ReduceState.IDLE
+        self._grads_arrived = 0
+        self.ran_forward = False
+
+    def _put(self, use_full: bool) -> None:
+        for g, regs in zip(self.groups, self.registrations):
+            tensors = g.full_views if use_full else g.fragments
+            for t, places in zip(tensors, regs):
+                for module, attr in places:
+                    module._parameters[attr] = t
