@@ -84,13 +84,15 @@ class FlatGroup:
         self.counts_in_norm = True  # set by the owner: whether this rank counts this group's elements in a norm
         dtype, device = params[0].dtype, params[0].device
         P, S = layout.padded_numel, layout.shard_numel
+        if P == 0:  # only zero-element parameters: nothing to communicate, on every rank alike
+            self.shard_group = self.reduce_group = self.replicate_group = None
 
         # Initial values: every data-parallel replica starts from the first rank's parameters (case F7).
         with torch.no_grad():
             flat = torch.zeros(P, dtype=dtype, device=device)  # (P,)
             for slot, p in zip(layout.slots, params):
                 flat[slot.offset:slot.end].copy_(p.detach().reshape(-1))
-            comm.broadcast(flat, data_parallel_group)
+            comm.broadcast(flat, data_parallel_group if P else None)
             self.shard = flat[shard_index * S:(shard_index + 1) * S].clone()  # (S,)
         del flat
 
@@ -101,7 +103,7 @@ class FlatGroup:
             view = self.shard[frag.shard_offset:frag.shard_offset + frag.numel]
             self.fragments.append(nn.Parameter(view, requires_grad=self.requires_grad))
 
-        if layout.shard_count == 1:
+        if layout.shard_count == 1 or P == 0:
             self.full = self.shard
         else:
             self.full = torch.empty(P, dtype=dtype, device=device)  # (P,)
@@ -111,7 +113,7 @@ class FlatGroup:
             for s in layout.slots
         ]
         self._gather_work = None
-        self.is_unsharded = layout.shard_count == 1
+        self.is_unsharded = layout.shard_count == 1 or P == 0
 
         self.grad_full: Optional[torch.Tensor] = None
         self.grad_views: list[torch.Tensor] = []
@@ -147,7 +149,7 @@ class FlatGroup:
     def reshard(self) -> None:
         """Free ``full`` (waiting for an in-flight all-gather first). A kept-whole group stays as it is."""
         self.wait_unshard()
-        if self.layout.shard_count == 1 or not self.is_unsharded:
+        if self.full is self.shard or not self.is_unsharded:
             return
         self.full.untyped_storage().resize_(0)
         self.is_unsharded = False
@@ -158,15 +160,19 @@ class FlatGroup:
         return self._gather_work is not None
 
     # ---- gradients ---------------------------------------------------------------------------------------------
-    def ensure_grad_full(self) -> None:
-        """Allocate and zero ``grad_full`` if it is not alive; make each full view's ``.grad`` a view of it."""
+    def ensure_grad_full(self, view_index: Optional[int] = None) -> None:
+        """Allocate and zero ``grad_full`` if it is not alive, making each full view's ``.grad`` a view of it.
+
+        With ``view_index``, also re-attach that one view's ``.grad`` (in case the user set it to ``None``).
+        """
         if self.grad_full is None:
             P = self.layout.padded_numel
             self.grad_full = torch.zeros(P, dtype=self.full.dtype, device=self.full.device)  # (P,)
             self.grad_views = [_alias(self.grad_full, s.offset, s.shape) for s in self.layout.slots]
-        for view, g in zip(self.full_views, self.grad_views):
-            if view.grad is not g:
+            for view, g in zip(self.full_views, self.grad_views):
                 view.grad = g
+        elif view_index is not None and self.full_views[view_index].grad is not self.grad_views[view_index]:
+            self.full_views[view_index].grad = self.grad_views[view_index]
 
     def reduce_scatter(self) -> None:
         """Issue the asynchronous reduce-scatter of ``grad_full`` (zeros if no gradient arrived on this rank)."""

@@ -70,8 +70,8 @@ class ShardState:
                 for m in unit.modules[:-1]:
                     m.register_forward_hook(self._make_backward_hook_only(unit))
             for g in unit.trainable_groups:
-                for view in g.full_views:
-                    view.register_hook(self._make_pre_accumulate(unit, g))
+                for i, view in enumerate(g.full_views):
+                    view.register_hook(self._make_pre_accumulate(g, i))
                     view.register_post_accumulate_grad_hook(self._make_post_accumulate(unit))
 
     def _root_pre_forward(self, module, args):
@@ -137,10 +137,10 @@ class ShardState:
         if prev >= 1:
             self.units[prev].prefetch()
 
-    def _make_pre_accumulate(self, unit: Unit, group):
+    def _make_pre_accumulate(self, group, view_index: int):
         def hook(grad):
             self._queue_callback()
-            group.ensure_grad_full()
+            group.ensure_grad_full(view_index)
             return grad
 
         return hook

@@ -78,10 +78,9 @@ class Unit:
 
     @property
     def is_unsharded(self) -> bool:
-        """Whether any full buffer of this unit that needs gathering is alive (or being gathered)."""
-        return any((g.is_unsharded or g.gather_in_flight) and g.layout.shard_count > 1 for g in self.groups) or (
-            self.state is ShardedState.UNSHARDED
-        )
+        """Whether the modules hold full views or a gathered (or in-flight) full buffer of this unit is alive."""
+        return self.state is ShardedState.UNSHARDED or any(
+            g.gather_in_flight or (g.is_unsharded and g.full is not g.shard) for g in self.groups)
 
     # ---- transitions -------------------------------------------------------------------------------------------
     def prefetch(self) -> None:
