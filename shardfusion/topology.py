@@ -1,0 +1,344 @@
+"""The rank grid and its process groups.
+
+Vocabulary (see DESIGN.md): an *axis* is a named direction of the rank grid and its *degree* is its size ("dim" is
+kept for tensor dims). The dense axes, slowest first, are ``dp, pp, sharding, sep, cp, mp``; a rank is::
+
+    rank = (((((dp_i*pp + pp_i)*sharding + sh_i)*sep + sep_i)*cp + cp_i)*mp + mp_i
+
+Expert parameters see the sharding axis as ``moe_sharding x ep`` (ep fastest): ``sh_i = moe_i*ep + ep_i``. HSDP
+reshapes an fsdp group to ``[outer, inner]`` with ``outer = fsdp_outer_degree``:
+
+* expert: ``moe_i = outer_i*expert_inner + expert_inner_i`` with ``expert_inner = moe_sharding // outer``;
+* dense: ``sh_i = outer_i*inner + inner_i`` with ``inner = sharding // outer`` and
+  ``inner_i = expert_inner_i*ep + ep_i``.
+
+So the whole grid has eight *atomic* axes, slowest first, ``AXES = (dp, pp, outer, expert_inner, ep, sep, cp, mp)``,
+and every kind of group is the set of ranks that differ only along some of them (``KINDS``)::
+
+    sharding      = outer x expert_inner x ep      moe_sharding = outer x expert_inner
+    fsdp_inner    = expert_inner x ep              expert_inner = expert_inner
+    fsdp_outer    = expert_outer = outer           replicate    = dp x outer   (ranks holding the same shard)
+    data_parallel = dp x outer x expert_inner x ep (ranks reading different samples)
+
+:func:`group_ranks` lists the groups of a kind without any communication; :class:`Topology` creates them all, on every
+rank and in one global order, through one ``DeviceMesh``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import numbers
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+AXES = ("dp", "pp", "outer", "expert_inner", "ep", "sep", "cp", "mp")
+"""The atomic axes of the rank grid, slowest first."""
+
+KINDS: dict[str, tuple[str, ...]] = {
+    "dp": ("dp",),
+    "pp": ("pp",),
+    "sharding": ("outer", "expert_inner", "ep"),
+    "sep": ("sep",),
+    "cp": ("cp",),
+    "mp": ("mp",),
+    "ep": ("ep",),
+    "moe_sharding": ("outer", "expert_inner"),
+    "fsdp_inner": ("expert_inner", "ep"),
+    "fsdp_outer": ("outer",),
+    "expert_inner": ("expert_inner",),
+    "expert_outer": ("outer",),
+    "replicate": ("dp", "outer"),
+    "data_parallel": ("dp", "outer", "expert_inner", "ep"),
+    "world": AXES,
+}
+"""Every kind of group, as the atomic axes its members differ along."""
+
+_DENSE = ("dp", "pp", "sharding", "sep", "cp", "mp")
+_DEGREES = (*_DENSE, "ep", "fsdp_outer_degree")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Degrees:
+    """The validated degree of every axis; constructing one checks all the rules.
+
+    Raises:
+        ValueError: a degree is not an int or is < 1 (``sharding`` may be -1); with ``sharding=-1``, world_size is
+            not divisible by the other dense degrees; the dense product != world_size; ``sharding % ep != 0``;
+            ``moe_sharding % fsdp_outer_degree != 0``. Every message names all the degrees.
+    """
+
+    world_size: int
+    """Number of ranks."""
+    dp: int = 1
+    """Data-parallel replicas (slowest axis). Default 1."""
+    pp: int = 1
+    """Pipeline stages. Default 1."""
+    sharding: int = -1
+    """FSDP sharding degree; -1 (default) means the rest: ``world_size // (dp*pp*sep*cp*mp)``."""
+    sep: int = 1
+    """Segment parallel degree. Default 1."""
+    cp: int = 1
+    """Context parallel degree. Default 1."""
+    mp: int = 1
+    """Tensor (model) parallel degree (fastest axis). Default 1."""
+    ep: int = 1
+    """Expert parallel degree, the fast part of the sharding axis. Default 1."""
+    fsdp_outer_degree: int = 1
+    """HSDP replication degree of an fsdp group (``outer``); 1 (default) is plain FSDP."""
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", *_DEGREES):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__}); {self._summary()}")
+            object.__setattr__(self, name, int(value))
+            if value < 1 and not (name == "sharding" and value == -1):
+                hint = " (or -1 for the rest of the world)" if name == "sharding" else ""
+                raise ValueError(f"{name}({value}) must be >= 1{hint}; {self._summary()}")
+        if self.sharding == -1:
+            rest = math.prod(getattr(self, n) for n in _DENSE if n != "sharding")
+            if self.world_size % rest:
+                factors = " * ".join(f"{n}({getattr(self, n)})" for n in _DENSE if n != "sharding")
+                raise ValueError(
+                    f"sharding=-1 takes the rest of the world, but world_size({self.world_size}) is not divisible by "
+                    f"{factors} = {rest}; change these degrees or the number of ranks"
+                )
+            object.__setattr__(self, "sharding", self.world_size // rest)
+        product = math.prod(getattr(self, n) for n in _DENSE)
+        if product != self.world_size:
+            factors = " * ".join(f"{n}({getattr(self, n)})" for n in _DENSE)
+            raise ValueError(
+                f"{factors} = {product} != world_size({self.world_size}); change a degree or pass sharding=-1"
+            )
+        if self.sharding % self.ep:
+            raise ValueError(
+                f"sharding({self.sharding}) % ep({self.ep}) = {self.sharding % self.ep} != 0: experts split the "
+                f"sharding axis as moe_sharding * ep; {self._summary()}"
+            )
+        if self.moe_sharding % self.fsdp_outer_degree:
+            raise ValueError(
+                f"moe_sharding({self.moe_sharding}) = sharding({self.sharding}) // ep({self.ep}), and "
+                f"moe_sharding({self.moe_sharding}) % fsdp_outer_degree({self.fsdp_outer_degree}) = "
+                f"{self.moe_sharding % self.fsdp_outer_degree} != 0: the outer degree must divide moe_sharding; "
+                f"{self._summary()}"
+            )
+
+    def _summary(self) -> str:
+        return f"world_size({self.world_size}): " + " ".join(f"{n}({getattr(self, n)!r})" for n in _DEGREES)
+
+    @property
+    def moe_sharding(self) -> int:
+        """Expert fsdp degree: ``sharding // ep``."""
+        return self.sharding // self.ep
+
+    @property
+    def inner(self) -> int:
+        """Dense inner degree: ``sharding // fsdp_outer_degree``."""
+        return self.sharding // self.fsdp_outer_degree
+
+    @property
+    def expert_inner(self) -> int:
+        """Expert inner degree: ``moe_sharding // fsdp_outer_degree``."""
+        return self.moe_sharding // self.fsdp_outer_degree
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        """Degree of each atomic axis, in ``AXES`` order."""
+        return {"dp": self.dp, "pp": self.pp, "outer": self.fsdp_outer_degree, "expert_inner": self.expert_inner,
+                "ep": self.ep, "sep": self.sep, "cp": self.cp, "mp": self.mp}
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Index of ``rank`` along each atomic axis, in ``AXES`` order."""
+        coords = {}
+        for axis, size in reversed(self.axis_sizes.items()):
+            rank, coords[axis] = divmod(rank, size)
+        return {axis: coords[axis] for axis in AXES}
+
+
+def _kind_axes(kind: str) -> tuple[str, ...]:
+    if kind not in KINDS:
+        raise ValueError(f"unknown group kind {kind!r}; valid kinds are {sorted(KINDS)}")
+    return KINDS[kind]
+
+
+def _ranks_of(degrees: Degrees, kind: str) -> list[list[int]]:
+    members = [AXES.index(a) for a in _kind_axes(kind)]
+    others = [i for i in range(len(AXES)) if i not in members]
+    sizes = list(degrees.axis_sizes.values())
+    grid = torch.arange(degrees.world_size).reshape(sizes).permute(others + members)
+    # Member axes stay in slowest-first order, so each row is already ascending.
+    return sorted(grid.reshape(-1, math.prod(sizes[i] for i in members)).tolist())
+
+
+def group_ranks(world_size: int, kind: str, *, dp: int = 1, pp: int = 1, sharding: int = -1, sep: int = 1,
+                cp: int = 1, mp: int = 1, ep: int = 1, fsdp_outer_degree: int = 1) -> list[list[int]]:
+    """Every group of ``kind`` as an ascending rank list, the groups ordered by their lowest rank. No communication.
+
+    Raises:
+        ValueError: ``kind`` is not one of ``KINDS``, or the degrees break a rule (see :class:`Degrees`).
+    """
+    degrees = Degrees(world_size=world_size, dp=dp, pp=pp, sharding=sharding, sep=sep, cp=cp, mp=mp, ep=ep,
+                      fsdp_outer_degree=fsdp_outer_degree)
+    return _ranks_of(degrees, kind)
+
+
+def _inner_kinds_spanning_nodes(degrees: Degrees, local_world_size: int) -> list[str]:
+    """The inner kinds (``fsdp_inner``, ``expert_inner``) with a group whose ranks sit on more than one node."""
+    return [kind for kind in ("fsdp_inner", "expert_inner")
+            if any(len({r // local_world_size for r in g}) > 1 for g in _ranks_of(degrees, kind))]
+
+
+def _backend_override(backend: str, timeout: datetime.timedelta | None) -> str | tuple[str, object]:
+    # Always name the backend: with no override DeviceMesh reuses the default group for world-sized axes, which
+    # would make a reduce twin the very same object as its all-gather group.
+    if timeout is None:
+        return backend
+    opts = dist.ProcessGroupNCCL.Options() if "nccl" in backend else dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    return backend, opts
+
+
+class Topology:
+    """The rank grid of this job and one process group of every kind, created on every rank in one global order.
+
+    ``Topology(dp, pp, sharding, sep, cp, mp, ep, fsdp_outer_degree, timeout=None)``: degrees as in
+    :class:`Degrees` (``sharding=-1`` takes the rest of the world); ``timeout`` (a ``timedelta`` or seconds) applies to
+    every group it creates. Groups of size 1 are real groups too. Kinds whose ranks coincide for these degrees (e.g.
+    ``sharding`` and ``moe_sharding`` when ep is 1) share one group object.
+
+    Raises:
+        ValueError: ``torch.distributed`` is not initialized, ``timeout`` is not positive, or the degrees break a
+            rule of :class:`Degrees`.
+    """
+
+    def __init__(self, dp: int = 1, pp: int = 1, sharding: int = -1, sep: int = 1, cp: int = 1, mp: int = 1,
+                 ep: int = 1, fsdp_outer_degree: int = 1, *,
+                 timeout: datetime.timedelta | float | None = None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("Topology needs torch.distributed: call torch.distributed.init_process_group() first "
+                             "(or run under torchrun)")
+        if timeout is not None and not isinstance(timeout, datetime.timedelta):
+            if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+                raise ValueError(f"timeout must be a datetime.timedelta or seconds, got {timeout!r}")
+            timeout = datetime.timedelta(seconds=float(timeout))
+        if timeout is not None and timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        self.degrees = Degrees(world_size=dist.get_world_size(), dp=dp, pp=pp, sharding=sharding, sep=sep, cp=cp,
+                               mp=mp, ep=ep, fsdp_outer_degree=fsdp_outer_degree)
+        d = self.degrees
+        self.timeout = timeout
+        self.world_size, self.rank = d.world_size, dist.get_rank()
+        self.dp, self.pp, self.sharding, self.sep, self.cp, self.mp = d.dp, d.pp, d.sharding, d.sep, d.cp, d.mp
+        self.ep, self.moe_sharding, self.fsdp_outer_degree = d.ep, d.moe_sharding, d.fsdp_outer_degree
+        self.inner, self.expert_inner = d.inner, d.expert_inner
+
+        c = d.coordinates(self.rank)
+        self.dp_rank, self.pp_rank, self.sep_rank, self.cp_rank, self.mp_rank = (
+            c["dp"], c["pp"], c["sep"], c["cp"], c["mp"])
+        self.ep_rank, self.outer_rank, self.expert_inner_rank = c["ep"], c["outer"], c["expert_inner"]
+        self.inner_rank = c["expert_inner"] * d.ep + c["ep"]
+        self.moe_sharding_rank = c["outer"] * d.expert_inner + c["expert_inner"]
+        self.sharding_rank = self.moe_sharding_rank * d.ep + c["ep"]
+        self.replicate_rank = c["dp"] * d.fsdp_outer_degree + c["outer"]
+        self.data_parallel_rank = c["dp"] * d.sharding + self.sharding_rank
+
+        backend = str(dist.get_backend())
+        self._override = _backend_override(backend, timeout)
+        self._mesh = init_device_mesh("cuda" if "nccl" in backend else "cpu", tuple(d.axis_sizes.values()),
+                                      mesh_dim_names=AXES, backend_override={a: self._override for a in AXES})
+        by_axes: dict[tuple[str, ...], dist.ProcessGroup] = {}
+        self._groups = {kind: self._make_group(kind, by_axes) for kind in KINDS if kind != "world"}
+        twins: dict[tuple[str, ...], dist.ProcessGroup] = {}
+        self._reduce_groups = {is_expert: self._make_group(kind, twins, twin=True)
+                               for is_expert, kind in ((False, "fsdp_inner"), (True, "expert_inner"))}
+
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        spanning = _inner_kinds_spanning_nodes(d, int(local)) if local.isdigit() and int(local) > 0 else []
+        if spanning:
+            warnings.warn(f"{' and '.join(spanning)} groups span nodes (LOCAL_WORLD_SIZE={local}, {self.describe()}): "
+                          f"their all-gathers and reduce-scatters cross the network; raise fsdp_outer_degree so that "
+                          f"inner fits in a node", stacklevel=2)
+
+    def _make_group(self, kind: str, cache: dict, twin: bool = False) -> dist.ProcessGroup:
+        """One group of ``kind`` for this rank, shared through ``cache`` by kinds over the same non-trivial axes.
+
+        A ``twin`` is always a new group (``_flatten`` under a new name creates one, even over a single axis);
+        otherwise a single non-trivial axis reuses the mesh's own group.
+        """
+        axes = KINDS[kind]
+        key = tuple(a for a in axes if self.degrees.axis_sizes[a] > 1)
+        if key not in cache:
+            if not twin and len(key) <= 1:
+                cache[key] = self._mesh.get_group((key or axes)[0])
+            else:
+                submesh = self._mesh[key or axes[:1]]
+                name = f"{kind}_reduce" if twin else kind
+                cache[key] = submesh._flatten(name, backend_override=self._override).get_group()
+        return cache[key]
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The ``DeviceMesh`` over the atomic axes ``AXES`` (slowest first)."""
+        return self._mesh
+
+    def group_ranks(self, kind: str) -> list[list[int]]:
+        """Every group of ``kind`` for this topology, as in :func:`group_ranks`.
+
+        Raises:
+            ValueError: unknown ``kind``.
+        """
+        return _ranks_of(self.degrees, kind)
+
+    def get_group(self, kind: str) -> dist.ProcessGroup:
+        """The group of ``kind`` (any of ``KINDS``) that this rank belongs to; ``"world"`` is the default group.
+
+        Raises:
+            ValueError: unknown ``kind``.
+        """
+        _kind_axes(kind)
+        return dist.group.WORLD if kind == "world" else self._groups[kind]
+
+    def get_fsdp_group(self, is_expert: bool = False) -> dist.ProcessGroup:
+        """The group a parameter is sharded over: ``sharding``, or ``moe_sharding`` for experts (the same object when
+        ep is 1)."""
+        return self._groups["moe_sharding" if is_expert else "sharding"]
+
+    def get_fsdp_inner_group(self, is_expert: bool = False) -> dist.ProcessGroup:
+        """The inner group (all-gathers): ``fsdp_inner``, or ``expert_inner`` for experts."""
+        return self._groups["expert_inner" if is_expert else "fsdp_inner"]
+
+    def get_fsdp_inner_reduce_group(self, is_expert: bool = False) -> dist.ProcessGroup:
+        """A second group over the ranks of :meth:`get_fsdp_inner_group`, for reduce-scatters, so their order is
+        independent of the all-gathers'; never the same object as the all-gather group."""
+        return self._reduce_groups[is_expert]
+
+    def get_fsdp_outer_group(self, is_expert: bool = False) -> dist.ProcessGroup:
+        """The outer group; dense and expert parameters get the same object."""
+        return self._groups["expert_outer" if is_expert else "fsdp_outer"]
+
+    def get_replicate_group(self) -> dist.ProcessGroup:
+        """Ranks holding the same shard (``dp x outer``); gradients are all-reduced over it once per step."""
+        return self._groups["replicate"]
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        """Ranks reading different samples (``dp x sharding``)."""
+        return self._groups["data_parallel"]
+
+    def describe(self) -> str:
+        """One line, e.g. ``world 4 = dp1 x pp1 x sharding4 (outer2 x inner2) x sep1 x cp1 x mp1; ep1``."""
+        text = (f"world {self.world_size} = dp{self.dp} x pp{self.pp} x sharding{self.sharding} "
+                f"(outer{self.fsdp_outer_degree} x inner{self.inner}) x sep{self.sep} x cp{self.cp} x mp{self.mp}; "
+                f"ep{self.ep}")
+        if self.ep > 1:
+            text += (f" (moe_sharding{self.moe_sharding} = outer{self.fsdp_outer_degree} "
+                     f"x expert_inner{self.expert_inner})")
+        return text
+
+    def __repr__(self) -> str:
+        return f"Topology(rank {self.rank}: {self.describe()})"
