@@ -1,0 +1,91 @@
+"""Process start-up for `shardfusion.train`: launch local workers, or join the ones torchrun started.
+
+Outside torchrun, `launch` starts `nproc` workers on this machine through torch's elastic launcher (the engine
+behind torchrun) with a c10d rendezvous on a free local port. Under torchrun (single or multi-node) the current
+process is already a worker and `init_worker` just joins the process group.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by torchrun / the elastic launcher."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def pick_device(requested: str) -> str:
+    """"cuda" or "cpu" from "auto", "cuda" or "cpu"; raises if cuda is asked for and absent."""
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch.cuda.is_available() is False; use --device cpu")
+    return requested
+
+
+def default_nproc(device: str) -> int:
+    """Workers per node when --nproc is not given: one per GPU, or 4 on CPU."""
+    return max(1, torch.cuda.device_count()) if device == "cuda" else 4
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(worker: Callable[..., Any], args: tuple, nproc: int, threads_per_worker: int) -> dict[int, Any] | None:
+    """Run worker(*args) in nproc local processes; returns {rank: return value}, or None if a worker failed.
+
+    worker must be a module-level function (it is pickled into spawned processes). OMP_NUM_THREADS is set for the
+    children (unless already set) so that workers sharing a few cores do not oversubscribe them.
+    """
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"shardfusion-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    try:
+        return elastic_launch(config, worker)(*args)
+    except ChildFailedError as error:
+        print(f"shardfusion: a worker failed:\n{error.format_msg()}", flush=True)
+        return None
+
+
+def init_worker(device: str) -> torch.device:
+    """Join the default process group (gloo on CPU, NCCL on CUDA) and limit CPU threads; returns this rank's device."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    else:
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        return torch.device("cuda", local_rank)
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def threads_per_worker(nproc: int) -> int:
+    """CPU threads each of nproc local workers may use: the cores shared out, at least one."""
+    return max(1, (os.cpu_count() or 1) // nproc)

@@ -1,0 +1,208 @@
+"""A byte-level, decoder-only GPT: the reference model that `shardfusion.train` shards.
+
+Shape legend used in the comments below:
+  B  batch size             T  sequence length (<= seq_len)
+  C  d_model                H  n_head              D  head size = C / H
+  V  vocabulary size (256: one token per byte)
+
+Every transformer layer is one `Block`, so `fully_shard(model, topo, units=(Block,))` gives one unit per layer; the
+embeddings, the final LayerNorm and the (tied) lm head stay with the root.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB_SIZE = 256
+"""Bytes are tokens: the vocabulary is fixed at 256."""
+
+INIT_STD = 0.02
+"""Standard deviation of the normal initialisation of every weight matrix and embedding."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape of a `GPT`. Presets live in `PRESETS`."""
+
+    n_layer: int
+    """Number of transformer blocks."""
+    n_head: int
+    """Attention heads per block; must divide `d_model`."""
+    d_model: int
+    """Width of the residual stream (C)."""
+    seq_len: int
+    """Longest context the model accepts; the size of the learned position table."""
+    dropout: float = 0.0
+    """Dropout probability on embeddings, attention weights and residual branches (default 0.0: off)."""
+    tie_embeddings: bool = True
+    """Share one Parameter between the token embedding and the lm head (default True)."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "d_model", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"GPTConfig: d_model({self.d_model}) % n_head({self.n_head}) != 0; "
+                             f"pick n_head dividing d_model")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+
+
+PRESETS: dict[str, GPTConfig] = {
+    # 2 layers of width 64: fast enough for end-to-end tests.
+    "tiny": GPTConfig(n_layer=2, n_head=4, d_model=64, seq_len=64),
+    # The default of `make train`: 4 gloo processes on 2 CPU cores, about 5 minutes for 200 steps.
+    "small": GPTConfig(n_layer=4, n_head=4, d_model=128, seq_len=128),
+    # A larger model for a GPU.
+    "medium": GPTConfig(n_layer=8, n_head=8, d_model=512, seq_len=512),
+}
+"""Named model shapes; `--preset` picks one and `--n-layer` etc. override single fields."""
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head attention in which position t sees positions <= t only."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        H = self.n_head
+        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D)
+        v = v.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.resid_drop(self.proj(y))  # (B, T, C)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward layer: C -> 4C -> GELU -> C."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, 4 * config.d_model)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(4 * config.d_model, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc(x))  # (B, T, 4C)
+        return self.drop(self.proj(h))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer layer; the unit `fully_shard` gathers and reduces as a whole."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))  # (B, T, C)
+        x = x + self.mlp(self.ln_2(x))  # (B, T, C)
+        return x
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, `n_layer` Blocks, a final LayerNorm and an lm head over the 256 bytes."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(VOCAB_SIZE, config.d_model)
+        self.wpe = nn.Embedding(config.seq_len, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, VOCAB_SIZE, bias=False)
+        self.reset_parameters()
+        if config.tie_embeddings:
+            # One Parameter registered in two modules: named_parameters() yields it once, as "wte.weight".
+            self.lm_head.weight = self.wte.weight
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, INIT_STD) weights, zero biases, unit LayerNorm gains; the residual output projections are
+        scaled down by sqrt(2 * n_layer) so the residual stream's variance does not grow with depth."""
+        resid_std = INIT_STD / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = resid_std if name.endswith(".proj") else INIT_STD
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def num_parameters(self) -> int:
+        """Count of distinct parameter elements (a tied weight counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx, targets: (B, T) int64 byte values. Returns logits (B, T, V) and the mean cross-entropy, or None."""
+        B, T = idx.shape
+        if T > self.config.seq_len:
+            raise ValueError(f"sequence length {T} > seq_len({self.config.seq_len}); crop the input or raise "
+                             f"--seq-len")
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)  # (B, T, C)
+        x = self.ln_f(x)  # (B, T, C)
+        logits = self.lm_head(x)  # (B, T, V)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.view(B * T, VOCAB_SIZE), targets.reshape(B * T))
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Extend idx (B, T) by max_new_tokens sampled bytes; returns (B, T + max_new_tokens).
+
+        temperature <= 0 means greedy decoding; top_k keeps only the k most likely bytes before sampling.
+        """
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.seq_len:]  # (B, <= seq_len)
+            logits, _ = self(context)
+            logits = logits[:, -1, :]  # (B, V)
+            if temperature <= 0:
+                next_idx = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            else:
+                logits = logits / temperature
+                if top_k is not None and top_k < VOCAB_SIZE:
+                    kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = F.softmax(logits, dim=-1)  # (B, V)
+                next_idx = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+            idx = torch.cat([idx, next_idx], dim=1)  # (B, T + 1)
+        return idx

@@ -1,0 +1,177 @@
+"""`TrainConfig`, the settings of `shardfusion.train`, and the command line generated from it.
+
+Each field's docstring is its `--help` text, so a flag is defined once: add a field here and the flag
+`--field-name` exists. `None` defaults are resolved at run time (`resolve`), e.g. from the model preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import math
+import textwrap
+import time
+import typing
+from dataclasses import dataclass
+
+from shardfusion.models.gpt import PRESETS, GPTConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything one training run depends on; written to OUT/config.json."""
+
+    preset: str = "small"
+    """Model shape from shardfusion.models.PRESETS (default small); --n-layer etc. override single fields."""
+    n_layer: int | None = None
+    """Transformer blocks (default: from the preset)."""
+    n_head: int | None = None
+    """Attention heads per block (default: from the preset)."""
+    d_model: int | None = None
+    """Residual stream width (default: from the preset)."""
+    seq_len: int | None = None
+    """Context length in bytes (default: from the preset)."""
+    dropout: float = 0.0
+    """Dropout probability (default 0.0)."""
+    batch_size: int = 16
+    """Sequences per data-parallel rank per micro-batch (default 16)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (default 1)."""
+    steps: int = 200
+    """Optimizer steps (default 200)."""
+    lr: float = 3e-3
+    """Peak learning rate, reached at the end of warm-up (default 3e-3)."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay (default 3e-4)."""
+    warmup: int = 20
+    """Linear warm-up steps (default 20)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay on matrices; biases, norms and embeddings get none (default 0.1)."""
+    clip: float = 1.0
+    """Max global gradient norm; 0 turns clipping off, the norm is still reported (default 1.0)."""
+    seed: int = 42
+    """Seed of the model initialisation and the data sampler (default 42)."""
+    fsdp_outer_degree: int | None = None
+    """HSDP replicas of each shard: 1 = plain FSDP (default: 2 when the world size is even and >= 4, else 1)."""
+    reshard_policy: str = "after_forward"
+    """When gathered parameters are freed: after_forward (ZeRO-3) or after_backward (default after_forward)."""
+    eval_every: int = 25
+    """Evaluate every this many steps; also before the first and after the last step (default 25)."""
+    eval_batches: int = 8
+    """Validation batches per evaluation, split across the data-parallel ranks (default 8)."""
+    nproc: int | None = None
+    """Worker processes on this node (default: 4 on CPU, the number of GPUs on CUDA); ignored under torchrun."""
+    data: str | None = None
+    """A text file or a folder of files to train on (default: the Python standard library's source)."""
+    data_bytes: int = 16_000_000
+    """Read at most this many bytes of the corpus (default 16000000)."""
+    out: str | None = None
+    """Output folder for metrics.jsonl, config.json, loss.png, summary.json (default runs/<timestamp>)."""
+    sample_tokens: int = 200
+    """Bytes to generate for the sample printed at the end; 0 skips it (default 200)."""
+    device: str = "auto"
+    """cpu, cuda or auto: cuda when available (default auto)."""
+    progress: bool = True
+    """Show a tqdm progress bar on rank 0 (default on)."""
+
+    def model_config(self) -> GPTConfig:
+        """The preset with this config's overrides applied."""
+        if self.preset not in PRESETS:
+            raise ValueError(f"--preset {self.preset!r} is unknown; choose one of {sorted(PRESETS)}")
+        overrides = {
+            name: getattr(self, name)
+            for name in ("n_layer", "n_head", "d_model", "seq_len")
+            if getattr(self, name) is not None
+        }
+        return dataclasses.replace(PRESETS[self.preset], dropout=self.dropout, **overrides)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag to change."""
+        self.model_config()
+        for flag, value in (("--batch-size", self.batch_size), ("--grad-accum", self.grad_accum),
+                            ("--eval-every", self.eval_every), ("--eval-batches", self.eval_batches),
+                            ("--data-bytes", self.data_bytes)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        for flag, value in (("--steps", self.steps), ("--warmup", self.warmup), ("--clip", self.clip),
+                            ("--sample-tokens", self.sample_tokens), ("--weight-decay", self.weight_decay)):
+            if value < 0:
+                raise ValueError(f"{flag} must be >= 0, got {value}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"need 0 <= --min-lr({self.min_lr}) <= --lr({self.lr})")
+        if self.nproc is not None and self.nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {self.nproc}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.reshard_policy not in ("after_forward", "after_backward"):
+            raise ValueError(f"--reshard-policy must be after_forward or after_backward, got {self.reshard_policy!r}")
+
+
+def lr_at(config: TrainConfig, step: int) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warm-up to lr, then cosine down to min_lr."""
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    decay_steps = max(1, config.steps - config.warmup)
+    progress = min(1.0, (step - config.warmup) / decay_steps)
+    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def resolve(config: TrainConfig, *, device: str, world_size: int) -> TrainConfig:
+    """Fill the run-time defaults: device, fsdp_outer_degree and out."""
+    outer = config.fsdp_outer_degree
+    if outer is None:
+        outer = 2 if world_size >= 4 and world_size % 2 == 0 else 1
+    out = config.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+    return dataclasses.replace(config, device=device, fsdp_outer_degree=outer, out=out)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Map each field of a dataclass to the string literal written under it in the class body."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(source).body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def build_parser(cls: type = TrainConfig) -> argparse.ArgumentParser:
+    """An ArgumentParser with one --kebab-case flag per dataclass field, typed from its annotation."""
+    parser = argparse.ArgumentParser(
+        prog="shardfusion-train",
+        description="Train a byte-level GPT with shardfusion (FSDP/HSDP) on this machine's CPUs or GPUs.",
+    )
+    docs = _field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        kind = hints[field.name]
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        base = args[0] if args else kind
+        flag = "--" + field.name.replace("_", "-")
+        help_text = docs.get(field.name, "").replace("%", "%%")
+        if base is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+        else:
+            parser.add_argument(flag, type=base, default=field.default, metavar=base.__name__.upper(),
+                                help=help_text)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Parse the command line into a validated TrainConfig."""
+    parser = build_parser()
+    namespace = parser.parse_args(argv)
+    config = TrainConfig(**vars(namespace))
+    try:
+        config.validate()
+    except ValueError as error:
+        parser.error(str(error))
+    return config
