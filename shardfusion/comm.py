@@ -17,6 +17,10 @@ from torch.distributed import ProcessGroup
 
 _active_counters: list["CommCounter"] = []
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases (down to 2.4) have only the old names.
+_all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass(frozen=True)
 class CommRecord:
@@ -85,7 +89,7 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Optional[ProcessG
             full.copy_(shard)
         return None
     _record("all_gather", group, full)
-    return dist.all_gather_into_tensor(full, shard, group=group, async_op=async_op)
+    return _all_gather_base(full, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Optional[ProcessGroup], async_op: bool = False):
@@ -97,7 +101,7 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Optional[Proc
         shard.copy_(full)
         return None
     _record("reduce_scatter", group, full)
-    return dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _reduce_scatter_base(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def all_reduce(tensor: torch.Tensor, group: Optional[ProcessGroup], op=dist.ReduceOp.SUM, async_op: bool = False):
