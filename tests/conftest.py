@@ -1,0 +1,9 @@
+"""Shared pytest set-up: make the helper modules in tests/ (harness, models, reference) importable by name, in the
+test process and in the spawned workers (which inherit sys.path)."""
+
+import os
+import sys
+
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)

@@ -1,0 +1,198 @@
+"""Multi-process test harness: run one function on `world_size` gloo ranks and collect what each rank returns.
+
+    results = run_distributed(fn, world_size, *args, timeout=120, **kwargs)   # results[rank] = fn(*args, **kwargs)
+
+Each rank is a fresh process (multiprocessing "spawn"), so `fn` must be defined at the top level of an importable
+module and its arguments and result must pickle (results, tensors included, are pickled by value). Ranks meet
+through a FileStore in a private temporary directory (no ports to race for). Every worker runs single-threaded
+(OMP_NUM_THREADS=1, torch.set_num_threads(1)): the CI machine has two cores and up to eight ranks share them.
+
+Failure is loud and bounded:
+* a rank that raises makes the parent raise `DistributedTestError` with that rank's traceback (the other ranks,
+  likely stuck in a collective, are killed);
+* a rank that dies without a result (segfault, os._exit) is reported with its exit code;
+* a job that runs past `timeout` seconds is killed and reported with the function, the world size and the ranks
+  that did not finish. A test never hangs.
+
+Tests pay process start-up (about a second of CPU per rank) once per job, so a grid of configurations runs as
+sub-cases of one job: `fn` loops over the cases and returns a result per case (STYLE.md item 8).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+# Environment of every worker. Set in the parent around process start so that it is in place before the child
+# imports torch (OpenMP reads OMP_NUM_THREADS once, at load).
+WORKER_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "GLOO_SOCKET_IFNAME": "lo",
+}
+
+# Seconds the parent waits for the other ranks' reports once one rank has failed (they are usually stuck).
+_GRACE_AFTER_FAILURE_S = 3.0
+# Characters of traceback shown for each rank that failed after the first one.
+_ECHO_CHARS = 1500
+
+
+class DistributedTestError(AssertionError):
+    """A distributed job failed: a rank raised, died, or the job timed out."""
+
+
+def _describe(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _worker(rank: int, world_size: int, store_path: str, pg_timeout_s: float, env: dict[str, str],
+            result_queue, fn: Callable, args: tuple, kwargs: dict) -> None:
+    """Body of one rank: init gloo, run fn, report ("ok", result) or ("error", traceback) through the queue."""
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size)})
+    initialized = False
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=pg_timeout_s))
+        initialized = True
+        result = fn(*args, **kwargs)
+        # The standard pickler copies tensor data into the bytes. (The queue's own pickler would pass tensors as
+        # shared-memory handles that die with this process, before the parent has read them.)
+        report = (rank, "ok", pickle.dumps(result))
+    except BaseException:  # noqa: BLE001 - everything, including SystemExit/KeyboardInterrupt, is reported
+        report = (rank, "error", traceback.format_exc())
+        # Report before tearing down: tearing down makes the peers fail too, and the first report names the cause.
+        result_queue.put(report)
+        report = None
+    if initialized:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - teardown is best effort; a failed peer must not cause a hang here
+            pass
+    if report is not None:
+        result_queue.put(report)
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120,
+                    env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the list of per-rank results (index = rank).
+
+    `timeout` bounds the whole job (start-up included) in seconds; `env` adds environment variables to every worker
+    (e.g. {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}). The names `timeout` and `env` are therefore not passed to `fn`.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    name = _describe(fn)
+    ctx = multiprocessing.get_context("spawn")
+    result_queue = ctx.Queue()
+    tmpdir = tempfile.mkdtemp(prefix="sf_dist_")
+    store_path = os.path.join(tmpdir, "store")
+    worker_env = dict(WORKER_ENV, **(env or {}))
+    # The process-group timeout is shorter than the job's, so a stuck collective usually surfaces as an error
+    # with a traceback rather than as a kill.
+    pg_timeout_s = max(5.0, min(0.5 * timeout, 60.0))
+
+    procs = []
+    saved_env = {k: os.environ.get(k) for k in worker_env}
+    os.environ.update(worker_env)
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(target=_worker, name=f"rank{rank}",
+                            args=(rank, world_size, store_path, pg_timeout_s, worker_env, result_queue, fn, args,
+                                  kwargs),
+                            daemon=True)
+            p.start()
+            procs.append(p)
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    failure_deadline = None
+    try:
+        while len(results) + len(errors) < world_size:
+            now = time.monotonic()
+            limit = deadline if failure_deadline is None else min(deadline, failure_deadline)
+            if now >= limit:
+                break
+            try:
+                rank, status, payload = result_queue.get(timeout=min(0.2, limit - now))
+            except queue.Empty:
+                # A rank that died without reporting will never report: stop waiting for it.
+                dead = [r for r, p in enumerate(procs)
+                        if r not in results and r not in errors and not p.is_alive() and p.exitcode is not None]
+                if dead:
+                    # Drain reports that may still be in flight from a rank that exited normally.
+                    time.sleep(0.2)
+                    while True:
+                        try:
+                            rank, status, payload = result_queue.get_nowait()
+                        except queue.Empty:
+                            break
+                        if status == "ok":
+                            results[rank] = pickle.loads(payload)
+                        else:
+                            errors[rank] = payload
+                    for r in dead:
+                        if r not in results and r not in errors:
+                            errors[r] = f"rank {r} exited with code {procs[r].exitcode} without reporting a result"
+                    if errors and failure_deadline is None:
+                        failure_deadline = time.monotonic() + _GRACE_AFTER_FAILURE_S
+                continue
+            if status == "ok":
+                results[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
+                if failure_deadline is None:
+                    failure_deadline = time.monotonic() + _GRACE_AFTER_FAILURE_S
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.join(timeout=0.5 if not errors and len(results) == world_size else 0)
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        result_queue.close()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+    if errors:
+        first = next(iter(errors))  # the first rank to report an error: usually the cause, the others its echo
+        others = sorted(set(errors) - {first})
+        unfinished = sorted(set(range(world_size)) - set(results) - set(errors))
+        msg = [f"{name} failed on rank {first} (world_size={world_size})."]
+        if others:
+            msg.append(f"Ranks {others} failed after it (their tracebacks follow rank {first}'s).")
+        if unfinished:
+            msg.append(f"Ranks {unfinished} did not finish and were killed.")
+        msg.append(f"--- rank {first} ---\n{errors[first]}")
+        for r in others:  # usually echoes of the first failure: their last lines are enough
+            tail = errors[r] if len(errors[r]) <= _ECHO_CHARS else "...\n" + errors[r][-_ECHO_CHARS:]
+            msg.append(f"--- rank {r} ---\n{tail}")
+        raise DistributedTestError("\n".join(msg))
+    if len(results) < world_size:
+        unfinished = sorted(set(range(world_size)) - set(results))
+        raise DistributedTestError(
+            f"{name} timed out after {timeout:.0f}s (world_size={world_size}): ranks {unfinished} did not finish "
+            f"and were killed; ranks {sorted(results)} finished. A collective is probably mismatched across ranks.")
+    return [results[r] for r in range(world_size)]
+

@@ -1,0 +1,400 @@
+"""The single-process reference trainer, its sharded twin, and the helpers that compare the two.
+
+A `Case` describes one training configuration. Two loops run it, written side by side so they cannot drift:
+
+* `reference_train(case)`: one process, the model built under seed 42, and at every micro-batch the *global*
+  batch = the concatenation, in data-parallel rank order, of what every data-parallel rank draws; loss = mean over
+  that global batch; `(loss / K).backward()` for K micro-batches; the same optimizer (and clipping) as the sharded run.
+* `sharded_train(case)`: runs inside a `harness.run_distributed` worker. Data-parallel rank r (ranks with equal
+  `topo.data_parallel_rank` see the same samples) draws from a generator seeded `DATA_SEED + r + 1`; each rank's
+  loss is the mean over its own micro-batch; the library makes the gradient that of the global mean. The global loss
+  is reported through an all-reduce (mean over the world; every data-parallel rank appears `mp` times).
+
+Both return plain dicts (per-step losses, gradients, norms, parameters) that the tests compare in the parent with
+`assert_close_dicts` (fp32: rtol 1e-5, atol 1e-6, CASES.md). A sharded run reports *fragments* (the local 1-D
+pieces that `model.named_parameters()` yields); `assemble` turns the fragments of one inner group back into full
+tensors, and `assert_replicas_identical` checks that ranks holding the same shard hold bitwise the same values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import traceback
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from models import MODEL_SEED, UNIT_CLASSES, build_model, concat_batches, loss_fn, make_batch
+
+DATA_SEED = 42
+RTOL, ATOL = 1e-5, 1e-6
+
+
+@dataclass(frozen=True)
+class Case:
+    """One training configuration (picklable: it crosses into the workers)."""
+
+    name: str
+    model: str = "transformer"
+    world: int = 4
+    sharding: int = -1
+    outer: int = 1  # fsdp_outer_degree
+    dp: int = 1
+    mp: int = 1
+    units: str = "class"  # "class": UNIT_CLASSES[model]; "size": comm_unit_size; "none": everything in the root
+    comm_unit_size: Optional[int] = None
+    reshard_policy: str = "after_forward"
+    micro: int = 1  # micro-batches per step (K)
+    no_sync: bool = False  # set_requires_gradient_sync(False) for the first K-1 micro-batches
+    steps: int = 5
+    batch: int = 4  # samples per data-parallel rank per micro-batch
+    optim: str = "adamw"  # "adamw" | "adamw_groups" (no weight decay on biases and norms) | "sgd"
+    lr: float = 1e-2
+    clip: Optional[tuple] = None  # (max_norm, norm_type)
+    replicate: tuple = ()  # names kept whole through replicate_filter
+    seed_by_rank: bool = False  # F7: each rank builds its model with seed = its rank; the reference uses seed 0
+    record_grads: bool = False  # call finish_grad_sync and report fragment gradients (and clipped ones)
+    record_wrap: bool = False  # report full_state_dict right after wrapping
+    check_resharded: bool = False  # report get_units(...).is_unsharded after every step
+    merge_micro: int = 1  # draw this many micro-batches and train on their concatenation as one (F6's K=1 twin)
+    count_comm: bool = False  # report the shardfusion collectives of every step (sf.comm.CommCounter)
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks with distinct data: dp * sharding."""
+        return self.world // self.mp
+
+    @property
+    def inner(self) -> int:
+        sharding = self.world // (self.dp * self.mp) if self.sharding == -1 else self.sharding
+        return sharding // self.outer
+
+    def with_(self, **kw) -> "Case":
+        return dataclasses.replace(self, **kw)
+
+
+# --- pieces shared by both loops ----------------------------------------------------------------------------------
+
+
+def no_decay(name: str) -> bool:
+    """Parameters without weight decay in the two-group AdamW: biases and norm parameters (chosen by name)."""
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf == "bias" or ".ln." in f".{name}" or name.startswith("norm.") or ".norm." in f".{name}"
+
+
+def make_optimizer(case: Case, named_params) -> torch.optim.Optimizer:
+    named = list(named_params)
+    if case.optim == "sgd":
+        return torch.optim.SGD([p for _, p in named], lr=case.lr)
+    if case.optim == "adamw":
+        return torch.optim.AdamW([p for _, p in named], lr=case.lr, weight_decay=0.1)
+    if case.optim == "adamw_groups":
+        decay = [p for n, p in named if not no_decay(n)]
+        nodecay = [p for n, p in named if no_decay(n)]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                  {"params": nodecay, "weight_decay": 0.0}], lr=case.lr)
+    raise ValueError(f"unknown optimizer {case.optim!r}")
+
+
+def forward_kwargs(case: Case, step: int) -> dict:
+    """F4: layer b of the skip models runs only on odd steps."""
+    if case.model.startswith("skip"):
+        return {"use_b": step % 2 == 1}
+    return {}
+
+
+def draw_batch(case: Case, generator: torch.Generator) -> dict:
+    """One micro-batch of one data-parallel rank (`merge_micro` consecutive draws concatenated)."""
+    draws = [make_batch(case.model, generator, case.batch) for _ in range(case.merge_micro)]
+    return draws[0] if len(draws) == 1 else concat_batches(draws)
+
+
+def _snapshot(tensors: dict[str, Optional[torch.Tensor]]) -> dict[str, Optional[torch.Tensor]]:
+    return {n: None if t is None else t.detach().clone() for n, t in tensors.items()}
+
+
+# --- the reference ------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def reference_train(case: Case) -> dict:
+    """Train `case` in one process on the global batch. Returns losses, grads, clipped grads, norms, params.
+
+    Cached per case (a frozen Case hashes by value): treat the result as read-only.
+    """
+    model = build_model(case.model, seed=0 if case.seed_by_rank else MODEL_SEED)
+    out: dict[str, Any] = {"init": _snapshot(dict(model.named_parameters())), "losses": [], "grads": [],
+                           "clipped": [], "norms": [], "params": [], "shapes": {}}
+    out["shapes"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    opt = make_optimizer(case, model.named_parameters())
+    gens = [torch.Generator().manual_seed(DATA_SEED + r + 1) for r in range(case.data_parallel)]
+    K = case.micro
+    for step in range(case.steps):
+        losses = []
+        for _ in range(K):
+            batch = concat_batches([draw_batch(case, g) for g in gens])
+            loss = loss_fn(case.model, model, batch, **forward_kwargs(case, step))
+            (loss / K).backward()
+            losses.append(loss.detach())
+        out["losses"].append(torch.stack(losses).mean().item())
+        out["grads"].append(_snapshot({n: p.grad for n, p in model.named_parameters()}))
+        if case.clip is not None:
+            max_norm, norm_type = case.clip
+            params = [p for p in model.parameters() if p.grad is not None]
+            out["norms"].append(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type).item())
+            out["clipped"].append(_snapshot({n: p.grad for n, p in model.named_parameters()}))
+        opt.step()
+        opt.zero_grad()
+        out["params"].append(_snapshot(dict(model.named_parameters())))
+    out["final"] = _snapshot(model.state_dict())
+    return out
+
+
+# --- the sharded twin (runs in a worker) --------------------------------------------------------------------------
+
+_TOPOLOGIES: dict[tuple, Any] = {}
+
+
+def get_topology(case: Case):
+    """One Topology per layout per worker (group creation is collective and not free)."""
+    import shardfusion as sf
+
+    key = (case.dp, case.sharding, case.mp, case.outer)
+    if key not in _TOPOLOGIES:
+        _TOPOLOGIES[key] = sf.Topology(dp=case.dp, sharding=case.sharding, mp=case.mp, fsdp_outer_degree=case.outer)
+    return _TOPOLOGIES[key]
+
+
+def coordinates(topo) -> dict:
+    import torch.distributed as dist
+
+    return {"rank": topo.rank, "inner_rank": topo.inner_rank, "outer_rank": topo.outer_rank,
+            "mp_rank": topo.mp_rank, "data_parallel_rank": topo.data_parallel_rank,
+            "inner_ranks": tuple(dist.get_process_group_ranks(topo.get_fsdp_inner_group())),
+            "replicate_ranks": tuple(dist.get_process_group_ranks(topo.get_replicate_group())),
+            "debug_level": str(dist.get_debug_level())}
+
+
+def wrap_kwargs(case: Case) -> dict:
+    kw: dict[str, Any] = {"reshard_policy": case.reshard_policy}
+    if case.units == "class":
+        kw["units"] = UNIT_CLASSES[case.model]
+    elif case.units == "size":
+        kw["comm_unit_size"] = case.comm_unit_size
+    if case.replicate:
+        names = set(case.replicate)
+        kw["replicate_filter"] = lambda name, param: name in names
+    return kw
+
+
+def sharded_train(case: Case) -> dict:
+    """Train `case` with shardfusion on this rank. Returns fragments (params, grads), losses, norms, full state."""
+    import torch.distributed as dist
+    import shardfusion as sf
+
+    topo = get_topology(case)
+    model = build_model(case.model, seed=dist.get_rank() if case.seed_by_rank else MODEL_SEED)
+    sf.fully_shard(model, topo, **wrap_kwargs(case))
+    out: dict[str, Any] = {"coords": coordinates(topo), "losses": [], "grads": [], "clipped": [], "norms": [],
+                           "params": [], "unsharded_after_step": []}
+    out["names"] = [n for n, _ in model.named_parameters()]
+    out["units"] = [(u.name, list(u.param_names)) for u in sf.get_units(model)]
+    if case.record_wrap:
+        out["full_at_wrap"] = _snapshot(sf.full_state_dict(model))
+    out["fragments_at_wrap"] = _snapshot(dict(model.named_parameters()))
+    opt = make_optimizer(case, model.named_parameters())
+    gen = torch.Generator().manual_seed(DATA_SEED + topo.data_parallel_rank + 1)
+    K = case.micro
+    for step in range(case.steps):
+        with sf.comm.CommCounter() as counter:  # every shardfusion collective of this step
+            losses = []
+            for m in range(K):
+                if case.no_sync:
+                    sf.set_requires_gradient_sync(model, m == K - 1)
+                batch = draw_batch(case, gen)
+                loss = loss_fn(case.model, model, batch, **forward_kwargs(case, step))
+                (loss / K).backward()
+                losses.append(loss.detach())
+            mean_loss = torch.stack(losses).mean()
+            dist.all_reduce(mean_loss)  # not a shardfusion collective: only reports the global loss
+            out["losses"].append(mean_loss.item() / dist.get_world_size())
+            if case.record_grads:
+                sf.finish_grad_sync(model)
+                out["grads"].append(_snapshot({n: p.grad for n, p in model.named_parameters()}))
+            if case.clip is not None:
+                max_norm, norm_type = case.clip
+                norm = sf.clip_grad_norm_(model, max_norm, norm_type=norm_type)
+                out["norms"].append(norm.item())
+                if case.record_grads:
+                    out["clipped"].append(_snapshot({n: p.grad for n, p in model.named_parameters()}))
+            opt.step()
+            opt.zero_grad()
+        if case.count_comm:
+            out.setdefault("comm", []).append(counter.records)
+        out["params"].append(_snapshot(dict(model.named_parameters())))
+        if case.check_resharded:
+            out["unsharded_after_step"].append([u.name for u in sf.get_units(model) if u.is_unsharded])
+    out["full"] = _snapshot(sf.full_state_dict(model))
+    return out
+
+
+def run_cases(cases: list[Case], fn_name: str = "sharded_train") -> dict[str, Any]:
+    """Worker body for a grid: run every case in order; {case name: result, or {"error": traceback}}.
+
+    A case that raises on every rank (e.g. at wrap time) is recorded and the next case runs; if only some ranks
+    raise, the others stop in a collective and the harness timeout reports the job.
+    """
+    fn = globals()[fn_name] if isinstance(fn_name, str) else fn_name
+    results = {}
+    for case in cases:
+        try:
+            results[case.name] = fn(case)
+        except Exception:  # noqa: BLE001 - reported per case to the parent
+            results[case.name] = {"error": traceback.format_exc()}
+    return results
+
+
+# --- comparing --------------------------------------------------------------------------------------------------
+
+
+def case_results(per_rank: list[dict], name: str) -> list[dict]:
+    """The per-rank results of case `name`; fails with the first rank's traceback if the case raised."""
+    rs = [r[name] for r in per_rank]
+    for rank, r in enumerate(rs):
+        if "error" in r:
+            raise AssertionError(f"case {name!r} raised on rank {rank}:\n{r['error']}")
+    return rs
+
+
+def first_inner_group(rs: list[dict]) -> list[dict]:
+    """The results of the ranks of the inner group of rank 0, in inner-rank order (their shards tile the buffer)."""
+    members = [r for r in rs if r["coords"]["rank"] in rs[0]["coords"]["inner_ranks"]]
+    return sorted(members, key=lambda r: r["coords"]["inner_rank"])
+
+
+def assemble(fragments: list[Optional[torch.Tensor]], shape: tuple, name: str = "?") -> Optional[torch.Tensor]:
+    """Full tensor of `shape` from one inner group's fragments (in inner-rank order).
+
+    A parameter kept whole has its full numel on every rank: then the first copy is the tensor.
+    """
+    if all(f is None for f in fragments):
+        return None
+    numel = math.prod(shape)
+    frags = [torch.zeros(0) if f is None else f.reshape(-1) for f in fragments]
+    sizes = [f.numel() for f in frags]
+    if sum(sizes) == numel:
+        return torch.cat(frags).reshape(shape)
+    if all(s == numel for s in sizes):
+        return frags[0].reshape(shape)
+    raise AssertionError(f"{name}: fragments of sizes {sizes} do not tile a tensor of shape {shape} "
+                         f"(numel {numel}) and are not whole copies")
+
+
+def assemble_all(rs: list[dict], key: str, step: int, shapes: dict[str, tuple]) -> dict[str, Optional[torch.Tensor]]:
+    group = first_inner_group(rs)
+    out = {}
+    for name, shape in shapes.items():
+        frags = [r[key][step].get(name) for r in group]
+        out[name] = assemble(frags, shape, name)
+    return out
+
+
+def assert_close_dicts(actual: dict, expected: dict, what: str, rtol: float = RTOL, atol: float = ATOL,
+                       names=None, none_is_zero: bool = False) -> None:
+    """Every tensor of `expected` (or of `names`) is close to the one in `actual`; None must match None.
+
+    A zero-element expected tensor also matches None (an empty fragment need not carry a gradient). With
+    `none_is_zero`, an expected None (no gradient this step) also matches an all-zero actual gradient.
+    """
+    names = list(expected) if names is None else names
+    for n in names:
+        a, e = actual.get(n, "missing"), expected[n]
+        if isinstance(a, str):
+            raise AssertionError(f"{what}: {n} missing from the sharded result (has {sorted(actual)})")
+        if a is None and e is not None and e.numel() == 0:
+            continue
+        if e is None and a is not None and none_is_zero:
+            assert not a.any(), f"{what}: {n}: reference has no gradient, sharded run has a non-zero one"
+            continue
+        if e is None or a is None:
+            assert a is None and e is None, f"{what}: {n}: sharded {'None' if a is None else 'a tensor'}, " \
+                                            f"reference {'None' if e is None else 'a tensor'}"
+            continue
+        assert tuple(a.shape) == tuple(e.shape), f"{what}: {n}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+        torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {n}: {m}")
+
+
+def assert_losses_match(rs: list[dict], ref: dict, case_name: str) -> None:
+    for r in rs:
+        torch.testing.assert_close(torch.tensor(r["losses"], dtype=torch.float64),
+                                   torch.tensor(ref["losses"], dtype=torch.float64), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{case_name}: losses per step, rank {r['coords']['rank']}: {m}")
+
+
+def assert_replicas_identical(rs: list[dict], key: str = "params", case_name: str = "") -> None:
+    """Invariant 3: ranks with the same (inner rank, mp rank) hold bitwise equal fragments after every step."""
+    by_shard: dict[tuple, list[dict]] = {}
+    for r in rs:
+        c = r["coords"]
+        by_shard.setdefault((c["inner_rank"], c["mp_rank"]), []).append(r)
+    for (inner, mp_rank), members in by_shard.items():
+        first = members[0]
+        for other in members[1:]:
+            for step, (fa, fb) in enumerate(zip(first[key], other[key])):
+                for n in fa:
+                    a, b = fa[n], fb[n]
+                    if a is None and b is None:
+                        continue
+                    assert a is not None and b is not None and torch.equal(a, b), (
+                        f"{case_name}: {key} of {n} after step {step} differ between replicas rank "
+                        f"{first['coords']['rank']} and rank {other['coords']['rank']} (inner {inner}, mp {mp_rank})")
+
+
+def assert_full_state_matches(rs: list[dict], ref: dict, case_name: str) -> None:
+    """full_state_dict on every rank: original shapes, equal to the reference's final parameters."""
+    for r in rs:
+        full = r["full"]
+        for n, shape in ref["shapes"].items():
+            assert n in full, f"{case_name}: rank {r['coords']['rank']}: {n} missing from full_state_dict"
+        common = [n for n in full if n in ref["final"]]
+        assert_close_dicts(full, ref["final"], f"{case_name}: full_state_dict on rank {r['coords']['rank']}",
+                           names=common)
+
+
+def check_parity(rs: list[dict], ref: dict, case_name: str, steps_params: bool = True) -> None:
+    """Losses every step, parameters (assembled from fragments) after every step, full_state_dict, replicas."""
+    assert_losses_match(rs, ref, case_name)
+    if steps_params:
+        for step in range(len(ref["params"])):
+            got = assemble_all(rs, "params", step, ref["shapes"])
+            assert_close_dicts(got, ref["params"][step], f"{case_name}: params after step {step}")
+    assert_full_state_matches(rs, ref, case_name)
+    assert_replicas_identical(rs, "params", case_name)
+
+
+def check_clipped_run(rs: list[dict], case: Case, ref: Optional[dict] = None, small: float = 0.05) -> dict:
+    """A run that clips every step: the returned norm equals the reference's (rtol 1e-5) and is bitwise the same on
+    every rank; gradients before and after clipping (if recorded) and the parameters equal the reference.
+    With max_norm <= `small` clipping must have acted on the reference (else the test proves less)."""
+    ref = reference_train(case) if ref is None else ref
+    max_norm, norm_type = case.clip
+    for r in rs:
+        assert r["norms"] == rs[0]["norms"], (
+            f"{case.name}: norms differ across ranks: rank 0 {rs[0]['norms']} vs rank {r['coords']['rank']} "
+            f"{r['norms']}")
+    torch.testing.assert_close(torch.tensor(rs[0]["norms"], dtype=torch.float64),
+                               torch.tensor(ref["norms"], dtype=torch.float64), rtol=RTOL, atol=0,
+                               msg=lambda m: f"{case.name}: returned norm vs reference: {m}")
+    if max_norm <= small:
+        assert min(ref["norms"]) > 2 * max_norm, f"{case.name}: clipping did not act: {ref['norms']}"
+    if case.record_grads:
+        for step in range(case.steps):
+            got = assemble_all(rs, "grads", step, ref["shapes"])
+            assert_close_dicts(got, ref["grads"][step], f"{case.name}: gradient before clipping, step {step}")
+            got = assemble_all(rs, "clipped", step, ref["shapes"])
+            assert_close_dicts(got, ref["clipped"][step], f"{case.name}: clipped gradient, step {step}")
+    check_parity(rs, ref, case.name)
+    return ref
