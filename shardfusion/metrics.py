@@ -33,6 +33,11 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
 
     def log_train(self, **record: Any) -> None:
+        """Append one training-step record (keys ``TRAIN_KEYS`` at least) to memory and ``metrics.jsonl``.
+
+        Raises:
+            ValueError: a required key is missing (the message lists them).
+        """
         missing = set(TRAIN_KEYS) - set(record)
         if missing:
             raise ValueError(f"training record lacks {sorted(missing)}")
@@ -40,6 +45,11 @@ class MetricsLog:
         self._append(record)
 
     def log_val(self, **record: Any) -> None:
+        """Append one evaluation record (keys ``VAL_KEYS`` at least) to memory and ``metrics.jsonl``.
+
+        Raises:
+            ValueError: a required key is missing (the message lists them).
+        """
         missing = set(VAL_KEYS) - set(record)
         if missing:
             raise ValueError(f"evaluation record lacks {sorted(missing)}")

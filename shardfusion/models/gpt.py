@@ -77,6 +77,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Causal multi-head self-attention: ``x`` (B, T, C) float -> (B, T, C)."""
         B, T, C = x.shape
         H = self.n_head
         q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
@@ -101,6 +102,7 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, T, C) float -> (B, T, C)."""
         h = self.act(self.fc(x))  # (B, T, 4C)
         return self.drop(self.proj(h))  # (B, T, C)
 
@@ -116,6 +118,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual attention then residual MLP: ``x`` (B, T, C) float -> (B, T, C)."""
         x = x + self.attn(self.ln_1(x))  # (B, T, C)
         x = x + self.mlp(self.ln_2(x))  # (B, T, C)
         return x
