@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from shardfusion import comm
 from shardfusion.flat_buffer import build_layout
 from shardfusion.flat_group import FlatGroup
 from shardfusion.schedule import ShardState
@@ -81,20 +82,13 @@ def fully_shard(
     placed = _assign_params(model, owner)
     for unit_index, params in enumerate(placed):
         _add_flat_groups(built[unit_index], params, topology, replicate_filter)
-    for name, buf in model.named_buffers():
-        comm_broadcast_buffer(buf, topology)
+    with torch.no_grad():  # module buffers (e.g. BatchNorm statistics) start equal on every replica too
+        for buf in model.buffers():
+            comm.broadcast(buf, topology.get_data_parallel_group())
     state = ShardState(model, built, topology)
     state.register_hooks()
     model._sf_state = state
     return model
-
-
-def comm_broadcast_buffer(buf: torch.Tensor, topology) -> None:
-    """Broadcast a module buffer (e.g. BatchNorm statistics) from the first rank of the data-parallel group."""
-    from shardfusion import comm
-
-    with torch.no_grad():
-        comm.broadcast(buf, topology.get_data_parallel_group())
 
 
 def get_units(model: nn.Module) -> list[Unit]:

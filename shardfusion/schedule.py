@@ -176,14 +176,9 @@ class ShardState:
             while self._next_reduce < len(order):
                 order[self._next_reduce].reduce_scatter()
                 self._next_reduce += 1
-            self._next_reduce = 0
-            for u in self._reduce_order:
-                u.finish_backward()
-        else:
-            for u in self.units:
-                u.reduce_state = ReduceState.IDLE
-                u._grads_arrived = 0
-                u.ran_forward = False
+        self._next_reduce = 0
+        for u in self.units:
+            u.finish_backward(reduced=self.requires_gradient_sync)
         for u in self.units:
             u.reshard()
 

@@ -118,10 +118,12 @@ class Unit:
             g.reduce_scatter()
         self.reduce_state = ReduceState.REDUCING
 
-    def finish_backward(self) -> None:
-        """Complete reduce-scatters, free gradient buffers, and reset the per-backward state."""
-        for g in self.trainable_groups:
-            g.finish_reduce_scatter()
+    def finish_backward(self, reduced: bool) -> None:
+        """End of a backward: with ``reduced``, complete the reduce-scatters and free the gradient buffers (else
+        they stay alive and keep accumulating, gradient sync being off); reset the per-backward state."""
+        if reduced:
+            for g in self.trainable_groups:
+                g.finish_reduce_scatter()
         self.reduce_state = ReduceState.IDLE
         self._grads_arrived = 0
         self.ran_forward = False
