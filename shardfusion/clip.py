@@ -34,8 +34,9 @@ def clip_grad_norm_(
         error_if_nonfinite: raise if the norm is nan or inf (on every rank, as the norm is the same everywhere).
 
     Returns:
-        The total norm of the gradients before clipping: a 0-dim float32 tensor, identical on every rank, on the
-        device of the parameters.
+        The total norm of the gradients before clipping: a 0-dim tensor (float64 if any gradient is float64, else
+        float32), identical on every rank, on the device of the parameters. Only gradients the optimizer would see
+        count: a fragment whose ``.grad`` is ``None`` counts as absent.
 
     Raises:
         ValueError: ``norm_type`` is not 2 or inf, or ``max_norm`` is negative or nan.
@@ -49,31 +50,40 @@ def clip_grad_norm_(
     state = _state(model)
     state.finish_grad_sync()
     groups = [g for u in state.units for g in u.trainable_groups]
-    device = groups[0].shard.device if groups else torch.device("cpu")
-    if torch.distributed.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    local = torch.zeros((), dtype=torch.float32, device=device)
+    # What the optimizer will read: the fragments' .grad (None after zero_grad(set_to_none=True) is skipped).
+    counted, scaled = [], []
     for g in groups:
-        if g.grad_shard is None or not g.counts_in_norm and norm_type == 2.0:
-            continue
-        grad = g.grad_shard.float()
-        if norm_type == 2.0:
-            local += grad.pow(2).sum()
-        elif grad.numel():
-            local = torch.maximum(local, grad.abs().max())
-    if norm_type == 2.0:
-        comm.all_reduce(local, dist.group.WORLD, op=dist.ReduceOp.SUM)
-        total = local.sqrt()
-    else:
-        comm.all_reduce(local, dist.group.WORLD, op=dist.ReduceOp.MAX)
-        total = local
+        grads = [f.grad for f in g.fragments if f.grad is not None and f.grad.numel()]
+        scaled.extend(grads)
+        if g.counts_in_norm or norm_type == math.inf:
+            counted.extend(grads)
+    device = _norm_device(groups)
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in scaled) else torch.float32
+    local = torch.zeros((), dtype=dtype, device=device)
+    if counted:
+        norms = torch.stack([n.to(device, dtype) for n in torch._foreach_norm(counted, norm_type)])
+        local = norms.pow(2).sum() if norm_type == 2.0 else norms.max()
+    op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
+    comm.all_reduce(local, dist.group.WORLD, op=op)  # every rank, even one without gradients (invariant 1)
+    total = local.sqrt() if norm_type == 2.0 else local
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is {total.item()}; "
             "set error_if_nonfinite=False to clip anyway")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    with torch.no_grad():
-        for g in groups:
-            if g.grad_shard is not None:
-                g.grad_shard.mul_(coef.to(g.grad_shard.device, g.grad_shard.dtype))
+    for dev_dtype, same in _by_device_dtype(scaled).items():
+        torch._foreach_mul_(same, coef.to(*dev_dtype))
     return total
+
+
+def _norm_device(groups) -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return groups[0].shard.device if groups else torch.device("cpu")
+
+
+def _by_device_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    out: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault((t.device, t.dtype), []).append(t)
+    return out

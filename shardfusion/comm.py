@@ -118,3 +118,24 @@ def broadcast(tensor: torch.Tensor, group: Optional[ProcessGroup], group_src: in
         return
     _record("broadcast", group, tensor)
     dist.broadcast(tensor, group=group, group_src=group_src)
+
+
+def broadcast_coalesced(tensors: list[torch.Tensor], group: Optional[ProcessGroup], group_src: int = 0) -> None:
+    """Broadcast ``tensors`` in place from the group's rank ``group_src``: one collective per (dtype, device).
+
+    Used for module buffers (DDP's ``broadcast_buffers`` idea: replicas keep identical BatchNorm statistics).
+    """
+    if group_size(group) == 1:
+        return
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for same in by_kind.values():
+            flat = torch.cat([t.reshape(-1) for t in same])
+            broadcast(flat, group, group_src)
+            offset = 0
+            for t in same:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()

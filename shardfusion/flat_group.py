@@ -222,6 +222,8 @@ class FlatGroup:
     def _attach_fragment_grads(self) -> None:
         """Make each fragment's ``.grad`` a view of ``grad_shard`` (re-attached after ``zero_grad(set_to_none)``)."""
         for i, frag in enumerate(self.fragments):
+            if not frag.requires_grad:  # frozen after wrapping: no gradient, like plain PyTorch
+                continue
             g = self._grad_slice(i)
             if frag.grad is None or frag.grad.data_ptr() != g.data_ptr() or frag.grad.numel() != g.numel():
                 frag.grad = g

@@ -34,12 +34,14 @@ def fully_shard(
     param_dtype: Optional[torch.dtype] = None,
     grad_comm_dtype: Optional[torch.dtype] = None,
     replicate_filter: Optional[Callable[[str, nn.Parameter], bool]] = None,
+    broadcast_buffers: bool = True,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP (``fsdp_outer_degree == 1``) or HSDP (``> 1``) and return it.
 
     Units: every module whose class is in ``units`` is a unit; otherwise, with ``comm_unit_size``, consecutive
     sibling modules are packed greedily into units of at most ``comm_unit_size`` elements (a larger module is split
-    into its children). Parameters outside every unit form the root unit (the model itself), which is never
+    into its children; ``ModuleList``/``ModuleDict`` containers, which are never called, are always split).
+    Parameters outside every unit form the root unit (the model itself), which is never
     resharded after forward. A parameter registered in several modules (tied) belongs to the unit of their lowest
     common ancestor.
 
@@ -63,6 +65,9 @@ def fully_shard(
         param_dtype, grad_comm_dtype: mixed precision; not supported yet (must be ``None``).
         replicate_filter: optional ``(name, parameter) -> bool``; parameters for which it is true are kept whole on
             every rank (not sharded) and their gradients all-reduced over the data-parallel group.
+        broadcast_buffers: broadcast module buffers (e.g. BatchNorm running statistics) from the first data-parallel
+            rank at the start of every forward in training mode, as DDP does, so replicas keep identical buffers.
+            Buffers are always broadcast once when wrapping.
 
     Returns:
         ``model``, changed in place.
@@ -72,7 +77,8 @@ def fully_shard(
             already sharded.
         NotImplementedError: ``sep * cp > 1``, or ``param_dtype``/``grad_comm_dtype`` given.
     """
-    _check_args(model, topology, units, comm_unit_size, reshard_policy, reshard_filter, param_dtype, grad_comm_dtype)
+    _check_args(model, topology, units, comm_unit_size, reshard_policy, reshard_filter, param_dtype, grad_comm_dtype,
+                replicate_filter)
     unit_specs = _unit_modules(model, tuple(units or ()), comm_unit_size)
     built: list[Unit] = []
     for name, modules in unit_specs:
@@ -82,10 +88,8 @@ def fully_shard(
     placed = _assign_params(model, owner)
     for unit_index, params in enumerate(placed):
         _add_flat_groups(built[unit_index], params, topology, replicate_filter)
-    with torch.no_grad():  # module buffers (e.g. BatchNorm statistics) start equal on every replica too
-        for buf in model.buffers():
-            comm.broadcast(buf, topology.get_data_parallel_group())
-    state = ShardState(model, built, topology)
+    comm.broadcast_coalesced(list(model.buffers()), topology.get_data_parallel_group())  # e.g. BatchNorm statistics start equal too
+    state = ShardState(model, built, topology, broadcast_buffers)
     state.register_hooks()
     model._sf_state = state
     return model
@@ -137,8 +141,16 @@ def _state(model: nn.Module) -> ShardState:
     return state
 
 
+# Containers are never called, so forward hooks on them never fire: never a unit, always descended into.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
 def _check_args(model, topology, units, comm_unit_size, reshard_policy, reshard_filter, param_dtype,
-                grad_comm_dtype) -> None:
+                grad_comm_dtype, replicate_filter) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not hasattr(topology, "get_fsdp_inner_group"):
+        raise ValueError(f"topology must be a shardfusion.Topology, got {type(topology).__name__}")
     if getattr(model, "_sf_state", None) is not None:
         raise ValueError(f"model ({type(model).__name__}) is already sharded by fully_shard")
     if topology.sep * topology.cp > 1:
@@ -151,11 +163,19 @@ def _check_args(model, topology, units, comm_unit_size, reshard_policy, reshard_
     if units is not None:
         if isinstance(units, type) or not all(isinstance(u, type) and issubclass(u, nn.Module) for u in units):
             raise ValueError(f"units must be a tuple of nn.Module classes, got {units!r}")
+        containers = [u.__name__ for u in units if issubclass(u, _CONTAINERS)]
+        if containers:
+            raise ValueError(f"units {containers} are containers, whose forward never runs; name the classes of "
+                             "the modules they hold instead")
+        if units and comm_unit_size is not None:
+            raise ValueError(f"give units ({units!r}) or comm_unit_size ({comm_unit_size}), not both")
     if comm_unit_size is not None and (isinstance(comm_unit_size, bool) or not isinstance(comm_unit_size, int)
                                        or comm_unit_size <= 0):
         raise ValueError(f"comm_unit_size must be a positive int (elements), got {comm_unit_size!r}")
     if reshard_policy not in _RESHARD_POLICIES:
         raise ValueError(f"reshard_policy must be one of {_RESHARD_POLICIES}, got {reshard_policy!r}")
+    if replicate_filter is not None and not callable(replicate_filter):
+        raise ValueError(f"replicate_filter must be None or a callable (name, param) -> bool, got {replicate_filter!r}")
     if not (reshard_filter in ("all", "none") or callable(reshard_filter)):
         raise ValueError(f"reshard_filter must be 'all', 'none' or a callable (name, module) -> bool, "
                          f"got {reshard_filter!r}")
@@ -197,7 +217,11 @@ def _unit_modules(model: nn.Module, classes: tuple, comm_unit_size: Optional[int
         for cname, child in parent.named_children():
             qual = f"{prefix}{cname}"
             n = _numel(child)
-            if n == 0:
+            if n == 0 or isinstance(child, (nn.ParameterList, nn.ParameterDict)):
+                continue  # parameter containers: their parameters stay with the parent's unit
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                close()
+                pack(child, qual + ".")
                 continue
             if n > comm_unit_size and any(True for _ in child.children()):
                 close()

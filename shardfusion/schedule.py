@@ -1,9 +1,13 @@
 """Hooks and scheduling: when units all-gather, reshard, reduce-scatter and all-reduce.
 
-Forward: a unit's forward pre-hook unshards it (waiting for its prefetch) and prefetches the next unit in unit order;
-its post-hook reshards it when its policy says so and registers a pre-backward hook on its outputs.
+Forward: a unit's forward pre-hook unshards it (waiting for its prefetch) and prefetches the unit that ran after it
+in the previous forward (unit order in the first); its post-hook reshards it when its policy says so and registers a
+pre-backward hook on its outputs.
 
-Backward: the pre-backward hook unshards the unit again (prefetching the one before it). Each full-shape view has a
+Backward: all-gathers follow one order on every rank, the reverse of the order in which units registered their
+pre-backward hooks in forward. When a unit's pre-backward hook fires, every unit up to it in that order that is
+sharded is all-gathered (so a unit whose outputs got no gradient on this rank is still gathered, as on the ranks
+where they did), and the next one is prefetched; the end of backward gathers what is left. Each full-shape view has a
 hook that makes sure the gradient buffer is alive before autograd accumulates into it, and a post-accumulate hook
 that counts arrivals; a unit whose trainable views all got their gradient is READY. Reduce-scatters are issued in one
 fixed order (reverse unit order), as soon as the unit at the head of that order is READY, on a process group of their
@@ -25,7 +29,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardfusion.unit import ReduceState, ShardedState, Unit
+from shardfusion import comm
+from shardfusion.unit import ReduceState, Unit
 
 # fragment parameter -> its model's ShardState, for the optimizer step pre-hook.
 _FRAGMENT_OWNER = WeakIdKeyDictionary()
@@ -40,15 +45,22 @@ class ShardState:
         units: units in unit order (the root unit first, then by module registration order).
     """
 
-    def __init__(self, root: nn.Module, units: list[Unit], topology) -> None:
+    def __init__(self, root: nn.Module, units: list[Unit], topology, broadcast_buffers: bool = True) -> None:
         self.root = root
         self.units = units
         self.topology = topology
+        self.broadcast_buffers = broadcast_buffers
         self.requires_gradient_sync = True
         self._reduce_order = [u for u in reversed(units) if u.trainable_groups]
         self._next_reduce = 0
         self._callback_queued = False
-        self._index = {id(u): i for i, u in enumerate(units)}
+        # Forward prefetch: unit -> the unit that ran after it in the last forward (unit order before the first).
+        self._next_in_forward = {id(a): b for a, b in zip(units[1:], units[2:])}
+        self._first_in_forward: Unit | None = units[1] if len(units) > 1 else None
+        self._ran: list[Unit] = []  # units in the order they ran in this forward
+        self._grad_order: list[Unit] = []  # units in the order they registered a pre-backward hook
+        self._backward_order: list[Unit] | None = None  # reverse of _grad_order, fixed at the start of backward
+        self._gathers_issued = 0  # units of _backward_order whose backward all-gather has been issued
         for u in units:
             for g in u.groups:
                 for f in g.fragments:
@@ -75,13 +87,21 @@ class ShardState:
                     view.register_post_accumulate_grad_hook(self._make_post_accumulate(unit))
 
     def _root_pre_forward(self, module, args):
-        # A forward without a following backward (evaluation) may have left units gathered: start clean.
         if not _in_backward():
+            # A forward without a following backward (evaluation) may have left units gathered: start clean.
             for u in self.units[1:]:
                 u.reshard()
+            self._ran, self._grad_order = [], []
+            if self.broadcast_buffers and module.training:
+                comm.broadcast_coalesced(list(module.buffers()), self.topology.get_data_parallel_group())
         self._pre_forward(self.units[0])
 
     def _root_post_forward(self, module, args, output):
+        if not _in_backward():
+            ran = list(dict.fromkeys(u for u in self._ran if u is not self.units[0]))
+            if ran:
+                self._next_in_forward = {id(a): b for a, b in zip(ran, ran[1:])}
+                self._first_in_forward = ran[0]
         if not torch.is_grad_enabled():
             for u in self.units:  # no backward follows: free everything
                 u.reshard()
@@ -101,9 +121,12 @@ class ShardState:
     def _pre_forward(self, unit: Unit) -> None:
         unit.unshard()
         unit.ran_forward = True
-        nxt = self._index[id(unit)] + 1
-        if nxt < len(self.units):
-            self.units[nxt].prefetch()
+        if _in_backward():  # recomputation (activation checkpointing): the unit is gathered for backward already
+            return
+        self._ran.append(unit)
+        nxt = self._first_in_forward if unit is self.units[0] else self._next_in_forward.get(id(unit))
+        if nxt is not None:
+            nxt.prefetch()
 
     def _make_post_forward(self, unit: Unit):
         def hook(module, args, output):
@@ -123,19 +146,35 @@ class ShardState:
 
     def _register_pre_backward(self, unit: Unit, output: Any) -> None:
         tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors:
-            register_multi_grad_hook(tensors, lambda grads: self._pre_backward(unit), mode="any")
+        if not tensors:
+            return
+        register_multi_grad_hook(tensors, lambda grads: self._pre_backward(unit), mode="any")
+        if not _in_backward():
+            self._grad_order.append(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
         self._queue_callback()
+        order = self._start_backward_order()
+        if unit in order:
+            pos = order.index(unit)
+            self._issue_gathers(pos + 1)
+            self._issue_gathers(pos + 2)  # prefetch the next unit of the backward order
         unit.unshard()
         for g in unit.trainable_groups:
             g.ensure_grad_full()
-        prev = self._index[id(unit)] - 1
-        while prev >= 1 and not self.units[prev].ran_forward:
-            prev -= 1
-        if prev >= 1:
-            self.units[prev].prefetch()
+
+    def _start_backward_order(self) -> list[Unit]:
+        if self._backward_order is None:
+            self._backward_order = list(dict.fromkeys(reversed(self._grad_order)))
+            self._gathers_issued = 0
+        return self._backward_order
+
+    def _issue_gathers(self, upto: int) -> None:
+        """Issue, in backward order, the all-gathers of units ``[issued, upto)`` that are sharded."""
+        order = self._backward_order
+        while self._gathers_issued < min(upto, len(order)):
+            order[self._gathers_issued].prefetch()
+            self._gathers_issued += 1
 
     def _make_pre_accumulate(self, group, view_index: int):
         def hook(grad):
@@ -148,11 +187,16 @@ class ShardState:
     def _make_post_accumulate(self, unit: Unit):
         def hook(param):
             if unit.grad_arrived():
-                if unit.state is ShardedState.UNSHARDED and unit is not self.units[0]:
+                if unit is not self.units[0] and self._gather_done(unit):
                     unit.reshard()
                 self._issue_ready_reduces()
 
         return hook
+
+    def _gather_done(self, unit: Unit) -> bool:
+        """Whether no all-gather of ``unit`` can follow in this backward (so it may be freed now)."""
+        order = self._backward_order or []
+        return unit not in order or order.index(unit) < self._gathers_issued
 
     # ---- reduce scheduling -------------------------------------------------------------------------------------
     def _issue_ready_reduces(self) -> None:
@@ -171,6 +215,10 @@ class ShardState:
     def _post_backward(self) -> None:
         """End of backward: reduce-scatter what is left, in order, wait for all, free full buffers."""
         self._callback_queued = False
+        self._start_backward_order()
+        self._issue_gathers(len(self._backward_order))  # as issued on ranks where those units got gradients
+        self._backward_order = None
+        self._ran, self._grad_order = [], []
         if self.requires_gradient_sync:
             order = self._reduce_order
             while self._next_reduce < len(order):

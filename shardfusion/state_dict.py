@@ -14,7 +14,8 @@ def full_state_dict(model: nn.Module, buffers: bool = True) -> dict[str, torch.T
 
     Collective: every rank of the model must call it, in the same order. Tensors are fresh copies (not views of any
     runtime buffer) in the parameters' dtype and device; a tied parameter appears once, under its first name.
-    With ``buffers`` the module buffers (e.g. BatchNorm statistics) are included too.
+    With ``buffers`` the module buffers (e.g. BatchNorm statistics) are included too, as held by the first
+    data-parallel rank.
     """
     state = _state(model)
     out: dict[str, torch.Tensor] = {}
@@ -25,6 +26,7 @@ def full_state_dict(model: nn.Module, buffers: bool = True) -> dict[str, torch.T
             for slot in g.layout.slots:
                 out[slot.name] = full[slot.offset:slot.end].view(slot.shape).clone()
     if buffers:
-        for name, buf in model.named_buffers():
-            out[name] = buf.detach().clone()
+        copies = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+        comm.broadcast_coalesced(list(copies.values()), state.topology.get_data_parallel_group())
+        out.update(copies)
     return out

@@ -4,8 +4,14 @@ A unit owns one :class:`~shardfusion.flat_group.FlatGroup` per kind of parameter
 in ``flat_group.py``) and the places in the modules where its parameters are registered. Its sharded state says
 which tensors the modules see:
 
-- ``SHARDED``: the modules hold the fragments (1-D local pieces, what the optimizer updates); no full buffer.
-- ``UNSHARDED``: the modules hold full-shape views of the all-gathered buffers (forward and backward run on them).
+- ``SHARDED``: the modules' attributes resolve to the fragments (1-D local pieces, what the optimizer updates).
+- ``UNSHARDED``: the modules' attributes resolve to full-shape views of the all-gathered buffers (forward and
+  backward run on them).
+
+The fragments stay registered in ``module._parameters`` at all times, so ``model.parameters()`` and
+``model.state_dict()`` always yield them, even between a forward and its backward. While unsharded, each full view
+is put in the module's instance ``__dict__`` under the parameter's name, which Python's attribute lookup finds before
+``nn.Module.__getattr__`` reads ``_parameters``: ``module.weight`` is then the full view.
 
 Per backward, a unit with trainable parameters goes IDLE -> (gradients arrive) -> READY (every trainable view got
 its gradient) -> REDUCING (reduce-scatter issued) -> IDLE (flushed at the end of backward).
@@ -58,18 +64,16 @@ class Unit:
         self.reduce_state = ReduceState.IDLE
         self.ran_forward = False
         self._grads_arrived = 0
+        self._grads_expected = 0
 
     def add_group(self, group: FlatGroup, registrations: list[list[tuple[nn.Module, str]]]) -> None:
         """Attach a flat buffer and register its fragments in the modules."""
         self.groups.append(group)
         self.registrations.append(registrations)
         self.param_names.extend(s.name for s in group.layout.slots)
-        self._put(use_full=False)
-
-    @property
-    def num_trainable_views(self) -> int:
-        """Number of full-shape views that receive gradients in a backward."""
-        return sum(len(g.full_views) for g in self.groups if g.requires_grad)
+        for frag, places in zip(group.fragments, registrations):
+            for module, attr in places:
+                module._parameters[attr] = frag
 
     @property
     def trainable_groups(self) -> list[FlatGroup]:
@@ -93,6 +97,7 @@ class Unit:
         for g in self.groups:
             g.unshard(async_op=False)
         if self.state is ShardedState.SHARDED:
+            self._sync_requires_grad()
             self._put(use_full=True)
             self.state = ShardedState.UNSHARDED
 
@@ -107,7 +112,7 @@ class Unit:
     def grad_arrived(self) -> bool:
         """Count one accumulated gradient; returns True when the unit just became READY."""
         self._grads_arrived += 1
-        if self._grads_arrived == self.num_trainable_views and self.reduce_state is ReduceState.IDLE:
+        if self._grads_arrived == self._grads_expected and self.reduce_state is ReduceState.IDLE:
             self.reduce_state = ReduceState.READY
             return True
         return False
@@ -128,9 +133,32 @@ class Unit:
         self._grads_arrived = 0
         self.ran_forward = False
 
+    def _sync_requires_grad(self) -> None:
+        """Give each full view the ``requires_grad`` of its fragment (the user may freeze after wrapping).
+
+        Raises:
+            RuntimeError: a parameter that was frozen when ``fully_shard`` ran has been unfrozen (it has no gradient
+                buffer); freeze or unfreeze before wrapping instead.
+        """
+        expected = 0
+        for g in self.groups:
+            for slot, frag, view in zip(g.layout.slots, g.fragments, g.full_views):
+                if not g.requires_grad:
+                    if frag.requires_grad:
+                        raise RuntimeError(
+                            f"parameter {slot.name!r} was frozen when fully_shard ran and has been unfrozen since; "
+                            "set requires_grad before calling fully_shard")
+                    continue
+                if view.requires_grad != frag.requires_grad:
+                    view.requires_grad_(frag.requires_grad)
+                expected += frag.requires_grad
+        self._grads_expected = expected
+
     def _put(self, use_full: bool) -> None:
         for g, regs in zip(self.groups, self.registrations):
-            tensors = g.full_views if use_full else g.fragments
-            for t, places in zip(tensors, regs):
+            for view, places in zip(g.full_views, regs):
                 for module, attr in places:
-                    module._parameters[attr] = t
+                    if use_full:
+                        module.__dict__[attr] = view
+                    else:
+                        module.__dict__.pop(attr, None)

@@ -52,6 +52,13 @@ def _describe(model, sf) -> dict:
     }
 
 
+def _attribute(module, dotted: str):
+    """``module.a.b.weight`` for ``"a.b.weight"``: attribute lookup, as forward code does it."""
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
+
+
 def _error(fn) -> tuple:
     try:
         fn()
@@ -125,9 +132,13 @@ def units_job() -> dict:
         seen = {}
 
         def during_block1(mod, args, units=units, seen=seen):  # runs after the runtime's own pre-forward hook
+            # What forward code sees: the attributes (module.weight) are full-shape views of one gathered buffer,
+            # while named_parameters() keeps yielding the 1-D fragments the optimizer holds.
             seen["in_block1"] = {u.name: u.is_unsharded for u in units}
-            seen["storages"] = len({p.untyped_storage().data_ptr() for p in mod.parameters()})
-            seen["shapes"] = {n: tuple(p.shape) for n, p in mod.named_parameters()}
+            attrs = {n: _attribute(mod, n) for n, _ in mod.named_parameters()}
+            seen["storages"] = len({t.untyped_storage().data_ptr() for t in attrs.values()})
+            seen["shapes"] = {n: tuple(t.shape) for n, t in attrs.items()}
+            seen["registered_dims"] = {p.dim() for p in mod.parameters()}
 
         model.blocks[1].register_forward_pre_hook(during_block1)
         st = {"after_wrap": {u.name: u.is_unsharded for u in units},
@@ -135,6 +146,7 @@ def units_job() -> dict:
         loss = loss_fn("transformer", model, make_batch("transformer", torch.Generator().manual_seed(3)))
         st["in_block1"] = seen["in_block1"]
         st["full_storages"], st["full_shapes"] = seen["storages"], seen["shapes"]
+        st["registered_dims"] = seen["registered_dims"]
         st["after_forward"] = {u.name: u.is_unsharded for u in units}
         loss.backward()
         st["after_backward"] = {u.name: u.is_unsharded for u in units}
@@ -303,3 +315,4 @@ def test_unit_parameters_are_views_of_one_buffer(job):
                 f"{where}: blocks.1's fragments span {st['fragment_storages']} storages")
             assert st["full_storages"] == 1, f"{where}: blocks.1's parameters span {st['full_storages']} storages"
             assert st["full_shapes"] == shapes, f"{where}: shapes during forward {st['full_shapes']}"
+            assert st["registered_dims"] == {1}, f"{where}: parameters() must yield 1-D fragments during forward"
