@@ -217,8 +217,7 @@ class ShardState:
         self._callback_queued = False
         self._start_backward_order()
         self._issue_gathers(len(self._backward_order))  # as issued on ranks where those units got gradients
-        self._backward_order = None
-        self._ran, self._grad_order = [], []
+        self._backward_order = None  # rebuilt from _grad_order by a second backward over a retained graph
         if self.requires_gradient_sync:
             order = self._reduce_order
             while self._next_reduce < len(order):
