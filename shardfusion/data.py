@@ -12,6 +12,8 @@ reproducible and can resume at any step without replaying the sampler. Validatio
 
 from __future__ import annotations
 
+import functools
+import math
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,12 +33,31 @@ _TRAIN, _VAL = 0, 1  # split ids mixed into the sampler seed
 
 def stdlib_files() -> list[Path]:
     """The standard library's `*.py` files, sorted by path relative to the stdlib root."""
+    return list(_stdlib_files())
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_files() -> tuple[Path, ...]:
+    # Cached: a worker checks the corpus size (`corpus_size`) before it loads it, and the walk is the slow part.
     root = Path(sysconfig.get_paths()["stdlib"])
     files = [
         p for p in root.rglob("*.py")
         if p.is_file() and not _SKIPPED_DIRS.intersection(p.relative_to(root).parts[:-1])
     ]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
+
+
+def _corpus_files(path: str | Path | None) -> tuple[list[Path], str]:
+    """The files of the corpus at `path` (see `load_corpus`), in order, and a description for messages."""
+    if path is None:
+        return stdlib_files(), f"the standard library at {sysconfig.get_paths()['stdlib']}"
+    root = Path(path)
+    if root.is_file():
+        return [root], str(path)
+    if root.is_dir():
+        files = sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
+        return files, str(path)
+    raise FileNotFoundError(f"--data {str(path)!r} is neither a file nor a folder")
 
 
 def _read_files(files: list[Path], max_bytes: int) -> bytes:
@@ -56,30 +77,51 @@ def load_corpus(path: str | Path | None = None, max_bytes: int = DEFAULT_MAX_BYT
 
     path: None for the standard library's source; a file; or a folder, whose files (recursively, sorted by relative
     path) are concatenated as raw bytes.
+
+    Raises:
+        FileNotFoundError: `path` is neither a file nor a folder.
+        ValueError: max_bytes < 1, or no bytes were read.
     """
     if max_bytes < 1:
         raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
-    if path is None:
-        files = stdlib_files()
-        where = f"the standard library at {sysconfig.get_paths()['stdlib']}"
-    else:
-        root = Path(path)
-        if root.is_file():
-            files = [root]
-        elif root.is_dir():
-            files = sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
-        else:
-            raise FileNotFoundError(f"--data {str(path)!r} is neither a file nor a folder")
-        where = str(path)
+    files, where = _corpus_files(path)
     data = _read_files(files, max_bytes)
     if not data:
         raise ValueError(f"no bytes read from {where}; pass --data with a non-empty text file or folder")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)  # (N,)
 
 
+def corpus_size(path: str | Path | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
+    """How many bytes `load_corpus(path, max_bytes)` would return, from the file sizes, without reading them.
+
+    Raises:
+        FileNotFoundError: `path` is neither a file nor a folder.
+    """
+    total = 0
+    for file in _corpus_files(path)[0]:
+        if total >= max_bytes:
+            break
+        total += file.stat().st_size
+    return min(total, max_bytes)
+
+
+def split_sizes(num_bytes: int) -> tuple[int, int]:
+    """(train, val) lengths of `split_corpus` on a corpus of num_bytes bytes."""
+    n_val = max(1, int(num_bytes * VAL_FRACTION))
+    return num_bytes - n_val, n_val
+
+
+def min_corpus_bytes(seq_len: int) -> int:
+    """The smallest corpus whose splits both hold one window of seq_len + 1 bytes."""
+    n = max(2 * (seq_len + 1), math.ceil((seq_len + 1) / VAL_FRACTION))
+    while min(split_sizes(n)) < seq_len + 1:  # guard against rounding in int(n * VAL_FRACTION)
+        n += 1
+    return n
+
+
 def split_corpus(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Split a 1-D byte tensor into (train, val): val is the last VAL_FRACTION, at least one byte."""
-    n_val = max(1, int(len(data) * VAL_FRACTION))
+    _, n_val = split_sizes(len(data))
     return data[:-n_val], data[-n_val:]
 
 

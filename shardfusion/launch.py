@@ -3,15 +3,22 @@
 Outside torchrun, `launch` starts `nproc` workers on this machine through torch's elastic launcher (the engine
 behind torchrun) with a c10d rendezvous on a free local port. Under torchrun (single or multi-node) the current
 process is already a worker and `init_worker` just joins the process group.
+
+A worker that finished cleanly ends with `exit_now` (os._exit) instead of a normal interpreter exit: with torch 2.13
+and gloo, a process-group worker thread may still be releasing the tensors of the last collective when the
+interpreter finalizes; the GIL it needs for that then ends the thread in the middle of a C++ destructor, which
+aborts the process ("terminate called without an active exception", SIGABRT) after a successful run.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import sys
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -49,7 +56,9 @@ def launch(worker: Callable[..., Any], args: tuple, nproc: int, threads_per_work
     """Run worker(*args) in nproc local processes; returns {rank: return value}, or None if a worker failed.
 
     worker must be a module-level function (it is pickled into spawned processes). OMP_NUM_THREADS is set for the
-    children (unless already set) so that workers sharing a few cores do not oversubscribe them.
+    children (unless already set) so that workers sharing a few cores do not oversubscribe them. A worker that
+    returns ends its process with `exit_now(0)` once its return value has been handed back (see the module doc);
+    one that raises exits as usual, non-zero.
     """
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker))
     config = LaunchConfig(
@@ -64,10 +73,31 @@ def launch(worker: Callable[..., Any], args: tuple, nproc: int, threads_per_work
         start_method="spawn",
     )
     try:
-        return elastic_launch(config, worker)(*args)
+        return elastic_launch(config, _exit_now_after)(worker, *args)
     except ChildFailedError as error:
         print(f"shardfusion: a worker failed:\n{error.format_msg()}", flush=True)
         return None
+
+
+def exit_now(code: int = 0) -> NoReturn:
+    """Flush stdout and stderr, then end this process at once with `code` (os._exit), skipping the interpreter's
+    finalization and the process-group destructors: the clean way out of a worker after its last collective (see the
+    module doc for the abort that a normal exit risks). Files must already be closed."""
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _exit_now_after(worker: Callable[..., Any], *args: Any) -> Any:
+    """The entry point of a spawned worker: worker(*args); if it returns, the process ends with `exit_now(0)` as its
+    interpreter begins to exit (after the elastic launcher has taken the return value)."""
+    result = worker(*args)
+    atexit.register(exit_now, 0)
+    return result
 
 
 def init_worker(device: str) -> torch.device:

@@ -11,12 +11,17 @@ import ast
 import dataclasses
 import inspect
 import math
+import os
 import textwrap
 import time
 import typing
 from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
 
+from shardfusion.data import corpus_size, min_corpus_bytes, split_sizes
 from shardfusion.models.gpt import PRESETS, GPTConfig
+from shardfusion.topology import Degrees
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +114,48 @@ class TrainConfig:
             raise ValueError(f"--reshard-policy must be after_forward or after_backward, got {self.reshard_policy!r}")
 
 
+def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
+    """The checks that need the world size or the file system, run before any worker starts (or, under torchrun,
+    before each worker joins the process group): the HSDP layout, the output folder and the corpus.
+
+    config must be `resolve`d; `world` names where world_size comes from in messages (e.g. "--nproc 4").
+    Uses the library's own rules: `shardfusion.topology.Degrees` for the layout, `shardfusion.data` for the split.
+
+    Raises:
+        ValueError: one line that names the flag to change and the numbers involved.
+    """
+    outer = config.fsdp_outer_degree
+    try:
+        Degrees(world_size=world_size, sharding=-1, fsdp_outer_degree=outer)
+    except ValueError as error:
+        raise ValueError(f"--fsdp-outer-degree {outer} does not fit {world_size} ranks ({world}): {error}") from None
+
+    need = min_corpus_bytes(config.model_config().seq_len)
+    seq = f"seq_len + 1 = {config.model_config().seq_len + 1}"
+    if config.data_bytes < need:
+        n_train, n_val = split_sizes(config.data_bytes)
+        raise ValueError(f"--data-bytes {config.data_bytes} is too small: it splits into {n_train} train / {n_val} val "
+                         f"bytes, but each split needs {seq} bytes; use --data-bytes >= {need} or a smaller --seq-len")
+    if config.out is not None:
+        out = Path(config.out)
+        existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+        if not existing.is_dir():
+            raise ValueError(f"--out {config.out}: {existing} exists and is not a folder")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"--out {config.out}: the folder {existing} is not writable")
+
+    where = "the standard library" if config.data is None else f"--data {config.data}"
+    try:
+        size = corpus_size(config.data, min(config.data_bytes, need))
+    except OSError as error:
+        raise ValueError(str(error) if str(error).startswith("--data") else f"{where}: {error}") from None
+    if size < need:
+        n_train, n_val = split_sizes(size)
+        raise ValueError(f"{where} holds only {size} bytes, which split into {n_train} train / {n_val} val bytes, "
+                         f"but each split needs {seq} bytes (a corpus of >= {need} bytes); use more data or a "
+                         f"smaller --seq-len")
+
+
 def lr_at(config: TrainConfig, step: int) -> float:
     """Learning rate for optimizer step `step` (0-based): linear warm-up to lr, then cosine down to min_lr."""
     if step < config.warmup:
@@ -163,6 +210,11 @@ def build_parser(cls: type = TrainConfig) -> argparse.ArgumentParser:
             parser.add_argument(flag, type=base, default=field.default, metavar=base.__name__.upper(),
                                 help=help_text)
     return parser
+
+
+def usage_error(message: str) -> NoReturn:
+    """Print the usage and `shardfusion-train: error: message` to stderr, like argparse, and exit with status 2."""
+    build_parser().error(message)
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:

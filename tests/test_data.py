@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardfusion.data import VAL_FRACTION, BatchSampler, load_corpus, split_corpus, stdlib_files
+from shardfusion.data import (VAL_FRACTION, BatchSampler, corpus_size, load_corpus, min_corpus_bytes,
+                              split_corpus, split_sizes, stdlib_files)
 
 
 def make_sampler(dp_rank: int = 0, dp_world: int = 4, seed: int = 0) -> BatchSampler:
@@ -24,6 +25,7 @@ def test_stdlib_corpus_is_deterministic_and_capped() -> None:
     assert a.dtype == torch.uint8 and len(a) == 100_000
     assert torch.equal(a, b)
     assert bytes(a[:200].tolist()) == files[0].read_bytes()[:200]
+    assert corpus_size(max_bytes=100_000) == 100_000
 
 
 def test_split_is_fixed() -> None:
@@ -79,3 +81,35 @@ def test_too_little_data_is_an_error() -> None:
     train, val = split_corpus(data)
     with pytest.raises(ValueError, match="seq_len"):
         BatchSampler(train=train, val=val, batch_size=1, seq_len=16, seed=0)
+
+
+def test_corpus_size_without_reading(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_bytes(b"hello ")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_bytes(b"world\xff")
+    for path, max_bytes in ((tmp_path / "a.txt", 100), (tmp_path, 100), (tmp_path, 8), (tmp_path, 1)):
+        assert corpus_size(path, max_bytes) == len(load_corpus(path, max_bytes))
+    (tmp_path / "empty").mkdir()
+    assert corpus_size(tmp_path / "empty") == 0
+    with pytest.raises(FileNotFoundError, match="--data"):
+        corpus_size(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("n", [1, 2, 19, 20, 21, 999, 1000, 1001, 123_457])
+def test_split_sizes_match_split_corpus(n: int) -> None:
+    train, val = split_corpus(torch.zeros(n, dtype=torch.uint8))
+    assert split_sizes(n) == (len(train), len(val))
+
+
+@pytest.mark.parametrize("seq_len", [1, 8, 64, 128, 1000, 4097])
+def test_min_corpus_bytes_is_the_least_that_samples(seq_len: int) -> None:
+    def fits(n: int) -> bool:
+        train, val = split_corpus(torch.zeros(n, dtype=torch.uint8))
+        try:
+            BatchSampler(train=train, val=val, batch_size=1, seq_len=seq_len, seed=0)
+        except ValueError:
+            return False
+        return True
+
+    n = min_corpus_bytes(seq_len)
+    assert fits(n) and not fits(n - 1)

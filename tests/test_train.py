@@ -1,4 +1,5 @@
-"""The training entry point: its config and CLI in-process, and whole runs as subprocesses (4 gloo workers)."""
+"""The training entry point: its config and CLI in-process, whole runs as subprocesses (gloo workers), and bad flags
+rejected before any worker starts."""
 
 import json
 import math
@@ -7,13 +8,16 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from shardfusion.data import min_corpus_bytes
 from shardfusion.metrics import TRAIN_KEYS, VAL_KEYS, read_metrics
 from shardfusion.train import no_decay
-from shardfusion.train_config import TrainConfig, build_parser, lr_at, parse_args
+from shardfusion.train_config import TrainConfig, build_parser, check_run, lr_at, parse_args, resolve
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 150
@@ -22,8 +26,7 @@ TINY_RUN = ["--preset", "tiny", "--batch-size", "4", "--eval-every", "2", "--eva
 
 
 def run(args: list[str], *, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
+    env = clean_env()
     command = (launcher or [sys.executable, "-m"]) + ["shardfusion.train", *args]
     # A session of its own, so that a hung run's workers are killed with their launcher.
     with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -78,13 +81,131 @@ def test_under_torchrun(tmp_path: Path) -> None:
     assert summary["layout"].startswith("world 2")
 
 
+# Flags that only a check against the world size or the file system can reject: {case: (args, flag, message)}.
+# Each must fail in the launching process, before any worker starts: exit status 2, one argparse-style error line
+# that names the flag, no traceback.
+BAD_FLAGS = {
+    "outer-3": (["--nproc", "4", "--fsdp-outer-degree", "3"], "--fsdp-outer-degree",
+                "--fsdp-outer-degree 3 does not fit 4 ranks (--nproc 4)"),
+    "outer-8": (["--nproc", "4", "--fsdp-outer-degree", "8"], "--fsdp-outer-degree",
+                "--fsdp-outer-degree 8 does not fit 4 ranks (--nproc 4)"),
+    "data-missing": (["--nproc", "2", "--data", "/nonexistent/corpus"], "--data",
+                     "'/nonexistent/corpus' is neither a file nor a folder"),
+    "data-bytes": (["--nproc", "2", "--data-bytes", "10"], "--data-bytes",
+                   "10 is too small: it splits into 9 train / 1 val bytes"),
+    "data-short": (["--nproc", "2", "--data", str(REPO / "pyproject.toml"), "--seq-len", "4096"], "--data",
+                   "holds only"),
+}
+if not torch.cuda.is_available():
+    BAD_FLAGS["device-cuda"] = (["--nproc", "2", "--device", "cuda"], "--device", "torch.cuda.is_available() is False")
+BAD_FLAG_LIMIT_S = 30  # generous for a loaded machine: it takes the parent's imports only (about 2 s when idle)
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without torchrun's variables, and one thread per process."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def bad_flag_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, float]]:
+    """Every BAD_FLAGS case, all at once, each as `python -m shardfusion.train`: {case: (result, seconds)}."""
+    out = tmp_path_factory.mktemp("bad") / "run"
+    started = {}
+    for case, (args, _, _) in BAD_FLAGS.items():
+        command = [sys.executable, "-m", "shardfusion.train", *TINY_RUN, "--steps", "1", "--out", str(out), *args]
+        started[case] = (command, time.perf_counter(), subprocess.Popen(
+            command, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True))
+    runs = {}
+    for case, (command, t0, process) in started.items():
+        try:
+            stdout, stderr = process.communicate(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+        runs[case] = (subprocess.CompletedProcess(command, process.returncode, stdout, stderr),
+                      time.perf_counter() - t0)
+    assert not out.exists(), "a rejected run must not start writing its output"
+    return runs
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+@pytest.mark.parametrize("case", list(BAD_FLAGS))
+def test_bad_flag_fails_before_launch(case: str, bad_flag_runs: dict) -> None:
+    result, seconds = bad_flag_runs[case]
+    _, flag, message = BAD_FLAGS[case]
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "elastic" not in result.stderr  # no worker was launched
+    errors = [line for line in result.stderr.splitlines() if line.startswith("shardfusion-train: error: ")]
+    assert len(errors) == 1, result.stderr
+    assert errors[0].startswith(f"shardfusion-train: error: {flag} ") and message in errors[0], errors[0]
+    assert seconds < BAD_FLAG_LIMIT_S
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+@pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None,
+                    reason="torchrun is not installed beside this interpreter")
+def test_bad_flag_under_torchrun(tmp_path: Path) -> None:
+    # The same checks run in every worker before it joins the process group; only rank 0 prints the message.
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m"]
+    result = run([*TINY_RUN, "--steps", "1", "--fsdp-outer-degree", "4", "--out", str(tmp_path / "run")],
+                 launcher=torchrun)
+    assert result.returncode != 0
+    text = result.stdout + result.stderr
+    assert text.count("shardfusion-train: error: --fsdp-outer-degree 4 does not fit 2 ranks") == 1, text[-3000:]
+    assert "exitcode  : 2" in text  # the workers exited with the usage error's status ...
+    assert 'shardfusion/train.py"' not in text  # ... not with a traceback of ours
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_worker_failure_gives_nonzero_exit(tmp_path: Path) -> None:
-    # 4 ranks cannot be split into 3 HSDP replicas: every worker raises, the launcher must report failure.
-    result = run([*TINY_RUN, "--nproc", "4", "--fsdp-outer-degree", "3", "--steps", "1",
-                  "--out", str(tmp_path / "run")])
-    assert result.returncode != 0
-    assert "fsdp_outer_degree" in result.stdout + result.stderr
+    # A worker that fails after the launch must still fail the job. Skip the parent's checks (in the parent only;
+    # spawned workers import the module afresh) so that a layout error reaches the workers: 2 ranks, 3 replicas.
+    code = ("import dataclasses, sys; import shardfusion.train as t\n"
+            "t.preflight = lambda config, torchrun: t.resolve(dataclasses.replace(config, nproc=2), device='cpu', "
+            "world_size=2)\n"
+            f"sys.exit(t.main({[*TINY_RUN, '--fsdp-outer-degree', '3', '--steps', '1', '--out', str(tmp_path)]!r}))")
+    result = run([], launcher=[sys.executable, "-c", code])  # the module name that run() appends is unused
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "a worker failed" in result.stdout and "fsdp_outer_degree(3)" in result.stdout + result.stderr
+
+
+def test_check_run_messages(tmp_path: Path) -> None:
+    need = min_corpus_bytes(64)  # tiny: seq_len 64
+    (tmp_path / "corpus.txt").write_bytes(b"x" * need)
+    (tmp_path / "short.txt").write_bytes(b"x" * (need - 1))
+
+    def check(world_size: int = 4, **fields) -> None:
+        fields = {"data": str(tmp_path / "corpus.txt"), "out": str(tmp_path / "run"), **fields}
+        config = resolve(TrainConfig(preset="tiny", **fields), device="cpu", world_size=world_size)
+        check_run(config, world_size=world_size, world=f"--nproc {world_size}")
+
+    check()
+    check(world_size=8, fsdp_outer_degree=4)
+    with pytest.raises(ValueError, match=r"--fsdp-outer-degree 3 does not fit 4 ranks \(--nproc 4\).*"
+                                         r"fsdp_outer_degree\(3\)"):
+        check(fsdp_outer_degree=3)
+    with pytest.raises(ValueError, match=r"fsdp_outer_degree\(0\) must be >= 1"):
+        check(fsdp_outer_degree=0)
+    with pytest.raises(ValueError, match=rf"--data-bytes {need - 1} is too small.*--data-bytes >= {need}"):
+        check(data_bytes=need - 1)
+    with pytest.raises(ValueError, match="--data-bytes 1000 is too small: it splits into 950 train / 50 val"):
+        check(data_bytes=1000)
+    with pytest.raises(ValueError, match=rf"--data .*short.txt holds only {need - 1} bytes.*"
+                                         rf"split into {need - 1 - 64} train / 64 val"):
+        check(data=str(tmp_path / "short.txt"))
+    with pytest.raises(ValueError, match="^--data .* is neither a file nor a folder$"):
+        check(data=str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds only 0 bytes"):
+        check(data=str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="--out .* is not a folder"):
+        check(out=str(tmp_path / "corpus.txt" / "run"))
 
 
 def test_cli_is_generated_from_the_dataclass() -> None:
