@@ -131,10 +131,8 @@ class FlatGroup:
             return
         self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
         with torch.no_grad():
-            work = comm.all_gather(self.full, self.shard, self.shard_group, async_op=True)
-        self._gather_work = work
-        if work is None:
-            self._gather_work = None
+            self._gather_work = comm.all_gather(self.full, self.shard, self.shard_group, async_op=True)
+        if self._gather_work is None:  # a group of one: nothing was issued
             self.is_unsharded = True
         elif not async_op:
             self.wait_unshard()

@@ -239,13 +239,15 @@ def _unit_modules(model: nn.Module, classes: tuple, comm_unit_size: Optional[int
 
 def _owning_unit(model: nn.Module, specs: list[tuple[str, list]]) -> dict[str, int]:
     """Map every module's qualified name to the index of the innermost unit containing it."""
+    names: dict[int, list[str]] = {}  # module id -> every qualified name it has (shared modules have several)
+    for name, m in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), []).append(name)
     owner: dict[str, int] = {}
-    for idx, (_, modules) in enumerate(specs):
+    for idx, (_, modules) in enumerate(specs):  # later (inner) units overwrite earlier (outer) ones
         for top in modules:
-            for name, m in model.named_modules(remove_duplicate=False):
-                if m is top:
-                    for sub, _ in top.named_modules(remove_duplicate=False):
-                        owner[f"{name}.{sub}".strip(".") if name else sub] = idx
+            for name in names[id(top)]:
+                for sub, _ in top.named_modules(remove_duplicate=False):
+                    owner[f"{name}.{sub}".strip(".") if name else sub] = idx
     return owner
 
 

@@ -28,7 +28,11 @@ class MetricsLog:
         self.val: list[dict[str, Any]] = []
         self.path.write_text("")
 
-    def _append(self, record: dict[str, Any]) -> None:
+    def _append(self, record: dict[str, Any], keys, store: list, kind: str) -> None:
+        missing = set(keys) - set(record)
+        if missing:
+            raise ValueError(f"{kind} record lacks {sorted(missing)}")
+        store.append(record)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -38,11 +42,7 @@ class MetricsLog:
         Raises:
             ValueError: a required key is missing (the message lists them).
         """
-        missing = set(TRAIN_KEYS) - set(record)
-        if missing:
-            raise ValueError(f"training record lacks {sorted(missing)}")
-        self.train.append(record)
-        self._append(record)
+        self._append(record, TRAIN_KEYS, self.train, "training")
 
     def log_val(self, **record: Any) -> None:
         """Append one evaluation record (keys ``VAL_KEYS`` at least) to memory and ``metrics.jsonl``.
@@ -50,11 +50,7 @@ class MetricsLog:
         Raises:
             ValueError: a required key is missing (the message lists them).
         """
-        missing = set(VAL_KEYS) - set(record)
-        if missing:
-            raise ValueError(f"evaluation record lacks {sorted(missing)}")
-        self.val.append(record)
-        self._append(record)
+        self._append(record, VAL_KEYS, self.val, "evaluation")
 
 
 def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
