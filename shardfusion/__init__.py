@@ -10,6 +10,7 @@ Public API (v0, see DESIGN.md)::
 """
 
 from shardfusion import comm, topology
+from shardfusion import moe
 from shardfusion.clip import clip_grad_norm_
 from shardfusion.fully_shard import (
     finish_grad_sync,
@@ -18,10 +19,12 @@ from shardfusion.fully_shard import (
     no_sync,
     set_requires_gradient_sync,
 )
+from shardfusion.moe import MoE, is_expert, mark_expert
 from shardfusion.state_dict import full_state_dict
 from shardfusion.topology import Topology
 
 __all__ = [
+    "MoE",
     "Topology",
     "clip_grad_norm_",
     "comm",
@@ -29,6 +32,9 @@ __all__ = [
     "full_state_dict",
     "fully_shard",
     "get_units",
+    "is_expert",
+    "mark_expert",
+    "moe",
     "no_sync",
     "set_requires_gradient_sync",
     "topology",

@@ -27,10 +27,10 @@ class CommRecord:
     """One issued collective.
 
     Attributes:
-        op: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"`` or ``"broadcast"``.
+        op: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``, ``"broadcast"`` or ``"all_to_all"``.
         group_ranks: global ranks of the group, sorted.
         numel: elements of the full (unsharded) tensor involved: the gathered output, the reduce-scatter input, the
-            all-reduced or broadcast tensor.
+            all-reduced or broadcast tensor, the all-to-all's input on this rank.
         nbytes: ``numel * element_size`` in bytes.
     """
 
@@ -139,3 +139,91 @@ def broadcast_coalesced(tensors: list[torch.Tensor], group: Optional[ProcessGrou
             for t in same:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+
+def _check_splits(input: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
+                  size: int) -> None:
+    if input.dim() < 1:
+        raise ValueError(f"all_to_all_single: input must have at least 1 dim (split along dim 0), got {input.shape=}")
+    for name, splits in (("output_split_sizes", output_split_sizes), ("input_split_sizes", input_split_sizes)):
+        if len(splits) != size or any(int(s) < 0 for s in splits):
+            raise ValueError(f"all_to_all_single: {name}={list(splits)} must have one non-negative entry per group "
+                             f"rank (group size {size})")
+    if sum(input_split_sizes) != input.shape[0]:
+        raise ValueError(f"all_to_all_single: sum(input_split_sizes={list(input_split_sizes)}) = "
+                         f"{sum(input_split_sizes)} != input.shape[0] = {input.shape[0]}")
+
+
+def _all_to_all(input: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
+                group: ProcessGroup) -> torch.Tensor:
+    """The issued collective (group size > 1): a new ``(sum(output_split_sizes), *rest)`` tensor."""
+    input = input.contiguous()
+    output = input.new_empty((sum(output_split_sizes), *input.shape[1:]))
+    _record("all_to_all", group, input)
+    dist.all_to_all_single(output, input, list(output_split_sizes), list(input_split_sizes), group=group)
+    return output
+
+
+class _AllToAll(torch.autograd.Function):
+    """Differentiable all-to-all: the backward is the all-to-all of the gradient with the split lists swapped,
+    itself issued through this function (so it is recorded, and differentiable once more)."""
+
+    @staticmethod
+    def forward(ctx, input, output_split_sizes, input_split_sizes, group):
+        ctx.splits = (list(output_split_sizes), list(input_split_sizes))
+        ctx.group = group
+        return _all_to_all(input, output_split_sizes, input_split_sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        output_split_sizes, input_split_sizes = ctx.splits
+        grad_input = _AllToAll.apply(grad_output, input_split_sizes, output_split_sizes, ctx.group)
+        return grad_input, None, None, None
+
+
+def all_to_all_single(input: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
+                      group: Optional[ProcessGroup]) -> torch.Tensor:
+    """Differentiable all-to-all along dim 0 with uneven (and zero) splits.
+
+    ``input`` is ``(N_in, *rest)``, any dtype the backend supports; its rows ``input_split_sizes[i]`` (in group-rank
+    order) go to group rank ``i``. Returns a new ``(sum(output_split_sizes), *rest)`` tensor of the same dtype and
+    device, whose ``output_split_sizes[i]`` rows came from group rank ``i``. The split lists must agree across ranks
+    (what rank ``i`` sends to rank ``j`` is what ``j`` expects from ``i``); the sizes themselves are usually exchanged
+    first with :func:`all_to_all_counts`. The backward is the all-to-all of the gradient with the lists swapped.
+    Every rank of the group must call it, even with nothing to send or receive. A group of one (or ``None``) issues
+    nothing and returns ``input`` itself (an identity). Each issued all-to-all, forward or backward, is recorded as
+    ``"all_to_all"`` with ``numel = input.numel()``.
+
+    Raises:
+        ValueError: ``input`` has no dims; a split list has not one non-negative entry per group rank;
+            ``sum(input_split_sizes) != input.shape[0]``; in a group of one, the two lists differ.
+    """
+    size = group_size(group)
+    _check_splits(input, output_split_sizes, input_split_sizes, size)
+    if size == 1:
+        if list(output_split_sizes) != list(input_split_sizes):
+            raise ValueError(f"all_to_all_single: a group of one receives what it sends, got {output_split_sizes=} "
+                             f"and {input_split_sizes=}")
+        return input
+    return _AllToAll.apply(input, list(output_split_sizes), list(input_split_sizes), group)
+
+
+def all_to_all_counts(counts: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
+    """Exchange equal chunks of integer counts (not differentiable): the usual first step of a dropless all-to-all.
+
+    ``counts`` is ``(G*k,)`` int64 (``G`` = group size), chunk ``i`` (``counts[i*k:(i+1)*k]``) meant for group rank
+    ``i``. Returns a new ``(G*k,)`` int64 tensor whose chunk ``i`` is what group rank ``i`` sent to this rank. A group
+    of one (or ``None``) issues nothing and returns ``counts`` itself. Recorded as ``"all_to_all"``.
+
+    Raises:
+        ValueError: ``counts`` is not 1-D int64 or its length is not a multiple of the group size.
+    """
+    size = group_size(group)
+    if counts.dim() != 1 or counts.dtype != torch.int64 or counts.numel() % size:
+        raise ValueError(f"all_to_all_counts: counts must be 1-D int64 with a length divisible by the group size "
+                         f"({size}), got {counts.shape=}, {counts.dtype=}")
+    if size == 1:
+        return counts
+    splits = [counts.numel() // size] * size
+    with torch.no_grad():
+        return _all_to_all(counts, splits, splits, group)

@@ -1,0 +1,249 @@
+"""An expert-parallel mixture-of-experts feed-forward layer with dropless top-k routing.
+
+[Note: MoE dispatch]
+Shape legend: T tokens on this rank, C d_model, F expert hidden size, E experts, ep expert-parallel degree,
+E_local = E / ep experts held by each rank, K top-k, N = T*K (token, expert) assignments made on this rank,
+N_recv assignments that this rank's experts receive (from every rank of the ep group).
+
+The router picks K experts per token (Switch Transformer, Fedus et al. 2021, with K = 1; GShard, Lepikhin et al.
+2020, with K = 2). Nothing is dropped (no capacity factor), as in MegaBlocks (Gale et al. 2022): each expert gets
+however many rows were routed to it, and the all-to-alls carry uneven splits. One forward, on every rank of the
+ep group:
+
+1. route:    logits (T, E) in fp32 -> softmax probs (T, E) -> top-k gates (T, K), expert ids (T, K).
+2. sort:     the N assignments stably sorted by global expert id; counts (E,) per expert.
+3. counts:   all-to-all of the counts in ep chunks of E_local: how many rows each source rank sends each local expert.
+4. dispatch: all-to-all of the sorted rows (N, C) -> (N_recv, C), ordered by source rank, then local expert.
+5. experts:  rows regrouped by local expert; EVERY local expert runs on its slice, even an empty one.
+6. combine:  regrouping undone, all-to-all back (N_recv, C) -> (N, C), rows scaled by their gates and summed per
+             token into a new (T, C) tensor; a shared expert (if any) adds its output for every token.
+
+Step 5 never skips an expert and no rank returns early (T == 0 included), so every rank builds the same autograd
+graph and issues the same sequence of collectives in forward and backward (DESIGN.md invariant 1), and every expert
+parameter gets a gradient (zeros when it saw no row): the sharding runtime then reduces the same buffers everywhere.
+With ep = 1 the same code runs and the all-to-alls issue nothing.
+
+Expert parameters carry ``param.is_expert = True`` (:data:`EXPERT_ATTR`, set by :func:`mark_expert`): ``fully_shard``
+puts them into expert flat buffers, sharded over the expert inner group. The router and the shared expert are dense.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from shardfusion import comm
+
+EXPERT_ATTR = "is_expert"
+"""Name of the boolean attribute that marks a parameter as an expert parameter (read by :func:`is_expert`)."""
+
+
+def mark_expert(module_or_param: Union[nn.Module, nn.Parameter]) -> Union[nn.Module, nn.Parameter]:
+    """Mark every parameter of a module (or one parameter) as an expert parameter; returns its argument."""
+    params = [module_or_param] if isinstance(module_or_param, torch.Tensor) else module_or_param.parameters()
+    for p in params:
+        setattr(p, EXPERT_ATTR, True)
+    return module_or_param
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """Whether ``param`` was marked as an expert parameter (see :func:`mark_expert`)."""
+    return bool(getattr(param, EXPERT_ATTR, False))
+
+
+class Expert(nn.Module):
+    """A two-layer GELU MLP: ``Expert(d_model, d_hidden)`` maps (N, C) -> (N, C), N == 0 included.
+
+    Not marked expert by itself: :class:`MoE` marks its routed experts, a shared expert stays dense.
+    """
+
+    def __init__(self, d_model: int, d_hidden: int, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_model, d_hidden, device=device, dtype=dtype)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(d_hidden, d_model, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x)))  # (N, C) -> (N, F) -> (N, C)
+
+
+def _route(x_TC: torch.Tensor, router: nn.Linear, top_k: int, normalize: bool):
+    """Router in fp32: probs (T, E), gates (T, K) and expert ids (T, K)."""
+    logits_TE = F.linear(x_TC.float(), router.weight.float())
+    probs_TE = logits_TE.softmax(dim=-1)
+    gates_TK, idx_TK = probs_TE.topk(top_k, dim=-1)
+    if normalize and top_k > 1:
+        gates_TK = gates_TK / gates_TK.sum(dim=-1, keepdim=True)
+    return probs_TE, gates_TK, idx_TK
+
+
+def _dispatch(x_TC: torch.Tensor, idx_TK: torch.Tensor, num_experts: int, group: Optional[ProcessGroup]):
+    """Steps 2-4 of [Note: MoE dispatch]: sort, exchange counts, send rows to the ranks holding their experts.
+
+    Returns the received rows (N_recv, C) and a plan (dict) for the experts and the way back.
+    """
+    ep = comm.group_size(group)
+    e_local = num_experts // ep
+    idx_N = idx_TK.reshape(-1)
+    order_N = torch.argsort(idx_N, stable=True)                       # (N,) assignments sorted by expert
+    counts_E = torch.bincount(idx_N, minlength=num_experts)           # (E,) int64
+    recv_counts = comm.all_to_all_counts(counts_E, group).view(ep, e_local)  # (ep, E_local): [source, local expert]
+    plan = {
+        "order": order_N,
+        "token": order_N // idx_TK.shape[1],                          # (N,) token of each sorted assignment
+        "counts": counts_E,
+        "send": counts_E.view(ep, e_local).sum(dim=1).tolist(),       # rows to each ep rank
+        "recv": recv_counts.sum(dim=1).tolist(),                      # rows from each ep rank
+        "expert_sizes": recv_counts.sum(dim=0).tolist(),              # rows for each local expert
+    }
+    x_NC = x_TC.index_select(0, plan["token"])
+    x_recv = comm.all_to_all_single(x_NC, plan["recv"], plan["send"], group)  # (N_recv, C)
+    local_id = torch.arange(e_local, device=x_TC.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
+    plan["regroup"] = torch.argsort(local_id, stable=True)             # (N_recv,) rows grouped by local expert
+    return x_recv, plan
+
+
+def _run_experts(x_recv: torch.Tensor, plan: dict, experts: list[nn.Module]) -> torch.Tensor:
+    """Step 5: every local expert on its slice (empty slices included); returns (N_recv, C) in received order."""
+    x_grouped = x_recv.index_select(0, plan["regroup"])
+    y_grouped = torch.cat([expert(rows) for expert, rows in zip(experts, x_grouped.split(plan["expert_sizes"]))])
+    return y_grouped.new_zeros(y_grouped.shape).index_copy(0, plan["regroup"], y_grouped)
+
+
+def _combine(y_recv: torch.Tensor, plan: dict, gates_TK: torch.Tensor, x_TC: torch.Tensor,
+             group: Optional[ProcessGroup]) -> torch.Tensor:
+    """Step 6: rows back to their source ranks, scaled by their gates, summed per token into a new (T, C)."""
+    y_NC = comm.all_to_all_single(y_recv, plan["send"], plan["recv"], group)  # (N, C) in sorted order
+    gates_N = gates_TK.reshape(-1).index_select(0, plan["order"])              # (N,)
+    weighted_NC = (y_NC * gates_N.unsqueeze(1).to(y_NC.dtype)).to(x_TC.dtype)
+    return x_TC.new_zeros(x_TC.shape).index_add(0, plan["token"], weighted_NC)
+
+
+class MoE(nn.Module):
+    """Expert-parallel MoE feed-forward layer: (..., C) -> (..., C). See [Note: MoE dispatch].
+
+    Args:
+        d_model: C. d_hidden: F, each expert's hidden size.
+        num_experts: E, the global number of experts; must be divisible by the ep group size.
+        top_k: K, experts per token, in [1, E] (default 2).
+        ep_group: the expert-parallel group (e.g. ``topo.get_group("ep")``); ``None`` (default) or a group of one
+            holds every expert. Group rank j holds the experts ``j*E_local .. (j+1)*E_local - 1``.
+        shared_expert_hidden: hidden size of a dense :class:`Expert` applied to every token and added to the routed
+            output; 0 (default) for none.
+        normalize_top_k: renormalize the K gates of a token to sum to 1 when K > 1 (default True).
+
+    Attributes:
+        router: ``nn.Linear(C, E, bias=False)``, dense, applied in fp32.
+        experts: ``nn.ModuleDict`` of this rank's E_local experts only, keyed by their global index (``"5"``), so
+            parameter names are global (``experts.5.fc.weight``); every parameter is marked :data:`EXPERT_ATTR`.
+        shared_expert: the dense shared :class:`Expert`, or ``None``.
+        expert_seed: the one seed drawn from the global RNG in ``__init__`` (see :meth:`reset_expert_parameters`).
+        aux_loss: after a forward, the load-balancing loss over this rank's tokens, a 0-dim fp32 tensor
+            ``E * sum_e f_e * P_e`` (f_e: fraction of the N assignments routed to e, no gradient; P_e: mean router
+            probability of e over the T tokens, differentiable); 0 when T == 0. Not added to anything: the caller
+            adds ``coef * aux_loss`` to its loss (Switch Transformer, GShard).
+        tokens_per_expert: after a forward, (E,) int64, this rank's assignments per global expert (detached).
+
+    Initialization does not depend on ep: ``__init__`` draws exactly one seed from the global RNG (after the router,
+    before the shared expert), whatever ep is, and each expert g is drawn from its own generator seeded
+    ``expert_seed + g``; so expert g, and any parameter created later, has the same values at every ep.
+
+    Raises:
+        ValueError: a dim < 1 (``shared_expert_hidden`` < 0), ``top_k`` not in [1, E], ``num_experts % ep != 0``.
+    """
+
+    def __init__(self, d_model: int, d_hidden: int, num_experts: int, top_k: int = 2, *,
+                 ep_group: Optional[ProcessGroup] = None, shared_expert_hidden: int = 0,
+                 normalize_top_k: bool = True) -> None:
+        super().__init__()
+        for name, value, low in (("d_model", d_model, 1), ("d_hidden", d_hidden, 1), ("num_experts", num_experts, 1),
+                                 ("shared_expert_hidden", shared_expert_hidden, 0)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"MoE: {name} must be an int >= {low}, got {value!r}")
+        if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+            raise ValueError(f"MoE: top_k({top_k!r}) must be in [1, num_experts({num_experts})]")
+        ep = comm.group_size(ep_group)
+        if num_experts % ep:
+            raise ValueError(f"MoE: num_experts({num_experts}) % ep({ep}) = {num_experts % ep} != 0: each rank of the "
+                             f"ep group holds num_experts / ep experts")
+        self.ep_group = ep_group
+        self._ep_size, self._ep_rank = ep, (0 if ep == 1 else dist.get_rank(ep_group))
+        self._num_experts, self._top_k, self.normalize_top_k = num_experts, top_k, normalize_top_k
+
+        self.router = nn.Linear(d_model, num_experts, bias=False)
+        self.expert_seed = int(torch.randint(0, 2**62, (1,), device="cpu"))
+        # Built on "meta" so that no global RNG draw depends on E_local; filled by reset_expert_parameters.
+        device, dtype = self.router.weight.device, self.router.weight.dtype
+        e_local = self.num_local_experts
+        first = self._ep_rank * e_local
+        self.experts = nn.ModuleDict({
+            str(g): mark_expert(Expert(d_model, d_hidden, device="meta", dtype=dtype).to_empty(device=device))
+            for g in range(first, first + e_local)
+        })
+        self.reset_expert_parameters()
+        self.shared_expert = Expert(d_model, shared_expert_hidden) if shared_expert_hidden > 0 else None
+        self.aux_loss: Optional[torch.Tensor] = None
+        self.tokens_per_expert: Optional[torch.Tensor] = None
+
+    @torch.no_grad()
+    def reset_expert_parameters(self, std: float = 0.02, proj_std: Optional[float] = None) -> None:
+        """(Re)initialize this rank's experts: ``fc.weight ~ N(0, std)``, ``proj.weight ~ N(0, proj_std or std)``,
+        biases 0, each expert g from a CPU generator seeded ``expert_seed + g`` (the same values on every call)."""
+        for name, expert in self.experts.items():
+            gen = torch.Generator().manual_seed(self.expert_seed + int(name))
+            for linear, s in ((expert.fc, std), (expert.proj, std if proj_std is None else proj_std)):
+                linear.weight.copy_(torch.empty(linear.weight.shape).normal_(0.0, s, generator=gen))
+                linear.bias.zero_()
+
+    @property
+    def num_experts(self) -> int:
+        """E, the global number of experts."""
+        return self._num_experts
+
+    @property
+    def num_local_experts(self) -> int:
+        """E_local = E / ep, the experts this rank holds."""
+        return self._num_experts // self._ep_size
+
+    @property
+    def ep_size(self) -> int:
+        """Size of the ep group (1 without one)."""
+        return self._ep_size
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in the ep group (0 without one)."""
+        return self._ep_rank
+
+    @property
+    def top_k(self) -> int:
+        """K, experts per token."""
+        return self._top_k
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, ep={self.ep_size}, ep_rank={self.ep_rank}, "
+                f"normalize_top_k={self.normalize_top_k}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., C) -> (..., C); sets :attr:`aux_loss` and :attr:`tokens_per_expert`. Collective over the ep group:
+        every rank of it must call it, also with no tokens."""
+        x_TC = x.reshape(-1, x.shape[-1])
+        num_tokens = x_TC.shape[0]
+        probs_TE, gates_TK, idx_TK = _route(x_TC, self.router, self.top_k, self.normalize_top_k)
+        x_recv, plan = _dispatch(x_TC, idx_TK, self.num_experts, self.ep_group)
+        y_recv = _run_experts(x_recv, plan, list(self.experts.values()))
+        out_TC = _combine(y_recv, plan, gates_TK, x_TC, self.ep_group)
+        if self.shared_expert is not None:
+            out_TC = out_TC + self.shared_expert(x_TC)
+
+        counts_E = plan["counts"]
+        f_E = counts_E.float() / max(num_tokens * self.top_k, 1)       # no gradient
+        p_E = probs_TE.sum(dim=0) / max(num_tokens, 1)                   # differentiable
+        self.aux_loss = self.num_experts * (f_E * p_E).sum()
+        self.tokens_per_expert = counts_E.detach()
+        return out_TC.view(x.shape)
