@@ -62,6 +62,8 @@ class FlatGroup:
         replicate_group: group holding identical shards; gradients are all-reduced over it once per step.
         grad_divisor: the data-parallel world size (dp * sharding); reduced gradients are divided by it so they are
             the gradient of the mean loss over the global batch.
+        data_parallel_group: the ranks that hold these parameters before sharding (all data-parallel ranks for dense
+            parameters; for experts, the ranks with the same ep index); the values of its first rank are broadcast.
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class FlatGroup:
         self.grad_divisor = grad_divisor
         self.requires_grad = params[0].requires_grad
         self.counts_in_norm = True  # set by the owner: whether this rank counts this group's elements in a norm
+        self.is_expert = False  # set by the owner: expert parameters (distinct across the ep ranks)
         dtype, device = params[0].dtype, params[0].device
         P, S = layout.padded_numel, layout.shard_numel
         if P == 0:  # only zero-element parameters: nothing to communicate, on every rank alike

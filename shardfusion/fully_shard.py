@@ -21,6 +21,7 @@ from shardfusion.unit import Unit
 
 ReshardFilter = Union[str, Callable[[str, nn.Module], bool]]
 _RESHARD_POLICIES = ("after_forward", "after_backward")
+_EXPERT_POLICIES = ("replicate", "shard")
 ALIGN_BYTES = 16  # each parameter starts at a multiple of 16 bytes in its flat buffer
 
 
@@ -35,6 +36,8 @@ def fully_shard(
     grad_comm_dtype: Optional[torch.dtype] = None,
     replicate_filter: Optional[Callable[[str, nn.Parameter], bool]] = None,
     broadcast_buffers: bool = True,
+    expert_filter: Optional[Callable[[str, nn.Parameter], bool]] = None,
+    expert_policy: str = "replicate",
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP (``fsdp_outer_degree == 1``) or HSDP (``> 1``) and return it.
 
@@ -45,8 +48,8 @@ def fully_shard(
     resharded after forward. A parameter registered in several modules (tied) belongs to the unit of their lowest
     common ancestor.
 
-    Each unit keeps one flat buffer per (dtype, device, trainable or frozen, sharded or kept whole); parameters start
-    at 16-byte aligned offsets and the buffer is padded to a multiple of the inner degree. Each rank keeps its
+    Each unit keeps one flat buffer per (dtype, device, trainable or frozen, sharded or kept whole, dense or expert);
+    parameters start at 16-byte aligned offsets and the buffer is padded to a multiple of its shard count. Each rank keeps its
     ``1/inner`` shard in the parameters' own dtype. Afterwards ``model.named_parameters()`` yields, under the original
     names, 1-D fragments (views into the shard, possibly of 0 elements), so any ``torch.optim`` optimizer works
     unchanged. Gradients become the gradient of the mean loss over the global batch (summed over the data-parallel
@@ -68,17 +71,33 @@ def fully_shard(
         broadcast_buffers: broadcast module buffers (e.g. BatchNorm running statistics) from the first data-parallel
             rank at the start of every forward in training mode, as DDP does, so replicas keep identical buffers.
             Buffers are always broadcast once when wrapping.
+        expert_filter: optional ``(name, parameter) -> bool`` choosing the expert parameters; default: those with
+            ``param.is_expert = True`` (set by :class:`shardfusion.moe.MoE`; see :func:`shardfusion.moe.mark_expert`).
+            Expert parameters differ across the ep ranks (each ep rank holds its own experts); they are broadcast at
+            wrap time over the ranks holding the same experts (``dp x moe_sharding``) and go into flat buffers of
+            their own. Their gradients are divided by ``dp * sharding`` like dense ones (the mean over the global
+            batch), never by the size of an expert group.
+        expert_policy: how expert buffers use the outer group: ``"replicate"`` (HSDP, the default: sharded over the
+            expert inner group ``moe_sharding / outer``, all-reduced over ``dp x outer`` once per step, the same
+            replicate group object as dense buffers) or ``"shard"`` (sharded over the whole moe_sharding group, so
+            only the dp replicas all-reduce them: no outer all-reduce for experts; their all-gathers then cross the
+            outer group, as in Megatron-FSDP's ``outer_dp_sharding_strategy``). With ``fsdp_outer_degree == 1`` both
+            are the same.
 
     Returns:
         ``model``, changed in place.
 
     Raises:
-        ValueError: bad ``units``, ``comm_unit_size``, ``reshard_policy`` or ``reshard_filter``; a model that is
-            already sharded.
+        ValueError: bad ``units``, ``comm_unit_size``, ``reshard_policy``, ``reshard_filter``, ``expert_filter`` or
+            ``expert_policy``; a model that is already sharded.
         NotImplementedError: ``sep * cp > 1``, or ``param_dtype``/``grad_comm_dtype`` given.
     """
     _check_args(model, topology, units, comm_unit_size, reshard_policy, reshard_filter, param_dtype, grad_comm_dtype,
                 replicate_filter)
+    if expert_filter is not None and not callable(expert_filter):
+        raise ValueError(f"expert_filter must be None or a callable (name, param) -> bool, got {expert_filter!r}")
+    if expert_policy not in _EXPERT_POLICIES:
+        raise ValueError(f"expert_policy must be one of {_EXPERT_POLICIES}, got {expert_policy!r}")
     unit_specs = _unit_modules(model, tuple(units or ()), comm_unit_size)
     built: list[Unit] = []
     for name, modules in unit_specs:
@@ -86,8 +105,9 @@ def fully_shard(
         built.append(Unit(name, modules, reshard))
     owner = _owning_unit(model, unit_specs)
     placed = _assign_params(model, owner)
+    plan = _GroupPlan(topology, replicate_filter, expert_filter or _marked_expert, expert_policy)
     for unit_index, params in enumerate(placed):
-        _add_flat_groups(built[unit_index], params, topology, replicate_filter)
+        _add_flat_groups(built[unit_index], params, plan)
     comm.broadcast_coalesced(list(model.buffers()), topology.get_data_parallel_group())  # e.g. BatchNorm statistics start equal too
     state = ShardState(model, built, topology, broadcast_buffers)
     state.register_hooks()
@@ -283,29 +303,55 @@ def _common_prefix(module_names: list[str]) -> str:
     return ".".join(prefix)
 
 
-def _add_flat_groups(unit: Unit, params: list, topology, replicate_filter) -> None:
+def _marked_expert(name: str, param: nn.Parameter) -> bool:
+    return bool(getattr(param, "is_expert", False))
+
+
+class _GroupPlan:
+    """Which groups a flat buffer of each kind uses (see ``fully_shard``'s ``replicate_filter``, ``expert_policy``)."""
+
+    def __init__(self, topology, replicate_filter, expert_filter, expert_policy: str) -> None:
+        self.topology = topology
+        self.replicate_filter = replicate_filter
+        self.expert_filter = expert_filter
+        self.expert_policy = expert_policy
+
+    def kind(self, name: str, p: nn.Parameter) -> tuple:
+        """The key of the flat buffer ``p`` goes into: (dtype, device, trainable, whole, tensor parallel, expert)."""
+        whole = bool(self.replicate_filter(name, p)) if self.replicate_filter is not None else False
+        tp = bool(getattr(p, "tensor_model_parallel", False))
+        return (p.dtype, p.device, p.requires_grad, whole, tp, bool(self.expert_filter(name, p)))
+
+    def groups(self, whole: bool, expert: bool) -> tuple:
+        """``(shard_group, reduce_group, replicate_group, broadcast_group)`` for a buffer of this kind."""
+        t = self.topology
+        # Ranks that hold the same parameters before sharding: all data-parallel ranks for dense ones, the ranks
+        # with this rank's ep index for experts.
+        holders = t.get_expert_data_parallel_group() if expert else t.get_data_parallel_group()
+        if whole:
+            return None, None, holders, holders
+        if expert and self.expert_policy == "shard":
+            return t.get_fsdp_group(is_expert=True), t.get_reduce_group("moe_sharding"), t.get_group("dp"), holders
+        return (t.get_fsdp_inner_group(is_expert=expert), t.get_fsdp_inner_reduce_group(is_expert=expert),
+                t.get_replicate_group(), holders)
+
+
+def _add_flat_groups(unit: Unit, params: list, plan: _GroupPlan) -> None:
     """Group a unit's parameters by kind and build one :class:`FlatGroup` per kind, in first-seen order."""
     kinds: dict[tuple, list] = {}
     for name, p, regs in params:
-        whole = bool(replicate_filter(name, p)) if replicate_filter is not None else False
-        tp = bool(getattr(p, "tensor_model_parallel", False))
-        kinds.setdefault((p.dtype, p.device, p.requires_grad, whole, tp), []).append((name, p, regs))
-    dp_group = topology.get_data_parallel_group()
+        kinds.setdefault(plan.kind(name, p), []).append((name, p, regs))
+    topology = plan.topology
     divisor = topology.dp * topology.sharding
-    for (dtype, _device, _rg, whole, tp), members in kinds.items():
-        if whole:
-            shard_group = reduce_group = None
-            replicate_group = dp_group
-        else:
-            shard_group = topology.get_fsdp_inner_group()
-            reduce_group = topology.get_fsdp_inner_reduce_group()
-            replicate_group = topology.get_replicate_group()
+    for (dtype, _device, _rg, whole, tp, expert), members in kinds.items():
+        shard_group, reduce_group, replicate_group, holders = plan.groups(whole, expert)
         shard_count = 1 if shard_group is None else dist.get_world_size(shard_group)
         shard_index = 0 if shard_group is None else dist.get_rank(shard_group)
         align = max(1, ALIGN_BYTES // torch.tensor([], dtype=dtype).element_size())
         layout = build_layout([n for n, _, _ in members], [tuple(p.shape) for _, p, _ in members], shard_count,
                               align)
         group = FlatGroup(layout, [p for _, p, _ in members], shard_index, shard_group, reduce_group,
-                          replicate_group, divisor, dp_group)
+                          replicate_group, divisor, holders)
+        group.is_expert = expert
         group.counts_in_norm = dist.get_rank(replicate_group) == 0 and (tp or topology.mp_rank == 0)
         unit.add_group(group, [regs for _, _, regs in members])

@@ -19,6 +19,7 @@ and every kind of group is the set of ranks that differ only along some of them 
     fsdp_inner    = expert_inner x ep              expert_inner = expert_inner
     fsdp_outer    = expert_outer = outer           replicate    = dp x outer   (ranks holding the same shard)
     data_parallel = dp x outer x expert_inner x ep (ranks reading different samples)
+    expert_data_parallel = dp x outer x expert_inner (ranks holding the same experts)
 
 :func:`group_ranks` lists the groups of a kind without any communication; :class:`Topology` creates them all, on every
 rank and in one global order, through one ``DeviceMesh``.
@@ -55,6 +56,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "expert_outer": ("outer",),
     "replicate": ("dp", "outer"),
     "data_parallel": ("dp", "outer", "expert_inner", "ep"),
+    "expert_data_parallel": ("dp", "outer", "expert_inner"),
     "world": AXES,
 }
 """Every kind of group, as the atomic axes its members differ along."""
@@ -253,10 +255,13 @@ class Topology:
         self._mesh = init_device_mesh("cuda" if "nccl" in backend else "cpu", tuple(d.axis_sizes.values()),
                                       mesh_dim_names=AXES, backend_override={a: self._override for a in AXES})
         by_axes: dict[tuple[str, ...], dist.ProcessGroup] = {}
-        self._groups = {kind: self._make_group(kind, by_axes) for kind in KINDS if kind != "world"}
+        self._groups = {kind: self._make_group(kind, by_axes) for kind in KINDS if kind not in ("world", "ep")}
+        # The MoE all-to-alls get a group of their own, never shared with the all-gathers of an inner group over the
+        # same ranks, so the two streams of collectives cannot interleave differently on different ranks.
+        self._groups["ep"] = self._make_group("ep", {}, twin=d.ep > 1, name="ep_dispatch")
         twins: dict[tuple[str, ...], dist.ProcessGroup] = {}
-        self._reduce_groups = {is_expert: self._make_group(kind, twins, twin=True)
-                               for is_expert, kind in ((False, "fsdp_inner"), (True, "expert_inner"))}
+        self._reduce_groups = {kind: self._make_group(kind, twins, twin=True)
+                               for kind in ("fsdp_inner", "expert_inner", "moe_sharding")}
 
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         spanning = _inner_kinds_spanning_nodes(d, int(local)) if local.isdigit() and int(local) > 0 else []
@@ -265,11 +270,11 @@ class Topology:
                           f"their all-gathers and reduce-scatters cross the network; raise fsdp_outer_degree so that "
                           f"inner fits in a node", stacklevel=2)
 
-    def _make_group(self, kind: str, cache: dict, twin: bool = False) -> dist.ProcessGroup:
+    def _make_group(self, kind: str, cache: dict, twin: bool = False, name: str | None = None) -> dist.ProcessGroup:
         """One group of ``kind`` for this rank, shared through ``cache`` by kinds over the same non-trivial axes.
 
-        A ``twin`` is always a new group (``_flatten`` under a new name creates one, even over a single axis);
-        otherwise a single non-trivial axis reuses the mesh's own group.
+        A ``twin`` is always a new group (``_flatten`` under a new name, ``name`` or ``{kind}_reduce``, creates one,
+        even over a single axis); otherwise a single non-trivial axis reuses the mesh's own group.
         """
         axes = KINDS[kind]
         key = tuple(a for a in axes if self.degrees.axis_sizes[a] > 1)
@@ -278,8 +283,8 @@ class Topology:
                 cache[key] = self._mesh.get_group((key or axes)[0])
             else:
                 submesh = self._mesh[key or axes[:1]]
-                name = f"{kind}_reduce" if twin else kind
-                cache[key] = submesh._flatten(name, backend_override=self._override).get_group()
+                flat_name = (name or f"{kind}_reduce") if twin else kind
+                cache[key] = submesh._flatten(flat_name, backend_override=self._override).get_group()
         return cache[key]
 
     @property
@@ -316,7 +321,23 @@ class Topology:
     def get_fsdp_inner_reduce_group(self, is_expert: bool = False) -> dist.ProcessGroup:
         """A second group over the ranks of :meth:`get_fsdp_inner_group`, for reduce-scatters, so their order is
         independent of the all-gathers'; never the same object as the all-gather group."""
-        return self._reduce_groups[is_expert]
+        return self._reduce_groups["expert_inner" if is_expert else "fsdp_inner"]
+
+    def get_reduce_group(self, kind: str) -> dist.ProcessGroup:
+        """The reduce-scatter twin of the group of ``kind``: ``"fsdp_inner"``, ``"expert_inner"`` or
+        ``"moe_sharding"`` (experts sharded over the whole moe_sharding group, ``expert_policy="shard"``).
+
+        Raises:
+            ValueError: another ``kind``.
+        """
+        if kind not in self._reduce_groups:
+            raise ValueError(f"no reduce-scatter group for kind {kind!r}; valid kinds are {sorted(self._reduce_groups)}")
+        return self._reduce_groups[kind]
+
+    def get_expert_data_parallel_group(self) -> dist.ProcessGroup:
+        """Ranks holding the same experts (``dp x moe_sharding``: every rank with this rank's ep index); expert
+        parameters are broadcast over it at wrap time, as dense ones are over the data-parallel group."""
+        return self._groups["expert_data_parallel"]
 
     def get_fsdp_outer_group(self, is_expert: bool = False) -> dist.ProcessGroup:
         """The outer group; dense and expert parameters get the same object."""

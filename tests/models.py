@@ -179,6 +179,51 @@ class ZeroSizeModel(nn.Module):
         return h.sum(-1) / 24 + self.lin(x[:, :4]).sum(-1) + self.empty.sum()
 
 
+# --- MoE (issue 3: parity over ep and expert policies, F3) -----------------------------------------------------------
+
+MOE_EXPERTS, MOE_TOP_K, AUX_COEF = 4, 2, 0.01
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm residual MoE block: x + moe(ln(x)), 4 experts of hidden 2D, top-2, plus a shared expert."""
+
+    def __init__(self, d: int = WIDTH, ep_group=None) -> None:
+        super().__init__()
+        from shardfusion.moe import MoE
+
+        self.ln = nn.LayerNorm(d)
+        self.moe = MoE(d, 2 * d, MOE_EXPERTS, top_k=MOE_TOP_K, ep_group=ep_group, shared_expert_hidden=d)
+
+    def forward(self, x):  # x: (B, T, D)
+        return x + self.moe(self.ln(x))
+
+
+class TinyMoETransformer(nn.Module):
+    """TinyTransformer with MoE blocks: embedding + positions, 2 MoEBlocks, final LayerNorm, tied head.
+
+    Expert parameters differ across ep ranks: ep rank j holds experts j*E/ep .. under their global names.
+    """
+
+    def __init__(self, ep_group=None, vocab: int = VOCAB, d: int = WIDTH, seq: int = SEQ) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(0.1 * torch.randn(seq, d))
+        self.blocks = nn.ModuleList([MoEBlock(d, ep_group) for _ in range(2)])
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):  # idx: (B, T) int64
+        x = self.tok(idx) + self.pos[: idx.shape[1]]  # (B, T, D)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))  # (B, T, V)
+
+    def aux_loss(self) -> torch.Tensor:
+        """Sum of the blocks' load-balancing losses from the last forward (this rank's tokens)."""
+        return sum(b.moe.aux_loss for b in self.blocks)
+
+
 # --- construction, data, loss -----------------------------------------------------------------------------------------
 
 _BUILDERS = {
@@ -190,6 +235,7 @@ _BUILDERS = {
     "skip_mixed": lambda: SkipModel("mixed"),
     "tiny_params": TinyParams,
     "zero_size": ZeroSizeModel,
+    "moe": TinyMoETransformer,
 }
 
 # Unit classes by model kind, for units="class".
@@ -202,18 +248,29 @@ UNIT_CLASSES = {
     "skip_mixed": (nn.Linear, HalfFrozenLinear),
     "tiny_params": (Vec,),
     "zero_size": (),
+    "moe": (MoEBlock,),  # router, shared expert and experts of a block fused in one unit
 }
 
 
-def build_model(kind: str, seed: int = MODEL_SEED) -> nn.Module:
-    """The model of `kind`, initialized under torch.manual_seed(seed)."""
+def expert_unit_classes() -> tuple:
+    """units for "moe" with every expert in a unit of its own (nested in its block's unit)."""
+    from shardfusion.moe import Expert
+
+    return (MoEBlock, Expert)
+
+
+def build_model(kind: str, seed: int = MODEL_SEED, ep_group=None) -> nn.Module:
+    """The model of `kind`, initialized under torch.manual_seed(seed); MoE models take their ep group (None: all
+    experts in this process, the reference)."""
     torch.manual_seed(seed)
+    if kind == "moe":
+        return TinyMoETransformer(ep_group)
     return _BUILDERS[kind]()
 
 
 def make_batch(kind: str, generator: torch.Generator, batch_size: int = 4) -> dict:
     """One micro-batch for `kind` drawn from `generator`: {"x": input, "y": target}."""
-    if kind == "transformer":
+    if kind in ("transformer", "moe"):
         idx = torch.randint(0, VOCAB, (batch_size, SEQ + 1), generator=generator)  # (B, T+1)
         return {"x": idx[:, :-1], "y": idx[:, 1:]}
     d_in, d_out = {"mlp": (8, 4), "scaled_mlp": (8, 4), "tiny_params": (8, None), "zero_size": (8, None),
@@ -234,4 +291,6 @@ def loss_fn(kind: str, model: nn.Module, batch: dict, **forward_kwargs) -> torch
     out = model(batch["x"], **forward_kwargs)
     if kind == "transformer":
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), batch["y"].reshape(-1))
+    if kind == "moe":  # the load-balancing loss is over the tokens of this call: one rank's micro-batch
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), batch["y"].reshape(-1)) + AUX_COEF * model.aux_loss()
     return F.mse_loss(out, batch["y"])

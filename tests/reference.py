@@ -5,6 +5,8 @@ A `Case` describes one training configuration. Two loops run it, written side by
 * `reference_train(case)`: one process, the model built under seed 42, and at every micro-batch the *global*
   batch = the concatenation, in data-parallel rank order, of what every data-parallel rank draws; loss = mean over
   that global batch; `(loss / K).backward()` for K micro-batches; the same optimizer (and clipping) as the sharded run.
+  MoE models (with all experts in the one process) run once per data-parallel rank's micro-batch instead and average
+  those losses, since their load-balancing loss is defined over the tokens of one rank.
 * `sharded_train(case)`: runs inside a `harness.run_distributed` worker. Data-parallel rank r (ranks with equal
   `topo.data_parallel_rank` see the same samples) draws from a generator seeded `DATA_SEED + r + 1`; each rank's
   loss is the mean over its own micro-batch; the library makes the gradient that of the global mean. The global loss
@@ -27,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-from models import MODEL_SEED, UNIT_CLASSES, build_model, concat_batches, loss_fn, make_batch
+from models import MODEL_SEED, UNIT_CLASSES, build_model, concat_batches, expert_unit_classes, loss_fn, make_batch
 
 DATA_SEED = 42
 RTOL, ATOL = 1e-5, 1e-6
@@ -44,7 +46,8 @@ class Case:
     outer: int = 1  # fsdp_outer_degree
     dp: int = 1
     mp: int = 1
-    units: str = "class"  # "class": UNIT_CLASSES[model]; "size": comm_unit_size; "none": everything in the root
+    units: str = "class"  # "class": UNIT_CLASSES[model]; "experts": MoE blocks and each expert its own unit;
+    # "size": comm_unit_size; "none": everything in the root
     comm_unit_size: Optional[int] = None
     reshard_policy: str = "after_forward"
     micro: int = 1  # micro-batches per step (K)
@@ -61,6 +64,9 @@ class Case:
     check_resharded: bool = False  # report get_units(...).is_unsharded after every step
     merge_micro: int = 1  # draw this many micro-batches and train on their concatenation as one (F6's K=1 twin)
     count_comm: bool = False  # report the shardfusion collectives of every step (sf.comm.CommCounter)
+    ep: int = 1  # expert parallel degree (MoE models)
+    expert_policy: str = "replicate"  # fully_shard's expert_policy
+    measure_norms: tuple = ()  # norm types measured (max_norm=inf) before clipping, every step
 
     @property
     def data_parallel(self) -> int:
@@ -127,7 +133,7 @@ def reference_train(case: Case) -> dict:
     """
     model = build_model(case.model, seed=0 if case.seed_by_rank else MODEL_SEED)
     out: dict[str, Any] = {"init": _snapshot(dict(model.named_parameters())), "losses": [], "grads": [],
-                           "clipped": [], "norms": [], "params": [], "shapes": {}}
+                           "clipped": [], "norms": [], "params": [], "shapes": {}, "measured": []}
     out["shapes"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
     opt = make_optimizer(case, model.named_parameters())
     gens = [torch.Generator().manual_seed(DATA_SEED + r + 1) for r in range(case.data_parallel)]
@@ -135,12 +141,17 @@ def reference_train(case: Case) -> dict:
     for step in range(case.steps):
         losses = []
         for _ in range(K):
-            batch = concat_batches([draw_batch(case, g) for g in gens])
-            loss = loss_fn(case.model, model, batch, **forward_kwargs(case, step))
+            draws = [draw_batch(case, g) for g in gens]
+            if case.model == "moe":
+                loss = torch.stack([loss_fn(case.model, model, d) for d in draws]).mean()
+            else:
+                loss = loss_fn(case.model, model, concat_batches(draws), **forward_kwargs(case, step))
             (loss / K).backward()
             losses.append(loss.detach())
         out["losses"].append(torch.stack(losses).mean().item())
         out["grads"].append(_snapshot({n: p.grad for n, p in model.named_parameters()}))
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        out["measured"].append([torch.nn.utils.get_total_norm(grads, t).item() for t in case.measure_norms])
         if case.clip is not None:
             max_norm, norm_type = case.clip
             params = [p for p in model.parameters() if p.grad is not None]
@@ -162,9 +173,10 @@ def get_topology(case: Case):
     """One Topology per layout per worker (group creation is collective and not free)."""
     import shardfusion as sf
 
-    key = (case.dp, case.sharding, case.mp, case.outer)
+    key = (case.dp, case.sharding, case.mp, case.outer, case.ep)
     if key not in _TOPOLOGIES:
-        _TOPOLOGIES[key] = sf.Topology(dp=case.dp, sharding=case.sharding, mp=case.mp, fsdp_outer_degree=case.outer)
+        _TOPOLOGIES[key] = sf.Topology(dp=case.dp, sharding=case.sharding, mp=case.mp, fsdp_outer_degree=case.outer,
+                                       ep=case.ep)
     return _TOPOLOGIES[key]
 
 
@@ -179,9 +191,11 @@ def coordinates(topo) -> dict:
 
 
 def wrap_kwargs(case: Case) -> dict:
-    kw: dict[str, Any] = {"reshard_policy": case.reshard_policy}
+    kw: dict[str, Any] = {"reshard_policy": case.reshard_policy, "expert_policy": case.expert_policy}
     if case.units == "class":
         kw["units"] = UNIT_CLASSES[case.model]
+    elif case.units == "experts":
+        kw["units"] = expert_unit_classes()
     elif case.units == "size":
         kw["comm_unit_size"] = case.comm_unit_size
     if case.replicate:
@@ -196,10 +210,11 @@ def sharded_train(case: Case) -> dict:
     import shardfusion as sf
 
     topo = get_topology(case)
-    model = build_model(case.model, seed=dist.get_rank() if case.seed_by_rank else MODEL_SEED)
+    model = build_model(case.model, seed=dist.get_rank() if case.seed_by_rank else MODEL_SEED,
+                        ep_group=topo.get_group("ep"))
     sf.fully_shard(model, topo, **wrap_kwargs(case))
     out: dict[str, Any] = {"coords": coordinates(topo), "losses": [], "grads": [], "clipped": [], "norms": [],
-                           "params": [], "unsharded_after_step": []}
+                           "params": [], "unsharded_after_step": [], "measured": [], "placement": placement(model)}
     out["names"] = [n for n, _ in model.named_parameters()]
     out["units"] = [(u.name, list(u.param_names)) for u in sf.get_units(model)]
     if case.record_wrap:
@@ -224,6 +239,8 @@ def sharded_train(case: Case) -> dict:
             if case.record_grads:
                 sf.finish_grad_sync(model)
                 out["grads"].append(_snapshot({n: p.grad for n, p in model.named_parameters()}))
+            out["measured"].append([sf.clip_grad_norm_(model, math.inf, norm_type=t).item()
+                                    for t in case.measure_norms])
             if case.clip is not None:
                 max_norm, norm_type = case.clip
                 norm = sf.clip_grad_norm_(model, max_norm, norm_type=norm_type)
@@ -238,6 +255,22 @@ def sharded_train(case: Case) -> dict:
         if case.check_resharded:
             out["unsharded_after_step"].append([u.name for u in sf.get_units(model) if u.is_unsharded])
     out["full"] = _snapshot(sf.full_state_dict(model))
+    return out
+
+
+def placement(model) -> dict[str, tuple]:
+    """{parameter name: (ranks of the group it is sharded over, this rank's shard index)}; a whole parameter has
+    the group of this rank alone and index 0."""
+    import torch.distributed as dist
+    import shardfusion as sf
+
+    out = {}
+    for unit in sf.get_units(model):
+        for g in unit.groups:
+            ranks = (dist.get_rank(),) if g.shard_group is None else tuple(dist.get_process_group_ranks(g.shard_group))
+            index = 0 if g.shard_group is None else dist.get_rank(g.shard_group)
+            for slot in g.layout.slots:
+                out[slot.name] = (ranks, index)
     return out
 
 
@@ -269,12 +302,6 @@ def case_results(per_rank: list[dict], name: str) -> list[dict]:
     return rs
 
 
-def first_inner_group(rs: list[dict]) -> list[dict]:
-    """The results of the ranks of the inner group of rank 0, in inner-rank order (their shards tile the buffer)."""
-    members = [r for r in rs if r["coords"]["rank"] in rs[0]["coords"]["inner_ranks"]]
-    return sorted(members, key=lambda r: r["coords"]["inner_rank"])
-
-
 def assemble(fragments: list[Optional[torch.Tensor]], shape: tuple, name: str = "?") -> Optional[torch.Tensor]:
     """Full tensor of `shape` from one inner group's fragments (in inner-rank order).
 
@@ -293,11 +320,19 @@ def assemble(fragments: list[Optional[torch.Tensor]], shape: tuple, name: str = 
                          f"(numel {numel}) and are not whole copies")
 
 
+def holders(rs: list[dict], name: str) -> list[dict]:
+    """The ranks whose shards of `name` tile it: the shard group of the lowest rank holding `name` (expert parameters
+    exist only on the ranks of their ep index), in shard-index order."""
+    owner = min((r for r in rs if name in r["placement"]), key=lambda r: r["coords"]["rank"])
+    ranks, _ = owner["placement"][name]
+    by_rank = {r["coords"]["rank"]: r for r in rs}
+    return sorted((by_rank[q] for q in ranks), key=lambda r: r["placement"][name][1])
+
+
 def assemble_all(rs: list[dict], key: str, step: int, shapes: dict[str, tuple]) -> dict[str, Optional[torch.Tensor]]:
-    group = first_inner_group(rs)
     out = {}
     for name, shape in shapes.items():
-        frags = [r[key][step].get(name) for r in group]
+        frags = [r[key][step].get(name) for r in holders(rs, name)]
         out[name] = assemble(frags, shape, name)
     return out
 
@@ -335,22 +370,22 @@ def assert_losses_match(rs: list[dict], ref: dict, case_name: str) -> None:
 
 
 def assert_replicas_identical(rs: list[dict], key: str = "params", case_name: str = "") -> None:
-    """Invariant 3: ranks with the same (inner rank, mp rank) hold bitwise equal fragments after every step."""
-    by_shard: dict[tuple, list[dict]] = {}
+    """Invariant 3: ranks holding the same fragment (same parameter, same shard index, same mp rank) hold bitwise
+    equal values after every step."""
+    by_fragment: dict[tuple, list[dict]] = {}
     for r in rs:
-        c = r["coords"]
-        by_shard.setdefault((c["inner_rank"], c["mp_rank"]), []).append(r)
-    for (inner, mp_rank), members in by_shard.items():
+        for name, (_, index) in r["placement"].items():
+            by_fragment.setdefault((name, index, r["coords"]["mp_rank"]), []).append(r)
+    for (n, index, mp_rank), members in by_fragment.items():
         first = members[0]
         for other in members[1:]:
             for step, (fa, fb) in enumerate(zip(first[key], other[key])):
-                for n in fa:
-                    a, b = fa[n], fb[n]
-                    if a is None and b is None:
-                        continue
-                    assert a is not None and b is not None and torch.equal(a, b), (
-                        f"{case_name}: {key} of {n} after step {step} differ between replicas rank "
-                        f"{first['coords']['rank']} and rank {other['coords']['rank']} (inner {inner}, mp {mp_rank})")
+                a, b = fa.get(n), fb.get(n)
+                if a is None and b is None:
+                    continue
+                assert a is not None and b is not None and torch.equal(a, b), (
+                    f"{case_name}: {key} of {n} after step {step} differ between replicas rank "
+                    f"{first['coords']['rank']} and rank {other['coords']['rank']} (shard {index}, mp {mp_rank})")
 
 
 def assert_full_state_matches(rs: list[dict], ref: dict, case_name: str) -> None:
@@ -364,9 +399,22 @@ def assert_full_state_matches(rs: list[dict], ref: dict, case_name: str) -> None
                            names=common)
 
 
+def assert_measured_norms_match(rs: list[dict], ref: dict, case_name: str) -> None:
+    """The norms of `Case.measure_norms`: the same bits on every rank, equal to the reference's full-gradient norm."""
+    for r in rs:
+        assert r["measured"] == rs[0]["measured"], (
+            f"{case_name}: measured norms differ: rank 0 {rs[0]['measured']} vs rank {r['coords']['rank']} "
+            f"{r['measured']}")
+    torch.testing.assert_close(torch.tensor(rs[0]["measured"], dtype=torch.float64),
+                               torch.tensor(ref["measured"], dtype=torch.float64), rtol=RTOL, atol=0,
+                               msg=lambda m: f"{case_name}: measured norms vs reference: {m}")
+
+
 def check_parity(rs: list[dict], ref: dict, case_name: str, steps_params: bool = True) -> None:
-    """Losses every step, parameters (assembled from fragments) after every step, full_state_dict, replicas."""
+    """Losses every step, parameters (assembled from fragments) after every step, full_state_dict, replicas, and the
+    norms measured before clipping (if any)."""
     assert_losses_match(rs, ref, case_name)
+    assert_measured_norms_match(rs, ref, case_name)
     if steps_params:
         for step in range(len(ref["params"])):
             got = assemble_all(rs, "params", step, ref["shapes"])

@@ -39,6 +39,7 @@ def _brute_force(world_size: int, kind: str, **degrees) -> list[list[int]]:
             "fsdp_inner": (dp_i, pp_i, outer_i, *rest), "fsdp_outer": (dp_i, pp_i, inner_i, *rest),
             "expert_inner": (dp_i, pp_i, outer_i, ep_i, *rest), "expert_outer": (dp_i, pp_i, inner_i, *rest),
             "replicate": (pp_i, inner_i, *rest), "data_parallel": (pp_i, *rest), "world": (),
+            "expert_data_parallel": (pp_i, ep_i, *rest),
         }[kind]
         groups.setdefault(fixed, []).append(rank)
     return sorted(sorted(g) for g in groups.values())
@@ -177,6 +178,7 @@ RANK_ATTRS = {"dp": "dp_rank", "pp": "pp_rank", "sharding": "sharding_rank", "se
               "mp": "mp_rank", "ep": "ep_rank", "moe_sharding": "moe_sharding_rank", "fsdp_outer": "outer_rank",
               "fsdp_inner": "inner_rank", "expert_inner": "expert_inner_rank", "replicate": "replicate_rank",
               "data_parallel": "data_parallel_rank", "world": "rank"}
+# kinds without a rank attribute: expert_data_parallel
 
 WORKER_LAYOUTS = [  # (degrees, LOCAL_WORLD_SIZE, expect a node-spanning warning)
     (dict(sharding=8, fsdp_outer_degree=2, ep=2), "2", True),
@@ -211,8 +213,14 @@ def _check_layout(topo: Topology, degrees: dict, problems: list[str]) -> None:
             if _ranks(getattr(topo, method)(is_expert=is_expert)) != _ranks(topo.get_group(kind)):
                 problems.append(f"{where}: {method}(is_expert={is_expert}) ranks differ from {kind}")
     if _ranks(topo.get_replicate_group()) != _ranks(topo.get_group("replicate")) or \
-            _ranks(topo.get_data_parallel_group()) != _ranks(topo.get_group("data_parallel")):
-        problems.append(f"{where}: replicate / data_parallel getters disagree with get_group")
+            _ranks(topo.get_data_parallel_group()) != _ranks(topo.get_group("data_parallel")) or \
+            _ranks(topo.get_expert_data_parallel_group()) != _ranks(topo.get_group("expert_data_parallel")):
+        problems.append(f"{where}: replicate / data_parallel / expert_data_parallel getters disagree with get_group")
+    if _ranks(topo.get_reduce_group("moe_sharding")) != _ranks(topo.get_group("moe_sharding")) or \
+            topo.get_reduce_group("moe_sharding") is topo.get_group("moe_sharding"):
+        problems.append(f"{where}: the moe_sharding reduce twin is wrong")
+    if topo.ep > 1 and any(topo.get_group("ep") is topo.get_group(k) for k in KINDS if k not in ("ep", "world")):
+        problems.append(f"{where}: the ep (all-to-all) group is shared with another kind")
     if topo.get_fsdp_outer_group() is not topo.get_fsdp_outer_group(is_expert=True):
         problems.append(f"{where}: dense and expert outer groups are different objects")
     for is_expert in (False, True):
@@ -223,6 +231,7 @@ def _check_layout(topo: Topology, degrees: dict, problems: list[str]) -> None:
     # Same order of all-reduces on every rank; a wrong or shared-by-mistake group gives a wrong sum.
     groups = [(kind, topo.get_group(kind)) for kind in KINDS]
     groups += [(f"reduce twin {e}", topo.get_fsdp_inner_reduce_group(e)) for e in (False, True)]
+    groups += [("reduce twin moe_sharding", topo.get_reduce_group("moe_sharding"))]
     for kind, group in groups:
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t, group=group)
@@ -288,3 +297,33 @@ def test_topology_on_one_rank():
     assert result["problems"] == []
     assert result["describe"] == "world 1 = dp1 x pp1 x sharding1 (outer1 x inner1) x sep1 x cp1 x mp1; ep1"
     assert result["repr"] == f"Topology(rank 0: {result['describe']})"
+
+
+def _worked_example_worker() -> dict:
+    """DESIGN.md's worked example on 16 real ranks: the expert groups a Topology creates, at ep 2 and 8."""
+    rank = dist.get_rank()
+    found = {}
+    for ep in (2, 8):
+        topo = Topology(sharding=16, fsdp_outer_degree=2, ep=ep)
+        found[ep] = {kind: _ranks(topo.get_group(kind)) for kind in ("expert_inner", "expert_outer", "fsdp_inner",
+                                                                     "fsdp_outer", "moe_sharding", "ep")}
+        found[ep]["same_outer_object"] = topo.get_fsdp_outer_group(True) is topo.get_fsdp_outer_group(False)
+        found[ep]["rank"] = rank
+    return found
+
+
+@pytest.mark.timeout(200)
+def test_worked_example_on_sixteen_gloo_ranks():
+    results = run_distributed(_worked_example_worker, 16, timeout=170)
+    table = {2: {"expert_inner": [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]},
+             8: {"expert_inner": [[r] for r in range(16)]}}
+    for ep in (2, 8):
+        for kind in ("expert_outer", "fsdp_inner", "fsdp_outer", "moe_sharding", "ep"):
+            table[ep].setdefault(kind, group_ranks(16, kind, sharding=16, fsdp_outer_degree=2, ep=ep))
+        assert table[ep]["expert_outer"] == [[r, r + 8] for r in range(8)]
+        for r in results:
+            mine = r[ep]
+            assert mine["same_outer_object"], f"ep {ep} rank {mine['rank']}: dense and expert outer differ"
+            for kind, groups in table[ep].items():
+                (expected,) = [g for g in groups if mine["rank"] in g]
+                assert mine[kind] == expected, f"ep {ep} rank {mine['rank']}: {kind} {mine[kind]} != {expected}"
