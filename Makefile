@@ -1,4 +1,4 @@
-# make train: the default training run (4 gloo workers, HSDP 2x2, 200 steps) on this machine.
+# make train: the default training run (a GPT-MoE, 4 gloo workers, HSDP 2x2, ep 2, 200 steps) on this machine.
 # make test:  the test suite.
 # Both create .venv on first use: torch==2.13.0 is installed first, pinned (any other resolution can pull gigabytes
 # of wheels), then this package in editable mode with its test extras. Extra pip flags for torch (e.g. a wheel

@@ -353,5 +353,8 @@ def _add_flat_groups(unit: Unit, params: list, plan: _GroupPlan) -> None:
         group = FlatGroup(layout, [p for _, p, _ in members], shard_index, shard_group, reduce_group,
                           replicate_group, divisor, holders)
         group.is_expert = expert
+        if expert:  # the fragments the optimizer sees keep the mark (e.g. for per-expert parameter groups)
+            for frag in group.fragments:
+                frag.is_expert = True
         group.counts_in_norm = dist.get_rank(replicate_group) == 0 and (tp or topology.mp_rank == 0)
         unit.add_group(group, [regs for _, _, regs in members])

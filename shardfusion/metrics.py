@@ -1,8 +1,9 @@
 """What a training run writes to its output folder: metrics.jsonl, loss.png, summary.json.
 
 metrics.jsonl holds one JSON object per line. Training records (one per optimizer step) carry
-`step, loss, grad_norm, lr, tokens_per_s, elapsed_s`; evaluation records carry `step, val_loss, elapsed_s`, where
-`step` counts the optimizer steps done (0: before training). Only rank 0 writes.
+`step, loss, grad_norm, lr, tokens_per_s, elapsed_s` (`loss` is the cross-entropy); a GPT-MoE's also carry
+`aux_loss, tokens_per_expert, load_balance, worst_layer_balance` (see `expert_balance`). Evaluation records carry
+`step, val_loss, elapsed_s`, where `step` counts the optimizer steps done (0: before training). Only rank 0 writes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,26 @@ TRAIN_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "elapsed_s")
 
 VAL_KEYS = ("step", "val_loss", "elapsed_s")
 """Keys of every evaluation record in metrics.jsonl."""
+
+MOE_KEYS = ("aux_loss", "tokens_per_expert", "load_balance", "worst_layer_balance")
+"""Further keys of every training record of a GPT-MoE run."""
+
+
+def expert_balance(load: list[list[int]]) -> dict[str, Any]:
+    """Load-balance figures of one step from `load`, the (L, E) token assignments per MoE layer and expert, summed
+    over the data-parallel ranks.
+
+    Returns `tokens_per_expert` (the E counts summed over the layers), `load_balance` (max / mean of those counts)
+    and `worst_layer_balance` (the largest max / mean of one layer's counts). A balance of 1.0 is a perfectly even
+    load; E / top_k means every token went to the same top_k experts.
+    """
+    def ratio(counts: list[int]) -> float:
+        mean = sum(counts) / len(counts) if counts else 0.0
+        return max(counts) / mean if mean > 0 else math.nan
+
+    totals = [sum(column) for column in zip(*load)]
+    return {"tokens_per_expert": totals, "load_balance": ratio(totals),
+            "worst_layer_balance": max((ratio(layer) for layer in load), default=math.nan)}
 
 
 class MetricsLog:
@@ -64,18 +85,31 @@ def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str,
 
 
 def plot_losses(log: MetricsLog, path: Path, title: str = "") -> None:
-    """Training loss per step and validation loss per evaluation, in one PNG."""
+    """Training loss per step and validation loss per evaluation, in one PNG; for a GPT-MoE run a second panel
+    below shows the auxiliary (load-balancing) loss and the load balance per step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    moe = bool(log.train) and "aux_loss" in log.train[0]
+    if moe:
+        fig, (ax, ax_moe) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True, height_ratios=(2, 1))
+        steps = [r["step"] for r in log.train]
+        ax_moe.plot(steps, [r["aux_loss"] for r in log.train], lw=1, label="aux loss")
+        ax_moe.plot(steps, [r["load_balance"] for r in log.train], lw=1, label="load balance (max / mean)")
+        ax_moe.plot(steps, [r["worst_layer_balance"] for r in log.train], lw=1, alpha=0.7,
+                    label="worst layer's balance")
+        ax_moe.set_xlabel("optimizer step")
+        ax_moe.grid(alpha=0.3)
+        ax_moe.legend(fontsize=8)
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        ax.set_xlabel("optimizer step")
     if log.train:
         ax.plot([r["step"] for r in log.train], [r["loss"] for r in log.train], lw=1, alpha=0.8, label="train")
     if log.val:
         ax.plot([r["step"] for r in log.val], [r["val_loss"] for r in log.val], "o-", lw=2, label="val")
-    ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats / byte)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
@@ -86,12 +120,25 @@ def plot_losses(log: MetricsLog, path: Path, title: str = "") -> None:
 
 
 def summarize(log: MetricsLog, *, total_s: float, train_s: float, steps: int, num_params: int, layout: str,
-              sample: str | None) -> dict[str, Any]:
-    """The run's headline figures as a JSON-ready dict."""
+              sample: str | None, experts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's headline figures as a JSON-ready dict.
+
+    For a GPT-MoE run, `experts` describes the model (e.g. `n_experts, top_k, ep, num_active_params`); the summary
+    then holds it under "experts", with the last step's `aux_loss`, `tokens_per_expert`, `load_balance` and
+    `worst_layer_balance` (see `expert_balance`) and the mean aux loss of the last 10 steps added."""
     first_val = log.val[0]["val_loss"] if log.val else math.nan
     final_val = log.val[-1]["val_loss"] if log.val else math.nan
     drop = 100.0 * (first_val - final_val) / first_val if log.val and first_val else math.nan
     tail = [r["loss"] for r in log.train[-10:]]
+    if experts is not None:
+        last = log.train[-1] if log.train else {}
+        aux_tail = [r["aux_loss"] for r in log.train[-10:]]
+        experts = {**experts,
+                   "final_aux_loss": last.get("aux_loss", math.nan),
+                   "final_aux_loss_mean10": sum(aux_tail) / len(aux_tail) if aux_tail else math.nan,
+                   "tokens_per_expert": last.get("tokens_per_expert"),
+                   "load_balance": last.get("load_balance", math.nan),
+                   "worst_layer_balance": last.get("worst_layer_balance", math.nan)}
     return {
         "final_train_loss": log.train[-1]["loss"] if log.train else math.nan,
         "final_train_loss_mean10": sum(tail) / len(tail) if tail else math.nan,
@@ -106,6 +153,7 @@ def summarize(log: MetricsLog, *, total_s: float, train_s: float, steps: int, nu
                          if log.train else math.nan),
         "num_params": num_params,
         "layout": layout,
+        "experts": experts,
         "sample": sample,
     }
 
@@ -124,6 +172,15 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"val loss         {summary['first_val_loss']:.4f} -> {summary['final_val_loss']:.4f} "
         f"({summary['val_loss_drop_pct']:.1f}% lower)",
     ]
+    moe = summary.get("experts")
+    if moe is not None:
+        lines += [
+            f"experts          {moe['n_experts']} per layer, top-{moe['top_k']}, ep {moe['ep']}; "
+            f"{moe['num_active_params']:,} parameters active per token",
+            f"aux loss         {moe['final_aux_loss']:.4f} (last 10 steps: {moe['final_aux_loss_mean10']:.4f})",
+            f"tokens/expert    {moe['tokens_per_expert']} (last step, all layers); balance max/mean "
+            f"{moe['load_balance']:.3f}, worst layer {moe['worst_layer_balance']:.3f} (1.0 = even)",
+        ]
     if summary.get("sample") is not None:
         lines += ["sample (validation prompt ⟫ generated):", "-" * 72, summary["sample"], "-" * 72]
     return "\n".join(lines)

@@ -40,6 +40,22 @@ class TrainConfig:
     """Context length in bytes (default: from the preset)."""
     dropout: float = 0.0
     """Dropout probability (default 0.0)."""
+    experts: int = 4
+    """Experts per MoE layer: every block's MLP becomes a routed mixture of experts (GPT-MoE); 0 gives the dense
+    GPT (default 4)."""
+    top_k: int = 2
+    """Experts each token is routed to, at most --experts (default 2)."""
+    expert_hidden: int | None = None
+    """Hidden width of each expert (default: 4 * d_model // top_k, the compute of one dense MLP per token)."""
+    ep: int | None = None
+    """Expert-parallel degree: each layer's experts are split over this many ranks of every sharding group; it must
+    divide --experts and the sharding degree (default: 2 when --experts and the world size are even, else 1)."""
+    aux_loss_coef: float = 0.01
+    """Weight of the MoE load-balancing loss added to the cross-entropy (default 0.01)."""
+    expert_policy: str = "replicate"
+    """How expert buffers use the HSDP outer group: replicate (sharded over moe_sharding / outer ranks, all-reduced
+    over the outer group, like dense buffers) or shard (sharded over all moe_sharding ranks, no outer all-reduce)
+    (default replicate)."""
     batch_size: int = 16
     """Sequences per data-parallel rank per micro-batch (default 16)."""
     grad_accum: int = 1
@@ -59,7 +75,8 @@ class TrainConfig:
     seed: int = 42
     """Seed of the model initialisation and the data sampler (default 42)."""
     fsdp_outer_degree: int | None = None
-    """HSDP replicas of each shard: 1 = plain FSDP (default: 2 when the world size is even and >= 4, else 1)."""
+    """HSDP replicas of each shard: 1 = plain FSDP (default: 2 when the world size is >= 4 and 2 divides
+    world size / ep, else 1)."""
     reshard_policy: str = "after_forward"
     """When gathered parameters are freed: after_forward (ZeRO-3) or after_backward (default after_forward)."""
     eval_every: int = 25
@@ -87,13 +104,30 @@ class TrainConfig:
             raise ValueError(f"--preset {self.preset!r} is unknown; choose one of {sorted(PRESETS)}")
         overrides = {
             name: getattr(self, name)
-            for name in ("n_layer", "n_head", "d_model", "seq_len")
+            for name in ("n_layer", "n_head", "d_model", "seq_len", "expert_hidden")
             if getattr(self, name) is not None
         }
-        return dataclasses.replace(PRESETS[self.preset], dropout=self.dropout, **overrides)
+        return dataclasses.replace(PRESETS[self.preset], dropout=self.dropout, n_experts=self.experts,
+                                   top_k=self.top_k, **overrides)
 
     def validate(self) -> None:
         """Raise ValueError naming the flag to change."""
+        if self.experts < 0:
+            raise ValueError(f"--experts must be >= 0, got {self.experts}")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"--top-k {self.top_k} must be between 1 and --experts {self.experts}")
+        if self.expert_hidden is not None and self.expert_hidden < 1:
+            raise ValueError(f"--expert-hidden must be >= 1, got {self.expert_hidden}")
+        if self.ep is not None:
+            if self.ep < 1:
+                raise ValueError(f"--ep must be >= 1, got {self.ep}")
+            if self.ep > 1 and not self.experts:
+                raise ValueError(f"--ep {self.ep} needs experts to split; use --experts > 0 or --ep 1")
+            if self.experts % self.ep:
+                raise ValueError(f"--ep {self.ep} must divide --experts {self.experts} (each ep rank holds "
+                                 f"experts / ep of them); {self.experts} % {self.ep} = {self.experts % self.ep}")
+        if self.aux_loss_coef < 0:
+            raise ValueError(f"--aux-loss-coef must be >= 0, got {self.aux_loss_coef}")
         self.model_config()
         for flag, value in (("--batch-size", self.batch_size), ("--grad-accum", self.grad_accum),
                             ("--eval-every", self.eval_every), ("--eval-batches", self.eval_batches),
@@ -110,13 +144,16 @@ class TrainConfig:
             raise ValueError(f"--nproc must be >= 1, got {self.nproc}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.expert_policy not in ("replicate", "shard"):
+            raise ValueError(f"--expert-policy must be replicate or shard, got {self.expert_policy!r}")
         if self.reshard_policy not in ("after_forward", "after_backward"):
             raise ValueError(f"--reshard-policy must be after_forward or after_backward, got {self.reshard_policy!r}")
 
 
 def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
     """The checks that need the world size or the file system, run before any worker starts (or, under torchrun,
-    before each worker joins the process group): the HSDP layout, the output folder and the corpus.
+    before each worker joins the process group): the HSDP and expert-parallel layout, the output folder and the
+    corpus.
 
     config must be `resolve`d; `world` names where world_size comes from in messages (e.g. "--nproc 4").
     Uses the library's own rules: `shardfusion.topology.Degrees` for the layout, `shardfusion.data` for the split.
@@ -124,11 +161,16 @@ def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
     Raises:
         ValueError: one line that names the flag to change and the numbers involved.
     """
-    outer = config.fsdp_outer_degree
+    outer, ep = config.fsdp_outer_degree, config.ep
     try:
         Degrees(world_size=world_size, sharding=-1, fsdp_outer_degree=outer)
     except ValueError as error:
         raise ValueError(f"--fsdp-outer-degree {outer} does not fit {world_size} ranks ({world}): {error}") from None
+    try:
+        Degrees(world_size=world_size, sharding=-1, ep=ep, fsdp_outer_degree=outer)
+    except ValueError as error:
+        raise ValueError(f"--ep {ep} with --fsdp-outer-degree {outer} does not fit {world_size} ranks ({world}): "
+                         f"{error}") from None
 
     need = min_corpus_bytes(config.model_config().seq_len)
     seq = f"seq_len + 1 = {config.model_config().seq_len + 1}"
@@ -166,12 +208,19 @@ def lr_at(config: TrainConfig, step: int) -> float:
 
 
 def resolve(config: TrainConfig, *, device: str, world_size: int) -> TrainConfig:
-    """Fill the run-time defaults: device, fsdp_outer_degree and out."""
+    """Fill the run-time defaults: device, ep, fsdp_outer_degree and out.
+
+    ep: 2 when --experts and the world size are even, else 1. fsdp_outer_degree: 2 when the world size is >= 4 and
+    2 divides the expert sharding degree world_size / ep, else 1 (for ep 1: when the world size is even)."""
+    ep = config.ep
+    if ep is None:
+        ep = 2 if config.experts and config.experts % 2 == 0 and world_size % 2 == 0 else 1
     outer = config.fsdp_outer_degree
     if outer is None:
-        outer = 2 if world_size >= 4 and world_size % 2 == 0 else 1
+        moe_sharding = world_size // ep if world_size % ep == 0 else world_size
+        outer = 2 if world_size >= 4 and moe_sharding % 2 == 0 else 1
     out = config.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
-    return dataclasses.replace(config, device=device, fsdp_outer_degree=outer, out=out)
+    return dataclasses.replace(config, device=device, ep=ep, fsdp_outer_degree=outer, out=out)
 
 
 def _field_docs(cls: type) -> dict[str, str]:

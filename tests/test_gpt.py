@@ -1,4 +1,5 @@
-"""The reference GPT on its own, one process: shapes, tied weights, initial loss, generation."""
+"""The reference GPT on its own, one process: shapes, tied weights, initial loss, generation; the GPT-MoE's shapes,
+auxiliary outputs and initialisation, and (on 2 ranks) that an ep = 2 GPT-MoE is the ep = 1 one split in two."""
 
 import dataclasses
 import math
@@ -6,7 +7,11 @@ import math
 import pytest
 import torch
 
+from harness import run_distributed
 from shardfusion.models import GPT, PRESETS, VOCAB_SIZE, Block, GPTConfig
+from shardfusion.moe import MoE, is_expert
+
+TINY_MOE = dataclasses.replace(PRESETS["tiny"], n_experts=4, top_k=2)
 
 
 @pytest.fixture
@@ -86,3 +91,106 @@ def test_config_validation() -> None:
         GPTConfig(n_layer=0, n_head=1, d_model=64, seq_len=8)
     with pytest.raises(TypeError):
         GPTConfig(1, 1, 64, 8)  # keyword-only
+
+
+def test_config_validation_moe() -> None:
+    base = dict(n_layer=1, n_head=1, d_model=8, seq_len=8)
+    with pytest.raises(ValueError, match=r"top_k\(3\) must be in \[1, n_experts\(2\)\]"):
+        GPTConfig(**base, n_experts=2, top_k=3)
+    with pytest.raises(ValueError, match=r"top_k\(0\)"):
+        GPTConfig(**base, n_experts=2, top_k=0)
+    with pytest.raises(ValueError, match=r"n_experts must be an int >= 0, got -1"):
+        GPTConfig(**base, n_experts=-1)
+    with pytest.raises(ValueError, match=r"expert_hidden must be a positive int or None, got 0"):
+        GPTConfig(**base, n_experts=2, expert_hidden=0)
+    GPTConfig(**base, n_experts=0, top_k=5)  # top_k is unused by a dense GPT
+    assert GPTConfig(**base, n_experts=4, top_k=2).expert_hidden_size == 16  # 4 * d_model // top_k
+    assert GPTConfig(**base, n_experts=4, expert_hidden=24).expert_hidden_size == 24
+
+
+def test_moe_forward_backward() -> None:
+    torch.manual_seed(0)
+    model = GPT(TINY_MOE)
+    assert all(isinstance(block.mlp, MoE) for block in model.blocks)
+    assert [n for n, p in model.named_parameters() if is_expert(p)][:2] == [
+        "blocks.0.mlp.experts.0.fc.weight", "blocks.0.mlp.experts.0.fc.bias"]
+    per_expert = 2 * TINY_MOE.d_model * TINY_MOE.expert_hidden_size + TINY_MOE.expert_hidden_size + TINY_MOE.d_model
+    dense = GPT(PRESETS["tiny"]).num_parameters()
+    mlp = 8 * TINY_MOE.d_model ** 2 + 5 * TINY_MOE.d_model
+    router = TINY_MOE.d_model * TINY_MOE.n_experts
+    assert model.num_parameters() == dense + TINY_MOE.n_layer * (4 * per_expert + router - mlp)
+    assert model.num_parameters(active=True) == dense + TINY_MOE.n_layer * (2 * per_expert + router - mlp)
+
+    idx, targets = torch.randint(0, VOCAB_SIZE, (3, 17)), torch.randint(0, VOCAB_SIZE, (3, 17))
+    logits, loss = model(idx, targets)
+    assert logits.shape == (3, 17, VOCAB_SIZE) and loss.ndim == 0
+    assert abs(loss.item() - math.log(VOCAB_SIZE)) < 0.2
+    aux = model.aux_loss()
+    assert aux.ndim == 0 and aux.dtype == torch.float32 and aux.requires_grad
+    assert aux.item() == pytest.approx(1.0, abs=0.2)  # E * sum f * P is about 1 for a near-uniform router
+    tokens = model.tokens_per_expert()
+    assert tokens.shape == (TINY_MOE.n_layer, TINY_MOE.n_experts) and tokens.dtype == torch.long
+    assert tokens.sum(dim=1).tolist() == [3 * 17 * TINY_MOE.top_k] * TINY_MOE.n_layer
+    (loss + 0.01 * aux).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    router = model.blocks[0].mlp.router.weight.grad
+    assert router is not None and router.abs().sum() > 0
+
+    dense_model = GPT(PRESETS["tiny"])
+    dense_model(idx)
+    assert dense_model.aux_loss().item() == 0.0 and dense_model.tokens_per_expert().shape == (0, 0)
+
+
+def test_moe_init_is_reproducible_and_experts_skip_the_global_rng() -> None:
+    torch.manual_seed(42)
+    a = GPT(TINY_MOE)
+    torch.manual_seed(42)
+    b = GPT(TINY_MOE)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    # reset_parameters redraws the dense parameters from the global RNG but the experts from their own seeds.
+    experts = {n: p.clone() for n, p in a.named_parameters() if is_expert(p)}
+    dense = {n: p.clone() for n, p in a.named_parameters() if not is_expert(p)}
+    torch.manual_seed(7)
+    a.reset_parameters()
+    assert all(torch.equal(p, experts[n]) for n, p in a.named_parameters() if is_expert(p))
+    assert not torch.equal(a.blocks[0].mlp.router.weight, dense["blocks.0.mlp.router.weight"])
+    proj = a.blocks[0].mlp.experts["1"].proj.weight
+    assert proj.std().item() == pytest.approx(0.02 / math.sqrt(2 * TINY_MOE.n_layer), rel=0.1)
+
+
+def ep_job(config: GPTConfig, seed: int) -> dict:
+    """One rank of an ep = 2 GPT-MoE: its parameters, and its outputs on a rank-dependent batch."""
+    import torch.distributed as dist
+
+    import shardfusion as sf
+
+    topo = sf.Topology(ep=2)
+    torch.manual_seed(seed)
+    model = GPT(config, ep_group=topo.get_group("ep"))
+    idx = torch.randint(0, VOCAB_SIZE, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    logits, _ = model(idx)
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "idx": idx,
+            "logits": logits.detach(), "aux": model.aux_loss().detach(), "tokens": model.tokens_per_expert(),
+            "num_params": model.num_parameters()}
+
+
+@pytest.mark.timeout(120)
+def test_ep2_model_is_the_ep1_model_split() -> None:
+    # The same seed gives the same dense parameters and the same experts at ep = 1 and ep = 2, ep rank j holding
+    # experts 2j and 2j + 1 under their global names; and the ep = 2 forward computes what the ep = 1 one does.
+    ranks = run_distributed(ep_job, 2, TINY_MOE, 42, timeout=90)
+    torch.manual_seed(42)
+    full = GPT(TINY_MOE)
+    params = dict(full.named_parameters())
+    for j, rank in enumerate(ranks):
+        held = sorted({n.split(".")[4] for n in rank["params"] if ".experts." in n})
+        assert held == [str(2 * j), str(2 * j + 1)]
+        assert set(rank["params"]) <= set(params)
+        for name, value in rank["params"].items():
+            assert torch.equal(value, params[name]), name
+        assert rank["num_params"] == full.num_parameters()
+        logits, _ = full(rank["idx"])
+        torch.testing.assert_close(rank["logits"], logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rank["aux"], full.aux_loss())
+        assert torch.equal(rank["tokens"], full.tokens_per_expert())
+    assert set().union(*(r["params"] for r in ranks)) == set(params)

@@ -29,7 +29,7 @@ def _grid(world: int, layouts, policies=("replicate", "shard")) -> list[Case]:
 
 
 W4_CASES = [
-    *_grid(4, ((1, 2), (2, 2), (4, 1))),
+    *[c.with_(count_comm=c.ep == 2) for c in _grid(4, ((1, 2), (2, 2), (4, 1)))],
     # every expert a unit of its own (nested in its block's unit), and the after_backward policy
     _M.with_(name="moe-W4-ep2-O2-expert-units", ep=2, outer=2, units="experts"),
     _M.with_(name="moe-W4-ep2-O2-expert-units-shard-after_backward", ep=2, outer=2, units="experts",
@@ -77,3 +77,27 @@ def test_experts_really_distributed_and_clipped(w4_results):
     name = next(n for n in rs[0]["placement"] if ".experts." in n)
     assert len(rs[0]["placement"][name][0]) == 1
     assert len(shard[0]["placement"][name][0]) == 2
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+@pytest.mark.parametrize("policy", ["replicate", "shard"])
+def test_collectives_per_step(w4_results, policy):
+    """W=4, ep=2, outer=2 (outer groups [r, r+2]): per step, one scalar all-reduce over the world per norm call (2
+    measured + 1 clip), the outer all-reduces one per trainable flat buffer (root; per block a dense and an expert
+    buffer) and none for experts under "shard", and 5 all-to-alls per MoE layer per micro-batch on the ep group."""
+    rs = case_results(w4_results, f"moe-W4-ep2-O2-{policy}")
+    for r in rs:
+        rank = r["coords"]["rank"]
+        outer = tuple(sorted((rank % 2, rank % 2 + 2)))
+        ep = tuple(sorted((rank // 2 * 2, rank // 2 * 2 + 1)))
+        for step, records in enumerate(r["comm"]):
+            def count(op, ranks):
+                return sum(1 for c in records if c.op == op and c.group_ranks == ranks)
+
+            where = f"{policy} rank {rank} step {step}"
+            assert count("all_reduce", (0, 1, 2, 3)) == 3, where
+            assert count("all_reduce", outer) == (5 if policy == "replicate" else 3), where
+            assert count("all_to_all", ep) == 2 * 5 * 3, where  # 2 layers x (3 forward + 2 backward) x 3 micro
+            crossing = [c for c in records if c.group_ranks == outer and c.op != "all_reduce"]
+            if policy == "replicate":
+                assert crossing == [], f"{where}: only all-reduces may cross the outer group: {crossing}"

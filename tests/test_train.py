@@ -1,5 +1,5 @@
-"""The training entry point: its config and CLI in-process, whole runs as subprocesses (gloo workers), and bad flags
-rejected before any worker starts."""
+"""The training entry point: its config and CLI in-process, whole runs as subprocesses (gloo workers: the GPT-MoE
+at ep 2 under HSDP, the dense GPT under torchrun), and bad flags rejected before any worker starts."""
 
 import json
 import math
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from shardfusion.data import min_corpus_bytes
-from shardfusion.metrics import TRAIN_KEYS, VAL_KEYS, read_metrics
+from shardfusion.metrics import MOE_KEYS, TRAIN_KEYS, VAL_KEYS, expert_balance, read_metrics
 from shardfusion.train import no_decay
 from shardfusion.train_config import TrainConfig, build_parser, check_run, lr_at, parse_args, resolve
 
@@ -57,16 +57,32 @@ def check_outputs(out: Path, steps: int, eval_steps: list[int]) -> dict:
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
-def test_end_to_end_hsdp_4_workers(tmp_path: Path) -> None:
+def test_end_to_end_moe_hsdp_4_workers(tmp_path: Path) -> None:
+    # The default job's shape, small: a GPT-MoE with 4 experts over ep 2, HSDP outer 2 x inner 2.
     out = tmp_path / "run"
-    result = run([*TINY_RUN, "--nproc", "4", "--fsdp-outer-degree", "2", "--steps", "4", "--grad-accum", "2",
-                  "--clip", "0", "--out", str(out)])
+    result = run([*TINY_RUN, "--nproc", "4", "--fsdp-outer-degree", "2", "--experts", "4", "--top-k", "2", "--ep", "2",
+                  "--steps", "4", "--grad-accum", "2", "--clip", "0", "--out", str(out)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = check_outputs(out, steps=4, eval_steps=[0, 2, 4])
-    assert "outer2 x inner2" in summary["layout"]
+    assert "outer2 x inner2" in summary["layout"] and "ep2" in summary["layout"]
     assert summary["final_val_loss"] < summary["first_val_loss"]
     assert isinstance(summary["sample"], str)
     assert "val loss" in result.stdout and "sample (" in result.stdout
+    assert "aux loss" in result.stdout and "tokens/expert" in result.stdout
+
+    train, _ = read_metrics(out / "metrics.jsonl")
+    # Tokens per step: 4 ranks x 2 micro-batches x 4 sequences x 64 bytes, each to top_k = 2 experts in 2 layers.
+    assignments = 4 * 2 * 4 * 64 * 2 * 2
+    for record in train:
+        assert set(MOE_KEYS) <= set(record)
+        assert len(record["tokens_per_expert"]) == 4 and sum(record["tokens_per_expert"]) == assignments
+        assert 1.0 <= record["load_balance"] <= record["worst_layer_balance"] <= 4 / 2
+        assert 0.0 < record["aux_loss"] < 4.0
+    experts = summary["experts"]
+    assert (experts["n_experts"], experts["top_k"], experts["ep"]) == (4, 2, 2)
+    assert experts["tokens_per_expert"] == train[-1]["tokens_per_expert"]
+    assert experts["load_balance"] == train[-1]["load_balance"] and experts["final_aux_loss"] == train[-1]["aux_loss"]
+    assert 0 < experts["num_active_params"] < summary["num_params"]
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
@@ -75,10 +91,14 @@ def test_end_to_end_hsdp_4_workers(tmp_path: Path) -> None:
 def test_under_torchrun(tmp_path: Path) -> None:
     out = tmp_path / "run"
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m"]
-    result = run([*TINY_RUN, "--steps", "2", "--out", str(out)], launcher=torchrun)
+    result = run([*TINY_RUN, "--experts", "0", "--steps", "2", "--out", str(out)], launcher=torchrun)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = check_outputs(out, steps=2, eval_steps=[0, 2])
-    assert summary["layout"].startswith("world 2")
+    assert summary["layout"].startswith("world 2") and summary["layout"].endswith("ep1")
+    # --experts 0: the dense GPT, with no MoE figures
+    assert summary["experts"] is None and "aux loss" not in result.stdout
+    train, _ = read_metrics(out / "metrics.jsonl")
+    assert not set(MOE_KEYS) & set(train[0])
 
 
 # Flags that only a check against the world size or the file system can reject: {case: (args, flag, message)}.
@@ -95,6 +115,9 @@ BAD_FLAGS = {
                    "10 is too small: it splits into 9 train / 1 val bytes"),
     "data-short": (["--nproc", "2", "--data", str(REPO / "pyproject.toml"), "--seq-len", "4096"], "--data",
                    "holds only"),
+    "ep-sharding": (["--nproc", "2", "--experts", "4", "--ep", "4"], "--ep",
+                    "--ep 4 with --fsdp-outer-degree 1 does not fit 2 ranks (--nproc 2): sharding(2) % ep(4)"),
+    "experts-ep": (["--nproc", "4", "--experts", "3", "--ep", "2"], "--ep", "--ep 2 must divide --experts 3"),
 }
 if not torch.cuda.is_available():
     BAD_FLAGS["device-cuda"] = (["--nproc", "2", "--device", "cuda"], "--device", "torch.cuda.is_available() is False")
@@ -207,6 +230,59 @@ def test_check_run_messages(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--out .* is not a folder"):
         check(out=str(tmp_path / "corpus.txt" / "run"))
 
+    # Expert parallelism: ep must divide the sharding degree, and ep * fsdp_outer_degree must divide it too.
+    check(world_size=8, experts=8, ep=4)
+    check(world_size=8, experts=4, ep=2, fsdp_outer_degree=4)
+    with pytest.raises(ValueError, match=r"^--ep 8 with --fsdp-outer-degree 2 does not fit 4 ranks \(--nproc 4\): "
+                                         r"sharding\(4\) % ep\(8\)"):
+        check(experts=8, ep=8, fsdp_outer_degree=2)
+    with pytest.raises(ValueError, match=r"^--ep 4 with --fsdp-outer-degree 2 does not fit 4 ranks \(--nproc 4\): "
+                                         r"moe_sharding\(1\) .* % fsdp_outer_degree\(2\)"):
+        check(experts=4, ep=4, fsdp_outer_degree=2)
+
+
+def test_resolve_ep_and_outer_defaults() -> None:
+    def resolved(world_size: int, **fields) -> tuple[int, int]:
+        config = resolve(TrainConfig(**fields), device="cpu", world_size=world_size)
+        return config.ep, config.fsdp_outer_degree
+
+    assert resolved(4) == (2, 2)  # the default job: ep 2, HSDP outer 2
+    assert resolved(2) == (2, 1)
+    assert resolved(1) == (1, 1)
+    assert resolved(8) == (2, 2)
+    assert resolved(4, experts=0) == (1, 2)
+    assert resolved(4, experts=3) == (1, 2)
+    assert resolved(4, ep=4) == (4, 1)  # moe_sharding 1: no room for 2 replicas
+    assert resolved(6) == (2, 1)  # moe_sharding 3 is odd
+    assert resolved(4, ep=3, experts=3) == (3, 2)  # ep does not fit; check_run says so, not resolve
+
+
+def moe_flag_error(capsys: pytest.CaptureFixture, args: list[str]) -> str:
+    """The one error line that parse_args prints for args, after checking that it exits with status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(args)
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("shardfusion-train: error: ")]
+    assert len(errors) == 1
+    return errors[0].removeprefix("shardfusion-train: error: ")
+
+
+def test_moe_flags_rejected(capsys: pytest.CaptureFixture) -> None:
+    assert moe_flag_error(capsys, ["--experts", "2", "--top-k", "3"]) == "--top-k 3 must be between 1 and --experts 2"
+    assert moe_flag_error(capsys, ["--experts", "4", "--top-k", "0"]) == "--top-k 0 must be between 1 and --experts 4"
+    assert moe_flag_error(capsys, ["--experts", "6", "--ep", "4"]).startswith("--ep 4 must divide --experts 6")
+    assert moe_flag_error(capsys, ["--experts", "0", "--ep", "2"]).startswith("--ep 2 needs experts")
+    assert moe_flag_error(capsys, ["--experts", "-1"]) == "--experts must be >= 0, got -1"
+    assert moe_flag_error(capsys, ["--ep", "0"]) == "--ep must be >= 1, got 0"
+    assert moe_flag_error(capsys, ["--expert-policy", "all"]).startswith("--expert-policy must be replicate or shard")
+    assert moe_flag_error(capsys, ["--aux-loss-coef", "-0.1"]) == "--aux-loss-coef must be >= 0, got -0.1"
+
+
+def test_expert_balance() -> None:
+    figures = expert_balance([[1, 3], [2, 2]])  # (L, E) = 2 layers, 2 experts
+    assert figures == {"tokens_per_expert": [3, 5], "load_balance": 1.25, "worst_layer_balance": 1.5}
+    assert expert_balance([[4, 4, 4, 4]])["load_balance"] == 1.0
+
 
 def test_cli_is_generated_from_the_dataclass() -> None:
     parser = build_parser()
@@ -214,13 +290,20 @@ def test_cli_is_generated_from_the_dataclass() -> None:
     for flag in ("--preset", "--n-layer", "--d-model", "--n-head", "--seq-len", "--batch-size", "--grad-accum",
                  "--steps", "--lr", "--min-lr", "--warmup", "--weight-decay", "--clip", "--seed",
                  "--fsdp-outer-degree", "--reshard-policy", "--eval-every", "--eval-batches", "--nproc", "--data",
-                 "--out", "--sample-tokens", "--device"):
+                 "--out", "--sample-tokens", "--device", "--experts", "--top-k", "--ep", "--expert-hidden",
+                 "--aux-loss-coef", "--expert-policy"):
         assert flag in help_text
     assert "Max global gradient norm" in help_text  # field docstrings become the help
     config = parse_args(["--steps", "7", "--lr", "0.01", "--min-lr", "0.001", "--no-progress"])
     assert (config.steps, config.lr, config.progress) == (7, 0.01, False)
     assert parse_args([]) == TrainConfig()
     assert config.model_config().n_layer == 4
+    default = TrainConfig().model_config()  # the default job is a GPT-MoE
+    assert (default.n_experts, default.top_k, default.expert_hidden_size) == (4, 2, 256)
+    dense = parse_args(["--experts", "0"]).model_config()
+    assert dense.n_experts == 0
+    moe = parse_args(["--preset", "tiny", "--experts", "8", "--top-k", "1", "--expert-hidden", "32"]).model_config()
+    assert (moe.n_experts, moe.top_k, moe.expert_hidden_size, moe.d_model) == (8, 1, 32, 64)
     assert parse_args(["--preset", "tiny", "--n-layer", "3"]).model_config().n_layer == 3
     with pytest.raises(SystemExit):
         parse_args(["--preset", "nonexistent"])
@@ -239,7 +322,8 @@ def test_lr_schedule() -> None:
 @pytest.mark.parametrize("name, exempt", [
     ("wte.weight", True), ("wpe.weight", True), ("ln_f.weight", True), ("blocks.0.ln_1.bias", True),
     ("blocks.0.attn.qkv.bias", True), ("blocks.3.mlp.fc.weight", False), ("blocks.0.attn.proj.weight", False),
-    ("encoder.layernorm.weight", True), ("lm_head.weight", False),
+    ("encoder.layernorm.weight", True), ("lm_head.weight", False), ("blocks.0.mlp.router.weight", False),
+    ("blocks.1.mlp.experts.3.fc.weight", False), ("blocks.1.mlp.experts.3.proj.bias", True),
 ])
 def test_weight_decay_groups_by_name(name: str, exempt: bool) -> None:
     assert no_decay(name) is exempt

@@ -1,12 +1,20 @@
-"""A byte-level, decoder-only GPT: the reference model that `shardfusion.train` shards.
+"""A byte-level, decoder-only GPT, dense or mixture-of-experts (GPT-MoE): the reference model that
+`shardfusion.train` shards.
 
 Shape legend used in the comments below:
   B  batch size             T  sequence length (<= seq_len)
   C  d_model                H  n_head              D  head size = C / H
   V  vocabulary size (256: one token per byte)
+  L  MoE layers (= n_layer) E  n_experts
 
 Every transformer layer is one `Block`, so `fully_shard(model, topo, units=(Block,))` gives one unit per layer; the
-embeddings, the final LayerNorm and the (tied) lm head stay with the root.
+embeddings, the final LayerNorm and the (tied) lm head stay with the root. With `n_experts > 0` each Block's MLP is
+a `shardfusion.moe.MoE`: a dense router and the experts of this expert-parallel (ep) rank, whose parameters carry
+`is_expert = True` and keep their global names (`blocks.0.mlp.experts.3.fc.weight`), so `fully_shard` puts them in
+expert buffers and a `GPT(config)` without an ep group holds every expert (e.g. to load a `full_state_dict`).
+
+Initialisation does not depend on ep: the same seed gives the same dense parameters and the same experts whether a
+rank holds all experts or some (see `GPT.reset_parameters`).
 """
 
 from __future__ import annotations
@@ -15,8 +23,11 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from shardfusion.moe import MoE, is_expert
 
 VOCAB_SIZE = 256
 """Bytes are tokens: the vocabulary is fixed at 256."""
@@ -41,6 +52,16 @@ class GPTConfig:
     """Dropout probability on embeddings, attention weights and residual branches (default 0.0: off)."""
     tie_embeddings: bool = True
     """Share one Parameter between the token embedding and the lm head (default True)."""
+    n_experts: int = 0
+    """Experts per MoE layer (E); 0 (default) gives a dense MLP in every block, > 0 a GPT-MoE whose every block's
+    MLP is a routed mixture of experts."""
+    top_k: int = 2
+    """Experts each token is routed to, 1 <= top_k <= n_experts (default 2; unused when n_experts is 0)."""
+    expert_hidden: int | None = None
+    """Hidden width of each expert (F); None (default) means 4 * d_model // top_k, so a token's routed experts do
+    the work of one dense 4 * d_model MLP (see `expert_hidden_size`)."""
+    shared_expert_hidden: int = 0
+    """Hidden width of an always-on shared expert beside the routed ones; 0 (default) means none."""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "d_model", "seq_len"):
@@ -52,12 +73,30 @@ class GPTConfig:
                              f"pick n_head dividing d_model")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        for name in ("n_experts", "shared_expert_hidden"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"GPTConfig.{name} must be an int >= 0, got {value!r}")
+        if self.n_experts:
+            if not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.n_experts:
+                raise ValueError(f"GPTConfig: top_k({self.top_k}) must be in [1, n_experts({self.n_experts})]")
+            if self.expert_hidden is not None and (not isinstance(self.expert_hidden, int) or self.expert_hidden < 1):
+                raise ValueError(f"GPTConfig.expert_hidden must be a positive int or None, got {self.expert_hidden!r}")
+            if self.expert_hidden_size < 1:
+                raise ValueError(f"GPTConfig: the default expert_hidden = 4 * d_model({self.d_model}) // "
+                                 f"top_k({self.top_k}) is 0; set expert_hidden")
+
+    @property
+    def expert_hidden_size(self) -> int:
+        """Each expert's hidden width: `expert_hidden`, or 4 * d_model // top_k when that is None."""
+        return self.expert_hidden if self.expert_hidden is not None else 4 * self.d_model // self.top_k
 
 
 PRESETS: dict[str, GPTConfig] = {
     # 2 layers of width 64: fast enough for end-to-end tests.
     "tiny": GPTConfig(n_layer=2, n_head=4, d_model=64, seq_len=64),
-    # The default of `make train`: 4 gloo processes on 2 CPU cores, about 5 minutes for 200 steps.
+    # The default of `make train` (with 4 experts per layer, see shardfusion.train): 4 gloo processes on 2 CPU cores,
+    # about 2.5 minutes for 200 steps.
     "small": GPTConfig(n_layer=4, n_head=4, d_model=128, seq_len=128),
     # A larger model for a GPU.
     "medium": GPTConfig(n_layer=8, n_head=8, d_model=512, seq_len=512),
@@ -99,41 +138,52 @@ class MLP(nn.Module):
         self.fc = nn.Linear(config.d_model, 4 * config.d_model)
         self.act = nn.GELU()
         self.proj = nn.Linear(4 * config.d_model, config.d_model)
-        self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (B, T, C) float -> (B, T, C)."""
         h = self.act(self.fc(x))  # (B, T, 4C)
-        return self.drop(self.proj(h))  # (B, T, C)
+        return self.proj(h)  # (B, T, C)
 
 
 class Block(nn.Module):
-    """One pre-LayerNorm transformer layer; the unit `fully_shard` gathers and reduces as a whole."""
+    """One pre-LayerNorm transformer layer; the unit `fully_shard` gathers and reduces as a whole.
 
-    def __init__(self, config: GPTConfig) -> None:
+    Its MLP is dense, or with `config.n_experts > 0` a `MoE` over `ep_group` (None: this rank holds every expert)."""
+
+    def __init__(self, config: GPTConfig, ep_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.d_model)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.d_model)
-        self.mlp = MLP(config)
+        if config.n_experts:
+            self.mlp: nn.Module = MoE(config.d_model, config.expert_hidden_size, config.n_experts, config.top_k,
+                                      ep_group=ep_group, shared_expert_hidden=config.shared_expert_hidden)
+        else:
+            self.mlp = MLP(config)
+        self.mlp_drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Residual attention then residual MLP: ``x`` (B, T, C) float -> (B, T, C)."""
         x = x + self.attn(self.ln_1(x))  # (B, T, C)
-        x = x + self.mlp(self.ln_2(x))  # (B, T, C)
+        x = x + self.mlp_drop(self.mlp(self.ln_2(x)))  # (B, T, C)
         return x
 
 
 class GPT(nn.Module):
-    """Token + position embeddings, `n_layer` Blocks, a final LayerNorm and an lm head over the 256 bytes."""
+    """Token + position embeddings, `n_layer` Blocks, a final LayerNorm and an lm head over the 256 bytes.
 
-    def __init__(self, config: GPTConfig) -> None:
+    `ep_group`: the expert-parallel group of a GPT-MoE (`topo.get_group("ep")`); this rank then builds only its
+    share of each layer's experts, and every forward is collective over the group. None (default): all experts.
+    """
+
+    def __init__(self, config: GPTConfig, ep_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(VOCAB_SIZE, config.d_model)
         self.wpe = nn.Embedding(config.seq_len, config.d_model)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        # A MoE draws the same amount from the global RNG at any ep (one seed for its experts; see `MoE`).
+        self.blocks = nn.ModuleList(Block(config, ep_group) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model)
         self.lm_head = nn.Linear(config.d_model, VOCAB_SIZE, bias=False)
         self.reset_parameters()
@@ -144,10 +194,18 @@ class GPT(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Normal(0, INIT_STD) weights, zero biases, unit LayerNorm gains; the residual output projections are
-        scaled down by sqrt(2 * n_layer) so the residual stream's variance does not grow with depth."""
+        scaled down by sqrt(2 * n_layer) so the residual stream's variance does not grow with depth.
+
+        Dense parameters (the MoE routers included) are drawn from the global RNG; experts are not, since a rank holds
+        only some: each MoE re-initializes its own from per-expert generators (`MoE.reset_expert_parameters`), so the
+        same seed gives the same model at any ep."""
         resid_std = INIT_STD / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, MoE):
+                module.reset_expert_parameters(INIT_STD, resid_std)
+            elif isinstance(module, nn.Linear):
+                if is_expert(module.weight):
+                    continue
                 std = resid_std if name.endswith(".proj") else INIT_STD
                 nn.init.normal_(module.weight, mean=0.0, std=std)
                 if module.bias is not None:
@@ -158,9 +216,34 @@ class GPT(nn.Module):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
 
-    def num_parameters(self) -> int:
-        """Count of distinct parameter elements (a tied weight counts once)."""
-        return sum(p.numel() for p in self.parameters())
+    def moe_layers(self) -> list[MoE]:
+        """The MoE layers, in block order (empty for a dense GPT)."""
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def num_parameters(self, active: bool = False) -> int:
+        """Count of distinct parameter elements of the whole model (a tied weight counts once; every expert counts,
+        also those held by other ep ranks). With `active`: the elements one token uses (top_k experts per layer)."""
+        total = sum(p.numel() for p in self.parameters() if not is_expert(p))
+        for moe in self.moe_layers():
+            per_expert = sum(p.numel() for p in next(iter(moe.experts.values())).parameters())
+            total += per_expert * (self.config.top_k if active else self.config.n_experts)
+        return total
+
+    def aux_loss(self) -> torch.Tensor:
+        """Mean of the MoE layers' load-balancing losses from the last forward: 0-dim fp32, differentiable (a zero
+        constant for a dense GPT)."""
+        layers = self.moe_layers()
+        if not layers:
+            return torch.zeros((), device=self.wte.weight.device)
+        return torch.stack([m.aux_loss for m in layers]).mean()
+
+    def tokens_per_expert(self) -> torch.Tensor:
+        """(L, E) int64: the last forward's assignments of this rank's tokens to each global expert, per MoE layer
+        ((0, 0) for a dense GPT)."""
+        layers = self.moe_layers()
+        if not layers:
+            return torch.zeros((0, 0), dtype=torch.long, device=self.wte.weight.device)
+        return torch.stack([m.tokens_per_expert for m in layers])  # (L, E)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
