@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardfusion import comm
 from shardfusion.flat_buffer import build_layout
 from shardfusion.flat_group import FlatGroup
+from shardfusion.moe import MoE
 from shardfusion.schedule import ShardState
 from shardfusion.unit import Unit
 
@@ -98,6 +98,8 @@ def fully_shard(
         raise ValueError(f"expert_filter must be None or a callable (name, param) -> bool, got {expert_filter!r}")
     if expert_policy not in _EXPERT_POLICIES:
         raise ValueError(f"expert_policy must be one of {_EXPERT_POLICIES}, got {expert_policy!r}")
+    _check_moe_layers(model, topology)
+    expert_buffers = _expert_buffers(model, expert_filter or _marked_expert)  # before parameters become fragments
     unit_specs = _unit_modules(model, tuple(units or ()), comm_unit_size)
     built: list[Unit] = []
     for name, modules in unit_specs:
@@ -108,8 +110,8 @@ def fully_shard(
     plan = _GroupPlan(topology, replicate_filter, expert_filter or _marked_expert, expert_policy)
     for unit_index, params in enumerate(placed):
         _add_flat_groups(built[unit_index], params, plan)
-    comm.broadcast_coalesced(list(model.buffers()), topology.get_data_parallel_group())  # e.g. BatchNorm statistics start equal too
-    state = ShardState(model, built, topology, broadcast_buffers)
+    state = ShardState(model, built, topology, broadcast_buffers, expert_buffers)
+    state.sync_buffers()  # e.g. BatchNorm statistics start equal too
     state.register_hooks()
     model._sf_state = state
     return model
@@ -199,6 +201,36 @@ def _check_args(model, topology, units, comm_unit_size, reshard_policy, reshard_
     if not (reshard_filter in ("all", "none") or callable(reshard_filter)):
         raise ValueError(f"reshard_filter must be 'all', 'none' or a callable (name, module) -> bool, "
                          f"got {reshard_filter!r}")
+
+
+def _check_moe_layers(model: nn.Module, topology) -> None:
+    """Every :class:`~shardfusion.moe.MoE` must dispatch over the topology's ep group: experts are placed by it."""
+    ep_ranks = dist.get_process_group_ranks(topology.get_group("ep"))
+    for name, m in model.named_modules():
+        if not isinstance(m, MoE):
+            continue
+        ranks = [dist.get_rank()] if m.ep_group is None else dist.get_process_group_ranks(m.ep_group)
+        if m.ep_size != topology.ep or ranks != ep_ranks:
+            raise ValueError(f"MoE {name!r} dispatches over ranks {ranks} (ep {m.ep_size}) but the topology's ep group "
+                             f"is {ep_ranks} (ep {topology.ep}); build it with ep_group=topology.get_group('ep')")
+
+
+def _expert_buffers(model: nn.Module, expert_filter) -> frozenset:
+    """Ids of the buffers that belong to experts: those of a module whose nearest parameter-holding ancestor (itself
+    included) holds only expert parameters. They differ across ep ranks, like the experts' parameters."""
+    experts = {id(p) for n, p in model.named_parameters() if expert_filter(n, p)}
+    found: set[int] = set()
+
+    def walk(module: nn.Module, inherited: bool) -> None:
+        params = list(module.parameters())
+        is_expert = all(id(p) in experts for p in params) if params else inherited
+        if is_expert:
+            found.update(id(b) for b in module.buffers(recurse=False))
+        for child in module.children():
+            walk(child, is_expert)
+
+    walk(model, False)
+    return frozenset(found)
 
 
 def _filter(reshard_filter: ReshardFilter, name: str, module: nn.Module) -> bool:

@@ -72,9 +72,20 @@ class Expert(nn.Module):
         return self.proj(self.act(self.fc(x)))  # (N, C) -> (N, F) -> (N, C)
 
 
-def _route(x_TC: torch.Tensor, router: nn.Linear, top_k: int, normalize: bool):
+class Router(nn.Linear):
+    """The dense router ``Router(C, E)``: (T, C) -> fp32 logits (T, E), computed in fp32.
+
+    Called as a module, never through ``router.weight`` from outside, so that a unit holding only the router (e.g.
+    ``fully_shard(..., units=(nn.Linear,))`` or a small ``comm_unit_size``) is gathered by its forward hooks.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+
+
+def _route(x_TC: torch.Tensor, router: Router, top_k: int, normalize: bool):
     """Router in fp32: probs (T, E), gates (T, K) and expert ids (T, K)."""
-    logits_TE = F.linear(x_TC.float(), router.weight.float())
+    logits_TE = router(x_TC)  # (T, E) fp32
     probs_TE = logits_TE.softmax(dim=-1)
     gates_TK, idx_TK = probs_TE.topk(top_k, dim=-1)
     if normalize and top_k > 1:
@@ -138,7 +149,7 @@ class MoE(nn.Module):
         normalize_top_k: renormalize the K gates of a token to sum to 1 when K > 1 (default True).
 
     Attributes:
-        router: ``nn.Linear(C, E, bias=False)``, dense, applied in fp32.
+        router: :class:`Router` (an ``nn.Linear(C, E, bias=False)``), dense, applied in fp32.
         experts: ``nn.ModuleDict`` of this rank's E_local experts only, keyed by their global index (``"5"``), so
             parameter names are global (``experts.5.fc.weight``); every parameter is marked :data:`EXPERT_ATTR`.
         shared_expert: the dense shared :class:`Expert`, or ``None``.
@@ -175,7 +186,7 @@ class MoE(nn.Module):
         self._ep_size, self._ep_rank = ep, (0 if ep == 1 else dist.get_rank(ep_group))
         self._num_experts, self._top_k, self.normalize_top_k = num_experts, top_k, normalize_top_k
 
-        self.router = nn.Linear(d_model, num_experts, bias=False)
+        self.router = Router(d_model, num_experts, bias=False)
         self.expert_seed = int(torch.randint(0, 2**62, (1,), device="cpu"))
         # Built on "meta" so that no global RNG draw depends on E_local; filled by reset_expert_parameters.
         device, dtype = self.router.weight.device, self.router.weight.dtype
@@ -233,6 +244,10 @@ class MoE(nn.Module):
         """(..., C) -> (..., C); sets :attr:`aux_loss` and :attr:`tokens_per_expert`. Collective over the ep group:
         every rank of it must call it, also with no tokens."""
         x_TC = x.reshape(-1, x.shape[-1])
+        if torch.is_grad_enabled() and not x_TC.requires_grad:
+            # The input may need no gradient on this rank but one elsewhere: build the same graph (and so the same
+            # backward all-to-alls) on every rank.
+            x_TC = x_TC.detach().requires_grad_()
         num_tokens = x_TC.shape[0]
         probs_TE, gates_TK, idx_TK = _route(x_TC, self.router, self.top_k, self.normalize_top_k)
         x_recv, plan = _dispatch(x_TC, idx_TK, self.num_experts, self.ep_group)

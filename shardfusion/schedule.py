@@ -45,11 +45,13 @@ class ShardState:
         units: units in unit order (the root unit first, then by module registration order).
     """
 
-    def __init__(self, root: nn.Module, units: list[Unit], topology, broadcast_buffers: bool = True) -> None:
+    def __init__(self, root: nn.Module, units: list[Unit], topology, broadcast_buffers: bool = True,
+                 expert_buffers: frozenset = frozenset()) -> None:
         self.root = root
         self.units = units
         self.topology = topology
         self.broadcast_buffers = broadcast_buffers
+        self.expert_buffers = expert_buffers  # ids of the buffers that belong to experts (distinct across ep)
         self.requires_gradient_sync = True
         self._reduce_order = [u for u in reversed(units) if u.trainable_groups]
         self._next_reduce = 0
@@ -66,6 +68,19 @@ class ShardState:
                 for f in g.fragments:
                     _FRAGMENT_OWNER[f] = self
         _install_optimizer_hook()
+
+    def split_buffers(self) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+        """The model's named buffers as (dense, expert) lists."""
+        named = list(self.root.named_buffers())
+        return ([(n, b) for n, b in named if id(b) not in self.expert_buffers],
+                [(n, b) for n, b in named if id(b) in self.expert_buffers])
+
+    def sync_buffers(self) -> None:
+        """Broadcast buffers from the first rank holding the same ones: dense buffers over the data-parallel group,
+        expert buffers over the ranks holding the same experts."""
+        dense, expert = self.split_buffers()
+        comm.broadcast_coalesced([b for _, b in dense], self.topology.get_data_parallel_group())
+        comm.broadcast_coalesced([b for _, b in expert], self.topology.get_expert_data_parallel_group())
 
     # ---- hooks -------------------------------------------------------------------------------------------------
     def register_hooks(self) -> None:
@@ -93,7 +108,7 @@ class ShardState:
                 u.reshard()
             self._ran, self._grad_order = [], []
             if self.broadcast_buffers and module.training:
-                comm.broadcast_coalesced(list(module.buffers()), self.topology.get_data_parallel_group())
+                self.sync_buffers()
         self._pre_forward(self.units[0])
 
     def _root_post_forward(self, module, args, output):

@@ -18,23 +18,51 @@ def full_state_dict(model: nn.Module, buffers: bool = True) -> dict[str, torch.T
     Expert parameters of every ep rank are included (each ep rank holds its own experts, under their global names,
     see :class:`shardfusion.moe.MoE`): they are exchanged over the ep group with ``all_gather_object``.
     With ``buffers`` the module buffers (e.g. BatchNorm statistics) are included too, as held by the first
-    data-parallel rank.
+    data-parallel rank (for buffers of experts: the first rank holding those experts).
+
+    Raises:
+        ValueError: two ep ranks hold an expert parameter or buffer of the same name.
     """
     state = _state(model)
-    ep_group = state.topology.get_group("ep")
     out: dict[str, torch.Tensor] = {}
+    experts: dict[str, torch.Tensor] = {}  # this ep rank's experts, exchanged over the ep group below
     for unit in state.units:
         for g in unit.groups:
             full = torch.empty(g.layout.padded_numel, dtype=g.shard.dtype, device=g.shard.device)  # (P,)
             comm.all_gather(full, g.shard, g.shard_group)
-            mine = {slot.name: full[slot.offset:slot.end].view(slot.shape).clone() for slot in g.layout.slots}
-            if g.is_expert and comm.group_size(ep_group) > 1:
-                every: list = [None] * comm.group_size(ep_group)
-                dist.all_gather_object(every, {n: t.cpu() for n, t in mine.items()}, group=ep_group)
-                mine = {n: t.to(g.shard.device) for part in every for n, t in part.items()}
-            out.update(mine)
-    if buffers:
-        copies = {name: buf.detach().clone() for name, buf in model.named_buffers()}
-        comm.broadcast_coalesced(list(copies.values()), state.topology.get_data_parallel_group())
-        out.update(copies)
+            for slot in g.layout.slots:
+                (experts if g.is_expert else out)[slot.name] = full[slot.offset:slot.end].view(slot.shape).clone()
+    dense_buffers, expert_buffers = state.split_buffers() if buffers else ([], [])
+    copies = {name: buf.detach().clone() for name, buf in dense_buffers}
+    comm.broadcast_coalesced(list(copies.values()), state.topology.get_data_parallel_group())
+    out.update(copies)
+    expert_copies = {name: buf.detach().clone() for name, buf in expert_buffers}
+    comm.broadcast_coalesced(list(expert_copies.values()), state.topology.get_expert_data_parallel_group())
+    experts.update(expert_copies)
+    out.update(_gather_over_ep(experts, state.topology.get_group("ep")))
     return out
+
+
+def _gather_over_ep(mine: dict[str, torch.Tensor], ep_group) -> dict[str, torch.Tensor]:
+    """The union of every ep rank's expert tensors (one ``all_gather_object``, on the CPU, then back on the device).
+
+    Raises:
+        ValueError: two ep ranks hold a tensor of the same name (expert names must be global, unique over ep).
+    """
+    size = comm.group_size(ep_group)
+    if size == 1:
+        return mine
+    every: list = [None] * size
+    dist.all_gather_object(every, {n: t.cpu() for n, t in mine.items()}, group=ep_group)
+    out: dict[str, torch.Tensor] = {}
+    owner: dict[str, int] = {}
+    for j, part in enumerate(every):
+        for name, tensor in part.items():
+            if name in owner:
+                raise ValueError(f"expert tensor {name!r} is held by ep ranks {owner[name]} and {j}: expert parameter "
+                                 f"and buffer names must be global (unique across the ep group), e.g. experts.<global "
+                                 f"index>; see shardfusion.moe.MoE")
+            owner[name] = j
+            out[name] = tensor
+    device = next(iter(mine.values())).device if mine else torch.device("cpu")
+    return {n: t.to(device) for n, t in out.items()}

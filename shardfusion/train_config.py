@@ -82,7 +82,8 @@ class TrainConfig:
     eval_every: int = 25
     """Evaluate every this many steps; also before the first and after the last step (default 25)."""
     eval_batches: int = 8
-    """Validation batches per evaluation, split across the data-parallel ranks (default 8)."""
+    """Validation batches per evaluation, split across the data-parallel ranks and rounded up to a multiple of their
+    number (default 8)."""
     nproc: int | None = None
     """Worker processes on this node (default: 4 on CPU, the number of GPUs on CUDA); ignored under torchrun."""
     data: str | None = None
