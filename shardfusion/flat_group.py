@@ -7,13 +7,16 @@ sharded or kept whole). ``P`` is the padded flat length (``layout.padded_numel``
 - ``shard``       # (S,)  persistent. This rank's slice of the flat buffer; the optimizer updates it in place through
                   #       the *fragments*: one ``nn.Parameter`` per original parameter, a 1-D view of ``shard`` (0
                   #       elements allowed), registered in the modules under the original names while sharded.
-- ``full``        # (P,)  alive while unsharded. The all-gathered buffer; its storage is resized to 0 when resharded.
-                  #       With ``shard_count == 1`` it *is* ``shard`` (nothing is gathered or freed). ``full_views``
+- ``full``        # (P,)  alive while unsharded, in ``param_dtype`` (mixed precision) or the shard's dtype. The
+                  #       all-gathered buffer; its storage is resized to 0 when resharded. With ``shard_count == 1``
+                  #       and no cast it *is* ``shard`` (nothing is gathered or freed). ``full_views``
                   #       are leaf ``nn.Parameter`` views of it with the original shapes, put into the modules while
                   #       unsharded; they are created once and keep pointing at the same storage.
 - ``grad_full``   # (P,)  alive from the first gradient of a backward until its reduce-scatter completes (or, while
                   #       gradient sync is off, across micro-batches). Each full view's ``.grad`` is a view of it, so
-                  #       autograd accumulates in place: no per-parameter copy.
+                  #       autograd accumulates in place: no per-parameter copy. In ``full``'s dtype.
+- ``grad_acc``    # (P,)  mixed precision only, while gradient sync is off: the micro-batches' ``grad_full`` summed in
+                  #       the shard's dtype (fp32), so accumulation across micro-batches never rounds to bf16.
 - ``grad_shard``  # (S,)  persistent once created. The sharded gradient the optimizer reads: each fragment's ``.grad``
                   #       is a view of it. Reduce-scatter outputs (divided by the data-parallel world size) are added
                   #       into it, or into ``step_grad`` when the user kept last step's gradients (see ``add_reduced``).
@@ -62,6 +65,9 @@ class FlatGroup:
         replicate_group: group holding identical shards; gradients are all-reduced over it once per step.
         grad_divisor: the data-parallel world size (dp * sharding); reduced gradients are divided by it so they are
             the gradient of the mean loss over the global batch.
+        param_dtype: dtype of the full buffer, the compute and ``grad_full`` (``None``: the parameters' dtype).
+        grad_comm_dtype: dtype of the reduce-scatter and the replicate all-reduce (``None``: ``full``'s dtype).
+            Below fp32 the gradient is divided by ``grad_divisor`` before it is reduced (no overflow in fp16).
         data_parallel_group: the ranks that hold these parameters before sharding (all data-parallel ranks for dense
             parameters; for experts, the ranks with the same ep index); the values of its first rank are broadcast.
     """
@@ -76,6 +82,8 @@ class FlatGroup:
         replicate_group: Optional[ProcessGroup],
         grad_divisor: int,
         data_parallel_group: Optional[ProcessGroup],
+        param_dtype: Optional[torch.dtype] = None,
+        grad_comm_dtype: Optional[torch.dtype] = None,
     ) -> None:
         self.layout = layout
         self.shard_group = shard_group
@@ -86,6 +94,8 @@ class FlatGroup:
         self.counts_in_norm = True  # set by the owner: whether this rank counts this group's elements in a norm
         self.is_expert = False  # set by the owner: expert parameters (distinct across the ep ranks)
         dtype, device = params[0].dtype, params[0].device
+        self.param_dtype = param_dtype or dtype
+        self.grad_comm_dtype = grad_comm_dtype or self.param_dtype
         P, S = layout.padded_numel, layout.shard_numel
         if P == 0:  # only zero-element parameters: nothing to communicate, on every rank alike
             self.shard_group = self.reduce_group = self.replicate_group = None
@@ -106,23 +116,26 @@ class FlatGroup:
             view = self.shard[frag.shard_offset:frag.shard_offset + frag.numel]
             self.fragments.append(nn.Parameter(view, requires_grad=self.requires_grad))
 
-        if layout.shard_count == 1 or P == 0:
+        if (layout.shard_count == 1 or P == 0) and self.param_dtype == dtype:
             self.full = self.shard
         else:
-            self.full = torch.empty(P, dtype=dtype, device=device)  # (P,)
+            self.full = torch.empty(P, dtype=self.param_dtype, device=device)  # (P,)
             self.full.untyped_storage().resize_(0)
         self.full_views: list[nn.Parameter] = [
             nn.Parameter(_alias(self.full, s.offset, s.shape), requires_grad=self.requires_grad)
             for s in layout.slots
         ]
         self._gather_work = None
-        self.is_unsharded = layout.shard_count == 1 or P == 0
+        self._gather_input: Optional[torch.Tensor] = None  # (S,) the shard cast to param_dtype, while gathering
+        self.is_unsharded = self.full is self.shard
 
         self.grad_full: Optional[torch.Tensor] = None
         self.grad_views: list[torch.Tensor] = []
+        self.grad_acc: Optional[torch.Tensor] = None
         self.grad_shard: Optional[torch.Tensor] = None
         self.step_grad: Optional[torch.Tensor] = None
         self._reduce_out: Optional[torch.Tensor] = None
+        self._reduce_in: Optional[torch.Tensor] = None
         self._reduce_work = None
 
     # ---- unshard / reshard -------------------------------------------------------------------------------------
@@ -134,7 +147,10 @@ class FlatGroup:
             return
         self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
         with torch.no_grad():
-            self._gather_work = comm.all_gather(self.full, self.shard, self.shard_group, async_op=True)
+            send = self.shard
+            if self.shard.dtype != self.full.dtype and comm.group_size(self.shard_group) > 1:
+                send = self._gather_input = self.shard.to(self.full.dtype)  # (S,) kept alive until the wait
+            self._gather_work = comm.all_gather(self.full, send, self.shard_group, async_op=True)
         if self._gather_work is None:  # a group of one: nothing was issued
             self.is_unsharded = True
         elif not async_op:
@@ -145,6 +161,7 @@ class FlatGroup:
         if self._gather_work is not None:
             self._gather_work.wait()
             self._gather_work = None
+            self._gather_input = None
             self.is_unsharded = True
 
     def reshard(self) -> None:
@@ -168,19 +185,46 @@ class FlatGroup:
         """
         if self.grad_full is None:
             P = self.layout.padded_numel
-            self.grad_full = torch.zeros(P, dtype=self.full.dtype, device=self.full.device)  # (P,)
+            self.grad_full = torch.zeros(P, dtype=self.full.dtype, device=self.full.device)  # (P,) full's dtype
             self.grad_views = [_alias(self.grad_full, s.offset, s.shape) for s in self.layout.slots]
             for view, g in zip(self.full_views, self.grad_views):
                 view.grad = g
         elif view_index is not None and self.full_views[view_index].grad is not self.grad_views[view_index]:
             self.full_views[view_index].grad = self.grad_views[view_index]
 
-    def reduce_scatter(self) -> None:
-        """Issue the asynchronous reduce-scatter of ``grad_full`` (zeros if no gradient arrived on this rank)."""
-        self.ensure_grad_full()
-        self._reduce_out = torch.empty(self.layout.shard_numel, dtype=self.full.dtype, device=self.full.device)
+    def hold_grads(self) -> None:
+        """End of a backward with gradient sync off: keep this backward's gradient for the next one. Under mixed
+        precision it is added into the fp32 ``grad_acc`` and ``grad_full`` starts again from zero."""
+        if self.grad_full is None or self.full.dtype == self.shard.dtype:
+            return  # grad_full itself keeps accumulating
         with torch.no_grad():
-            self._reduce_work = comm.reduce_scatter(self._reduce_out, self.grad_full, self.reduce_group, async_op=True)
+            if self.grad_acc is None:
+                self.grad_acc = torch.zeros(self.layout.padded_numel, dtype=self.shard.dtype,
+                                            device=self.shard.device)  # (P,) fp32
+            self.grad_acc.add_(self.grad_full)
+            self.grad_full.zero_()
+
+    def reduce_scatter(self) -> None:
+        """Issue the asynchronous reduce-scatter of ``grad_full`` (zeros if no gradient arrived on this rank), plus
+        ``grad_acc`` if held, in ``grad_comm_dtype``."""
+        self.ensure_grad_full()
+        comm_dtype = self.grad_comm_dtype
+        with torch.no_grad():
+            grad = self.grad_full
+            if self.grad_acc is not None:
+                grad, self.grad_acc = self.grad_acc.add_(grad), None
+            if grad.dtype != comm_dtype:
+                grad = grad.to(comm_dtype)  # (P,)
+            if self._predivide:
+                grad.div_(self.grad_divisor)  # grad_full is dropped after the reduce-scatter anyway
+            self._reduce_in = grad  # alive until the reduce-scatter completes
+            self._reduce_out = torch.empty(self.layout.shard_numel, dtype=comm_dtype, device=self.full.device)
+            self._reduce_work = comm.reduce_scatter(self._reduce_out, grad, self.reduce_group, async_op=True)
+
+    @property
+    def _predivide(self) -> bool:
+        """Divide before communicating when the communication dtype is narrower than fp32 (fp16 could overflow)."""
+        return self.grad_comm_dtype.is_floating_point and torch.finfo(self.grad_comm_dtype).bits < 32
 
     def reduce_done(self) -> bool:
         """Whether the issued reduce-scatter has completed (non-blocking)."""
@@ -193,10 +237,11 @@ class FlatGroup:
         if self._reduce_work is not None:
             self._reduce_work.wait()
             self._reduce_work = None
-        out, self._reduce_out = self._reduce_out, None
+        out, self._reduce_out, self._reduce_in = self._reduce_out, None, None
         with torch.no_grad():
-            out.div_(self.grad_divisor)
-            self._step_grad_buffer().add_(out)
+            if not self._predivide:
+                out.div_(self.grad_divisor)
+            self._step_grad_buffer().add_(out)  # upcast into the shard's dtype
         for view in self.full_views:
             view.grad = None
         self.grad_full, self.grad_views = None, []
@@ -238,7 +283,13 @@ class FlatGroup:
         """All-reduce this step's sharded gradient over the replicate group and publish it in ``grad_shard``."""
         if self.step_grad is None:
             return
-        comm.all_reduce(self.step_grad, self.replicate_group)
+        if self.step_grad.dtype == self.grad_comm_dtype:
+            comm.all_reduce(self.step_grad, self.replicate_group)
+        elif comm.group_size(self.replicate_group) > 1:
+            with torch.no_grad():
+                low = self.step_grad.to(self.grad_comm_dtype)  # (S,)
+                comm.all_reduce(low, self.replicate_group)
+                self.step_grad.copy_(low)
         if self.step_grad is not self.grad_shard:
             with torch.no_grad():
                 for i, frag in enumerate(self.fragments):

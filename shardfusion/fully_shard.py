@@ -22,6 +22,7 @@ from shardfusion.unit import Unit
 ReshardFilter = Union[str, Callable[[str, nn.Module], bool]]
 _RESHARD_POLICIES = ("after_forward", "after_backward")
 _EXPERT_POLICIES = ("replicate", "shard")
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 ALIGN_BYTES = 16  # each parameter starts at a multiple of 16 bytes in its flat buffer
 
 
@@ -65,7 +66,16 @@ def fully_shard(
             ZeRO-3) or ``"after_backward"`` (keep them from forward until the unit's backward is done).
         reshard_filter: which units follow ``reshard_policy`` after forward: ``"all"``, ``"none"`` (all keep their
             full buffers until backward), or a callable ``(qualified_name, module) -> bool``.
-        param_dtype, grad_comm_dtype: mixed precision; not supported yet (must be ``None``).
+        param_dtype: mixed precision (``torch.bfloat16`` or ``torch.float16``; ``None``: off): the dtype of the
+            all-gathered full buffers and so of the forward and backward compute. Shards, the gradients the optimizer
+            reads and so the optimizer state stay in the parameters' own dtype (fp32); each all-gather sends the shard
+            cast to ``param_dtype``. Floating-point tensors passed to the model's forward are cast to it (FSDP2's
+            ``cast_forward_inputs``). Gradients accumulated over micro-batches with gradient sync off are summed in
+            fp32. As in FSDP2's ``MixedPrecisionPolicy``.
+        grad_comm_dtype: dtype of the reduce-scatter and of the replicate all-reduce (``torch.float32``,
+            ``torch.bfloat16`` or ``torch.float16``; ``None``: ``param_dtype`` if given, else the parameters' dtype).
+            Reduced gradients are added into the fp32 sharded gradient; below 32 bits they are divided by
+            ``dp * sharding`` before the reduction.
         replicate_filter: optional ``(name, parameter) -> bool``; parameters for which it is true are kept whole on
             every rank (not sharded) and their gradients all-reduced over the data-parallel group.
         broadcast_buffers: broadcast module buffers (e.g. BatchNorm running statistics) from the first data-parallel
@@ -90,7 +100,7 @@ def fully_shard(
     Raises:
         ValueError: bad ``units``, ``comm_unit_size``, ``reshard_policy``, ``reshard_filter``, ``expert_filter`` or
             ``expert_policy``; a model that is already sharded.
-        NotImplementedError: ``sep * cp > 1``, or ``param_dtype``/``grad_comm_dtype`` given.
+        NotImplementedError: ``sep * cp > 1``.
     """
     _check_args(model, topology, units, comm_unit_size, reshard_policy, reshard_filter, param_dtype, grad_comm_dtype,
                 replicate_filter)
@@ -107,10 +117,11 @@ def fully_shard(
         built.append(Unit(name, modules, reshard))
     owner = _owning_unit(model, unit_specs)
     placed = _assign_params(model, owner)
-    plan = _GroupPlan(topology, replicate_filter, expert_filter or _marked_expert, expert_policy)
+    plan = _GroupPlan(topology, replicate_filter, expert_filter or _marked_expert, expert_policy, param_dtype,
+                      grad_comm_dtype)
     for unit_index, params in enumerate(placed):
         _add_flat_groups(built[unit_index], params, plan)
-    state = ShardState(model, built, topology, broadcast_buffers, expert_buffers)
+    state = ShardState(model, built, topology, broadcast_buffers, expert_buffers, param_dtype)
     state.sync_buffers()  # e.g. BatchNorm statistics start equal too
     state.register_hooks()
     model._sf_state = state
@@ -179,9 +190,9 @@ def _check_args(model, topology, units, comm_unit_size, reshard_policy, reshard_
         raise NotImplementedError(
             f"sep({topology.sep}) * cp({topology.cp}) = {topology.sep * topology.cp} > 1 is not supported yet: "
             "the gradient all-reduce over sep x cp is not implemented")
-    if param_dtype is not None or grad_comm_dtype is not None:
-        raise NotImplementedError(
-            f"mixed precision (param_dtype={param_dtype}, grad_comm_dtype={grad_comm_dtype}) is not supported yet")
+    for name, value in (("param_dtype", param_dtype), ("grad_comm_dtype", grad_comm_dtype)):
+        if value is not None and value not in _LOW_PRECISION + (torch.float32,):
+            raise ValueError(f"{name} must be None, torch.float32, torch.bfloat16 or torch.float16, got {value!r}")
     if units is not None:
         if isinstance(units, type) or not all(isinstance(u, type) and issubclass(u, nn.Module) for u in units):
             raise ValueError(f"units must be a tuple of nn.Module classes, got {units!r}")
@@ -342,8 +353,11 @@ def _marked_expert(name: str, param: nn.Parameter) -> bool:
 class _GroupPlan:
     """Which groups a flat buffer of each kind uses (see ``fully_shard``'s ``replicate_filter``, ``expert_policy``)."""
 
-    def __init__(self, topology, replicate_filter, expert_filter, expert_policy: str) -> None:
+    def __init__(self, topology, replicate_filter, expert_filter, expert_policy: str, param_dtype=None,
+                 grad_comm_dtype=None) -> None:
         self.topology = topology
+        self.param_dtype = param_dtype
+        self.grad_comm_dtype = grad_comm_dtype
         self.replicate_filter = replicate_filter
         self.expert_filter = expert_filter
         self.expert_policy = expert_policy
@@ -382,8 +396,10 @@ def _add_flat_groups(unit: Unit, params: list, plan: _GroupPlan) -> None:
         align = max(1, ALIGN_BYTES // torch.tensor([], dtype=dtype).element_size())
         layout = build_layout([n for n, _, _ in members], [tuple(p.shape) for _, p, _ in members], shard_count,
                               align)
+        cast = dtype.is_floating_point
         group = FlatGroup(layout, [p for _, p, _ in members], shard_index, shard_group, reduce_group,
-                          replicate_group, divisor, holders)
+                          replicate_group, divisor, holders, param_dtype=plan.param_dtype if cast else None,
+                          grad_comm_dtype=plan.grad_comm_dtype if cast else None)
         group.is_expert = expert
         if expert:  # the fragments the optimizer sees keep the mark (e.g. for per-expert parameter groups)
             for frag in group.fragments:

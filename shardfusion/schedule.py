@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardfusion import comm
@@ -46,8 +46,9 @@ class ShardState:
     """
 
     def __init__(self, root: nn.Module, units: list[Unit], topology, broadcast_buffers: bool = True,
-                 expert_buffers: frozenset = frozenset()) -> None:
+                 expert_buffers: frozenset = frozenset(), param_dtype: torch.dtype | None = None) -> None:
         self.root = root
+        self.param_dtype = param_dtype
         self.units = units
         self.topology = topology
         self.broadcast_buffers = broadcast_buffers
@@ -86,7 +87,7 @@ class ShardState:
     def register_hooks(self) -> None:
         """Install the forward hooks on every unit's modules and the gradient hooks on every full view."""
         root_unit = self.units[0]
-        self.root.register_forward_pre_hook(self._root_pre_forward, prepend=True)
+        self.root.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
         self.root.register_forward_hook(self._root_post_forward)
         for unit in self.units:
             if unit is not root_unit:
@@ -101,7 +102,7 @@ class ShardState:
                     view.register_hook(self._make_pre_accumulate(g, i))
                     view.register_post_accumulate_grad_hook(self._make_post_accumulate(unit))
 
-    def _root_pre_forward(self, module, args):
+    def _root_pre_forward(self, module, args, kwargs):
         if not _in_backward():
             # A forward without a following backward (evaluation) may have left units gathered: start clean.
             for u in self.units[1:]:
@@ -110,6 +111,14 @@ class ShardState:
             if self.broadcast_buffers and module.training:
                 self.sync_buffers()
         self._pre_forward(self.units[0])
+        if self.param_dtype is not None:  # mixed precision: floating-point inputs in the compute dtype
+            return tree_map(self._cast_input, args), tree_map(self._cast_input, kwargs)
+        return None
+
+    def _cast_input(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.param_dtype:
+            return x.to(self.param_dtype)
+        return x
 
     def _root_post_forward(self, module, args, output):
         if not _in_backward():

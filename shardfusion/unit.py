@@ -126,9 +126,11 @@ class Unit:
     def finish_backward(self, reduced: bool) -> None:
         """End of a backward: with ``reduced``, complete the reduce-scatters and free the gradient buffers (else
         they stay alive and keep accumulating, gradient sync being off); reset the per-backward state."""
-        if reduced:
-            for g in self.trainable_groups:
+        for g in self.trainable_groups:
+            if reduced:
                 g.finish_reduce_scatter()
+            else:
+                g.hold_grads()
         self.reduce_state = ReduceState.IDLE
         self._grads_arrived = 0
         self.ran_forward = False

@@ -288,7 +288,7 @@ def concat_batches(batches: list[dict]) -> dict:
 
 def loss_fn(kind: str, model: nn.Module, batch: dict, **forward_kwargs) -> torch.Tensor:
     """Mean loss over the micro-batch."""
-    out = model(batch["x"], **forward_kwargs)
+    out = model(batch["x"], **forward_kwargs).float()  # the loss in fp32 also under mixed precision (no-op in fp32)
     if kind == "transformer":
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), batch["y"].reshape(-1))
     if kind == "moe":  # the load-balancing loss is over the tokens of this call: one rank's micro-batch

@@ -67,6 +67,8 @@ class Case:
     ep: int = 1  # expert parallel degree (MoE models)
     expert_policy: str = "replicate"  # fully_shard's expert_policy
     measure_norms: tuple = ()  # norm types measured (max_norm=inf) before clipping, every step
+    param_dtype: Optional[str] = None  # mixed precision: "bfloat16" / "float16" (the reference always runs fp32)
+    grad_comm_dtype: Optional[str] = None
 
     @property
     def data_parallel(self) -> int:
@@ -192,6 +194,9 @@ def coordinates(topo) -> dict:
 
 def wrap_kwargs(case: Case) -> dict:
     kw: dict[str, Any] = {"reshard_policy": case.reshard_policy, "expert_policy": case.expert_policy}
+    for key in ("param_dtype", "grad_comm_dtype"):
+        if getattr(case, key) is not None:
+            kw[key] = getattr(torch, getattr(case, key))
     if case.units == "class":
         kw["units"] = UNIT_CLASSES[case.model]
     elif case.units == "experts":
