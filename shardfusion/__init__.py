@@ -17,6 +17,7 @@ from shardfusion.fully_shard import (
     fully_shard,
     get_units,
     no_sync,
+    set_is_last_backward,
     set_requires_gradient_sync,
 )
 from shardfusion.moe import MoE, is_expert, mark_expert
@@ -36,6 +37,7 @@ __all__ = [
     "mark_expert",
     "moe",
     "no_sync",
+    "set_is_last_backward",
     "set_requires_gradient_sync",
     "topology",
 ]

@@ -22,7 +22,9 @@ sharded or kept whole). ``P`` is the padded flat length (``layout.padded_numel``
                   #       into it, or into ``step_grad`` when the user kept last step's gradients (see ``add_reduced``).
 - ``step_grad``   # (S,)  this step's not-yet-all-reduced sharded gradient: ``grad_shard`` itself in the common case,
                   #       a temporary when the user did not reset gradients. All-reduced over the replicate group once
-                  #       per optimizer step (``sync_replicas``), then dropped.
+                  #       per optimizer step (``sync_replicas``; issued early by ``start_sync_replicas`` when the
+                  #       last backward of the step is known), then dropped. Nothing may be added to it while that
+                  #       all-reduce is in flight (``sync_in_flight``).
 """
 
 from __future__ import annotations
@@ -136,6 +138,9 @@ class FlatGroup:
         self.step_grad: Optional[torch.Tensor] = None
         self._reduce_out: Optional[torch.Tensor] = None
         self._reduce_in: Optional[torch.Tensor] = None
+        self._sync_work = None  # the replicate all-reduce in flight, its buffer, and whether it was issued
+        self._sync_buf: Optional[torch.Tensor] = None
+        self._sync_started = False
         self._reduce_work = None
 
     # ---- unshard / reshard -------------------------------------------------------------------------------------
@@ -279,17 +284,35 @@ class FlatGroup:
         """Whether this step's sharded gradient still has to be all-reduced over the replicate group."""
         return self.step_grad is not None
 
+    @property
+    def sync_in_flight(self) -> bool:
+        """Whether this step's replicate all-reduce has been issued and not yet waited for."""
+        return self._sync_started
+
+    def start_sync_replicas(self) -> None:
+        """Issue this step's replicate all-reduce asynchronously (no-op if nothing is pending or it was issued)."""
+        if self.step_grad is None or self._sync_started:
+            return
+        with torch.no_grad():
+            buf = self.step_grad
+            if buf.dtype != self.grad_comm_dtype and comm.group_size(self.replicate_group) > 1:
+                buf = buf.to(self.grad_comm_dtype)  # (S,)
+        self._sync_buf = buf
+        self._sync_work = comm.all_reduce(buf, self.replicate_group, async_op=True)
+        self._sync_started = True
+
     def sync_replicas(self) -> None:
-        """All-reduce this step's sharded gradient over the replicate group and publish it in ``grad_shard``."""
+        """All-reduce this step's sharded gradient over the replicate group (waiting for it if already issued) and
+        publish it in ``grad_shard``."""
         if self.step_grad is None:
             return
-        if self.step_grad.dtype == self.grad_comm_dtype:
-            comm.all_reduce(self.step_grad, self.replicate_group)
-        elif comm.group_size(self.replicate_group) > 1:
-            with torch.no_grad():
-                low = self.step_grad.to(self.grad_comm_dtype)  # (S,)
-                comm.all_reduce(low, self.replicate_group)
-                self.step_grad.copy_(low)
+        self.start_sync_replicas()
+        if self._sync_work is not None:
+            self._sync_work.wait()
+        with torch.no_grad():
+            if self._sync_buf is not self.step_grad:
+                self.step_grad.copy_(self._sync_buf)
+        self._sync_work, self._sync_buf, self._sync_started = None, None, False
         if self.step_grad is not self.grad_shard:
             with torch.no_grad():
                 for i, frag in enumerate(self.fragments):

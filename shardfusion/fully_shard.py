@@ -39,6 +39,7 @@ def fully_shard(
     broadcast_buffers: bool = True,
     expert_filter: Optional[Callable[[str, nn.Parameter], bool]] = None,
     expert_policy: str = "replicate",
+    prefetch: int = 1,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP (``fsdp_outer_degree == 1``) or HSDP (``> 1``) and return it.
 
@@ -93,6 +94,11 @@ def fully_shard(
             only the dp replicas all-reduce them: no outer all-reduce for experts; their all-gathers then cross the
             outer group, as in Megatron-FSDP's ``outer_dp_sharding_strategy``). With ``fsdp_outer_degree == 1`` both
             are the same.
+        prefetch: how many units are all-gathered ahead of the one running (asynchronously), in forward and in
+            backward (default 1; 0: a unit is gathered only when it runs). With ``reshard_policy="after_forward"``
+            at most ``prefetch + 1`` non-root units hold a full buffer at once in forward, ``prefetch + 2`` in
+            backward (the running unit, the prefetched ones, and the previous one until its last gradient lands);
+            units that are not resharded after forward keep theirs until their backward.
 
     Returns:
         ``model``, changed in place.
@@ -108,6 +114,8 @@ def fully_shard(
         raise ValueError(f"expert_filter must be None or a callable (name, param) -> bool, got {expert_filter!r}")
     if expert_policy not in _EXPERT_POLICIES:
         raise ValueError(f"expert_policy must be one of {_EXPERT_POLICIES}, got {expert_policy!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead), got {prefetch!r}")
     _check_moe_layers(model, topology)
     expert_buffers = _expert_buffers(model, expert_filter or _marked_expert)  # before parameters become fragments
     unit_specs = _unit_modules(model, tuple(units or ()), comm_unit_size)
@@ -121,7 +129,7 @@ def fully_shard(
                       grad_comm_dtype)
     for unit_index, params in enumerate(placed):
         _add_flat_groups(built[unit_index], params, plan)
-    state = ShardState(model, built, topology, broadcast_buffers, expert_buffers, param_dtype)
+    state = ShardState(model, built, topology, broadcast_buffers, expert_buffers, param_dtype, prefetch)
     state.sync_buffers()  # e.g. BatchNorm statistics start equal too
     state.register_hooks()
     model._sf_state = state
@@ -154,6 +162,19 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     all-reduce; turn it on again before the last micro-batch of the step, whose backward reduces the total.
     """
     _state(model).requires_gradient_sync = bool(requires_gradient_sync)
+
+
+def set_is_last_backward(model: nn.Module, is_last_backward: bool) -> None:
+    """Say whether the following backwards are the last of their optimizer step (FSDP2's convention; its
+    ``set_requires_all_reduce`` for HSDP maps to the same thing here).
+
+    When true, each unit's replicate (outer) all-reduce is issued as soon as its reduce-scatter is done, overlapped
+    with the rest of the backward, instead of at the step boundary. With K micro-batches per step, set it to
+    ``micro == K - 1`` before each backward. A gradient that reaches a buffer whose all-reduce is already in flight
+    (another backward before the optimizer step) raises ``RuntimeError``: never a silent race. Results are bitwise
+    the same as with the default (all-reduce at the step boundary).
+    """
+    _state(model).is_last_backward = bool(is_last_backward)
 
 
 @contextlib.contextmanager

@@ -14,8 +14,15 @@ fixed order (reverse unit order), as soon as the unit at the head of that order 
 own, so every rank issues the same sequence whatever gradients it got (invariant 1). A callback queued on the autograd
 engine flushes the rest at the end of backward: units that got no gradient reduce-scatter zeros.
 
+Prefetch: ``prefetch`` units are all-gathered ahead of the running one, in forward (the order of the previous
+forward) and in backward (the backward order); 0 gathers each unit only when it runs. ``peak_unsharded_units``
+records the most non-root units holding a full buffer at once (sampled when a unit is gathered).
+
 Step boundary: the replicate-group all-reduce runs once per optimizer step in ``finish_grad_sync``, called by
-``clip_grad_norm_``, by a global optimizer step pre-hook, or by the user.
+``clip_grad_norm_``, by a global optimizer step pre-hook, or by the user. When the user says that a backward is the
+last of its step (``set_is_last_backward``), it is overlapped with that backward instead: each time a reduce-scatter
+is issued, the previous unit's reduce-scatter is completed and its all-reduce issued (asynchronously, in reduce order),
+and ``finish_grad_sync`` only waits. A gradient arriving for a buffer whose all-reduce is in flight raises.
 """
 
 from __future__ import annotations
@@ -46,8 +53,12 @@ class ShardState:
     """
 
     def __init__(self, root: nn.Module, units: list[Unit], topology, broadcast_buffers: bool = True,
-                 expert_buffers: frozenset = frozenset(), param_dtype: torch.dtype | None = None) -> None:
+                 expert_buffers: frozenset = frozenset(), param_dtype: torch.dtype | None = None,
+                 prefetch: int = 1) -> None:
         self.root = root
+        self.prefetch = prefetch  # units all-gathered ahead of the one running, in forward and in backward
+        self.is_last_backward = False  # set_is_last_backward: overlap the replicate all-reduce with this backward
+        self.peak_unsharded_units = 0  # most non-root units holding a full buffer at once (see _note_unsharded)
         self.param_dtype = param_dtype
         self.units = units
         self.topology = topology
@@ -56,6 +67,7 @@ class ShardState:
         self.requires_gradient_sync = True
         self._reduce_order = [u for u in reversed(units) if u.trainable_groups]
         self._next_reduce = 0
+        self._next_all_reduce = 0  # units of _reduce_order whose replicate all-reduce has been issued (overlap)
         self._callback_queued = False
         # Forward prefetch: unit -> the unit that ran after it in the last forward (unit order before the first).
         self._next_in_forward = {id(a): b for a, b in zip(units[1:], units[2:])}
@@ -149,8 +161,12 @@ class ShardState:
             return
         self._ran.append(unit)
         nxt = self._first_in_forward if unit is self.units[0] else self._next_in_forward.get(id(unit))
-        if nxt is not None:
+        for _ in range(self.prefetch):
+            if nxt is None:
+                break
             nxt.prefetch()
+            nxt = self._next_in_forward.get(id(nxt))
+        self._note_unsharded()
 
     def _make_post_forward(self, unit: Unit):
         def hook(module, args, output):
@@ -182,8 +198,9 @@ class ShardState:
         if unit in order:
             pos = order.index(unit)
             self._issue_gathers(pos + 1)
-            self._issue_gathers(pos + 2)  # prefetch the next unit of the backward order
+            self._issue_gathers(pos + 1 + self.prefetch)  # prefetch the next units of the backward order
         unit.unshard()
+        self._note_unsharded()
         for g in unit.trainable_groups:
             g.ensure_grad_full()
 
@@ -200,9 +217,20 @@ class ShardState:
             order[self._gathers_issued].prefetch()
             self._gathers_issued += 1
 
+    def _note_unsharded(self) -> None:
+        live = sum(1 for u in self.units[1:] if u.is_unsharded)
+        self.peak_unsharded_units = max(self.peak_unsharded_units, live)
+
     def _make_pre_accumulate(self, group, view_index: int):
         def hook(grad):
             self._queue_callback()
+            if group.sync_in_flight:
+                name = group.layout.slots[view_index].name
+                raise RuntimeError(
+                    f"a gradient for {name!r} arrived while the replicate all-reduce of its buffer is in flight: "
+                    "set_is_last_backward(model, True) was in effect for an earlier backward of this step. Set it "
+                    "only for the last micro-batch of a step (or leave it off: the all-reduce then runs at the step "
+                    "boundary)")
             group.ensure_grad_full(view_index)
             return grad
 
@@ -230,6 +258,20 @@ class ShardState:
         while self._next_reduce < len(order) and order[self._next_reduce].reduce_state is ReduceState.READY:
             order[self._next_reduce].reduce_scatter()
             self._next_reduce += 1
+            self._issue_all_reduces(self._next_reduce - 1)  # pipelined: the previous unit's, not this one's
+
+    def _issue_all_reduces(self, upto: int) -> None:
+        """Overlap (``is_last_backward``): for units ``[issued, upto)`` of the reduce order, in order, complete the
+        reduce-scatter and issue the replicate all-reduce. Called at fixed points of the backward (after each
+        reduce-scatter is issued, and at its end), so every rank issues them in the same order."""
+        if not (self.is_last_backward and self.requires_gradient_sync):
+            return
+        order = self._reduce_order
+        while self._next_all_reduce < upto:
+            for g in order[self._next_all_reduce].trainable_groups:
+                g.finish_reduce_scatter()
+                g.start_sync_replicas()
+            self._next_all_reduce += 1
 
     def _queue_callback(self) -> None:
         if not self._callback_queued and _in_backward():
@@ -247,7 +289,8 @@ class ShardState:
             while self._next_reduce < len(order):
                 order[self._next_reduce].reduce_scatter()
                 self._next_reduce += 1
-        self._next_reduce = 0
+            self._issue_all_reduces(len(order))
+        self._next_reduce = self._next_all_reduce = 0
         for u in self.units:
             u.finish_backward(reduced=self.requires_gradient_sync)
         for u in self.units:
