@@ -67,7 +67,7 @@ class ShardState:
         self.requires_gradient_sync = True
         self._reduce_order = [u for u in reversed(units) if u.trainable_groups]
         self._next_reduce = 0
-        self._next_all_reduce = 0  # units of _reduce_order whose replicate all-reduce has been issued (overlap)
+        self._next_all_reduce = 0  # units of _reduce_order whose reduce-scatter has been completed
         self._callback_queued = False
         # Forward prefetch: unit -> the unit that ran after it in the last forward (unit order before the first).
         self._next_in_forward = {id(a): b for a, b in zip(units[1:], units[2:])}
@@ -258,19 +258,24 @@ class ShardState:
         while self._next_reduce < len(order) and order[self._next_reduce].reduce_state is ReduceState.READY:
             order[self._next_reduce].reduce_scatter()
             self._next_reduce += 1
-            self._issue_all_reduces(self._next_reduce - 1)  # pipelined: the previous unit's, not this one's
+            self._complete_reduces(self._next_reduce, block=False)
 
-    def _issue_all_reduces(self, upto: int) -> None:
-        """Overlap (``is_last_backward``): for units ``[issued, upto)`` of the reduce order, in order, complete the
-        reduce-scatter and issue the replicate all-reduce. Called at fixed points of the backward (after each
-        reduce-scatter is issued, and at its end), so every rank issues them in the same order."""
-        if not (self.is_last_backward and self.requires_gradient_sync):
-            return
+    def _complete_reduces(self, upto: int, block: bool) -> None:
+        """For units ``[completed, upto)`` of the reduce order, in order: finish the reduce-scatter (add it into the
+        sharded gradient, free the full gradient buffer) and, with ``is_last_backward``, issue the replicate
+        all-reduce. With ``block=False`` (during backward) stop at the first reduce-scatter still running: a rank never
+        waits for others in the middle of its backward, which could deadlock when ranks' gradients differ. The
+        all-reduces go in the same order on every rank, on the replicate group, which carries nothing else."""
         order = self._reduce_order
+        overlap = self.is_last_backward and self.requires_gradient_sync
         while self._next_all_reduce < upto:
-            for g in order[self._next_all_reduce].trainable_groups:
+            groups = order[self._next_all_reduce].trainable_groups
+            if not block and not all(g.reduce_done() for g in groups):
+                return
+            for g in groups:
                 g.finish_reduce_scatter()
-                g.start_sync_replicas()
+                if overlap:
+                    g.start_sync_replicas()
             self._next_all_reduce += 1
 
     def _queue_callback(self) -> None:
@@ -289,7 +294,7 @@ class ShardState:
             while self._next_reduce < len(order):
                 order[self._next_reduce].reduce_scatter()
                 self._next_reduce += 1
-            self._issue_all_reduces(len(order))
+            self._complete_reduces(len(order), block=True)
         self._next_reduce = self._next_all_reduce = 0
         for u in self.units:
             u.finish_backward(reduced=self.requires_gradient_sync)
