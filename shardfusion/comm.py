@@ -1,50 +1,87 @@
-"""The collectives the runtime issues, in one place, with a record of each for counting.
+"""The collectives the runtime issues, in one place, with a record of each for counting and accounting.
 
 Every collective shardfusion issues goes through the functions here. A group of one rank issues nothing (the
 operation is done locally), so world size 1 runs the same code path (STYLE.md item 10). While a
 :class:`CommCounter` is active, each issued collective appends a :class:`CommRecord`; tests assert counts per group
-from it and cross-check the totals with ``torch.distributed.tensor.debug.CommDebugMode``.
+from it and cross-check the totals with ``torch.distributed.tensor.debug.CommDebugMode``, and
+:meth:`CommCounter.summary` adds the records up per category (see [Note: communication accounting] in
+``accounting.py``: categories, bytes on the wire, bytes across nodes, time waited).
+
+An asynchronous call returns the torch work handle itself when no counter is active, else a thin wrapper with the
+same ``wait()`` and ``is_completed()`` (anything else is passed through) that adds the time spent in ``wait()`` to
+the record.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from shardfusion import accounting
+
 _active_counters: list["CommCounter"] = []
+_group_kinds: dict[ProcessGroup, tuple[str, ...]] = {}  # label_group; keeps the labelled groups alive
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases (down to 2.4) have only the old names.
 _all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-@dataclass(frozen=True)
+@dataclass
 class CommRecord:
-    """One issued collective.
+    """One issued collective (see [Note: communication accounting] in ``accounting.py``).
 
     Attributes:
         op: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``, ``"broadcast"`` or ``"all_to_all"``.
-        group_ranks: global ranks of the group, sorted.
+        group_ranks: global ranks of the group, in group-rank order (ascending for Topology's groups).
         numel: elements of the full (unsharded) tensor involved: the gathered output, the reduce-scatter input, the
             all-reduced or broadcast tensor, the all-to-all's input on this rank.
-        nbytes: ``numel * element_size`` in bytes.
+        nbytes: ``numel * element_size`` in bytes (the logical size).
+        label: the group's kinds joined by ``+`` (e.g. ``"fsdp_inner+expert_inner"``; ``"unlabeled"`` for a group
+            that no Topology created).
+        category: one of ``accounting.CATEGORIES``.
+        rank: this process's global rank.
+        wire_bytes: bytes this rank sends (ring formulas; exact for the all-to-all).
+        send_bytes: all-to-all only: bytes for each group rank, in group-rank order (its own share included).
+        wait_s: host seconds spent in the call and, for an asynchronous one, in ``wait()`` (grows until waited).
     """
 
     op: str
     group_ranks: tuple[int, ...]
     numel: int
     nbytes: int
+    label: str = "unlabeled"
+    category: str = "other"
+    rank: int = 0
+    wire_bytes: float = 0.0
+    send_bytes: Optional[tuple[int, ...]] = None
+    wait_s: float = 0.0
+
+    def cross_node_bytes(self, ranks_per_node: Optional[int]) -> float:
+        """The part of ``wire_bytes`` that crosses nodes of ``ranks_per_node`` ranks (None: one node, 0)."""
+        return accounting.cross_node_bytes(self, ranks_per_node)
 
 
 class CommCounter:
-    """Context manager that records the collectives shardfusion issues while it is active (on this rank)."""
+    """Context manager that records the collectives shardfusion issues while it is active (on this rank).
 
-    def __init__(self) -> None:
+    ``ranks_per_node`` (for :meth:`summary`'s cross-node bytes): consecutive global ranks per node; default
+    ``LOCAL_WORLD_SIZE`` from the environment, or one node if it is unset.
+
+    Raises:
+        ValueError: ``ranks_per_node`` is not None or an int >= 1.
+    """
+
+    def __init__(self, ranks_per_node: Optional[int] = None) -> None:
         self.records: list[CommRecord] = []
+        self.ranks_per_node = (accounting.check_ranks_per_node(ranks_per_node) if ranks_per_node is not None
+                               else accounting.ranks_per_node_from_env())
 
     def __enter__(self) -> "CommCounter":
         _active_counters.append(self)
@@ -65,18 +102,98 @@ class CommCounter:
             r.nbytes for r in self.records if r.op == op and (group_ranks is None or r.group_ranks == tuple(group_ranks))
         )
 
+    def summary(self, ranks_per_node: Optional[int] = None) -> dict[str, dict[str, float]]:
+        """``{category: {"count", "bytes", "wire_bytes", "cross_node_bytes", "wait_s"}}`` for every category of
+        ``accounting.CATEGORIES`` (zeros included), with this counter's ``ranks_per_node`` unless one is given."""
+        rpn = accounting.check_ranks_per_node(ranks_per_node) if ranks_per_node is not None else self.ranks_per_node
+        return accounting.summarize(self.records, rpn)
+
+
+class TimedWork:
+    """A torch work handle whose ``wait()`` adds the seconds it blocks to its record's ``wait_s``; a drop-in for the
+    handle itself (``is_completed()`` and every other attribute are the handle's)."""
+
+    __slots__ = ("work", "record")
+
+    def __init__(self, work: Any, record: CommRecord) -> None:
+        self.work = work
+        self.record = record
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self.work.wait(*args, **kwargs)
+        finally:
+            self.record.wait_s += time.perf_counter() - t0
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def __getattr__(self, name: str):
+        if name in TimedWork.__slots__:  # not set yet (e.g. while copying): no recursion through self.work
+            raise AttributeError(name)
+        return getattr(self.work, name)
+
+
+def label_group(group: ProcessGroup, kinds) -> None:
+    """Name ``group`` for accounting by the kinds of group it serves (a kind or several, e.g.
+    ``("fsdp_inner", "expert_inner")``), replacing any earlier label. :class:`~shardfusion.Topology` labels every
+    group it creates; the default group is ``"world"`` unless labelled otherwise."""
+    _group_kinds[group] = accounting.order_kinds((kinds,) if isinstance(kinds, str) else kinds)
+
+
+def group_kinds(group: ProcessGroup) -> tuple[str, ...]:
+    """The kinds ``group`` was labelled with (``("world",)`` for an unlabelled default group, else ``()``)."""
+    kinds = _group_kinds.get(group)
+    if kinds is None:
+        return ("world",) if group is dist.group.WORLD else ()
+    return kinds
+
+
+def group_label(group: ProcessGroup) -> str:
+    """``group``'s kinds joined by ``+``, or ``"unlabeled"``."""
+    return "+".join(group_kinds(group)) or "unlabeled"
+
 
 def group_size(group: Optional[ProcessGroup]) -> int:
     """Size of ``group`` (1 for ``None``, meaning "no group": a local operation)."""
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _record(op: str, group: ProcessGroup, tensor: torch.Tensor) -> None:
-    if _active_counters:
-        rec = CommRecord(op, tuple(dist.get_process_group_ranks(group)), tensor.numel(),
-                         tensor.numel() * tensor.element_size())
-        for c in _active_counters:
-            c.records.append(rec)
+def _record(op: str, group: ProcessGroup, tensor: torch.Tensor,
+            send_rows: Optional[list[int]] = None) -> Optional[CommRecord]:
+    """Append a record of ``op`` to every active counter; None when none is active. ``send_rows``: the
+    all-to-all's input split sizes (rows of ``tensor`` for each group rank)."""
+    if not _active_counters:
+        return None
+    ranks = tuple(dist.get_process_group_ranks(group))
+    kinds = group_kinds(group)
+    rank = dist.get_rank()
+    nbytes = tensor.numel() * tensor.element_size()
+    send_bytes = None
+    if send_rows is not None:
+        row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
+        send_bytes = tuple(int(n) * row_bytes for n in send_rows)
+    rec = CommRecord(op, ranks, tensor.numel(), nbytes, label="+".join(kinds) or "unlabeled",
+                     category=accounting.category(op, kinds), rank=rank,
+                     wire_bytes=accounting.wire_bytes(op, len(ranks), nbytes, send_bytes, ranks.index(rank)),
+                     send_bytes=send_bytes)
+    for c in _active_counters:
+        c.records.append(rec)
+    return rec
+
+
+def _issue(rec: Optional[CommRecord], call, *args, async_op: bool = False, **kwargs):
+    """``call(*args, async_op=async_op, **kwargs)``, timed into ``rec`` (if any); an async handle comes back
+    wrapped in :class:`TimedWork` when there is a record."""
+    if rec is None:
+        return call(*args, async_op=async_op, **kwargs)
+    t0 = time.perf_counter()
+    try:
+        work = call(*args, async_op=async_op, **kwargs)
+    finally:
+        rec.wait_s += time.perf_counter() - t0
+    return TimedWork(work, rec) if async_op and work is not None else work
 
 
 def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Optional[ProcessGroup], async_op: bool = False):
@@ -88,8 +205,7 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Optional[ProcessG
         if full.data_ptr() != shard.data_ptr():
             full.copy_(shard)
         return None
-    _record("all_gather", group, full)
-    return _all_gather_base(full, shard, group=group, async_op=async_op)
+    return _issue(_record("all_gather", group, full), _all_gather_base, full, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Optional[ProcessGroup], async_op: bool = False):
@@ -100,24 +216,23 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Optional[Proc
     if group_size(group) == 1:
         shard.copy_(full)
         return None
-    _record("reduce_scatter", group, full)
-    return _reduce_scatter_base(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _issue(_record("reduce_scatter", group, full), _reduce_scatter_base, shard, full, op=dist.ReduceOp.SUM,
+                  group=group, async_op=async_op)
 
 
 def all_reduce(tensor: torch.Tensor, group: Optional[ProcessGroup], op=dist.ReduceOp.SUM, async_op: bool = False):
     """All-reduce ``tensor`` in place over ``group``; nothing is issued for a group of one."""
     if group_size(group) == 1:
         return None
-    _record("all_reduce", group, tensor)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _issue(_record("all_reduce", group, tensor), dist.all_reduce, tensor, op=op, group=group,
+                  async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, group: Optional[ProcessGroup], group_src: int = 0) -> None:
     """Broadcast ``tensor`` in place from the group's rank ``group_src``; nothing is issued for a group of one."""
     if group_size(group) == 1:
         return
-    _record("broadcast", group, tensor)
-    dist.broadcast(tensor, group=group, group_src=group_src)
+    _issue(_record("broadcast", group, tensor), dist.broadcast, tensor, group=group, group_src=group_src)
 
 
 def broadcast_coalesced(tensors: list[torch.Tensor], group: Optional[ProcessGroup], group_src: int = 0) -> None:
@@ -159,8 +274,8 @@ def _all_to_all(input: torch.Tensor, output_split_sizes: list[int], input_split_
     """The issued collective (group size > 1): a new ``(sum(output_split_sizes), *rest)`` tensor."""
     input = input.contiguous()
     output = input.new_empty((sum(output_split_sizes), *input.shape[1:]))
-    _record("all_to_all", group, input)
-    dist.all_to_all_single(output, input, list(output_split_sizes), list(input_split_sizes), group=group)
+    _issue(_record("all_to_all", group, input, list(input_split_sizes)), dist.all_to_all_single, output, input,
+           list(output_split_sizes), list(input_split_sizes), group=group)
     return output
 
 

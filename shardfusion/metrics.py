@@ -2,7 +2,8 @@
 
 metrics.jsonl holds one JSON object per line. Training records (one per optimizer step) carry
 `step, loss, grad_norm, lr, tokens_per_s, elapsed_s` (`loss` is the cross-entropy); a GPT-MoE's also carry
-`aux_loss, tokens_per_expert, load_balance, worst_layer_balance` (see `expert_balance`). Evaluation records carry
+`aux_loss, tokens_per_expert, load_balance, worst_layer_balance` (see `expert_balance`), and every one carries
+`comm`: the step's collectives on rank 0 per accounting category (`comm_step_record`). Evaluation records carry
 `step, val_loss, elapsed_s`, where `step` counts the optimizer steps done (0: before training). Only rank 0 writes.
 """
 
@@ -11,7 +12,9 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
+
+from shardfusion.accounting import CATEGORIES
 
 TRAIN_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "elapsed_s")
 """Keys of every training record in metrics.jsonl."""
@@ -21,6 +24,28 @@ VAL_KEYS = ("step", "val_loss", "elapsed_s")
 
 MOE_KEYS = ("aux_loss", "tokens_per_expert", "load_balance", "worst_layer_balance")
 """Further keys of every training record of a GPT-MoE run."""
+
+COMM_FIELDS = ("count", "wire_bytes", "cross_node_bytes", "wait_s")
+"""Figures per accounting category in a training record's `comm` (see `comm_step_record`)."""
+
+CATEGORY_NAMES = {"inner_all_gather": "inner all-gather", "inner_reduce_scatter": "inner reduce-scatter",
+                  "replicate_all_reduce": "replicate all-reduce", "ep_all_to_all": "ep all-to-all",
+                  "other": "other"}
+"""How the printed summary names each accounting category."""
+
+
+def comm_step_record(summary: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """A training record's `comm` from one step's `CommCounter.summary()`: for every category of
+    `shardfusion.accounting.CATEGORIES` (in order, zeros included), the `COMM_FIELDS`: collectives issued, bytes this
+    rank sent (ring formulas), the part of them that crossed nodes, and host seconds spent waiting for them."""
+    return {cat: {f: summary[cat][f] for f in COMM_FIELDS} for cat in CATEGORIES}
+
+
+def comm_per_step(train: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """The mean over `train` records of each category's `COMM_FIELDS` (records without `comm` are skipped)."""
+    steps = [r["comm"] for r in train if "comm" in r]
+    return {cat: {f: sum(s[cat][f] for s in steps) / len(steps) if steps else math.nan for f in COMM_FIELDS}
+            for cat in CATEGORIES}
 
 
 def expert_balance(load: list[list[int]]) -> dict[str, Any]:
@@ -120,8 +145,13 @@ def plot_losses(log: MetricsLog, path: Path, title: str = "") -> None:
 
 
 def summarize(log: MetricsLog, *, total_s: float, train_s: float, steps: int, num_params: int, layout: str,
-              sample: str | None, experts: dict[str, Any] | None = None) -> dict[str, Any]:
+              sample: str | None, experts: dict[str, Any] | None = None,
+              comm: dict[str, Any] | None = None) -> dict[str, Any]:
     """The run's headline figures as a JSON-ready dict.
+
+    `comm` describes the accounting (`ranks_per_node`, `nodes`, `ranks_per_node_from`); the summary then holds it
+    under "comm", with `per_step` (`comm_per_step`: the mean per step of each category's figures, rank 0's) and
+    the totals per step over the categories: `wire_bytes_per_step`, `cross_node_bytes_per_step`, `wait_s_per_step`.
 
     For a GPT-MoE run, `experts` describes the model (e.g. `n_experts, top_k, ep, num_active_params`); the summary
     then holds it under "experts", with the last step's `aux_loss`, `tokens_per_expert`, `load_balance` and
@@ -139,6 +169,11 @@ def summarize(log: MetricsLog, *, total_s: float, train_s: float, steps: int, nu
                    "tokens_per_expert": last.get("tokens_per_expert"),
                    "load_balance": last.get("load_balance", math.nan),
                    "worst_layer_balance": last.get("worst_layer_balance", math.nan)}
+    if comm is not None:
+        per_step = comm_per_step(log.train)
+        comm = {**comm, "per_step": per_step,
+                **{f"{f}_per_step": sum(row[f] for row in per_step.values())
+                   for f in ("wire_bytes", "cross_node_bytes", "wait_s")}}
     return {
         "final_train_loss": log.train[-1]["loss"] if log.train else math.nan,
         "final_train_loss_mean10": sum(tail) / len(tail) if tail else math.nan,
@@ -154,8 +189,34 @@ def summarize(log: MetricsLog, *, total_s: float, train_s: float, steps: int, nu
         "num_params": num_params,
         "layout": layout,
         "experts": experts,
+        "comm": comm,
         "sample": sample,
     }
+
+
+def _format_bytes(n: float) -> str:
+    """``n`` bytes in B, kB, MB or GB (powers of 1000)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_comm(comm: dict[str, Any], steps: int) -> list[str]:
+    """The summary's communication table: per category, per step (mean), rank 0's figures."""
+    rpn: Optional[int] = comm["ranks_per_node"]
+    nodes = (f"{comm['nodes']} node{'s' if comm['nodes'] != 1 else ''} of {rpn} ranks" if rpn is not None
+             else "one node")
+    lines = [f"comm per step    rank 0, mean of {steps} steps; {nodes} ({comm['ranks_per_node_from']})",
+             f"  {'':22s} {'count':>7s} {'on the wire':>12s} {'across nodes':>13s} {'waited':>10s}"]
+    for cat, row in comm["per_step"].items():
+        count = row["count"]
+        count_text = f"{count:.0f}" if float(count).is_integer() else f"{count:.1f}"
+        lines.append(f"  {CATEGORY_NAMES.get(cat, cat):22s} {count_text:>7s} {_format_bytes(row['wire_bytes']):>12s} "
+                     f"{_format_bytes(row['cross_node_bytes']):>13s} {1e3 * row['wait_s']:>7.1f} ms")
+    lines.append(f"  {'total':22s} {'':>7s} {_format_bytes(comm['wire_bytes_per_step']):>12s} "
+                 f"{_format_bytes(comm['cross_node_bytes_per_step']):>13s} {1e3 * comm['wait_s_per_step']:>7.1f} ms")
+    return lines
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -181,6 +242,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"tokens/expert    {moe['tokens_per_expert']} (last step, all layers); balance max/mean "
             f"{moe['load_balance']:.3f}, worst layer {moe['worst_layer_balance']:.3f} (1.0 = even)",
         ]
+    if summary.get("comm") is not None:
+        lines += format_comm(summary["comm"], summary["steps"])
     if summary.get("sample") is not None:
         lines += ["sample (validation prompt ⟫ generated):", "-" * 72, summary["sample"], "-" * 72]
     return "\n".join(lines)

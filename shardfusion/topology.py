@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from shardfusion import comm
+
 AXES = ("dp", "pp", "outer", "expert_inner", "ep", "sep", "cp", "mp")
 """The atomic axes of the rank grid, slowest first."""
 
@@ -254,6 +256,7 @@ class Topology:
         self._override = _backend_override(backend, timeout)
         self._mesh = init_device_mesh("cuda" if "nccl" in backend else "cpu", tuple(d.axis_sizes.values()),
                                       mesh_dim_names=AXES, backend_override={a: self._override for a in AXES})
+        self._kinds_of: dict[dist.ProcessGroup, list[str]] = {}  # the kinds each created group serves (accounting)
         by_axes: dict[tuple[str, ...], dist.ProcessGroup] = {}
         self._groups = {kind: self._make_group(kind, by_axes) for kind in KINDS if kind not in ("world", "ep")}
         # The MoE all-to-alls get a group of their own, never shared with the all-gathers of an inner group over the
@@ -262,6 +265,11 @@ class Topology:
         twins: dict[tuple[str, ...], dist.ProcessGroup] = {}
         self._reduce_groups = {kind: self._make_group(kind, twins, twin=True)
                                for kind in ("fsdp_inner", "expert_inner", "moe_sharding")}
+        # Name every group for communication accounting (accounting.py): a group shared by several kinds gets them
+        # all; the twins are "<kind>_reduce" and the all-to-all group "ep".
+        for group, kinds in self._kinds_of.items():
+            comm.label_group(group, kinds)
+        comm.label_group(dist.group.WORLD, "world")
 
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         spanning = _inner_kinds_spanning_nodes(d, int(local)) if local.isdigit() and int(local) > 0 else []
@@ -274,7 +282,8 @@ class Topology:
         """One group of ``kind`` for this rank, shared through ``cache`` by kinds over the same non-trivial axes.
 
         A ``twin`` is always a new group (``_flatten`` under a new name, ``name`` or ``{kind}_reduce``, creates one,
-        even over a single axis); otherwise a single non-trivial axis reuses the mesh's own group.
+        even over a single axis); otherwise a single non-trivial axis reuses the mesh's own group. The group's
+        accounting label gets ``kind`` (``{kind}_reduce`` for a reduce twin).
         """
         axes = KINDS[kind]
         key = tuple(a for a in axes if self.degrees.axis_sizes[a] > 1)
@@ -285,6 +294,8 @@ class Topology:
                 submesh = self._mesh[key or axes[:1]]
                 flat_name = (name or f"{kind}_reduce") if twin else kind
                 cache[key] = submesh._flatten(flat_name, backend_override=self._override).get_group()
+        label = f"{kind}_reduce" if twin and name is None else kind
+        self._kinds_of.setdefault(cache[key], []).append(label)
         return cache[key]
 
     @property

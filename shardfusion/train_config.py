@@ -86,6 +86,10 @@ class TrainConfig:
     number (default 8)."""
     nproc: int | None = None
     """Worker processes on this node (default: 4 on CPU, the number of GPUs on CUDA); ignored under torchrun."""
+    ranks_per_node: int | None = None
+    """Ranks per node for the communication accounting: rank r is on node r // ranks-per-node, and the bytes sent
+    between nodes are reported apart. It places no rank; use it to see what a multi-node layout would send across
+    nodes (default: LOCAL_WORLD_SIZE, which torchrun and the local launcher set: one node for a local run)."""
     data: str | None = None
     """A text file or a folder of files to train on (default: the Python standard library's source)."""
     data_bytes: int = 16_000_000
@@ -143,6 +147,8 @@ class TrainConfig:
             raise ValueError(f"need 0 <= --min-lr({self.min_lr}) <= --lr({self.lr})")
         if self.nproc is not None and self.nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {self.nproc}")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ValueError(f"--ranks-per-node must be >= 1, got {self.ranks_per_node}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.expert_policy not in ("replicate", "shard"):

@@ -224,3 +224,21 @@ def test_outer_all_reduce_only_at_step(counts):
                 for m, mc in enumerate(s["micro"][:-1]):
                     early = [x for x in mc["fwd"] + mc["bwd"] if x.op == "all_reduce"]
                     assert not early, f"{name}, rank {r['rank']}, step {step}: all-reduce in micro-batch {m}: {early}"
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+def test_records_categories_and_wire_bytes(counts):
+    """The accounting fields of the same records (see [Note: communication accounting] in accounting.py): every
+    all-gather and reduce-scatter is in its inner category, every all-reduce (no clipping here) in the replicate
+    one, and the bytes on the wire follow the ring formulas: (G-1)/G x bytes, 2(G-1)/G x bytes for an all-reduce."""
+    want = {"all_gather": "inner_all_gather", "reduce_scatter": "inner_reduce_scatter",
+            "all_reduce": "replicate_all_reduce"}
+    for name, *_ in CONFIGS:
+        for r in (c[name] for c in counts):
+            for step, s in enumerate(r["steps"]):
+                for x in s["records"]:
+                    where = f"{name}, rank {r['rank']}, step {step}: {x}"
+                    assert x.category == want[x.op] and x.rank == r["rank"], where
+                    g = len(x.group_ranks)
+                    assert x.wire_bytes == (2 if x.op == "all_reduce" else 1) * (g - 1) * x.nbytes / g, where
+                    assert x.wait_s > 0, where

@@ -1,5 +1,7 @@
 """The training entry point: its config and CLI in-process, whole runs as subprocesses (gloo workers: the GPT-MoE
-at ep 2 under HSDP, the dense GPT under torchrun), and bad flags rejected before any worker starts."""
+at ep 2 under HSDP, the dense GPT under torchrun), and bad flags rejected before any worker starts. The
+communication accounting of the job: per step in metrics.jsonl and per step on average in summary.json, with
+cross-node bytes for a pretended 2 nodes of 2 ranks (--ranks-per-node 2) and for one node (torchrun)."""
 
 import json
 import math
@@ -15,7 +17,9 @@ import pytest
 import torch
 
 from shardfusion.data import min_corpus_bytes
-from shardfusion.metrics import MOE_KEYS, TRAIN_KEYS, VAL_KEYS, expert_balance, read_metrics
+from shardfusion.accounting import CATEGORIES
+from shardfusion.metrics import (COMM_FIELDS, MOE_KEYS, TRAIN_KEYS, VAL_KEYS, comm_per_step, comm_step_record,
+                                 expert_balance, format_comm, read_metrics)
 from shardfusion.train import no_decay
 from shardfusion.train_config import TrainConfig, build_parser, check_run, lr_at, parse_args, resolve
 
@@ -53,15 +57,34 @@ def check_outputs(out: Path, steps: int, eval_steps: list[int]) -> dict:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["first_val_loss"] == val[0]["val_loss"] and summary["final_val_loss"] == val[-1]["val_loss"]
     assert summary["num_params"] == config["num_params"] > 0
+    check_comm(train, summary)
     return summary
+
+
+def check_comm(train: list[dict], summary: dict) -> None:
+    """Every step's `comm` has every category and field; the summary's figures are their means per step."""
+    for record in train:
+        assert list(record["comm"]) == list(CATEGORIES)
+        for row in record["comm"].values():
+            assert list(row) == list(COMM_FIELDS) and all(v >= 0 for v in row.values())
+            assert (row["wait_s"] > 0) == (row["count"] > 0) and row["cross_node_bytes"] <= row["wire_bytes"]
+        assert record["comm"]["inner_all_gather"]["count"] > 0 and record["comm"]["other"]["count"] >= 1  # clipping
+    comm = summary["comm"]
+    for cat in CATEGORIES:
+        for field in COMM_FIELDS:
+            mean = sum(r["comm"][cat][field] for r in train) / len(train)
+            assert comm["per_step"][cat][field] == pytest.approx(mean, rel=1e-12)
+    assert comm["cross_node_bytes_per_step"] == pytest.approx(
+        sum(row["cross_node_bytes"] for row in comm["per_step"].values()), rel=1e-12)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_end_to_end_moe_hsdp_4_workers(tmp_path: Path) -> None:
     # The default job's shape, small: a GPT-MoE with 4 experts over ep 2, HSDP outer 2 x inner 2.
     out = tmp_path / "run"
+    # --ranks-per-node 2: the accounting pretends ranks {0,1} and {2,3} are two nodes.
     result = run([*TINY_RUN, "--nproc", "4", "--fsdp-outer-degree", "2", "--experts", "4", "--top-k", "2", "--ep", "2",
-                  "--steps", "4", "--grad-accum", "2", "--clip", "0", "--out", str(out)])
+                  "--steps", "4", "--grad-accum", "2", "--clip", "0", "--ranks-per-node", "2", "--out", str(out)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = check_outputs(out, steps=4, eval_steps=[0, 2, 4])
     assert "outer2 x inner2" in summary["layout"] and "ep2" in summary["layout"]
@@ -84,6 +107,24 @@ def test_end_to_end_moe_hsdp_4_workers(tmp_path: Path) -> None:
     assert experts["load_balance"] == train[-1]["load_balance"] and experts["final_aux_loss"] == train[-1]["aux_loss"]
     assert 0 < experts["num_active_params"] < summary["num_params"]
 
+    # Communication per step. Units: the root, and per block (2 layers) a dense buffer sharded over the inner group
+    # [0,1] / [2,3] and an expert buffer kept whole on each rank (expert_inner = moe_sharding / outer = 1); every
+    # buffer is all-reduced once per step over the replicate group [0,2] / [1,3], which crosses the two nodes.
+    # Each MoE layer issues 3 all-to-alls per forward and 2 per backward over the ep group [0,1] / [2,3].
+    assert summary["comm"]["ranks_per_node"] == 2 and summary["comm"]["nodes"] == 2
+    assert "comm per step    rank 0, mean of 4 steps; 2 nodes of 2 ranks (--ranks-per-node)" in result.stdout
+    for record in train:
+        comm = record["comm"]
+        assert comm["replicate_all_reduce"]["count"] == 1 + 2 * 2
+        assert comm["inner_reduce_scatter"]["count"] == 2 * (1 + 2)  # 2 micro-batches x (root + 2 dense buffers)
+        assert comm["ep_all_to_all"]["count"] == 2 * 2 * (3 + 2)
+        for cat in ("inner_all_gather", "inner_reduce_scatter", "ep_all_to_all"):
+            assert comm[cat]["cross_node_bytes"] == 0, (cat, comm[cat])
+        assert comm["replicate_all_reduce"]["cross_node_bytes"] == comm["replicate_all_reduce"]["wire_bytes"] > 0
+        assert comm["other"]["wire_bytes"] == 2 * 3 / 4 * 4 and comm["other"]["cross_node_bytes"] == 3.0  # the norm
+    assert summary["comm"]["cross_node_bytes_per_step"] == pytest.approx(
+        summary["comm"]["per_step"]["replicate_all_reduce"]["wire_bytes"] + 3.0, rel=1e-12)
+
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 @pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None,
@@ -99,6 +140,12 @@ def test_under_torchrun(tmp_path: Path) -> None:
     assert summary["experts"] is None and "aux loss" not in result.stdout
     train, _ = read_metrics(out / "metrics.jsonl")
     assert not set(MOE_KEYS) & set(train[0])
+    # One node (torchrun's LOCAL_WORLD_SIZE = 2): nothing crosses nodes; plain FSDP: no replicate all-reduce.
+    assert summary["comm"]["ranks_per_node"] == 2 and summary["comm"]["ranks_per_node_from"] == "LOCAL_WORLD_SIZE"
+    assert summary["comm"]["cross_node_bytes_per_step"] == 0
+    assert all(r["comm"]["replicate_all_reduce"]["count"] == 0 and r["comm"]["ep_all_to_all"]["count"] == 0
+               for r in train)
+    assert "1 node of 2 ranks (LOCAL_WORLD_SIZE)" in result.stdout
 
 
 # Flags that only a check against the world size or the file system can reject: {case: (args, flag, message)}.
@@ -284,6 +331,32 @@ def test_expert_balance() -> None:
     assert expert_balance([[4, 4, 4, 4]])["load_balance"] == 1.0
 
 
+def test_comm_summary_figures() -> None:
+    def summary(count: int, wire: float, cross: float, wait: float) -> dict:
+        row = {"count": count, "bytes": 2 * wire, "wire_bytes": wire, "cross_node_bytes": cross, "wait_s": wait}
+        return {cat: dict(row) if cat == "replicate_all_reduce" else {k: 0 for k in row} for cat in CATEGORIES}
+
+    steps = [{"comm": comm_step_record(summary(3, 1000.0, 500.0, 0.01))},
+             {"comm": comm_step_record(summary(3, 3000.0, 1500.0, 0.03))}, {"val_loss": 1.0}]
+    assert list(steps[0]["comm"]["other"]) == list(COMM_FIELDS)  # the logical bytes are left out
+    per_step = comm_per_step(steps)
+    assert per_step["replicate_all_reduce"] == {"count": 3, "wire_bytes": 2000.0, "cross_node_bytes": 1000.0,
+                                                "wait_s": pytest.approx(0.02)}
+    assert per_step["other"] == {"count": 0, "wire_bytes": 0, "cross_node_bytes": 0, "wait_s": 0}
+    lines = format_comm({"ranks_per_node": 2, "nodes": 2, "ranks_per_node_from": "--ranks-per-node",
+                         "per_step": per_step, "wire_bytes_per_step": 2000.0, "cross_node_bytes_per_step": 1000.0,
+                         "wait_s_per_step": 0.02}, steps=2)
+    assert lines[0] == "comm per step    rank 0, mean of 2 steps; 2 nodes of 2 ranks (--ranks-per-node)"
+    replicate = next(line for line in lines if "replicate all-reduce" in line)
+    assert replicate.split() == ["replicate", "all-reduce", "3", "2.00", "kB", "1.00", "kB", "20.0", "ms"]
+
+
+def test_ranks_per_node_flag(capsys: pytest.CaptureFixture) -> None:
+    assert parse_args(["--ranks-per-node", "8"]).ranks_per_node == 8
+    assert parse_args([]).ranks_per_node is None  # LOCAL_WORLD_SIZE at run time
+    assert moe_flag_error(capsys, ["--ranks-per-node", "0"]) == "--ranks-per-node must be >= 1, got 0"
+
+
 def test_cli_is_generated_from_the_dataclass() -> None:
     parser = build_parser()
     help_text = parser.format_help()
@@ -291,7 +364,7 @@ def test_cli_is_generated_from_the_dataclass() -> None:
                  "--steps", "--lr", "--min-lr", "--warmup", "--weight-decay", "--clip", "--seed",
                  "--fsdp-outer-degree", "--reshard-policy", "--eval-every", "--eval-batches", "--nproc", "--data",
                  "--out", "--sample-tokens", "--device", "--experts", "--top-k", "--ep", "--expert-hidden",
-                 "--aux-loss-coef", "--expert-policy"):
+                 "--aux-loss-coef", "--expert-policy", "--ranks-per-node"):
         assert flag in help_text
     assert "Max global gradient norm" in help_text  # field docstrings become the help
     config = parse_args(["--steps", "7", "--lr", "0.01", "--min-lr", "0.001", "--no-progress"])
