@@ -1,0 +1,1 @@
+"""Benchmarks of shardfusion against PyTorch's own data-parallel wrappers (see benchmarks/README.md)."""

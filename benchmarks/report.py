@@ -1,0 +1,314 @@
+"""Turn the raw measurements of `benchmarks/compare.py` into a summary (medians, ratios, theory, targets) and a
+markdown report. Pure functions of the raw JSON, so a report can be rebuilt from a saved run:
+
+    python -m benchmarks.report benchmarks/results/cpu-fp32.json     # rewrites cpu-fp32.md
+
+Theory, per rank and per step, with P_u the unpadded parameter elements of unit u (blocks and the root), P their sum,
+I the inner (shard) group size, O the outer (replicate) group size, W = I * O, b_p / b_g the bytes per element of the
+gathered parameters / of the reduced gradients:
+* all-gather (inner): every block twice (forward, and again for backward after resharding), the root once (it stays
+  gathered from forward to backward), each at the ring volume (I-1)/I * P_u * b_p: 2 * n_blocks + 1 collectives;
+* reduce-scatter (inner): each unit once, (I-1)/I * P_u * b_g: n_blocks + 1 collectives;
+* all-reduce (outer): each unit's gradient shard once, 2(O-1)/O * P_u/I * b_g: n_blocks + 1 collectives;
+* DDP: the full gradient all-reduced over the world, 2(W-1)/W * P * b_g (in as many collectives as it has buckets).
+Collectives of fewer than SMALL_NUMEL elements (gradient-norm scalars) are counted apart and left out of the ratios.
+Persistent memory per rank: (4 parameter + 4 gradient + 8 AdamW) bytes * P / I for the sharded variants (* P for DDP).
+Transient full buffers of a sharded variant: the root's plus (1 + prefetch depth) blocks' at a time (with blocks
+resharded after backward instead, all blocks' parameters may be gathered at once: the bound is the whole model; the
+gradient bound stays (1 + depth) blocks).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+SMALL_NUMEL = 1024
+"""Collectives below this many elements (norm scalars) are reported apart from the bulk traffic."""
+
+PERSISTENT_BYTES_PER_PARAM = 16
+"""fp32 parameter + fp32 gradient + AdamW's two fp32 moments."""
+
+TARGETS = {
+    # regime: (max step time / FSDP2, max step time / DDP)
+    "comm": (0.6, 1.25),
+    "compute": (0.9, 1.25),
+}
+BYTES_TARGET = 1.01
+
+GLOO_REDUCE_SCATTER_FACTOR = 2
+"""torch's gloo backend runs a reduce-scatter as a clone of the input, a full all-reduce and a copy of the local
+chunk (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``): twice the ring reduce-scatter's bytes."""
+PERSISTENT_TARGET = 1.05
+
+_CATEGORIES = (("all_gather", "inner"), ("reduce_scatter", "inner"), ("all_reduce", "outer"), ("all_reduce", "world"))
+
+
+def theory(variant: str, root: int, blocks: list[int], inner: int, outer: int, b_p: int, b_g: int,
+           gathers_per_block: int = 2) -> dict:
+    """Theoretical collectives per step (see the module doc): {"op/group": {"count", "wire_bytes"}}.
+    ``gathers_per_block``: 2 when blocks reshard after forward, 1 when they stay gathered until backward."""
+    P = root + sum(blocks)
+    W = inner * outer
+    if variant == "ddp":
+        return {"all_reduce/world": {"count": None, "wire_bytes": 2 * (W - 1) / W * P * b_g if W > 1 else 0.0}}
+    out = {}
+    n_units = len(blocks) + 1
+    if inner > 1:
+        out["all_gather/inner"] = {"count": gathers_per_block * len(blocks) + 1,
+                                   "wire_bytes": (inner - 1) / inner * (gathers_per_block * sum(blocks) + root) * b_p}
+        out["reduce_scatter/inner"] = {"count": n_units, "wire_bytes": (inner - 1) / inner * P * b_g}
+    if outer > 1:
+        out["all_reduce/outer"] = {"count": n_units, "wire_bytes": 2 * (outer - 1) / outer * P / inner * b_g}
+    return out
+
+
+def group_label(ranks: tuple, groups: dict[str, tuple]) -> str:
+    """"inner", "outer", "world" or "other" for a collective's ranks (inner wins when groups coincide)."""
+    for name in ("inner", "outer", "world"):
+        if tuple(ranks) == tuple(groups[name]):
+            return name
+    return "other"
+
+
+def collective_table(collectives: list[dict], groups: dict[str, tuple]) -> dict:
+    """{"op/group" (+ "/small" below SMALL_NUMEL): {"count", "wire_bytes", "bytes"}} from Collective dicts."""
+    from benchmarks.measure import wire_bytes
+
+    table: dict[str, dict] = {}
+    for c in collectives:
+        key = f"{c['kind']}/{group_label(tuple(c['ranks']), groups)}"
+        if c["numel"] < SMALL_NUMEL:
+            key += "/small"
+        row = table.setdefault(key, {"count": 0, "wire_bytes": 0.0, "bytes": 0})
+        row["count"] += 1
+        row["bytes"] += c["numel"] * c["elem_size"]
+        row["wire_bytes"] += wire_bytes(c["kind"], c["numel"] * c["elem_size"], len(c["ranks"]))
+    return table
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(raw: dict) -> dict:
+    """Per regime and variant: timing, collectives against theory, memory against theory, targets (shardfusion)."""
+    cfg = raw["config"]
+    inner, outer = cfg["inner"], cfg["outer"]
+    b_p = 2 if cfg["param_dtype"] == "bf16" else 4
+    b_g = 4
+    out = {}
+    for regime, r in raw["regimes"].items():
+        root, blocks = r["unit_numel"]["root"], r["unit_numel"]["blocks"]
+        P = root + sum(blocks)
+        tokens = r["shape"]["batch"] * r["shape"]["seq"] * cfg["world_size"]
+        rows = {}
+        for v, vr in r["variants"].items():
+            if vr.get("skipped"):
+                rows[v] = {"skipped": vr["skipped"]}
+                continue
+            steps = [t for rep in vr["step_s"] for t in rep]
+            med = _median(steps)
+            row = {"median_step_s": med, "min_step_s": min(steps), "max_step_s": max(steps), "n_steps": len(steps),
+                   "median_per_repeat_s": [_median(rep) for rep in vr["step_s"]],
+                   "tokens_per_s": tokens / med if med else None, "loss_first_last": vr.get("loss_first_last")}
+            table = collective_table(vr["collectives"], raw["groups"])
+            th = theory(v, root, blocks, inner, outer, b_p, b_g,
+                        2 if cfg.get("reshard", "after_forward") == "after_forward" else 1)
+            for key, t in th.items():
+                got = table.get(key, {"count": 0, "wire_bytes": 0.0, "bytes": 0})
+                got["theory_count"] = t["count"]
+                got["theory_wire_bytes"] = t["wire_bytes"]
+                got["ratio"] = got["wire_bytes"] / t["wire_bytes"] if t["wire_bytes"] else None
+                table[key] = got
+            row["collectives"] = table
+            row["wire_bytes_total"] = sum(c["wire_bytes"] for c in table.values())
+            row["backend_wire_bytes_total"] = sum(
+                c["wire_bytes"] * (GLOO_REDUCE_SCATTER_FACTOR if k.startswith("reduce_scatter")
+                                   and cfg["backend"] == "gloo" else 1) for k, c in table.items())
+            mem = vr["memory"]
+            ideal = PERSISTENT_BYTES_PER_PARAM * P / (1 if v == "ddp" else inner)
+            row["persistent_bytes"] = mem["persistent"]
+            row["persistent_theory_bytes"] = ideal
+            row["persistent_ratio"] = mem["persistent"]["total"] / ideal
+            row["transient"] = mem.get("transient", {})
+            if v != "ddp":
+                depth = cfg.get("prefetch_depth", 1)
+                window = min(len(blocks), 1 + depth)
+                grad_bound = b_p * (root + window * max(blocks))
+                if cfg.get("reshard", "after_forward") == "after_forward":
+                    row["transient_blocks_bound"], param_bound = window, grad_bound
+                else:
+                    row["transient_blocks_bound"], param_bound = len(blocks), b_p * (root + sum(blocks))
+                row["transient_bound_bytes"] = param_bound
+                for key, peak_key, bound in (("transient_ratio", "full_param_bytes", param_bound),
+                                             ("transient_grad_ratio", "full_grad_bytes", grad_bound)):
+                    peak = row["transient"].get(peak_key)
+                    row[key] = peak / bound if peak is not None else None
+            if "cuda" in mem:
+                row["cuda"] = mem["cuda"]
+            rows[v] = row
+        _ratios(rows)
+        out[regime] = {"shape": r["shape"], "params": P, "unit_numel": r["unit_numel"], "tokens_per_step": tokens,
+                       "loss_max_abs_diff": _loss_spread(r["variants"]),
+                       "variants": rows, "targets": _targets(regime, rows, len(blocks) + 1, inner, outer)}
+    return out
+
+
+def _loss_spread(variants: dict) -> float | None:
+    """Largest difference between two variants' losses at the same step of the same repeat (same model, same data:
+    it should be float noise)."""
+    runs = [vr["losses"] for vr in variants.values() if vr.get("losses")]
+    diffs = [abs(a - b) for x in runs for y in runs for rx, ry in zip(x, y) for a, b in zip(rx, ry)]
+    return max(diffs) if diffs else None
+
+
+def _ratios(rows: dict) -> None:
+    """``vs_<peer>``: ratio of the median step times; ``vs_<peer>_paired``: the median over repeats of the ratio of
+    the two variants' medians within a repeat (they ran minutes apart at most: robust to slow changes of load)."""
+    for v, row in rows.items():
+        if "median_step_s" not in row:
+            continue
+        for peer in ("fsdp2", "ddp"):
+            p = rows.get(peer, {}).get("median_step_s")
+            row[f"vs_{peer}"] = row["median_step_s"] / p if p else None
+            mine, theirs = row["median_per_repeat_s"], rows.get(peer, {}).get("median_per_repeat_s") or []
+            pairs = [a / b for a, b in zip(mine, theirs) if a and b]
+            row[f"vs_{peer}_paired"] = _median(pairs)
+
+
+def _targets(regime: str, rows: dict, n_units: int, inner: int, outer: int) -> list[dict]:
+    """shardfusion's targets: [{"target", "value", "met"}] (None: not measurable in this run)."""
+    sf = rows.get("shardfusion", {})
+    if "median_step_s" not in sf:
+        return []
+    out = []
+    if regime in TARGETS:
+        lim_fsdp, lim_ddp = TARGETS[regime]
+        for peer, lim in (("fsdp2", lim_fsdp), ("ddp", lim_ddp)):
+            val = sf.get(f"vs_{peer}")
+            out.append({"target": f"step time <= {lim} x {peer}", "value": val,
+                        "met": None if val is None else val <= lim})
+    for key in ("all_gather/inner", "reduce_scatter/inner", "all_reduce/outer"):
+        row = sf["collectives"].get(key)
+        if row and row.get("ratio") is not None:
+            out.append({"target": f"{key} bytes <= {BYTES_TARGET} x theory", "value": row["ratio"],
+                        "met": row["ratio"] <= BYTES_TARGET})
+    if outer > 1:
+        n = sf["collectives"].get("all_reduce/outer", {}).get("count", 0)
+        out.append({"target": f"one outer all-reduce per unit per step ({n_units})", "value": n, "met": n == n_units})
+    out.append({"target": f"persistent memory <= {PERSISTENT_TARGET} x theory", "value": sf["persistent_ratio"],
+                "met": sf["persistent_ratio"] <= PERSISTENT_TARGET})
+    blocks = sf["transient"].get("blocks_unsharded")
+    if blocks is not None:
+        lim = sf["transient_blocks_bound"]
+        out.append({"target": f"blocks unsharded at once <= bound ({lim})", "value": blocks,
+                    "met": blocks <= lim})
+    for key, label in (("transient_ratio", "parameter"), ("transient_grad_ratio", "gradient")):
+        if sf.get(key) is not None:
+            out.append({"target": f"peak full {label} buffers / bound <= 1", "value": sf[key],
+                        "met": sf[key] <= 1.0})
+    return out
+
+
+# ---- markdown ---------------------------------------------------------------------------------------------------
+def _f(x, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _mb(x) -> str:
+    return "-" if x is None else f"{x / 2**20:.2f}"
+
+
+def _yes(met) -> str:
+    return "n/a" if met is None else ("yes" if met else "**no**")
+
+
+_COLUMNS = ("variant", "step s (median)", "min-max", "tokens/s", "vs FSDP2 (paired)", "vs DDP (paired)",
+            "collectives (count/theory)",
+            "bytes vs theory", "wire MB/step (ring; backend)", "persistent MB (x theory)",
+            "transient full params MB (x bound)", "full grads MB (x bound)", "loss first -> last")
+
+
+def _row(v: str, row: dict) -> str:
+    """One variant's line of a regime table."""
+    if "skipped" in row:
+        return f"| {v} | skipped: {row['skipped']} |" + " |" * (len(_COLUMNS) - 2)
+    counts, ratios = [], []
+    for key, c in sorted(row["collectives"].items()):
+        th = c.get("theory_count")
+        counts.append(f"{key} {c['count']}" + (f"/{th}" if th is not None else ""))
+        if c.get("ratio") is not None:
+            ratios.append(f"{key.split('/')[0]} {c['ratio']:.4f}")
+    tr = row["transient"]
+    trans = grads = "-"
+    if tr:
+        trans = (f"{_mb(tr.get('full_param_bytes'))} ({_f(row.get('transient_ratio'), '.2f')}; "
+                 f"{tr.get('blocks_unsharded', '-')} blocks)")
+        grads = f"{_mb(tr.get('full_grad_bytes'))} ({_f(row.get('transient_grad_ratio'), '.2f')})"
+    loss = row.get("loss_first_last") or [None, None]
+    cells = [v, _f(row["median_step_s"]), f"{_f(row['min_step_s'])}-{_f(row['max_step_s'])}",
+             _f(row["tokens_per_s"], ".0f"),
+             f"{_f(row.get('vs_fsdp2'), '.2f')} ({_f(row.get('vs_fsdp2_paired'), '.2f')})",
+             f"{_f(row.get('vs_ddp'), '.2f')} ({_f(row.get('vs_ddp_paired'), '.2f')})",
+             "<br>".join(counts), "<br>".join(ratios) or "-",
+             f"{_mb(row['wire_bytes_total'])}; {_mb(row['backend_wire_bytes_total'])}",
+             f"{_mb(row['persistent_bytes']['total'])} ({row['persistent_ratio']:.4f})", trans, grads,
+             f"{_f(loss[0], '.4f')} -> {_f(loss[1], '.4f')}"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown(raw: dict, summary: dict) -> str:
+    """The report: a header with the setup and the machine, then per regime a table and shardfusion's targets."""
+    cfg, env = raw["config"], raw["env"]
+    lines = [f"# shardfusion vs FSDP2 vs DDP: {raw['name']}", "",
+             f"{cfg['world_size']} ranks ({cfg['device']}, {cfg['backend']}), HSDP inner {cfg['inner']} x outer "
+             f"{cfg['outer']}, blocks resharded {cfg.get('reshard', 'after_forward')}, shardfusion prefetch "
+             f"{cfg.get('prefetch_depth', 1)}; parameters {cfg['param_dtype']}; AdamW, clip 1.0; random token ids "
+             f"(seed {cfg['seed']}, the same batches for every variant). {cfg['repeats']} repeats x ({cfg['warmup']} "
+             f"warm-up + {cfg['steps']} timed steps) per variant, variants interleaved (rotated each repeat). Step "
+             f"time: the median over steps and repeats of the slowest rank's step. {cfg['threads']} thread(s) per "
+             f"worker. Loss: first and last timed step of the first repeat.",
+             "", f"Machine: {env['cpu_count']} CPUs, torch {env['torch']}; load average before {env['load_before']}, "
+             f"after {env['load_after']}; wall {env.get('wall_s', 0):.0f} s.", ""]
+    for regime, s in summary.items():
+        shape = s["shape"]
+        lines += [f"## {regime}: batch {shape['batch']}, seq {shape['seq']}, {shape['n_layer']} layers, d "
+                  f"{shape['d_model']} ({s['params'] / 1e6:.2f}M parameters, {s['tokens_per_step']} tokens per step)",
+                  "", f"Largest loss difference between variants at the same step: {_f(s['loss_max_abs_diff'], '.1e')}.",
+                  "", "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+        lines += [_row(v, row) for v, row in s["variants"].items()]
+        if s["targets"]:
+            lines += ["", "shardfusion targets:", "", "| target | value | met |", "|---|---|---|"]
+            for t in s["targets"]:
+                val = _f(t["value"], ".4f") if isinstance(t["value"], float) else t["value"]
+                lines.append(f"| {t['target']} | {val} | {_yes(t['met'])} |")
+        lines.append("")
+    if cfg["backend"] == "gloo":
+        lines += ["Wire bytes: `ring` is the bandwidth-optimal volume of the collectives issued (what the ratios "
+                  f"use); `backend` counts gloo's reduce-scatter as the full all-reduce it runs "
+                  f"({GLOO_REDUCE_SCATTER_FACTOR} x the ring volume).", ""]
+    notes = [n for r in raw["regimes"].values() for v, vr in r["variants"].items() if vr.get("note")
+             for n in [f"{v}: {vr['note']}"]]
+    if notes:
+        lines += ["Notes:", ""] + [f"- {n}" for n in dict.fromkeys(notes)] + [""]
+    return "\n".join(lines)
+
+
+def write(raw: dict, out_dir: Path) -> tuple[Path, Path]:
+    """Write ``<name>.json`` (raw and summary) and ``<name>.md`` under ``out_dir``; returns both paths."""
+    summary = summarize(raw)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js, md = out_dir / f"{raw['name']}.json", out_dir / f"{raw['name']}.md"
+    js.write_text(json.dumps({**raw, "summary": summary}, indent=1))
+    md.write_text(markdown(raw, summary))
+    return js, md
+
+
+if __name__ == "__main__":
+    path = Path(sys.argv[1])
+    data = json.loads(path.read_text())
+    data.pop("summary", None)
+    print(write(data, path.parent)[1].read_text())

@@ -1,0 +1,223 @@
+"""The three data-parallel variants `benchmarks/compare.py` runs, built the same way from the same GPT.
+
+- ``shardfusion``: ``sf.fully_shard(model, Topology(fsdp_outer_degree=O), units=(Block,))``, one flat buffer per
+  block and one for the root (embeddings, final norm, tied head), ``after_forward`` (or ``ctx.reshard_policy``);
+  ``set_is_last_backward(model, True)`` where it exists (every backward ends its step: FSDP2's default); clipping
+  with ``sf.clip_grad_norm_``.
+- ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on each Block (``reshard_after_forward=True``; False under
+  ``after_backward``) then on the root, left at its default, which for the root is not to reshard after forward
+  (shardfusion's root unit is not resharded either), over the 2-D mesh ``(replicate=O, shard=I)``; clipping with
+  ``torch.nn.utils.clip_grad_norm_`` (the norm is a DTensor; its reduction is a DTensor redistribution).
+- ``ddp``: ``DistributedDataParallel(gradient_as_bucket_view=True)`` over all ranks; ``torch.nn.utils.clip_grad_norm_``.
+
+Every variant gets a fresh model built under the same seed, AdamW with the same settings, and the same batches. A step
+is: forward, backward, clip to norm 1.0, ``optimizer.step()``, ``zero_grad(set_to_none=True)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+import shardfusion as sf
+from shardfusion.models.gpt import GPT, Block, GPTConfig
+
+from benchmarks.measure import optimizer_state_tensors, persistent_bytes
+
+VARIANTS = ("shardfusion", "fsdp2", "ddp")
+MAX_NORM = 1.0
+LR = 1e-3
+
+
+@dataclass
+class Context:
+    """What every variant of one worker shares: the device, the groups, the precision policy."""
+
+    device: torch.device
+    topo: "sf.Topology"
+    mesh: object  # torch DeviceMesh (replicate, shard)
+    param_dtype: Optional[torch.dtype]  # None: fp32 everywhere
+    reshard_policy: str = "after_forward"  # of the sharded variants' blocks (FSDP2: reshard_after_forward)
+    prefetch: Optional[int] = None  # shardfusion's prefetch depth (None: its default)
+    seed: int = 42
+
+
+@dataclass
+class Built:
+    """One wrapped model, ready to step."""
+
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    clip: Callable[[], object]
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    sample_transient: Callable[[], dict[str, int]] = field(default=lambda: {})
+    note: str = ""
+
+
+def unit_sizes(config: GPTConfig) -> tuple[int, list[int]]:
+    """Parameter elements of the root unit and of each block (unpadded; a tied weight counts once)."""
+    model = GPT(config)
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    total = sum(p.numel() for p in model.parameters())
+    return total - sum(blocks), blocks
+
+
+def sf_accepts_mixed_precision() -> bool:
+    """Whether this shardfusion's fully_shard takes param_dtype / grad_comm_dtype (it may still refuse them)."""
+    params = inspect.signature(sf.fully_shard).parameters
+    return "param_dtype" in params and "grad_comm_dtype" in params
+
+
+def build(name: str, config: GPTConfig, ctx: Context) -> Built:
+    """A fresh GPT under ``ctx.seed``, wrapped as variant ``name``, with its optimizer.
+
+    Raises:
+        NotImplementedError: the variant cannot run the requested precision policy (the caller skips it).
+    """
+    torch.manual_seed(ctx.seed)
+    model = GPT(config).to(ctx.device)
+    if name == "shardfusion":
+        return _build_shardfusion(model, ctx)
+    if name == "fsdp2":
+        return _build_fsdp2(model, ctx)
+    if name == "ddp":
+        return _build_ddp(model, ctx)
+    raise ValueError(f"unknown variant {name!r}; pick from {VARIANTS}")
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def _build_shardfusion(model: GPT, ctx: Context) -> Built:
+    kwargs = {}
+    if ctx.param_dtype is not None:
+        if not sf_accepts_mixed_precision():
+            raise NotImplementedError("shardfusion.fully_shard has no param_dtype / grad_comm_dtype")
+        kwargs = {"param_dtype": ctx.param_dtype, "grad_comm_dtype": torch.float32}
+    if ctx.prefetch is not None:
+        if "prefetch" not in inspect.signature(sf.fully_shard).parameters:
+            raise NotImplementedError("shardfusion.fully_shard has no prefetch argument")
+        kwargs["prefetch"] = ctx.prefetch
+    sf.fully_shard(model, ctx.topo, units=(Block,), reshard_policy=ctx.reshard_policy, **kwargs)
+    note = ""
+    if hasattr(sf, "set_is_last_backward"):  # every backward ends its step: overlap the outer all-reduce with it,
+        sf.set_is_last_backward(model, True)  # as FSDP2 does by default
+        note = "set_is_last_backward(model, True): outer all-reduce overlapped with backward, as in FSDP2"
+    units = sf.get_units(model)
+
+    def sample() -> dict[str, int]:
+        full = grad = alive_blocks = 0
+        for u in units:
+            alive = 0
+            for g in u.groups:
+                if g.full is not g.shard:
+                    alive += g.full.untyped_storage().nbytes()
+                gf = getattr(g, "grad_full", None)
+                if gf is not None:
+                    grad += gf.untyped_storage().nbytes()
+            full += alive
+            alive_blocks += bool(alive) and u.name != ""
+        return {"full_param_bytes": full, "full_grad_bytes": grad, "blocks_unsharded": alive_blocks}
+
+    return Built("shardfusion", model, _adamw(model), lambda: sf.clip_grad_norm_(model, MAX_NORM),
+                 sample_transient=sample, note=note)
+
+
+def _build_fsdp2(model: GPT, ctx: Context) -> Built:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy()
+    if ctx.param_dtype is not None:
+        mp = MixedPrecisionPolicy(param_dtype=ctx.param_dtype, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mesh=ctx.mesh, reshard_after_forward=ctx.reshard_policy == "after_forward", mp_policy=mp)
+    fully_shard(model, mesh=ctx.mesh, mp_policy=mp)  # root: default, i.e. kept unsharded from forward to backward
+    groups = [(m is model, pg) for m in [model, *model.blocks]
+              if (pg := getattr(m._get_fsdp_state(), "_fsdp_param_group", None)) is not None]
+    return Built("fsdp2", model, _adamw(model),
+                 lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM),
+                 sample_transient=lambda: _fsdp2_transient(groups),
+                 note="transient full buffers read from FSDP2 internals (all-gather outputs, unsharded parameters "
+                      "and their gradients, reduce-scatter input); best effort")
+
+
+def _fsdp2_transient(groups) -> dict[str, int]:
+    """Alive full-size buffers of FSDP2 param groups (private attributes; missing ones count as 0)."""
+    seen: set[int] = set()
+
+    def add(t) -> int:
+        if not isinstance(t, torch.Tensor):
+            return 0
+        st = t.untyped_storage()
+        if st.nbytes() == 0 or st.data_ptr() in seen:
+            return 0
+        seen.add(st.data_ptr())
+        return st.nbytes()
+
+    full = grad = alive_blocks = 0
+    for is_root, pg in groups:
+        alive = 0
+        result = getattr(pg, "_all_gather_result", None)
+        alive += add(getattr(result, "all_gather_output", None))
+        state = getattr(getattr(pg, "comm_ctx", None), "all_gather_state", None)
+        alive += add(getattr(getattr(state, "all_gather_result", None), "all_gather_output", None))
+        for fp in getattr(pg, "fsdp_params", []):
+            for t in getattr(fp, "all_gather_outputs", []):
+                alive += add(t)
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None:
+                alive += add(unsharded)
+                grad += add(unsharded.grad)
+        rs_state = getattr(getattr(pg, "comm_ctx", None), "reduce_scatter_state", None)
+        grad += add(getattr(rs_state, "reduce_scatter_input", None))
+        full += alive
+        alive_blocks += bool(alive) and not is_root
+    return {"full_param_bytes": full, "full_grad_bytes": grad, "blocks_unsharded": alive_blocks}
+
+
+def _build_ddp(model: GPT, ctx: Context) -> Built:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    note = ""
+    if ctx.param_dtype is not None:
+        dtype, dev = ctx.param_dtype, ctx.device.type
+        autocast = lambda: torch.autocast(dev, dtype=dtype)  # noqa: E731
+        note = f"autocast({dev}, {dtype}): fp32 parameters and gradient all-reduce, {dtype} matmuls"
+    return Built("ddp", ddp, _adamw(ddp), lambda: torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM),
+                 autocast=autocast, note=note)
+
+
+def step(b: Built, x: torch.Tensor, y: torch.Tensor, after_optimizer: Optional[Callable[[], None]] = None):
+    """One training step; returns the loss (a 0-dim tensor, not synchronized). ``after_optimizer`` runs between
+    ``optimizer.step()`` and ``zero_grad`` (when every persistent tensor, gradients included, is alive)."""
+    with b.autocast():
+        _, loss = b.model(x, y)
+    loss.backward()
+    b.clip()
+    b.optimizer.step()
+    if after_optimizer is not None:
+        after_optimizer()
+    b.optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def persistent(b: Built) -> dict[str, int]:
+    """Bytes this rank keeps across steps: parameters (shards), gradients, optimizer state (distinct storages)."""
+    params = list(b.model.parameters())
+    out = persistent_bytes({
+        "params": params,
+        "grads": [p.grad for p in params],
+        "optimizer": optimizer_state_tensors(b.optimizer),
+    })
+    out["total"] = sum(out.values())
+    return out
