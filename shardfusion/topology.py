@@ -258,7 +258,14 @@ class Topology:
                                       mesh_dim_names=AXES, backend_override={a: self._override for a in AXES})
         self._kinds_of: dict[dist.ProcessGroup, list[str]] = {}  # the kinds each created group serves (accounting)
         by_axes: dict[tuple[str, ...], dist.ProcessGroup] = {}
-        self._groups = {kind: self._make_group(kind, by_axes) for kind in KINDS if kind not in ("world", "ep")}
+        self._groups = {kind: self._make_group(kind, by_axes) for kind in KINDS
+                        if kind not in ("world", "ep", "replicate")}
+        # The replicate all-reduces may be issued while backward all-gathers run (overlap, set_is_last_backward), at
+        # moments that depend on timing: a group of their own keeps them from interleaving with the all-gathers of a
+        # kind over the same ranks (e.g. moe_sharding when expert_inner is 1).
+        replicate_size = self.degrees.dp * self.degrees.fsdp_outer_degree
+        self._groups["replicate"] = self._make_group("replicate", by_axes if replicate_size == 1 else {},
+                                                     twin=replicate_size > 1, name="replicate")
         # The MoE all-to-alls get a group of their own, never shared with the all-gathers of an inner group over the
         # same ranks, so the two streams of collectives cannot interleave differently on different ranks.
         self._groups["ep"] = self._make_group("ep", {}, twin=d.ep > 1, name="ep_dispatch")
@@ -355,7 +362,8 @@ class Topology:
         return self._groups["expert_outer" if is_expert else "fsdp_outer"]
 
     def get_replicate_group(self) -> dist.ProcessGroup:
-        """Ranks holding the same shard (``dp x outer``); gradients are all-reduced over it once per step."""
+        """Ranks holding the same shard (``dp x outer``); gradients are all-reduced over it once per step. A process
+        group of its own (when larger than one rank): nothing else is issued on it."""
         return self._groups["replicate"]
 
     def get_data_parallel_group(self) -> dist.ProcessGroup:
