@@ -126,7 +126,7 @@ def summarize(raw: dict) -> dict:
             row["collectives"] = table
             row["wire_bytes_total"] = sum(c["wire_bytes"] for c in table.values())
             row["backend_wire_bytes_total"] = sum(
-                c["wire_bytes"] * (GLOO_REDUCE_SCATTER_FACTOR if k.startswith("reduce_scatter")
+                c["wire_bytes"] * (GLOO_REDUCE_SCATTER_FACTOR if k.startswith("reduce_scatter") and v != "shardfusion"
                                    and cfg["backend"] == "gloo" else 1) for k, c in table.items())
             mem = vr["memory"]
             ideal = PERSISTENT_BYTES_PER_PARAM * P / (1 if v == "ddp" else inner)
@@ -289,7 +289,8 @@ def markdown(raw: dict, summary: dict) -> str:
     if cfg["backend"] == "gloo":
         lines += ["Wire bytes: `ring` is the bandwidth-optimal volume of the collectives issued (what the ratios "
                   f"use); `backend` counts gloo's reduce-scatter as the full all-reduce it runs "
-                  f"({GLOO_REDUCE_SCATTER_FACTOR} x the ring volume).", ""]
+                  f"({GLOO_REDUCE_SCATTER_FACTOR} x the ring volume); shardfusion issues its reduce-scatters on gloo "
+                  f"as all-to-alls (the ring volume).", ""]
     notes = [n for r in raw["regimes"].values() for v, vr in r["variants"].items() if vr.get("note")
              for n in [f"{v}: {vr['note']}"]]
     if notes:

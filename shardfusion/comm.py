@@ -216,8 +216,38 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Optional[Proc
     if group_size(group) == 1:
         shard.copy_(full)
         return None
-    return _issue(_record("reduce_scatter", group, full), _reduce_scatter_base, shard, full, op=dist.ReduceOp.SUM,
-                  group=group, async_op=async_op)
+    record = _record("reduce_scatter", group, full)
+    if dist.get_backend(group) == "gloo":
+        # gloo runs a reduce-scatter as an all-reduce of the whole input plus copies (twice the ring volume); an
+        # all-to-all of the shards and a local sum moves the ring volume, (G-1)/G of the input, and measured about
+        # twice as fast on CPU.
+        received = torch.empty_like(full)  # (G*S,): [source rank, shard]
+        work = _issue(record, dist.all_to_all_single, received, full, group=group, async_op=async_op)
+        done = _SumShards(work, received, shard, group_size(group))
+        if not async_op:
+            done.wait()
+            return None
+        return done
+    return _issue(record, _reduce_scatter_base, shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+class _SumShards:
+    """A reduce-scatter done as all-to-all + local sum: ``wait()`` waits for the all-to-all, then sums the G received
+    pieces of this rank's shard, in source-rank order, into ``shard`` (once)."""
+
+    def __init__(self, work: Any, received: torch.Tensor, shard: torch.Tensor, size: int) -> None:
+        self.work, self.received, self.shard, self.size = work, received, shard, size
+
+    def wait(self, *args, **kwargs) -> bool:
+        if self.received is not None:
+            if self.work is not None:
+                self.work.wait(*args, **kwargs)
+            torch.sum(self.received.view(self.size, -1), dim=0, out=self.shard)
+            self.received = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self.received is None or self.work is None or self.work.is_completed()
 
 
 def all_reduce(tensor: torch.Tensor, group: Optional[ProcessGroup], op=dist.ReduceOp.SUM, async_op: bool = False):

@@ -33,7 +33,9 @@ CONFIGS = [
 ]
 
 _AG_OPS = {"_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_", "allgather_coalesced_"}
-_RS_OPS = {"_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_"}
+# On gloo shardfusion issues each reduce-scatter as an all-to-all plus a local sum (comm.reduce_scatter); the models
+# counted here have no MoE, so every all-to-all is a reduce-scatter.
+_RS_OPS = {"_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_", "alltoall_base_"}
 _AR_OPS = {"allreduce_", "allreduce_coalesced_"}
 
 
