@@ -40,7 +40,7 @@ from shardfusion.launch import (default_nproc, exit_now, init_worker, launch, pi
 from shardfusion.metrics import (MetricsLog, comm_step_record, expert_balance, format_summary, plot_losses,
                                  summarize)
 from shardfusion.models.gpt import GPT, Block, GPTConfig
-from shardfusion.train_config import TrainConfig, check_run, lr_at, parse_args, resolve, usage_error
+from shardfusion.train_config import DTYPES, TrainConfig, check_run, lr_at, parse_args, resolve, usage_error
 
 ADAM_BETAS = (0.9, 0.95)
 SAMPLE_PROMPT_BYTES = 64
@@ -48,6 +48,11 @@ SAMPLE_TEMPERATURE = 0.8
 SAMPLE_TOP_K = 40
 PEER_REPORT_WAIT_S = 10.0
 """Under torchrun, how long a worker other than local rank 0 waits before exiting on a bad flag (see `main`)."""
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype of a --param-dtype / --grad-comm-dtype value (None stays None: the default)."""
+    return None if name is None else getattr(torch, DTYPES[name])
 
 
 def no_decay(name: str) -> bool:
@@ -154,7 +159,8 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     model = GPT(model_config, ep_group=topo.get_group("ep")).to(device)
     num_params, num_active = model.num_parameters(), model.num_parameters(active=True)
     model = sf.fully_shard(model, topo, units=(Block,), reshard_policy=config.reshard_policy,
-                           expert_policy=config.expert_policy)
+                           expert_policy=config.expert_policy, prefetch=config.prefetch,
+                           param_dtype=_dtype(config.param_dtype), grad_comm_dtype=_dtype(config.grad_comm_dtype))
     optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=ADAM_BETAS)
 
     dp_world = topo.dp * topo.sharding
@@ -203,6 +209,8 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
                 x, y = sampler.get_batch("train", step, micro_step)
                 _, loss = model(x.to(device), y.to(device))
                 aux = model.aux_loss()  # 0-dim; a zero constant for a dense GPT
+                # the last micro-batch is known: its backward overlaps the outer all-reduce
+                sf.set_is_last_backward(model, micro_step == config.grad_accum - 1)
                 ((loss + config.aux_loss_coef * aux) / config.grad_accum).backward()
                 loss_sum += loss.detach()
                 aux_sum += aux.detach()

@@ -24,6 +24,10 @@ from shardfusion.models.gpt import PRESETS, GPTConfig
 from shardfusion.topology import Degrees
 
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""The --param-dtype / --grad-comm-dtype names and the torch dtypes they stand for."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Everything one training run depends on; written to OUT/config.json."""
@@ -79,6 +83,13 @@ class TrainConfig:
     world size / ep, else 1)."""
     reshard_policy: str = "after_forward"
     """When gathered parameters are freed: after_forward (ZeRO-3) or after_backward (default after_forward)."""
+    param_dtype: str = "fp32"
+    """Compute dtype of the gathered parameters: fp32, bf16 or fp16; shards and optimizer state stay fp32
+    (default fp32)."""
+    grad_comm_dtype: str | None = None
+    """Dtype of the reduce-scatter and the outer all-reduce: fp32, bf16 or fp16 (default: --param-dtype)."""
+    prefetch: int = 1
+    """Units all-gathered ahead of the running one, in forward and backward; 0 turns prefetching off (default 1)."""
     eval_every: int = 25
     """Evaluate every this many steps; also before the first and after the last step (default 25)."""
     eval_batches: int = 8
@@ -153,6 +164,11 @@ class TrainConfig:
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.expert_policy not in ("replicate", "shard"):
             raise ValueError(f"--expert-policy must be replicate or shard, got {self.expert_policy!r}")
+        for flag, value in (("--param-dtype", self.param_dtype), ("--grad-comm-dtype", self.grad_comm_dtype)):
+            if value is not None and value not in DTYPES:
+                raise ValueError(f"{flag} must be one of {', '.join(DTYPES)}, got {value!r}")
+        if self.prefetch < 0:
+            raise ValueError(f"--prefetch must be >= 0, got {self.prefetch}")
         if self.reshard_policy not in ("after_forward", "after_backward"):
             raise ValueError(f"--reshard-policy must be after_forward or after_backward, got {self.reshard_policy!r}")
 

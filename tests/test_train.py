@@ -132,7 +132,9 @@ def test_end_to_end_moe_hsdp_4_workers(tmp_path: Path) -> None:
 def test_under_torchrun(tmp_path: Path) -> None:
     out = tmp_path / "run"
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m"]
-    result = run([*TINY_RUN, "--experts", "0", "--steps", "2", "--out", str(out)], launcher=torchrun)
+    # also the mixed-precision path of the job: bf16 compute, fp32 reduction, no prefetch
+    result = run([*TINY_RUN, "--experts", "0", "--steps", "2", "--param-dtype", "bf16", "--grad-comm-dtype", "fp32",
+                  "--prefetch", "0", "--out", str(out)], launcher=torchrun)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = check_outputs(out, steps=2, eval_steps=[0, 2])
     assert summary["layout"].startswith("world 2") and summary["layout"].endswith("ep1")
@@ -146,6 +148,8 @@ def test_under_torchrun(tmp_path: Path) -> None:
     assert all(r["comm"]["replicate_all_reduce"]["count"] == 0 and r["comm"]["ep_all_to_all"]["count"] == 0
                for r in train)
     assert "1 node of 2 ranks (LOCAL_WORLD_SIZE)" in result.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert (config["param_dtype"], config["grad_comm_dtype"], config["prefetch"]) == ("bf16", "fp32", 0)
 
 
 # Flags that only a check against the world size or the file system can reject: {case: (args, flag, message)}.
@@ -165,6 +169,8 @@ BAD_FLAGS = {
     "ep-sharding": (["--nproc", "2", "--experts", "4", "--ep", "4"], "--ep",
                     "--ep 4 with --fsdp-outer-degree 1 does not fit 2 ranks (--nproc 2): sharding(2) % ep(4)"),
     "experts-ep": (["--nproc", "4", "--experts", "3", "--ep", "2"], "--ep", "--ep 2 must divide --experts 3"),
+    "param-dtype": (["--nproc", "2", "--param-dtype", "fp8"], "--param-dtype",
+                    "--param-dtype must be one of fp32, bf16, fp16, got 'fp8'"),
 }
 if not torch.cuda.is_available():
     BAD_FLAGS["device-cuda"] = (["--nproc", "2", "--device", "cuda"], "--device", "torch.cuda.is_available() is False")

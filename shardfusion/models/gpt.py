@@ -261,7 +261,7 @@ class GPT(nn.Module):
         logits = self.lm_head(x)  # (B, T, V)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.view(B * T, VOCAB_SIZE), targets.reshape(B * T))
+        loss = F.cross_entropy(logits.float().view(B * T, VOCAB_SIZE), targets.reshape(B * T))  # fp32 loss
         return logits, loss
 
     @torch.no_grad()
