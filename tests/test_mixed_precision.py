@@ -22,7 +22,7 @@ from reference import Case, assemble_all, case_results, reference_train, run_cas
 
 JOB_TIMEOUT_S = 240
 F8_RTOL = 1e-2  # relative error of a whole gradient tensor: ||g - g_ref|| / ||g_ref||
-LOSS_RTOL = 0.02  # bf16 compute vs the fp32 reference, per step, over 20 steps
+LOSS_RTOL = 0.01  # bf16 compute vs the fp32 reference, per step, over 20 steps (measured: 0.25%)
 
 
 class F8Model(nn.Module):
