@@ -47,8 +47,9 @@ INNER_KINDS = frozenset({"fsdp_inner", "expert_inner", "sharding", "moe_sharding
 """Groups a flat buffer is sharded over (``moe_sharding``/``sharding`` when not split into outer x inner, e.g.
 ``expert_policy="shard"``), and their reduce-scatter twins."""
 
-REPLICATE_KINDS = frozenset({"replicate", "fsdp_outer", "expert_outer", "dp"})
-"""Groups of ranks holding the same shard (``dp``: the replicate group of experts under ``expert_policy="shard"``)."""
+REPLICATE_KINDS = frozenset({"replicate", "fsdp_outer", "expert_outer", "dp", "data_parallel", "expert_data_parallel"})
+"""Groups of ranks holding the same shard (``dp``: the replicate group of experts under ``expert_policy="shard"``;
+``data_parallel`` / ``expert_data_parallel``: that of parameters kept whole by ``replicate_filter``)."""
 
 CATEGORY_RULES: dict[str, tuple[frozenset, str]] = {
     "all_gather": (INNER_KINDS, "inner_all_gather"),

@@ -218,10 +218,10 @@ class FlatGroup:
             grad = self.grad_full
             if self.grad_acc is not None:
                 grad, self.grad_acc = self.grad_acc.add_(grad), None
+            if self._predivide:  # in the wider dtype, before the cast (grad_full / grad_acc are dropped anyway)
+                grad.div_(self.grad_divisor)
             if grad.dtype != comm_dtype:
                 grad = grad.to(comm_dtype)  # (P,)
-            if self._predivide:
-                grad.div_(self.grad_divisor)  # grad_full is dropped after the reduce-scatter anyway
             self._reduce_in = grad  # alive until the reduce-scatter completes
             self._reduce_out = torch.empty(self.layout.shard_numel, dtype=comm_dtype, device=self.full.device)
             self._reduce_work = comm.reduce_scatter(self._reduce_out, grad, self.reduce_group, async_op=True)
@@ -253,6 +253,7 @@ class FlatGroup:
 
     def _step_grad_buffer(self) -> torch.Tensor:
         """This step's accumulator: ``grad_shard`` if the user reset gradients, else a zeroed temporary."""
+        self.discard_if_reset()
         if self.step_grad is not None:
             return self.step_grad
         if self.grad_shard is None:
@@ -270,14 +271,36 @@ class FlatGroup:
         off, n = self._frag_ranges[i]
         return self.grad_shard[off:off + n]
 
-    def _attach_fragment_grads(self) -> None:
-        """Make each fragment's ``.grad`` a view of ``grad_shard`` (re-attached after ``zero_grad(set_to_none)``)."""
+    def _attach_fragment_grads(self, skip: frozenset | set = frozenset()) -> None:
+        """Make each fragment's ``.grad`` a view of ``grad_shard`` (re-attached after ``zero_grad(set_to_none)``),
+        except those in ``skip``."""
         for i, frag in enumerate(self.fragments):
-            if not frag.requires_grad:  # frozen after wrapping: no gradient, like plain PyTorch
+            if not frag.requires_grad or i in skip:  # frozen after wrapping: no gradient, like plain PyTorch
                 continue
             g = self._grad_slice(i)
             if frag.grad is None or frag.grad.data_ptr() != g.data_ptr() or frag.grad.numel() != g.numel():
                 frag.grad = g
+
+    def _user_cleared(self) -> list[int]:
+        """Indices of trainable fragments whose ``.grad`` the user set to ``None`` (e.g. ``zero_grad()``)."""
+        return [i for i, f in enumerate(self.fragments) if f.requires_grad and f.grad is None]
+
+    def discard_if_reset(self) -> bool:
+        """If this step's gradient is pending in ``grad_shard`` but the user has since set every fragment's ``.grad``
+        to ``None`` (``optimizer.zero_grad()`` without a step), drop it, waiting for its all-reduce if one is in
+        flight, as plain PyTorch would. Returns whether it dropped one."""
+        if self.step_grad is None or self.step_grad is not self.grad_shard:
+            return False
+        trainable = sum(1 for f in self.fragments if f.requires_grad)
+        if len(self._user_cleared()) != trainable:
+            return False
+        if self._sync_work is not None:
+            self._sync_work.wait()  # issued on every rank in an earlier backward: it completes
+        self._sync_work, self._sync_buf, self._sync_started = None, None, False
+        with torch.no_grad():
+            self.grad_shard.zero_()
+        self.step_grad = None
+        return True
 
     @property
     def has_pending_sync(self) -> bool:
@@ -306,6 +329,7 @@ class FlatGroup:
         publish it in ``grad_shard``."""
         if self.step_grad is None:
             return
+        cleared = self._user_cleared() if self.step_grad is self.grad_shard else []  # dropped since the backward
         self.start_sync_replicas()
         if self._sync_work is not None:
             self._sync_work.wait()
@@ -313,6 +337,13 @@ class FlatGroup:
             if self._sync_buf is not self.step_grad:
                 self.step_grad.copy_(self._sync_buf)
         self._sync_work, self._sync_buf, self._sync_started = None, None, False
+        if cleared:  # the optimizer must not see them: like plain PyTorch, a None gradient stays None
+            with torch.no_grad():
+                for i in cleared:
+                    self._grad_slice(i).zero_()
+            self._attach_fragment_grads(skip=set(cleared))
+            self.step_grad = None
+            return
         if self.step_grad is not self.grad_shard:
             with torch.no_grad():
                 for i, frag in enumerate(self.fragments):

@@ -224,7 +224,7 @@ class ShardState:
     def _make_pre_accumulate(self, group, view_index: int):
         def hook(grad):
             self._queue_callback()
-            if group.sync_in_flight:
+            if group.sync_in_flight and not group.discard_if_reset():
                 name = group.layout.slots[view_index].name
                 raise RuntimeError(
                     f"a gradient for {name!r} arrived while the replicate all-reduce of its buffer is in flight: "
