@@ -250,7 +250,7 @@ def test_async_handles(results):
     ("all_reduce", ("dp",), "replicate_all_reduce"),  # experts under expert_policy="shard"
     ("all_reduce", ("replicate", "moe_sharding"), "replicate_all_reduce"),
     ("all_reduce", ("world",), "other"),  # the clipping scalar
-    ("all_reduce", ("data_parallel",), "other"),
+    ("all_reduce", ("data_parallel",), "replicate_all_reduce"),  # parameters kept whole (replicate_filter)
     ("all_to_all", ("ep",), "ep_all_to_all"),
     ("all_to_all", (), "other"),
     ("broadcast", ("data_parallel",), "other"),
