@@ -21,6 +21,20 @@ written therefore do not depend on the outer (replicate) degree.
 Load: every rank (replicas included) asks for exactly its fragment's range; DCP's resharding
 (``create_read_items_for_chunk_list``) reads the overlapping parts of the stored chunks, whatever layout wrote them.
 ``load_full`` reads the same checkpoint in one process with no process group, into tensors of the original shapes.
+
+DCP pitfalls met in the spike (torch 2.13):
+- ``find_state_dict_object`` refuses a plain tensor addressed with a non-zero offset: both planners override
+  ``lookup_object`` / ``lookup_tensor`` for fragment keys.
+- ``_validate_global_plan`` requires the chunks of a key to tile its global size exactly (no overlap, full volume,
+  when more than one rank plans): empty fragments must not be planned, and every shard needs exactly one writer.
+- ``dedup_save_plans`` deduplicates by ``MetadataIndex`` (fqn, offset): equal replicated items are written once
+  anyway, by the smallest plan unless ``dedup_save_to_lowest_rank``; we still plan fragments only on their writer.
+- ``DefaultLoadPlanner(flatten_sharded_tensors=True)`` (the default) copies the state dict, so ``load_bytes`` writes
+  the loaded object into the copy and the caller sees ``None``: pass ``flatten_sharded_tensors=False``.
+- ``dcp.load`` replaces non-Stateful values of the caller's dict with the loaded ones (bytes items arrive there).
+- FileSystemWriter serializes each item with its own header (~1 KB): negligible for real models, dominant here.
+- Not handled: tensor-parallel (``mp``-sharded) parameters (same name, different values per mp rank), expert
+  buffers, optimizers other than AdamW (their state keys), 0-element parameters are not stored (only their shape).
 """
 
 from __future__ import annotations

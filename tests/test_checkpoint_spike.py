@@ -80,7 +80,9 @@ def _w4_job(root: str) -> dict:
             out["continued"] = sf.full_state_dict(model)
     src = os.path.join(root, "I2O2")
     for name, inner, outer, unit_kw in (("I4O1", 4, 1, by_class), ("I1O4", 1, 4, by_class),
-                                        ("I2O2-size40", 2, 2, {"comm_unit_size": 40})):
+                                        ("I2O2-size40", 2, 2, {"comm_unit_size": 40}),
+                                        ("I4O1-whole-bf16", 4, 1, {"units": (nn.Linear,), "param_dtype": torch.bfloat16,
+                                                                   "replicate_filter": lambda n, p: "bias" in n})):
         model, opt = _build(inner, outer, seed=1, unit_kw=unit_kw)  # other initial values
         extra = ckpt.load(model, opt, src)
         out[f"loaded-{name}"] = sf.full_state_dict(model)
@@ -102,6 +104,36 @@ def _w2_job(root: str) -> dict:
     return out
 
 
+def _moe_job(root: str) -> dict:
+    """MoE: save at (ep, O) = (2, 2) with expert_policy "shard", load at (1, 2) and (4, 1) with "replicate"."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import shardfusion as sf
+    from shardfusion import checkpoint as ckpt
+    from models import SEQ, VOCAB, MoEBlock, TinyMoETransformer
+    out: dict = {}
+    for name, ep, outer, policy, seed in (("ep2O2", 2, 2, "shard", 0), ("ep1O2", 1, 2, "replicate", 1),
+                                          ("ep4O1", 4, 1, "replicate", 2)):
+        topo = sf.Topology(sharding=4, ep=ep, fsdp_outer_degree=outer)
+        torch.manual_seed(seed)
+        model = sf.fully_shard(TinyMoETransformer(ep_group=topo.get_group("ep")), topo, units=(MoEBlock,),
+                               expert_policy=policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        if name == "ep2O2":
+            for s in range(2):
+                idx = torch.randint(VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(10 * s + dist.get_rank()))
+                loss = F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()) + 0.01 * model.aux_loss()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            ckpt.save(model, opt, os.path.join(root, "moe"))
+        else:
+            ckpt.load(model, opt, os.path.join(root, "moe"))
+            ckpt.save(model, opt, os.path.join(root, f"moe-resaved-{name}"))
+        out[name] = sf.full_state_dict(model)
+    return out
+
+
 def _assert_bitwise(a: dict, b: dict, what: str) -> None:
     assert a.keys() == b.keys(), f"{what}: keys differ: {sorted(a.keys() ^ b.keys())}"
     for k in a:
@@ -117,10 +149,30 @@ def runs(tmp_path_factory):
     return root, w4, w2
 
 
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("moe"))
+    return root, run_distributed(_moe_job, 4, root, timeout=JOB_TIMEOUT_S)
+
+
+def test_moe_other_ep_degrees(moe_runs):
+    from shardfusion import checkpoint as ckpt
+    root, rs = moe_runs
+    saved = rs[0]["ep2O2"]
+    assert any(".experts.3." in k for k in saved), sorted(saved)
+    for r in range(4):
+        for name in ("ep1O2", "ep4O1"):
+            _assert_bitwise(rs[r][name], saved, f"moe {name} rank {r}")
+    _assert_bitwise(ckpt.load_full(os.path.join(root, "moe")), saved, "moe load_full")
+    orig = ckpt.read_all(os.path.join(root, "moe"))
+    for name in ("ep1O2", "ep4O1"):
+        _assert_bitwise(ckpt.read_all(os.path.join(root, f"moe-resaved-{name}")), orig, f"moe resaved {name}")
+
+
 def test_load_into_other_layouts_bitwise(runs):
     _root, w4, w2 = runs
     saved = w4[0]["saved-I2O2"]
-    for name in ("I4O1", "I1O4", "I2O2-size40"):
+    for name in ("I4O1", "I1O4", "I2O2-size40", "I4O1-whole-bf16"):
         for r in range(4):
             _assert_bitwise(w4[r][f"loaded-{name}"], saved, f"W4 {name} rank {r}")
         assert w4[0][f"extra-{name}"] == {"step": 2}
@@ -145,7 +197,7 @@ def test_optimizer_state_round_trips(runs):
     assert {"optim/a.weight/exp_avg", "optim/a.weight/exp_avg_sq", "optim/a.weight/step",
             "optim/scale/exp_avg"} <= orig.keys()
     assert float(orig["optim/a.weight/step"]) == 2.0
-    for name in ("I4O1", "I1O4", "I2O2-size40", "W2"):
+    for name in ("I4O1", "I1O4", "I2O2-size40", "I4O1-whole-bf16", "W2"):
         _assert_bitwise(ckpt.read_all(os.path.join(root, f"resaved-{name}")), orig, f"resaved {name}")
 
 
