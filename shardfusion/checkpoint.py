@@ -1,0 +1,321 @@
+"""SPIKE: save / load a sharded model and its AdamW state with torch.distributed.checkpoint (DCP), in any layout.
+
+Research prototype for the checkpoint issue; not exported from ``shardfusion`` yet.
+
+Format (plain DCP, no format of our own): every parameter is stored as a flattened 1-D global tensor of ``numel``
+elements. A rank's fragment of it (``layout.fragments(shard_index)``: a contiguous range ``[start, end)`` of the
+flattened parameter) is one DCP chunk with ``offsets=(start,)`` and ``sizes=(end - start,)``. Keys::
+
+    model/<name>                 (numel,)   parameter values
+    optim/<name>/exp_avg         (numel,)   AdamW state, same chunks as the parameter
+    optim/<name>/exp_avg_sq      (numel,)
+    optim/<name>/step            ()         plain tensor, written once (DCP dedups equal keys)
+    model_buffer/<name>          shape      module buffers (dense only), plain tensors written once
+    meta                         bytes      {"version", "shapes": {name: shape}, "param_groups": [...], "extra"}
+
+Save: only the canonical holder of each shard writes its fragments (replica 0 of the replicate group, mp rank 0:
+``FlatGroup.counts_in_norm``), with the global ``(numel,)`` size and the chunk offset; DCP's coordinator merges the
+chunks of every rank into one ``TensorStorageMetadata`` per key (and validates that they tile the tensor). Bytes
+written therefore do not depend on the outer (replicate) degree.
+
+Load: every rank (replicas included) asks for exactly its fragment's range; DCP's resharding
+(``create_read_items_for_chunk_list``) reads the overlapping parts of the stored chunks, whatever layout wrote them.
+``load_full`` reads the same checkpoint in one process with no process group, into tensors of the original shapes.
+
+DCP pitfalls met in the spike (torch 2.13):
+- ``find_state_dict_object`` refuses a plain tensor addressed with a non-zero offset: both planners override
+  ``lookup_object`` / ``lookup_tensor`` for fragment keys.
+- ``_validate_global_plan`` requires the chunks of a key to tile its global size exactly (no overlap, full volume,
+  when more than one rank plans): empty fragments must not be planned, and every shard needs exactly one writer.
+- ``dedup_save_plans`` deduplicates by ``MetadataIndex`` (fqn, offset): equal replicated items are written once
+  anyway, by the smallest plan unless ``dedup_save_to_lowest_rank``; we still plan fragments only on their writer.
+- ``DefaultLoadPlanner(flatten_sharded_tensors=True)`` (the default) copies the state dict, so ``load_bytes`` writes
+  the loaded object into the copy and the caller sees ``None``: pass ``flatten_sharded_tensors=False``.
+- ``dcp.load`` replaces non-Stateful values of the caller's dict with the loaded ones (bytes items arrive there).
+- FileSystemWriter serializes each item with its own header (~1 KB): negligible for real models, dominant here.
+- Not handled: tensor-parallel (``mp``-sharded) parameters (same name, different values per mp rank), expert
+  buffers, optimizers other than AdamW (their state keys), 0-element parameters are not stored (only their shape).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import (
+    create_default_local_load_plan,
+    create_default_local_save_plan,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from shardfusion.fully_shard import _state
+
+FORMAT_VERSION = 1
+_ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+# ---- planners ----------------------------------------------------------------------------------------------------
+class _FragmentSavePlanner(DefaultSavePlanner):
+    """Writes ``fragments`` keys as 1-D chunks ``[offset, offset + numel)`` of a ``(global_numel,)`` tensor; every
+    other key as DCP's default planner would (plain tensors and bytes, deduplicated across ranks)."""
+
+    def __init__(self, fragments: dict[str, tuple[int, int]]) -> None:
+        # flatten_state_dict=False: our keys are already flat strings, and the default flattening would store its
+        # key mapping in Metadata.planner_data for nothing.
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
+        self._fragments = fragments  # key -> (offset in the flattened parameter, global numel)
+
+    def create_local_plan(self) -> SavePlan:
+        items: list[WriteItem] = []
+        rest = {}
+        for fqn, obj in self.state_dict.items():
+            if fqn not in self._fragments:
+                rest[fqn] = obj
+                continue
+            offset, total = self._fragments[fqn]
+            chunk = ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=obj.size())
+            items.append(WriteItem(
+                index=MetadataIndex(fqn, torch.Size([offset])),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(obj),
+                                            size=torch.Size([total]))))
+        items += create_default_local_save_plan(rest, self.is_coordinator).items
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        # The default lookup refuses a plain tensor addressed by a non-zero offset.
+        if index.fqn in self._fragments:
+            return self.state_dict[index.fqn]
+        return super().lookup_object(index)
+
+
+class _FragmentLoadPlanner(DefaultLoadPlanner):
+    """Reads ``fragments`` keys as the 1-D range ``[offset, offset + numel)`` of the stored global tensor (any stored
+    chunking); other keys as DCP's default planner. Keys in ``optional`` that the checkpoint lacks are skipped."""
+
+    def __init__(self, fragments: dict[str, int], optional: frozenset = frozenset()) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._fragments = fragments  # key -> offset in the flattened parameter
+        self._optional = optional
+
+    def create_local_plan(self) -> LoadPlan:
+        md = self.metadata.state_dict_metadata
+        items = []
+        rest = {}
+        for fqn, obj in self.state_dict.items():
+            if fqn not in md:
+                if fqn in self._optional:
+                    continue
+                raise RuntimeError(f"checkpoint has no {fqn!r}")
+            if fqn not in self._fragments:
+                rest[fqn] = obj
+                continue
+            tmd = md[fqn]
+            offset, numel = self._fragments[fqn], obj.numel()
+            if not isinstance(tmd, TensorStorageMetadata) or len(tmd.size) != 1 or offset + numel > tmd.size[0]:
+                raise RuntimeError(f"{fqn!r}: checkpoint holds {tmd}, cannot read range [{offset}, {offset + numel})")
+            if numel == 0:
+                continue
+            chunk = ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=torch.Size([numel]))
+            items += create_read_items_for_chunk_list(fqn, tmd, [chunk])
+        items += create_default_local_load_plan(rest, self.metadata, True).items
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        # Our destination is the plain 1-D fragment; the read item's dest_offsets are relative to it already.
+        if index.fqn in self._fragments:
+            return self.state_dict[index.fqn]
+        return super().lookup_tensor(index)
+
+
+# ---- model / optimizer walk ----------------------------------------------------------------------------------------
+def _fragment_table(model: nn.Module) -> dict[int, tuple[str, int, int, bool, tuple]]:
+    """``id(fragment) -> (name, offset in the flattened parameter, global numel, writes, shape)`` for every
+    fragment this rank holds (empty ones included)."""
+    state = _state(model)
+    out = {}
+    for unit in state.units:
+        for g in unit.groups:
+            count = g.layout.shard_count
+            index = 0 if count == 1 or g.shard_group is None else dist.get_rank(g.shard_group)
+            for param, frag in zip(g.fragments, g.layout.fragments(index)):
+                out[id(param)] = (frag.slot.name, frag.param_offset, frag.slot.numel, bool(g.counts_in_norm),
+                                  tuple(frag.slot.shape))
+    return out
+
+
+def _named_fragments(model: nn.Module):
+    table = _fragment_table(model)
+    for name, p in model.named_parameters():
+        slot_name, offset, total, writes, shape = table[id(p)]
+        yield name, p, offset, total, writes, shape
+
+
+def _gather_shapes(model: nn.Module) -> dict[str, tuple]:
+    """Original shapes of every parameter of every rank (expert names differ across ep ranks)."""
+    mine = {name: shape for name, _, _, _, _, shape in _named_fragments(model)}
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    out: dict[str, tuple] = {}
+    for part in every:
+        out.update(part)
+    return out
+
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+# ---- public API ----------------------------------------------------------------------------------------------------
+def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str,
+         extra: Optional[dict] = None) -> None:
+    """Write ``model`` (and ``optimizer``'s AdamW state, and the picklable ``extra``) to the directory ``path``.
+
+    Collective over the default process group. Each fragment is written once (by its canonical holder).
+    """
+    state = _state(model)
+    sd: dict[str, Any] = {}
+    fragments: dict[str, tuple[int, int]] = {}
+    opt_state = optimizer.state if optimizer is not None else {}
+    for name, p, offset, total, writes, _shape in _named_fragments(model):
+        if not writes or p.numel() == 0:
+            continue
+        sd[f"model/{name}"] = p.detach()
+        fragments[f"model/{name}"] = (offset, total)
+        st = opt_state.get(p, {})
+        for k in _ADAM_KEYS:
+            if k in st:
+                sd[f"optim/{name}/{k}"] = st[k]
+                fragments[f"optim/{name}/{k}"] = (offset, total)
+    # step: a 0-d tensor equal on every rank holding the parameter; emitted by all of them (also by ranks whose
+    # fragment is empty, so that a parameter smaller than a shard still gets it), DCP keeps one copy.
+    for name, p, *_ in _named_fragments(model):
+        st = opt_state.get(p, {})
+        if "step" in st:
+            step = st["step"]
+            sd[f"optim/{name}/step"] = step.detach().clone() if torch.is_tensor(step) else torch.tensor(float(step))
+    dense_buffers, _expert_buffers = state.split_buffers()  # spike: expert buffers are not saved
+    for name, buf in dense_buffers:
+        sd[f"model_buffer/{name}"] = buf.detach()
+    shapes = _gather_shapes(model)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        groups = []
+        if optimizer is not None:
+            for g, names in zip(optimizer.param_groups, _param_names(model, optimizer)):
+                groups.append({**{k: v for k, v in g.items() if k != "params"}, "param_names": names})
+        sd["meta"] = {"version": FORMAT_VERSION, "shapes": shapes, "param_groups": groups, "extra": extra}
+    dcp.save(sd, storage_writer=FileSystemWriter(path), planner=_FragmentSavePlanner(fragments),
+             no_dist=not dist.is_initialized())
+
+
+def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str) -> Optional[dict]:
+    """Load ``path`` (written by :func:`save` in any layout) into this rank's fragments, in place; with
+    ``optimizer`` (AdamW) also its state and the saved hyperparameters. Returns the saved ``extra``.
+
+    Collective over the default process group.
+    """
+    state = _state(model)
+    sd: dict[str, Any] = {"meta": None}
+    fragments: dict[str, int] = {}
+    optional = set()
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                st = optimizer.state[p]
+                if "exp_avg" not in st:  # a fresh optimizer: create the state we are about to fill
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    for name, p, offset, _total, _writes, _shape in _named_fragments(model):
+        sd[f"model/{name}"] = p.detach()
+        fragments[f"model/{name}"] = offset
+        if optimizer is not None:
+            st = optimizer.state[p]
+            for k in _ADAM_KEYS:
+                sd[f"optim/{name}/{k}"] = st[k]
+                fragments[f"optim/{name}/{k}"] = offset
+                optional.add(f"optim/{name}/{k}")
+            if not torch.is_tensor(st["step"]):
+                st["step"] = torch.tensor(float(st["step"]))
+            sd[f"optim/{name}/step"] = st["step"]
+            optional.add(f"optim/{name}/step")
+    dense_buffers, _ = state.split_buffers()
+    for name, buf in dense_buffers:
+        sd[f"model_buffer/{name}"] = buf.detach()
+    # A parameter with 0 elements is never written: load nothing for it.
+    reader = FileSystemReader(path)
+    stored = reader.read_metadata().state_dict_metadata
+    for key in [k for k in sd if k.startswith("model/") and k not in stored]:
+        if sd[key].numel() == 0:
+            optional.add(key)
+    with torch.no_grad():
+        dcp.load(sd, storage_reader=reader, planner=_FragmentLoadPlanner(fragments, frozenset(optional)),
+                 no_dist=not dist.is_initialized())
+    meta = sd["meta"]
+    if optimizer is not None and meta["param_groups"]:
+        saved = {tuple(g["param_names"]): g for g in meta["param_groups"]}
+        for g, names in zip(optimizer.param_groups, _param_names(model, optimizer)):
+            src = saved.get(tuple(names))
+            if src is not None:
+                g.update({k: v for k, v in src.items() if k not in ("params", "param_names")})
+    return meta["extra"]
+
+
+def read_all(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, in one process with no process group: ``{key: tensor}``, parameter-shaped
+    tensors (``model/`` and ``optim/.../exp_avg*``) reshaped to the original shapes."""
+    reader = FileSystemReader(path)
+    md = reader.read_metadata().state_dict_metadata
+    sd: dict[str, Any] = {}
+    for key, m in md.items():
+        if isinstance(m, TensorStorageMetadata):
+            sd[key] = torch.empty(m.size, dtype=m.properties.dtype)
+        else:
+            sd[key] = None
+    dcp.load(sd, storage_reader=reader, planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+             no_dist=True)
+    shapes = sd["meta"]["shapes"]
+    out = {}
+    for key, t in sd.items():
+        if key == "meta":
+            continue
+        parts = key.split("/")
+        if parts[0] == "model" or (parts[0] == "optim" and parts[-1] in _ADAM_KEYS):
+            t = t.view(shapes[parts[1]])
+        out[key] = t
+    for name, shape in shapes.items():  # 0-element parameters are never written
+        out.setdefault(f"model/{name}", torch.empty(shape))
+    return out
+
+
+def load_full(path: str) -> dict[str, torch.Tensor]:
+    """The model of a checkpoint, unsharded, in one process: ``{name: tensor}`` with the original shapes (buffers
+    included)."""
+    out = {}
+    for key, t in read_all(path).items():
+        if key.startswith("model/"):
+            out[key[len("model/"):]] = t
+        elif key.startswith("model_buffer/"):
+            out[key[len("model_buffer/"):]] = t
+    return out
+
+
+def checkpoint_bytes(path: str) -> int:
+    """Total size of the files of a checkpoint directory."""
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))

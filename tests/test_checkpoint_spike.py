@@ -1,0 +1,239 @@
+"""SPIKE: DCP checkpoints (shardfusion/checkpoint.py) load into other layouts, bitwise.
+
+One W=4 job trains a tiny model two AdamW steps in (I, O) = (2, 2) and (4, 1), saves each, and loads the (2, 2)
+checkpoint into fresh, differently initialized models at (4, 1), (1, 4) and (2, 2) with other units
+(comm_unit_size), re-saving each; one W=2 job loads it at (2, 1). Checked: full_state_dict after load equals the saved
+one bitwise; load_full (one process, no process group) equals it too; every key of every re-saved checkpoint (model,
+exp_avg, exp_avg_sq, step) equals the original bitwise; the (2, 2) checkpoint is no bigger than the (4, 1) one
+(replicas do not write); and one more step after the load matches one more step without save/load.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from harness import run_distributed
+
+JOB_TIMEOUT_S = 240
+
+
+class Tiny(nn.Module):
+    """a.weight is (5, 6): first dim 5; `scale` (1 element) leaves empty fragments on most ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 5)
+        self.b = nn.Linear(5, 7)
+        self.c = nn.Linear(7, 3, bias=False)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x))))) * self.scale
+
+
+_TOPOS: dict = {}
+
+
+def _build(inner: int, outer: int, seed: int, unit_kw: dict):
+    import shardfusion as sf
+    key = (inner, outer)
+    if key not in _TOPOS:
+        _TOPOS[key] = sf.Topology(sharding=inner * outer, fsdp_outer_degree=outer)
+    torch.manual_seed(seed)
+    model = sf.fully_shard(Tiny(), _TOPOS[key], **unit_kw)
+    opt = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if "bias" not in n]},
+                             {"params": [p for n, p in model.named_parameters() if "bias" in n],
+                              "weight_decay": 0.0}], lr=0.05, weight_decay=0.1)
+    return model, opt
+
+
+def _train(model, opt, steps: int, first: int = 0) -> None:
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for s in range(first, first + steps):
+        g = torch.Generator().manual_seed(100 + s)
+        x = torch.randn(8, 6, generator=g)  # global batch, split over the data-parallel ranks
+        x = x[rank * 8 // world:(rank + 1) * 8 // world]
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _w4_job(root: str) -> dict:
+    import torch.distributed as dist
+    import shardfusion as sf
+    from shardfusion import checkpoint as ckpt
+    out: dict = {}
+    by_class = {"units": (nn.Linear,)}
+    for inner, outer in ((2, 2), (4, 1)):
+        model, opt = _build(inner, outer, seed=0, unit_kw=by_class)
+        _train(model, opt, 2)
+        ckpt.save(model, opt, os.path.join(root, f"I{inner}O{outer}"), extra={"step": 2})
+        out[f"saved-I{inner}O{outer}"] = sf.full_state_dict(model)
+        if (inner, outer) == (2, 2):
+            _train(model, opt, 1, first=2)
+            out["continued"] = sf.full_state_dict(model)
+    src = os.path.join(root, "I2O2")
+    for name, inner, outer, unit_kw in (("I4O1", 4, 1, by_class), ("I1O4", 1, 4, by_class),
+                                        ("I2O2-size40", 2, 2, {"comm_unit_size": 40}),
+                                        ("I4O1-whole-bf16", 4, 1, {"units": (nn.Linear,), "param_dtype": torch.bfloat16,
+                                                                   "replicate_filter": lambda n, p: "bias" in n})):
+        model, opt = _build(inner, outer, seed=1, unit_kw=unit_kw)  # other initial values
+        extra = ckpt.load(model, opt, src)
+        out[f"loaded-{name}"] = sf.full_state_dict(model)
+        out[f"extra-{name}"] = extra
+        ckpt.save(model, opt, os.path.join(root, f"resaved-{name}"))
+        _train(model, opt, 1, first=2)
+        out[f"continued-{name}"] = sf.full_state_dict(model)
+    dist.barrier()
+    return out
+
+
+def _w2_job(root: str) -> dict:
+    import shardfusion as sf
+    from shardfusion import checkpoint as ckpt
+    model, opt = _build(2, 1, seed=2, unit_kw={"units": (nn.Linear,)})
+    ckpt.load(model, opt, os.path.join(root, "I2O2"))
+    out = {"loaded": sf.full_state_dict(model)}
+    ckpt.save(model, opt, os.path.join(root, "resaved-W2"))
+    return out
+
+
+def _moe_job(root: str) -> dict:
+    """MoE: save at (ep, O) = (2, 2) with expert_policy "shard", load at (1, 2) and (4, 1) with "replicate"."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import shardfusion as sf
+    from shardfusion import checkpoint as ckpt
+    from models import SEQ, VOCAB, MoEBlock, TinyMoETransformer
+    out: dict = {}
+    for name, ep, outer, policy, seed in (("ep2O2", 2, 2, "shard", 0), ("ep1O2", 1, 2, "replicate", 1),
+                                          ("ep4O1", 4, 1, "replicate", 2)):
+        topo = sf.Topology(sharding=4, ep=ep, fsdp_outer_degree=outer)
+        torch.manual_seed(seed)
+        model = sf.fully_shard(TinyMoETransformer(ep_group=topo.get_group("ep")), topo, units=(MoEBlock,),
+                               expert_policy=policy)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        if name == "ep2O2":
+            for s in range(2):
+                idx = torch.randint(VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(10 * s + dist.get_rank()))
+                loss = F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()) + 0.01 * model.aux_loss()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            ckpt.save(model, opt, os.path.join(root, "moe"))
+        else:
+            ckpt.load(model, opt, os.path.join(root, "moe"))
+            ckpt.save(model, opt, os.path.join(root, f"moe-resaved-{name}"))
+        out[name] = sf.full_state_dict(model)
+    return out
+
+
+def _assert_bitwise(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), f"{what}: keys differ: {sorted(a.keys() ^ b.keys())}"
+    for k in a:
+        assert a[k].shape == b[k].shape and a[k].dtype == b[k].dtype, f"{what}: {k} {a[k].shape} vs {b[k].shape}"
+        assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    w4 = run_distributed(_w4_job, 4, root, timeout=JOB_TIMEOUT_S)
+    w2 = run_distributed(_w2_job, 2, root, timeout=JOB_TIMEOUT_S)
+    return root, w4, w2
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("moe"))
+    return root, run_distributed(_moe_job, 4, root, timeout=JOB_TIMEOUT_S)
+
+
+def test_moe_other_ep_degrees(moe_runs):
+    from shardfusion import checkpoint as ckpt
+    root, rs = moe_runs
+    saved = rs[0]["ep2O2"]
+    assert any(".experts.3." in k for k in saved), sorted(saved)
+    for r in range(4):
+        for name in ("ep1O2", "ep4O1"):
+            _assert_bitwise(rs[r][name], saved, f"moe {name} rank {r}")
+    _assert_bitwise(ckpt.load_full(os.path.join(root, "moe")), saved, "moe load_full")
+    orig = ckpt.read_all(os.path.join(root, "moe"))
+    for name in ("ep1O2", "ep4O1"):
+        _assert_bitwise(ckpt.read_all(os.path.join(root, f"moe-resaved-{name}")), orig, f"moe resaved {name}")
+
+
+def test_load_into_other_layouts_bitwise(runs):
+    _root, w4, w2 = runs
+    saved = w4[0]["saved-I2O2"]
+    for name in ("I4O1", "I1O4", "I2O2-size40", "I4O1-whole-bf16"):
+        for r in range(4):
+            _assert_bitwise(w4[r][f"loaded-{name}"], saved, f"W4 {name} rank {r}")
+        assert w4[0][f"extra-{name}"] == {"step": 2}
+    for r in range(2):
+        _assert_bitwise(w2[r]["loaded"], saved, f"W2 rank {r}")
+
+
+def test_load_full_single_process(runs):
+    from shardfusion import checkpoint as ckpt
+    root, w4, _ = runs
+    for layout in ("I2O2", "I4O1"):
+        full = ckpt.load_full(os.path.join(root, layout))
+        _assert_bitwise(full, w4[0][f"saved-{layout}"], f"load_full {layout}")
+    assert ckpt.load_full(os.path.join(root, "I2O2"))["a.weight"].shape == (5, 6)
+
+
+def test_optimizer_state_round_trips(runs):
+    """Every key (params, exp_avg, exp_avg_sq, step) of a checkpoint re-saved from another layout is bitwise equal."""
+    from shardfusion import checkpoint as ckpt
+    root, _, _ = runs
+    orig = ckpt.read_all(os.path.join(root, "I2O2"))
+    assert {"optim/a.weight/exp_avg", "optim/a.weight/exp_avg_sq", "optim/a.weight/step",
+            "optim/scale/exp_avg"} <= orig.keys()
+    assert float(orig["optim/a.weight/step"]) == 2.0
+    for name in ("I4O1", "I1O4", "I2O2-size40", "I4O1-whole-bf16", "W2"):
+        _assert_bitwise(ckpt.read_all(os.path.join(root, f"resaved-{name}")), orig, f"resaved {name}")
+
+
+def test_resume_continues_identically(runs):
+    """One step after loading into the same layout equals one step without save/load (bitwise); other layouts
+    agree to rounding (reduction order differs)."""
+    _, w4, _ = runs
+    ref = w4[0]["continued"]
+    _assert_bitwise(w4[0]["continued-I2O2-size40"], ref, "continued I2O2 (other units)")
+    for name in ("I4O1", "I1O4"):
+        for k in ref:
+            torch.testing.assert_close(w4[0][f"continued-{name}"][k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+def _payload(path: str) -> dict[str, int]:
+    """Stored bytes per key, from the DCP metadata (the data files also hold per-item serialization headers)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    md = FileSystemReader(path).read_metadata()
+    out: dict[str, int] = {}
+    for index, info in md.storage_data.items():
+        out[index.fqn] = out.get(index.fqn, 0) + info.length
+    return out
+
+
+def test_replicas_do_not_write(runs):
+    """(I, O) = (2, 2) at W=4 writes what (2, 1) at W=2 writes: the replicas (ranks 2, 3) write nothing. (4, 1) at W=4
+    stores the same elements in more chunks (its bytes differ only by per-chunk headers)."""
+    from shardfusion import checkpoint as ckpt
+    root, _, _ = runs
+    p22, p21, p41 = (os.path.join(root, n) for n in ("I2O2", "resaved-W2", "I4O1"))
+    assert os.path.getsize(os.path.join(p22, "__2_0.distcp")) == 0
+    assert os.path.getsize(os.path.join(p22, "__3_0.distcp")) == 0
+    pay22, pay21 = _payload(p22), _payload(p21)
+    assert {k: v for k, v in pay22.items() if k != "meta"} == {k: v for k, v in pay21.items() if k != "meta"}
+    data = lambda p: sum(os.path.getsize(os.path.join(p, f)) for f in os.listdir(p) if f.endswith(".distcp"))
+    assert abs(data(p22) - data(p21)) <= 64, (data(p22), data(p21))  # only the pickled `extra` differs
+    b22, b41 = ckpt.checkpoint_bytes(p22), ckpt.checkpoint_bytes(p41)
+    assert b22 <= b41, (b22, b41)
+    print(f"\nbytes: I2O2(W4)={b22} I2O1(W2)={ckpt.checkpoint_bytes(p21)} I4O1(W4)={b41}")
