@@ -9,7 +9,7 @@ Public API (v0, see DESIGN.md)::
     full = sf.full_state_dict(model)
 """
 
-from shardfusion import comm, topology
+from shardfusion import checkpoint, comm, topology
 from shardfusion import moe
 from shardfusion.clip import clip_grad_norm_
 from shardfusion.fully_shard import (
@@ -27,6 +27,7 @@ from shardfusion.topology import Topology
 __all__ = [
     "MoE",
     "Topology",
+    "checkpoint",
     "clip_grad_norm_",
     "comm",
     "finish_grad_sync",

@@ -1,6 +1,9 @@
-"""SPIKE: save / load a sharded model and its AdamW state with torch.distributed.checkpoint (DCP), in any layout.
+"""Save and load a sharded model and its AdamW state with ``torch.distributed.checkpoint`` (DCP), in any layout.
 
-Research prototype for the checkpoint issue; not exported from ``shardfusion`` yet.
+Public: :func:`save` / :func:`load` (one checkpoint folder), :func:`save_checkpoint` / :func:`latest_checkpoint`
+(numbered checkpoints under a root folder, published atomically, the last K kept), :func:`load_full` /
+:func:`read_all` (one process, no process group). Still to come (issue 5): export to safetensors, resume in the
+training job, restart after a killed worker.
 
 Format (plain DCP, no format of our own): every parameter is stored as a flattened 1-D global tensor of ``numel``
 elements. A rank's fragment of it (``layout.fragments(shard_index)``: a contiguous range ``[start, end)`` of the
@@ -33,19 +36,21 @@ DCP pitfalls met in the spike (torch 2.13):
   the loaded object into the copy and the caller sees ``None``: pass ``flatten_sharded_tensors=False``.
 - ``dcp.load`` replaces non-Stateful values of the caller's dict with the loaded ones (bytes items arrive there).
 - FileSystemWriter serializes each item with its own header (~1 KB): negligible for real models, dominant here.
-- Not handled: tensor-parallel (``mp``-sharded) parameters (same name, different values per mp rank), expert
+- Not handled yet: tensor-parallel (``mp``-sharded) parameters (same name, different values per mp rank), expert
   buffers, optimizers other than AdamW (their state keys), 0-element parameters are not stored (only their shape).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import (
     create_default_local_load_plan,
@@ -224,12 +229,54 @@ def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
              no_dist=not dist.is_initialized())
 
 
+def read_meta(path: str) -> dict:
+    """The ``meta`` item of a checkpoint (format version, original shapes, optimizer groups, ``extra``), read by this
+    process alone (no collective).
+
+    Raises:
+        ValueError: ``path`` is not a readable checkpoint folder (names the path and the cause).
+    """
+    try:
+        reader = FileSystemReader(path)
+        sd: dict[str, Any] = {"meta": None}
+        dcp.load(sd, storage_reader=reader, planner=DefaultLoadPlanner(flatten_state_dict=False,
+                                                                       flatten_sharded_tensors=False), no_dist=True)
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's error is a BaseException
+        # any unreadable folder: one clear error, the same on every rank
+        raise ValueError(f"checkpoint folder {path!r} is not readable: {type(error).__name__}: {error}") from error
+    return sd["meta"]
+
+
+def _check_keys(model: nn.Module, meta: dict, path: str) -> None:
+    """Missing or extra parameters and shape mismatches, from the files and the gathered shapes of every rank: the
+    same decision on every rank (collective: one ``all_gather_object``)."""
+    saved = {name: tuple(shape) for name, shape in meta["shapes"].items()}
+    mine = {name: tuple(shape) for name, shape in _gather_shapes(model).items()}  # every ep rank's experts too
+    missing = sorted(set(mine) - set(saved))
+    extra = sorted(set(saved) - set(mine))
+    wrong = sorted(n for n in set(mine) & set(saved) if mine[n] != saved[n])
+    if missing or extra or wrong:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {missing}")
+        if extra:
+            parts.append(f"in the checkpoint but not in the model: {extra}")
+        if wrong:
+            parts.append("shape mismatch: " + ", ".join(f"{n} model {mine[n]} vs checkpoint {saved[n]}" for n in wrong))
+        raise ValueError(f"checkpoint {path!r} does not match the model: " + "; ".join(parts))
+
+
 def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str) -> Optional[dict]:
     """Load ``path`` (written by :func:`save` in any layout) into this rank's fragments, in place; with
     ``optimizer`` (AdamW) also its state and the saved hyperparameters. Returns the saved ``extra``.
 
     Collective over the default process group.
+
+    Raises:
+        ValueError: on every rank, before any read of tensors: an unreadable folder, parameters missing from the
+            checkpoint or from the model, or shapes that differ (each named).
     """
+    _check_keys(model, read_meta(path), path)
     state = _state(model)
     sd: dict[str, Any] = {"meta": None}
     fragments: dict[str, int] = {}
@@ -314,6 +361,69 @@ def load_full(path: str) -> dict[str, torch.Tensor]:
         elif key.startswith("model_buffer/"):
             out[key[len("model_buffer/"):]] = t
     return out
+
+
+def save_checkpoint(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], root: str, step: int,
+                    keep: int = 3, extra: Optional[dict] = None) -> str:
+    """Save to ``root/step-<step>`` atomically and keep the last ``keep`` checkpoints; returns the folder.
+
+    Every rank writes into ``root/tmp-step-<step>``; after all ranks have finished (DCP's save ends with a collective
+    commit, then a barrier), rank 0 renames it to ``root/step-<step>`` and replaces the ``root/latest`` pointer file
+    (written to a temporary file, then ``os.replace``), then deletes the oldest published checkpoints beyond
+    ``keep``. A crash before the rename leaves only a ``tmp-`` folder, which :func:`latest_checkpoint` ignores: the
+    previous checkpoint stays the latest.
+
+    Raises:
+        ValueError: ``keep`` < 1 or ``step`` < 0.
+    """
+    if keep < 1 or step < 0:
+        raise ValueError(f"save_checkpoint: keep must be >= 1 and step >= 0, got keep={keep}, step={step}")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    final, tmp = os.path.join(root, f"step-{step}"), os.path.join(root, f"tmp-step-{step}")
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
+    if dist.is_initialized():
+        dist.barrier()
+    save(model, optimizer, tmp, extra=extra)
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer = os.path.join(root, "latest")
+        with open(pointer + ".tmp", "w") as f:
+            f.write(f"step-{step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer + ".tmp", pointer)
+        for old in _published(root)[:-keep]:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return final
+
+
+def _published(root: str) -> list[str]:
+    """The published checkpoint folders under ``root`` (``step-<n>`` with DCP's ``.metadata``), oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = [d for d in os.listdir(root) if d.startswith("step-") and d[5:].isdigit()
+             and os.path.isfile(os.path.join(root, d, ".metadata"))]
+    return sorted(found, key=lambda d: int(d[5:]))
+
+
+def latest_checkpoint(root: str) -> Optional[str]:
+    """The newest published checkpoint folder under ``root`` (from the ``latest`` pointer, else the highest
+    complete ``step-<n>``), or ``None``. ``tmp-`` folders of interrupted saves are never returned."""
+    pointer = os.path.join(root, "latest")
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            name = f.read().strip()
+        if os.path.isfile(os.path.join(root, name, ".metadata")):
+            return os.path.join(root, name)
+    published = _published(root)
+    return os.path.join(root, published[-1]) if published else None
 
 
 def checkpoint_bytes(path: str) -> int:

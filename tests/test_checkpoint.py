@@ -1,4 +1,4 @@
-"""SPIKE: DCP checkpoints (shardfusion/checkpoint.py) load into other layouts, bitwise.
+"""DCP checkpoints (shardfusion/checkpoint.py): loads into other layouts bitwise, atomic publishing, key errors.
 
 One W=4 job trains a tiny model two AdamW steps in (I, O) = (2, 2) and (4, 1), saves each, and loads the (2, 2)
 checkpoint into fresh, differently initialized models at (4, 1), (1, 4) and (2, 2) with other units
@@ -6,6 +6,8 @@ checkpoint into fresh, differently initialized models at (4, 1), (1, 4) and (2, 
 one bitwise; load_full (one process, no process group) equals it too; every key of every re-saved checkpoint (model,
 exp_avg, exp_avg_sq, step) equals the original bitwise; the (2, 2) checkpoint is no bigger than the (4, 1) one
 (replicas do not write); and one more step after the load matches one more step without save/load.
+A W=2 job checks save_checkpoint / latest_checkpoint (atomic publish, keep K, an interrupted save ignored) and that
+a checkpoint whose keys or shapes differ from the model raises ValueError on every rank, naming them, without a hang.
 """
 
 from __future__ import annotations
@@ -237,3 +239,56 @@ def test_replicas_do_not_write(runs):
     b22, b41 = ckpt.checkpoint_bytes(p22), ckpt.checkpoint_bytes(p41)
     assert b22 <= b41, (b22, b41)
     print(f"\nbytes: I2O2(W4)={b22} I2O1(W2)={ckpt.checkpoint_bytes(p21)} I4O1(W4)={b41}")
+
+
+class TinyOther(Tiny):
+    """Tiny with one parameter more (`extra_bias`) and `c` of another shape: keys and shapes differ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Linear(7, 4, bias=False)
+        self.extra_bias = nn.Parameter(torch.zeros(3))
+
+
+def _publish_job(root: str) -> dict:
+    import shardfusion as sf
+    from shardfusion import checkpoint as ckpt
+
+    topo = sf.Topology(sharding=2, timeout=30)
+    torch.manual_seed(0)
+    model = sf.fully_shard(Tiny(), topo, units=(nn.Linear,))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out: dict = {"paths": []}
+    for step in (1, 2, 3, 4):
+        out["paths"].append(ckpt.save_checkpoint(model, opt, root, step, keep=2, extra={"step": step}))
+    if topo.rank == 0:  # an interrupted save: a tmp folder, half written, must never become the latest
+        os.makedirs(os.path.join(root, "tmp-step-5"), exist_ok=True)
+        open(os.path.join(root, "tmp-step-5", "__0_0.distcp"), "wb").write(b"partial")
+    torch.distributed.barrier()
+    out["latest"] = ckpt.latest_checkpoint(root)
+    out["listing"] = sorted(os.listdir(root))
+    out["extra"] = ckpt.load(model, opt, out["latest"])
+    torch.manual_seed(0)
+    other = sf.fully_shard(TinyOther(), topo, units=(nn.Linear,))
+    try:
+        ckpt.load(other, None, out["latest"])
+    except ValueError as e:
+        out["mismatch"] = str(e)
+    try:
+        ckpt.load(model, None, os.path.join(root, "no-such-checkpoint"))
+    except ValueError as e:
+        out["unreadable"] = str(e)
+    return out
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+def test_atomic_publish_keep_and_key_errors(tmp_path):
+    root = str(tmp_path / "ckpts")
+    results = run_distributed(_publish_job, 2, root, timeout=120)
+    for r in results:
+        assert r["latest"] == os.path.join(root, "step-4"), r["latest"]
+        assert r["listing"] == ["latest", "step-3", "step-4", "tmp-step-5"], r["listing"]  # keep=2
+        assert r["extra"] == {"step": 4}
+        msg = r["mismatch"]
+        assert "missing from the checkpoint: ['extra_bias']" in msg and "c.weight model (4, 7) vs checkpoint (3, 7)" in msg, msg
+        assert "no-such-checkpoint" in r["unreadable"] and "not readable" in r["unreadable"], r["unreadable"]
