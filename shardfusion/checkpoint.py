@@ -429,3 +429,37 @@ def latest_checkpoint(root: str) -> Optional[str]:
 def checkpoint_bytes(path: str) -> int:
     """Total size of the files of a checkpoint directory."""
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+
+
+def load_full_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy a full (unsharded) state dict, e.g. from :func:`load_full` or an exported safetensors file, into a sharded
+    model's fragments and buffers, in place. Collective (one ``all_gather_object`` of the parameter shapes).
+
+    Keys of experts held by other ep ranks are expected in a full state dict and skipped here; a tied parameter may
+    appear under any of its names.
+
+    Raises:
+        ValueError: on every rank: a parameter of the model missing from ``state_dict``, a key that is no parameter
+            or buffer of the model on any rank, or a shape that differs (each named).
+    """
+    shapes = _gather_shapes(model)
+    buffers = dict(model.named_buffers())
+    aliases = {}  # tied parameters: every registered name of each fragment -> its first name
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(name, next(n for n, q in model.named_parameters() if q is p))
+    given = {aliases.get(k, k): v for k, v in state_dict.items()}
+    missing = sorted(n for n in shapes if n not in given)
+    extra = sorted(k for k in given if k not in shapes and k not in buffers)
+    wrong = sorted(n for n in shapes if n in given and tuple(given[n].shape) != tuple(shapes[n]))
+    if missing or extra or wrong:
+        raise ValueError("state dict does not match the model: " + "; ".join(
+            part for part in (f"missing: {missing}" if missing else "", f"unexpected: {extra}" if extra else "",
+                              "shape mismatch: " + ", ".join(f"{n} model {tuple(shapes[n])} vs given "
+                                                             f"{tuple(given[n].shape)}" for n in wrong) if wrong else "")
+            if part))
+    with torch.no_grad():
+        for name, p, offset, _total, _writes, _shape in _named_fragments(model):
+            p.copy_(given[name].reshape(-1)[offset:offset + p.numel()])
+        for name, buf in buffers.items():
+            if name in given:
+                buf.copy_(given[name])
