@@ -83,6 +83,8 @@ class _FragmentSavePlanner(DefaultSavePlanner):
         self._fragments = fragments  # key -> (offset in the flattened parameter, global numel)
 
     def create_local_plan(self) -> SavePlan:
+        """One SHARD write item per fragment key: chunk ``(offset,)`` + ``(numel,)`` of a ``(global numel,)``
+        tensor; DCP's default items for the rest."""
         items: list[WriteItem] = []
         rest = {}
         for fqn, obj in self.state_dict.items():
@@ -101,7 +103,8 @@ class _FragmentSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> Any:
-        # The default lookup refuses a plain tensor addressed by a non-zero offset.
+        """The fragment tensor itself for a fragment key (the default refuses a plain tensor at a non-zero
+        offset); else the default lookup."""
         if index.fqn in self._fragments:
             return self.state_dict[index.fqn]
         return super().lookup_object(index)
@@ -117,6 +120,8 @@ class _FragmentLoadPlanner(DefaultLoadPlanner):
         self._optional = optional
 
     def create_local_plan(self) -> LoadPlan:
+        """Read items for exactly this rank's range of each fragment key (whatever chunks stored it); DCP's default
+        items for the rest. Raises DCP's error for a missing key that is not optional."""
         md = self.metadata.state_dict_metadata
         items = []
         rest = {}
@@ -140,7 +145,8 @@ class _FragmentLoadPlanner(DefaultLoadPlanner):
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        # Our destination is the plain 1-D fragment; the read item's dest_offsets are relative to it already.
+        """The destination 1-D fragment for a fragment key (the read item's ``dest_offsets`` are relative to it);
+        else the default lookup."""
         if index.fqn in self._fragments:
             return self.state_dict[index.fqn]
         return super().lookup_tensor(index)
@@ -229,6 +235,13 @@ def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
              no_dist=not dist.is_initialized())
 
 
+def _read_plain(sd: dict[str, Any], reader: FileSystemReader) -> None:
+    """Fill ``sd`` (keys as stored; ``None`` for pickled items) from ``reader`` in this process alone, no collective.
+    ``flatten_sharded_tensors=False``: the default copies ``sd``, and pickled items would land in the copy."""
+    dcp.load(sd, storage_reader=reader,
+             planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False), no_dist=True)
+
+
 def read_meta(path: str) -> dict:
     """The ``meta`` item of a checkpoint (format version, original shapes, optimizer groups, ``extra``), read by this
     process alone (no collective).
@@ -239,8 +252,7 @@ def read_meta(path: str) -> dict:
     try:
         reader = FileSystemReader(path)
         sd: dict[str, Any] = {"meta": None}
-        dcp.load(sd, storage_reader=reader, planner=DefaultLoadPlanner(flatten_state_dict=False,
-                                                                       flatten_sharded_tensors=False), no_dist=True)
+        _read_plain(sd, reader)
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's error is a BaseException
         # any unreadable folder: one clear error, the same on every rank
         raise ValueError(f"checkpoint folder {path!r} is not readable: {type(error).__name__}: {error}") from error
@@ -250,20 +262,27 @@ def read_meta(path: str) -> dict:
 def _check_keys(model: nn.Module, meta: dict, path: str) -> None:
     """Missing or extra parameters and shape mismatches, from the files and the gathered shapes of every rank: the
     same decision on every rank (collective: one ``all_gather_object``)."""
-    saved = {name: tuple(shape) for name, shape in meta["shapes"].items()}
-    mine = {name: tuple(shape) for name, shape in _gather_shapes(model).items()}  # every ep rank's experts too
-    missing = sorted(set(mine) - set(saved))
-    extra = sorted(set(saved) - set(mine))
-    wrong = sorted(n for n in set(mine) & set(saved) if mine[n] != saved[n])
-    if missing or extra or wrong:
-        parts = []
-        if missing:
-            parts.append(f"missing from the checkpoint: {missing}")
-        if extra:
-            parts.append(f"in the checkpoint but not in the model: {extra}")
-        if wrong:
-            parts.append("shape mismatch: " + ", ".join(f"{n} model {mine[n]} vs checkpoint {saved[n]}" for n in wrong))
-        raise ValueError(f"checkpoint {path!r} does not match the model: " + "; ".join(parts))
+    problems = _mismatch(_gather_shapes(model), meta["shapes"], "checkpoint", "missing from the checkpoint",
+                         "in the checkpoint but not in the model")
+    if problems:
+        raise ValueError(f"checkpoint {path!r} does not match the model: {problems}")
+
+
+def _mismatch(mine: dict, other: dict, other_name: str, missing_label: str, extra_label: str,
+              also_allowed: frozenset | set = frozenset()) -> str:
+    """What differs between the model's parameter shapes ``mine`` (every rank's) and ``other``'s: the parameters
+    missing from ``other``, the names of ``other`` that are no parameter (nor in ``also_allowed``), the shapes that
+    differ; ``""`` when nothing does."""
+    mine = {n: tuple(shape) for n, shape in mine.items()}
+    other = {n: tuple(shape) for n, shape in other.items()}
+    missing = sorted(set(mine) - set(other))
+    extra = sorted(set(other) - set(mine) - set(also_allowed))
+    wrong = sorted(n for n in set(mine) & set(other) if mine[n] != other[n])
+    parts = [f"{missing_label}: {missing}"] if missing else []
+    parts += [f"{extra_label}: {extra}"] if extra else []
+    if wrong:
+        parts.append("shape mismatch: " + ", ".join(f"{n} model {mine[n]} vs {other_name} {other[n]}" for n in wrong))
+    return "; ".join(parts)
 
 
 def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str) -> Optional[dict]:
@@ -335,8 +354,7 @@ def read_all(path: str) -> dict[str, torch.Tensor]:
             sd[key] = torch.empty(m.size, dtype=m.properties.dtype)
         else:
             sd[key] = None
-    dcp.load(sd, storage_reader=reader, planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-             no_dist=True)
+    _read_plain(sd, reader)
     shapes = sd["meta"]["shapes"]
     out = {}
     for key, t in sd.items():
@@ -444,19 +462,13 @@ def load_full_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> No
     """
     shapes = _gather_shapes(model)
     buffers = dict(model.named_buffers())
-    aliases = {}  # tied parameters: every registered name of each fragment -> its first name
-    for name, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(name, next(n for n, q in model.named_parameters() if q is p))
+    first = {id(p): n for n, p in model.named_parameters()}  # tied parameters: their first name
+    aliases = {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
     given = {aliases.get(k, k): v for k, v in state_dict.items()}
-    missing = sorted(n for n in shapes if n not in given)
-    extra = sorted(k for k in given if k not in shapes and k not in buffers)
-    wrong = sorted(n for n in shapes if n in given and tuple(given[n].shape) != tuple(shapes[n]))
-    if missing or extra or wrong:
-        raise ValueError("state dict does not match the model: " + "; ".join(
-            part for part in (f"missing: {missing}" if missing else "", f"unexpected: {extra}" if extra else "",
-                              "shape mismatch: " + ", ".join(f"{n} model {tuple(shapes[n])} vs given "
-                                                             f"{tuple(given[n].shape)}" for n in wrong) if wrong else "")
-            if part))
+    problems = _mismatch(shapes, {n: t.shape for n, t in given.items()}, "given", "missing", "unexpected",
+                         also_allowed=set(buffers))
+    if problems:
+        raise ValueError(f"state dict does not match the model: {problems}")
     with torch.no_grad():
         for name, p, offset, _total, _writes, _shape in _named_fragments(model):
             p.copy_(given[name].reshape(-1)[offset:offset + p.numel()])

@@ -120,6 +120,7 @@ class TimedWork:
         self.record = record
 
     def wait(self, *args, **kwargs):
+        """Wait for the collective (the handle's ``wait``), adding the seconds blocked to the record's ``wait_s``."""
         t0 = time.perf_counter()
         try:
             return self.work.wait(*args, **kwargs)
@@ -127,6 +128,7 @@ class TimedWork:
             self.record.wait_s += time.perf_counter() - t0
 
     def is_completed(self) -> bool:
+        """Whether the collective has completed (non-blocking; no time is recorded)."""
         return self.work.is_completed()
 
     def __getattr__(self, name: str):
@@ -239,6 +241,7 @@ class _SumShards:
         self.work, self.received, self.shard, self.size = work, received, shard, size
 
     def wait(self, *args, **kwargs) -> bool:
+        """Wait for the all-to-all, then sum the pieces into ``shard`` (the first call only). Returns True."""
         if self.received is not None:
             if self.work is not None:
                 self.work.wait(*args, **kwargs)
@@ -247,6 +250,7 @@ class _SumShards:
         return True
 
     def is_completed(self) -> bool:
+        """Whether the all-to-all has completed (the local sum runs in :meth:`wait`)."""
         return self.received is None or self.work is None or self.work.is_completed()
 
 
@@ -315,12 +319,14 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, output_split_sizes, input_split_sizes, group):
+        """(N_in, *rest) -> (sum(output_split_sizes), *rest), see :func:`all_to_all_single`."""
         ctx.splits = (list(output_split_sizes), list(input_split_sizes))
         ctx.group = group
         return _all_to_all(input, output_split_sizes, input_split_sizes, group)
 
     @staticmethod
     def backward(ctx, grad_output):
+        """The gradient's all-to-all with the split lists swapped: (N_out, *rest) -> (N_in, *rest)."""
         output_split_sizes, input_split_sizes = ctx.splits
         grad_input = _AllToAll.apply(grad_output, input_split_sizes, output_split_sizes, ctx.group)
         return grad_input, None, None, None

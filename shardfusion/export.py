@@ -45,6 +45,7 @@ def export(ckpt: str, out: str) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """The command line: ``CKPT OUT``. Returns 0; an unreadable checkpoint is a usage error (exit status 2)."""
     parser = argparse.ArgumentParser(prog="python -m shardfusion.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("ckpt", help="a checkpoint folder, or a root folder holding step-N checkpoints (the latest)")
     parser.add_argument("out", help="output folder for model.safetensors and config.json")

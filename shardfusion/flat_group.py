@@ -329,26 +329,20 @@ class FlatGroup:
         publish it in ``grad_shard``."""
         if self.step_grad is None:
             return
-        cleared = self._user_cleared() if self.step_grad is self.grad_shard else []  # dropped since the backward
         self.start_sync_replicas()
         if self._sync_work is not None:
             self._sync_work.wait()
+        # In grad_shard itself, a gradient the user set to None since the backward stays None for the optimizer
+        # (plain PyTorch); into a temporary step_grad, None means "start from zero" and the sum is attached.
+        dropped = set(self._user_cleared()) if self.step_grad is self.grad_shard else set()
         with torch.no_grad():
             if self._sync_buf is not self.step_grad:
                 self.step_grad.copy_(self._sync_buf)
-        self._sync_work, self._sync_buf, self._sync_started = None, None, False
-        if cleared:  # the optimizer must not see them: like plain PyTorch, a None gradient stays None
-            with torch.no_grad():
-                for i in cleared:
+            for i, frag in enumerate(self.fragments):
+                if frag.grad is None:
                     self._grad_slice(i).zero_()
-            self._attach_fragment_grads(skip=set(cleared))
-            self.step_grad = None
-            return
-        if self.step_grad is not self.grad_shard:
-            with torch.no_grad():
-                for i, frag in enumerate(self.fragments):
-                    if frag.grad is None:
-                        self._grad_slice(i).zero_()
+            if self.step_grad is not self.grad_shard:
                 self.grad_shard.add_(self.step_grad)
-        self._attach_fragment_grads()
+        self._sync_work, self._sync_buf, self._sync_started = None, None, False
+        self._attach_fragment_grads(skip=dropped)
         self.step_grad = None

@@ -69,6 +69,7 @@ class Expert(nn.Module):
         self.proj = nn.Linear(d_hidden, d_model, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, C) -> (N, C), N == 0 included."""
         return self.proj(self.act(self.fc(x)))  # (N, C) -> (N, F) -> (N, C)
 
 
@@ -80,6 +81,7 @@ class Router(nn.Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, C) any float dtype -> fp32 logits (T, E)."""
         return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
 
 
@@ -237,6 +239,7 @@ class MoE(nn.Module):
         return self._top_k
 
     def extra_repr(self) -> str:
+        """E, K, the ep degree and rank, for ``print(model)``."""
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, ep={self.ep_size}, ep_rank={self.ep_rank}, "
                 f"normalize_top_k={self.normalize_top_k}")
 

@@ -406,13 +406,17 @@ def assert_full_state_matches(rs: list[dict], ref: dict, case_name: str) -> None
 
 def assert_measured_norms_match(rs: list[dict], ref: dict, case_name: str) -> None:
     """The norms of `Case.measure_norms`: the same bits on every rank, equal to the reference's full-gradient norm."""
+    _assert_norms(rs, ref, "measured", f"{case_name}: measured norms differ:",
+                  f"{case_name}: measured norms vs reference")
+
+
+def _assert_norms(rs: list[dict], ref: dict, key: str, differ: str, versus: str) -> None:
+    """`key` (a list of norms per rank): bitwise the same on every rank and equal to the reference's (rtol)."""
     for r in rs:
-        assert r["measured"] == rs[0]["measured"], (
-            f"{case_name}: measured norms differ: rank 0 {rs[0]['measured']} vs rank {r['coords']['rank']} "
-            f"{r['measured']}")
-    torch.testing.assert_close(torch.tensor(rs[0]["measured"], dtype=torch.float64),
-                               torch.tensor(ref["measured"], dtype=torch.float64), rtol=RTOL, atol=0,
-                               msg=lambda m: f"{case_name}: measured norms vs reference: {m}")
+        assert r[key] == rs[0][key], f"{differ} rank 0 {rs[0][key]} vs rank {r['coords']['rank']} {r[key]}"
+    torch.testing.assert_close(torch.tensor(rs[0][key], dtype=torch.float64),
+                               torch.tensor(ref[key], dtype=torch.float64), rtol=RTOL, atol=0,
+                               msg=lambda m: f"{versus}: {m}")
 
 
 def check_parity(rs: list[dict], ref: dict, case_name: str, steps_params: bool = True) -> None:
@@ -434,13 +438,8 @@ def check_clipped_run(rs: list[dict], case: Case, ref: Optional[dict] = None, sm
     With max_norm <= `small` clipping must have acted on the reference (else the test proves less)."""
     ref = reference_train(case) if ref is None else ref
     max_norm, norm_type = case.clip
-    for r in rs:
-        assert r["norms"] == rs[0]["norms"], (
-            f"{case.name}: norms differ across ranks: rank 0 {rs[0]['norms']} vs rank {r['coords']['rank']} "
-            f"{r['norms']}")
-    torch.testing.assert_close(torch.tensor(rs[0]["norms"], dtype=torch.float64),
-                               torch.tensor(ref["norms"], dtype=torch.float64), rtol=RTOL, atol=0,
-                               msg=lambda m: f"{case.name}: returned norm vs reference: {m}")
+    _assert_norms(rs, ref, "norms", f"{case.name}: norms differ across ranks:",
+                  f"{case.name}: returned norm vs reference")
     if max_norm <= small:
         assert min(ref["norms"]) > 2 * max_norm, f"{case.name}: clipping did not act: {ref['norms']}"
     if case.record_grads:
