@@ -1,49 +1,72 @@
-"""Save and load a sharded model and its AdamW state with ``torch.distributed.checkpoint`` (DCP), in any layout.
+"""Save and load a sharded model, its optimizer state and per-rank state with ``torch.distributed.checkpoint`` (DCP),
+in any layout.
 
 Public: :func:`save` / :func:`load` (one checkpoint folder), :func:`save_checkpoint` / :func:`latest_checkpoint`
-(numbered checkpoints under a root folder, published atomically, the last K kept), :func:`load_full` /
-:func:`read_all` (one process, no process group). Still to come (issue 5): export to safetensors, resume in the
-training job, restart after a killed worker.
+(numbered checkpoints under a root folder, published atomically, the last K kept), :func:`read_meta`,
+:func:`load_full` / :func:`read_all` (one process, no process group), :func:`load_full_state` (a full state dict
+into a sharded model). Export to safetensors: :mod:`shardfusion.export`.
 
 Format (plain DCP, no format of our own): every parameter is stored as a flattened 1-D global tensor of ``numel``
 elements. A rank's fragment of it (``layout.fragments(shard_index)``: a contiguous range ``[start, end)`` of the
 flattened parameter) is one DCP chunk with ``offsets=(start,)`` and ``sizes=(end - start,)``. Keys::
 
     model/<name>                 (numel,)   parameter values
-    optim/<name>/exp_avg         (numel,)   AdamW state, same chunks as the parameter
-    optim/<name>/exp_avg_sq      (numel,)
-    optim/<name>/step            ()         plain tensor, written once (DCP dedups equal keys)
-    model_buffer/<name>          shape      module buffers (dense only), plain tensors written once
-    meta                         bytes      {"version", "shapes": {name: shape}, "param_groups": [...], "extra"}
+    optim/<name>/<key>           (numel,)   per-element optimizer state (a tensor of the fragment's shape: exp_avg,
+                                            exp_avg_sq, max_exp_avg_sq, momentum_buffer, sum, square_avg, ...),
+                                            same chunks as the parameter
+    optim/<name>/<key>           ()         scalar optimizer state (a 0-d tensor such as step, or a Python number),
+                                            a plain tensor written once (DCP dedups equal keys)
+    model_buffer/<name>          shape      module buffers, dense and expert ones (expert names are global across
+                                            the ep ranks), plain tensors written once per name
+    rank/<global rank>/<key>     shape      per-rank state (e.g. RNG states), written by that rank only
+    meta                         bytes      {"version", "world_size", "shapes": {name: shape},
+                                            "buffer_shapes": {name: shape},
+                                            "optim_state": {name: {key: kind}} or None (saved without optimizer),
+                                            "param_groups": [...], "extra"}
+
+``optim_state`` kinds: ``"element"`` (per-element), ``"tensor"`` (0-d tensor), ``"int"`` / ``"float"`` / ``"bool"``
+(a Python number, stored as a 0-d int64 / float64 / bool tensor). A parameter without optimizer state (e.g. it never
+had a gradient) has no entry. Names are those of ``model.named_parameters()`` (a tied parameter: its first name).
 
 Save: only the canonical holder of each shard writes its fragments (replica 0 of the replicate group, mp rank 0:
 ``FlatGroup.counts_in_norm``), with the global ``(numel,)`` size and the chunk offset; DCP's coordinator merges the
 chunks of every rank into one ``TensorStorageMetadata`` per key (and validates that they tile the tensor). Bytes
-written therefore do not depend on the outer (replicate) degree.
+written therefore do not depend on the outer (replicate) degree. Scalar state and buffers are emitted by every rank
+holding them (also by ranks whose fragment is empty, so that a parameter smaller than a shard still gets its
+``step``); DCP keeps the lowest rank's copy, so they must be equal on those ranks (as ``step`` and synced buffers are).
 
 Load: every rank (replicas included) asks for exactly its fragment's range; DCP's resharding
 (``create_read_items_for_chunk_list``) reads the overlapping parts of the stored chunks, whatever layout wrote them.
-``load_full`` reads the same checkpoint in one process with no process group, into tensors of the original shapes.
+The optimizer state of each parameter becomes exactly the checkpoint's: the keys come from ``meta["optim_state"]``
+(a fresh optimizer gets zero tensors of the stored dtypes, which DCP then fills), keys the checkpoint lacks are
+dropped. ``load_full`` reads the same checkpoint in one process with no process group, into tensors of the original
+shapes.
+
+Model parallel (``mp``): this library has no tensor-parallel layers. Parameters are identical on every mp rank, so
+only mp rank 0 writes them (``counts_in_norm``) and every mp rank reads the same values. A parameter marked
+``tensor_model_parallel = True`` (Megatron's convention: different values per mp rank under one name) with mp > 1
+would need per-mp-rank keys: :func:`save` and :func:`load` raise ``ValueError`` for it instead.
 
 DCP pitfalls met in the spike (torch 2.13):
 - ``find_state_dict_object`` refuses a plain tensor addressed with a non-zero offset: both planners override
   ``lookup_object`` / ``lookup_tensor`` for fragment keys.
 - ``_validate_global_plan`` requires the chunks of a key to tile its global size exactly (no overlap, full volume,
   when more than one rank plans): empty fragments must not be planned, and every shard needs exactly one writer.
+  A parameter of 0 elements is therefore not stored at all (only its shape, in ``meta``), nor its per-element state.
 - ``dedup_save_plans`` deduplicates by ``MetadataIndex`` (fqn, offset): equal replicated items are written once
   anyway, by the smallest plan unless ``dedup_save_to_lowest_rank``; we still plan fragments only on their writer.
+  Keys present on some ranks only (expert buffers, ``rank/<r>/...``) are planned by those ranks only: that is fine.
 - ``DefaultLoadPlanner(flatten_sharded_tensors=True)`` (the default) copies the state dict, so ``load_bytes`` writes
   the loaded object into the copy and the caller sees ``None``: pass ``flatten_sharded_tensors=False``.
 - ``dcp.load`` replaces non-Stateful values of the caller's dict with the loaded ones (bytes items arrive there).
 - FileSystemWriter serializes each item with its own header (~1 KB): negligible for real models, dominant here.
-- Not handled yet: tensor-parallel (``mp``-sharded) parameters (same name, different values per mp rank), expert
-  buffers, optimizers other than AdamW (their state keys), 0-element parameters are not stored (only their shape).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -67,8 +90,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from shardfusion.fully_shard import _state
 
-FORMAT_VERSION = 1
-_ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+FORMAT_VERSION = 2
 
 
 # ---- planners ----------------------------------------------------------------------------------------------------
@@ -175,16 +197,87 @@ def _named_fragments(model: nn.Module):
         yield name, p, offset, total, writes, shape
 
 
-def _gather_shapes(model: nn.Module) -> dict[str, tuple]:
-    """Original shapes of every parameter of every rank (expert names differ across ep ranks)."""
-    mine = {name: shape for name, _, _, _, _, shape in _named_fragments(model)}
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return mine
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    out: dict[str, tuple] = {}
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _state_kind(p: torch.Tensor, value: Any) -> Optional[str]:
+    """The kind of the optimizer state entry ``value`` of fragment ``p`` (see the module docstring), ``None`` for a
+    ``None`` entry (not saved).
+
+    Raises:
+        ValueError: any other entry (a tensor of another shape, a list, ...).
+    """
+    if value is None:
+        return None
+    if torch.is_tensor(value):
+        if value.dim() == 0:
+            return "tensor"
+        if value.shape == p.shape:
+            return "element"
+    elif isinstance(value, (bool, int, float)):
+        return type(value).__name__
+    what = f"a tensor of shape {tuple(value.shape)}" if torch.is_tensor(value) else f"a {type(value).__name__}"
+    raise ValueError(f"is {what}; only tensors of the fragment's shape {tuple(p.shape)} (per-element state), 0-d "
+                     f"tensors and Python numbers can be saved")
+
+
+_NUMBER_DTYPES = {"int": torch.int64, "float": torch.float64, "bool": torch.bool}
+
+
+def _scalar_tensor(value: Any) -> torch.Tensor:
+    """A scalar state entry as the 0-d tensor it is stored as."""
+    if torch.is_tensor(value):
+        return value.detach()
+    return torch.tensor(value, dtype=_NUMBER_DTYPES[type(value).__name__])
+
+
+def _model_info(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                rank_state: Optional[dict] = None) -> dict:
+    """What every rank holds, gathered (collective: one ``all_gather_object``): the union over ranks of parameter
+    shapes, buffer shapes and optimizer state kinds (expert names differ across ep ranks), and the problems found on
+    any rank (unsupported optimizer state, tensor-parallel parameters, non-tensor ``rank_state`` values) as
+    ``"rank <r>: ..."`` strings, so that every rank can raise the same error."""
+    rank, mp_rank = _rank(), _state(model).topology.mp_rank
+    mine: dict[str, Any] = {"shapes": {}, "buffer_shapes": {}, "optim_state": {}, "problems": []}
+    opt_state = optimizer.state if optimizer is not None else {}
+    tensor_parallel = []
+    for name, p, _offset, _total, writes, shape in _named_fragments(model):
+        mine["shapes"][name] = shape
+        if writes and mp_rank != 0:  # counts_in_norm on mp rank > 0: a tensor-parallel parameter (fully_shard.py)
+            tensor_parallel.append(name)
+        kinds = {}
+        for key, value in opt_state.get(p, {}).items():
+            try:
+                kind = _state_kind(p, value)
+            except ValueError as error:
+                mine["problems"].append(f"rank {rank}: optimizer state {key!r} of {name!r} {error}")
+                continue
+            if kind is not None:
+                kinds[key] = kind
+        if kinds:
+            mine["optim_state"][name] = kinds
+    if tensor_parallel:
+        mine["problems"].append(f"rank {rank}: tensor-parallel parameters (tensor_model_parallel=True, mp > 1) "
+                                f"{tensor_parallel} are not handled by checkpoints (one key per name, equal on "
+                                f"every mp rank)")
+    for name, buf in model.named_buffers():
+        mine["buffer_shapes"][name] = tuple(buf.shape)
+    for key, value in (rank_state or {}).items():
+        if not isinstance(key, str) or not torch.is_tensor(value):
+            mine["problems"].append(f"rank {rank}: rank_state[{key!r}] must be a tensor under a str key, got "
+                                    f"{type(value).__name__}")
+    every = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    out: dict[str, Any] = {"shapes": {}, "buffer_shapes": {}, "optim_state": {}, "problems": []}
     for part in every:
-        out.update(part)
+        for field in ("shapes", "buffer_shapes"):
+            out[field].update(part[field])
+        for name, kinds in part["optim_state"].items():
+            out["optim_state"].setdefault(name, {}).update(kinds)
+        out["problems"] += part["problems"]
     return out
 
 
@@ -194,43 +287,55 @@ def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[lis
 
 
 # ---- public API ----------------------------------------------------------------------------------------------------
-def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str,
-         extra: Optional[dict] = None) -> None:
-    """Write ``model`` (and ``optimizer``'s AdamW state, and the picklable ``extra``) to the directory ``path``.
+def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str, extra: Optional[dict] = None,
+         rank_state: Optional[dict[str, torch.Tensor]] = None) -> None:
+    """Write ``model`` (parameters and buffers), ``optimizer``'s state and hyperparameters, the picklable ``extra``
+    and this rank's ``rank_state`` to the directory ``path`` (keys: see the module docstring).
 
-    Collective over the default process group. Each fragment is written once (by its canonical holder).
+    Collective over the default process group. Each fragment is written once (by its canonical holder). Optimizer
+    state entries may be tensors of the fragment's shape (saved per element, any dtype), 0-d tensors or Python
+    numbers (saved once); ``None`` entries are skipped. ``rank_state`` (``{key: tensor}``, any shape, dtype and
+    device, e.g. ``{"cpu_rng": torch.get_rng_state()}``) is stored under ``rank/<global rank>/<key>``; ranks may pass
+    different keys, or ``None``.
+
+    Raises:
+        ValueError: on every rank, before anything is written: an optimizer state entry of another kind, a
+            tensor-parallel parameter with mp > 1, or a ``rank_state`` value that is not a tensor (each named with
+            its rank).
     """
-    state = _state(model)
+    info = _model_info(model, optimizer, rank_state)
+    if info["problems"]:
+        raise ValueError(f"cannot save checkpoint {path!r}: " + "; ".join(info["problems"]))
     sd: dict[str, Any] = {}
     fragments: dict[str, tuple[int, int]] = {}
     opt_state = optimizer.state if optimizer is not None else {}
     for name, p, offset, total, writes, _shape in _named_fragments(model):
-        if not writes or p.numel() == 0:
-            continue
-        sd[f"model/{name}"] = p.detach()
-        fragments[f"model/{name}"] = (offset, total)
         st = opt_state.get(p, {})
-        for k in _ADAM_KEYS:
-            if k in st:
-                sd[f"optim/{name}/{k}"] = st[k]
-                fragments[f"optim/{name}/{k}"] = (offset, total)
-    # step: a 0-d tensor equal on every rank holding the parameter; emitted by all of them (also by ranks whose
-    # fragment is empty, so that a parameter smaller than a shard still gets it), DCP keeps one copy.
-    for name, p, *_ in _named_fragments(model):
-        st = opt_state.get(p, {})
-        if "step" in st:
-            step = st["step"]
-            sd[f"optim/{name}/step"] = step.detach().clone() if torch.is_tensor(step) else torch.tensor(float(step))
-    dense_buffers, _expert_buffers = state.split_buffers()  # spike: expert buffers are not saved
-    for name, buf in dense_buffers:
+        kinds = {k: _state_kind(p, v) for k, v in st.items()}
+        if writes and p.numel() > 0:
+            sd[f"model/{name}"] = p.detach()
+            fragments[f"model/{name}"] = (offset, total)
+            for k, kind in kinds.items():
+                if kind == "element":
+                    sd[f"optim/{name}/{k}"] = st[k].detach()
+                    fragments[f"optim/{name}/{k}"] = (offset, total)
+        for k, kind in kinds.items():  # every rank holding the parameter (empty fragments too); DCP keeps one
+            if kind not in (None, "element"):
+                sd[f"optim/{name}/{k}"] = _scalar_tensor(st[k])
+    for name, buf in model.named_buffers():  # dense and expert ones (global names); DCP keeps one copy per name
         sd[f"model_buffer/{name}"] = buf.detach()
-    shapes = _gather_shapes(model)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    for key, value in (rank_state or {}).items():
+        sd[f"rank/{_rank()}/{key}"] = value.detach()
+    if _rank() == 0:
         groups = []
         if optimizer is not None:
             for g, names in zip(optimizer.param_groups, _param_names(model, optimizer)):
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "param_names": names})
-        sd["meta"] = {"version": FORMAT_VERSION, "shapes": shapes, "param_groups": groups, "extra": extra}
+        sd["meta"] = {"version": FORMAT_VERSION,
+                      "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                      "shapes": info["shapes"], "buffer_shapes": info["buffer_shapes"],
+                      "optim_state": info["optim_state"] if optimizer is not None else None,
+                      "param_groups": groups, "extra": extra}
     dcp.save(sd, storage_writer=FileSystemWriter(path), planner=_FragmentSavePlanner(fragments),
              no_dist=not dist.is_initialized())
 
@@ -238,13 +343,15 @@ def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
 def _read_plain(sd: dict[str, Any], reader: FileSystemReader) -> None:
     """Fill ``sd`` (keys as stored; ``None`` for pickled items) from ``reader`` in this process alone, no collective.
     ``flatten_sharded_tensors=False``: the default copies ``sd``, and pickled items would land in the copy."""
-    dcp.load(sd, storage_reader=reader,
-             planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False), no_dist=True)
+    with warnings.catch_warnings():
+        # DCP warns that it "assumes the intent is to load in a single process" when a process group exists: it is.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(sd, storage_reader=reader,
+                 planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False), no_dist=True)
 
 
-def read_meta(path: str) -> dict:
-    """The ``meta`` item of a checkpoint (format version, original shapes, optimizer groups, ``extra``), read by this
-    process alone (no collective).
+def _open(path: str) -> tuple[FileSystemReader, dict]:
+    """A reader of ``path`` (its DCP metadata read) and the ``meta`` item, in this process alone.
 
     Raises:
         ValueError: ``path`` is not a readable checkpoint folder (names the path and the cause).
@@ -256,16 +363,32 @@ def read_meta(path: str) -> dict:
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's error is a BaseException
         # any unreadable folder: one clear error, the same on every rank
         raise ValueError(f"checkpoint folder {path!r} is not readable: {type(error).__name__}: {error}") from error
-    return sd["meta"]
+    return reader, sd["meta"]
 
 
-def _check_keys(model: nn.Module, meta: dict, path: str) -> None:
-    """Missing or extra parameters and shape mismatches, from the files and the gathered shapes of every rank: the
-    same decision on every rank (collective: one ``all_gather_object``)."""
-    problems = _mismatch(_gather_shapes(model), meta["shapes"], "checkpoint", "missing from the checkpoint",
-                         "in the checkpoint but not in the model")
+def read_meta(path: str) -> dict:
+    """The ``meta`` item of a checkpoint (format version, saving world size, original shapes, optimizer state keys
+    and groups, ``extra``: see the module docstring), read by this process alone (no collective).
+
+    Raises:
+        ValueError: ``path`` is not a readable checkpoint folder (names the path and the cause).
+    """
+    return _open(path)[1]
+
+
+def _check_keys(info: dict, meta: dict, path: str) -> None:
+    """Format version, missing or extra parameters and buffers, shape mismatches and unsupported parameters, from
+    the files and the gathered ``info`` (:func:`_model_info`) of every rank: the same decision on every rank."""
+    if meta.get("version") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint {path!r} has format version {meta.get('version')}; load reads version "
+                         f"{FORMAT_VERSION} (read_all / load_full read any version)")
+    problems = [_mismatch(info["shapes"], meta["shapes"], "checkpoint", "missing from the checkpoint",
+                          "in the checkpoint but not in the model"),
+                _mismatch(info["buffer_shapes"], meta["buffer_shapes"], "checkpoint",
+                          "buffers missing from the checkpoint", "buffers in the checkpoint but not in the model")]
+    problems = [p for p in problems if p] + info["problems"]
     if problems:
-        raise ValueError(f"checkpoint {path!r} does not match the model: {problems}")
+        raise ValueError(f"checkpoint {path!r} does not match the model: {'; '.join(problems)}")
 
 
 def _mismatch(mine: dict, other: dict, other_name: str, missing_label: str, extra_label: str,
@@ -285,56 +408,95 @@ def _mismatch(mine: dict, other: dict, other_name: str, missing_label: str, extr
     return "; ".join(parts)
 
 
-def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str) -> Optional[dict]:
-    """Load ``path`` (written by :func:`save` in any layout) into this rank's fragments, in place; with
-    ``optimizer`` (AdamW) also its state and the saved hyperparameters. Returns the saved ``extra``.
+def _plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, kinds_by_name: dict, stored: dict,
+                    sd: dict, fragments: dict, optional: set) -> None:
+    """Make each parameter's optimizer state hold exactly the checkpoint's keys (existing tensors of the right shape
+    and dtype are reused, others are created as zeros of the stored dtype; keys not in the checkpoint are dropped,
+    a parameter without saved state loses its state) and add them to ``sd`` for DCP to fill."""
+    table = {id(p): (name, offset) for name, p, offset, *_ in _named_fragments(model)}
+    for group in optimizer.param_groups:
+        # 0-d tensors on the CPU unless capturable / fused, where torch's optimizers create them (step, mu_product)
+        scalar_device = "param" if group.get("capturable", False) or group.get("fused", False) else "cpu"
+        for p in group["params"]:
+            name, offset = table[id(p)]
+            kinds = kinds_by_name.get(name)
+            if not kinds:
+                optimizer.state.pop(p, None)
+                continue
+            old, new = optimizer.state[p], {}
+            for k, kind in kinds.items():
+                key = f"optim/{name}/{k}"
+                dtype = stored[key].properties.dtype if key in stored else p.dtype
+                shape = p.shape if kind == "element" else torch.Size([])
+                device = p.device if kind == "element" or (kind == "tensor" and scalar_device == "param") else \
+                    torch.device("cpu")
+                cur = old.get(k)
+                if not (torch.is_tensor(cur) and cur.shape == shape and cur.dtype == dtype and cur.device == device):
+                    cur = torch.zeros(shape, dtype=dtype, device=device)
+                new[k] = sd[key] = cur
+                if kind == "element":
+                    fragments[key] = offset
+                    if p.numel() == 0:  # a parameter of 0 elements: its per-element state is never written
+                        optional.add(key)
+            old.clear()
+            old.update(new)
+
+
+def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str,
+         rank_state: Optional[dict[str, torch.Tensor]] = None) -> Optional[dict]:
+    """Load ``path`` (written by :func:`save` in any layout and world size) into this rank's fragments and buffers,
+    in place; returns the saved ``extra``.
+
+    With ``optimizer`` (and a checkpoint saved with one) its state becomes the saved one: per-element state is
+    resharded like the parameters, scalars (``step``) are restored on every rank holding the parameter, Python
+    numbers come back as Python numbers; keys missing from the checkpoint are dropped and parameters that had no
+    state get none. The saved hyperparameters of groups with the same parameter names are restored. A checkpoint
+    saved without an optimizer leaves ``optimizer`` as it is.
+
+    ``rank_state`` (``{key: tensor}``): each value is filled from ``rank/<this rank>/<key>``, in place when shape and
+    dtype match (else the entry is replaced by the stored tensor, on the CPU); keys the checkpoint lacks for this
+    rank (e.g. it was saved by a smaller world size) are removed from the dict, so the caller knows what was not
+    restored.
 
     Collective over the default process group.
 
     Raises:
-        ValueError: on every rank, before any read of tensors: an unreadable folder, parameters missing from the
-            checkpoint or from the model, or shapes that differ (each named).
+        ValueError: on every rank, before any read of tensors: an unreadable folder, another format version,
+            parameters or buffers missing from the checkpoint or from the model, shapes that differ, a
+            tensor-parallel parameter with mp > 1, a ``rank_state`` value that is not a tensor (each named).
     """
-    _check_keys(model, read_meta(path), path)
-    state = _state(model)
+    reader, meta = _open(path)
+    _check_keys(_model_info(model, None, rank_state), meta, path)
+    stored = reader.read_metadata().state_dict_metadata
     sd: dict[str, Any] = {"meta": None}
     fragments: dict[str, int] = {}
-    optional = set()
-    if optimizer is not None:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                st = optimizer.state[p]
-                if "exp_avg" not in st:  # a fresh optimizer: create the state we are about to fill
-                    st["step"] = torch.tensor(0.0)
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    optional: set[str] = set()
     for name, p, offset, _total, _writes, _shape in _named_fragments(model):
         sd[f"model/{name}"] = p.detach()
         fragments[f"model/{name}"] = offset
-        if optimizer is not None:
-            st = optimizer.state[p]
-            for k in _ADAM_KEYS:
-                sd[f"optim/{name}/{k}"] = st[k]
-                fragments[f"optim/{name}/{k}"] = offset
-                optional.add(f"optim/{name}/{k}")
-            if not torch.is_tensor(st["step"]):
-                st["step"] = torch.tensor(float(st["step"]))
-            sd[f"optim/{name}/step"] = st["step"]
-            optional.add(f"optim/{name}/step")
-    dense_buffers, _ = state.split_buffers()
-    for name, buf in dense_buffers:
+        if p.numel() == 0:  # a parameter of 0 elements is never written
+            optional.add(f"model/{name}")
+    if optimizer is not None and meta["optim_state"] is not None:
+        _plan_optimizer(model, optimizer, meta["optim_state"], stored, sd, fragments, optional)
+    for name, buf in model.named_buffers():
         sd[f"model_buffer/{name}"] = buf.detach()
-    # A parameter with 0 elements is never written: load nothing for it.
-    reader = FileSystemReader(path)
-    stored = reader.read_metadata().state_dict_metadata
-    for key in [k for k in sd if k.startswith("model/") and k not in stored]:
-        if sd[key].numel() == 0:
-            optional.add(key)
+    replaced: dict[str, torch.Tensor] = {}  # rank_state keys whose stored shape or dtype differs: loaded anew
+    for key in list(rank_state or {}):
+        fqn, value = f"rank/{_rank()}/{key}", rank_state[key]
+        if fqn not in stored:
+            del rank_state[key]
+            continue
+        md = stored[fqn]
+        if value.shape != md.size or value.dtype != md.properties.dtype:
+            value = replaced[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        sd[fqn] = value
     with torch.no_grad():
         dcp.load(sd, storage_reader=reader, planner=_FragmentLoadPlanner(fragments, frozenset(optional)),
                  no_dist=not dist.is_initialized())
-    meta = sd["meta"]
-    if optimizer is not None and meta["param_groups"]:
+    if rank_state is not None:
+        rank_state.update(replaced)
+    if optimizer is not None and meta["optim_state"] is not None:
+        _restore_numbers(model, optimizer, meta["optim_state"])
         saved = {tuple(g["param_names"]): g for g in meta["param_groups"]}
         for g, names in zip(optimizer.param_groups, _param_names(model, optimizer)):
             src = saved.get(tuple(names))
@@ -343,35 +505,49 @@ def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
     return meta["extra"]
 
 
+def _restore_numbers(model: nn.Module, optimizer: torch.optim.Optimizer, kinds_by_name: dict) -> None:
+    """State entries saved from Python numbers: back from their 0-d tensors to ``int`` / ``float`` / ``bool``."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in optimizer.state.items():
+        for k, kind in kinds_by_name.get(names.get(id(p)), {}).items():
+            if kind in _NUMBER_DTYPES:
+                st[k] = {"int": int, "float": float, "bool": bool}[kind](st[k].item())
+
+
 def read_all(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint, in one process with no process group: ``{key: tensor}``, parameter-shaped
-    tensors (``model/`` and ``optim/.../exp_avg*``) reshaped to the original shapes."""
-    reader = FileSystemReader(path)
-    md = reader.read_metadata().state_dict_metadata
+    """Every tensor of a checkpoint, in one process with no process group: ``{key: tensor}`` (keys as in the module
+    docstring), parameters and per-element optimizer state reshaped to the original shapes (also those of 0
+    elements, which are not stored: as empty float tensors), scalars 0-d, buffers and ``rank/`` state as saved.
+
+    Raises:
+        ValueError: ``path`` is not a readable checkpoint folder.
+    """
+    reader, meta = _open(path)
     sd: dict[str, Any] = {}
-    for key, m in md.items():
-        if isinstance(m, TensorStorageMetadata):
+    for key, m in reader.read_metadata().state_dict_metadata.items():
+        if key != "meta":
             sd[key] = torch.empty(m.size, dtype=m.properties.dtype)
-        else:
-            sd[key] = None
     _read_plain(sd, reader)
-    shapes = sd["meta"]["shapes"]
-    out = {}
+    shapes = meta["shapes"]
     for key, t in sd.items():
-        if key == "meta":
-            continue
         parts = key.split("/")
-        if parts[0] == "model" or (parts[0] == "optim" and parts[-1] in _ADAM_KEYS):
-            t = t.view(shapes[parts[1]])
-        out[key] = t
-    for name, shape in shapes.items():  # 0-element parameters are never written
-        out.setdefault(f"model/{name}", torch.empty(shape))
-    return out
+        if parts[0] == "model" or (parts[0] == "optim" and t.dim() == 1):  # per-element state is stored 1-D
+            sd[key] = t.view(shapes[parts[1]])
+    for name, shape in shapes.items():  # 0-element parameters (and their per-element state) are never written
+        sd.setdefault(f"model/{name}", torch.empty(shape))
+        for k, kind in ((meta.get("optim_state") or {}).get(name) or {}).items():
+            if kind == "element":
+                sd.setdefault(f"optim/{name}/{k}", torch.empty(shape))
+    return sd
 
 
 def load_full(path: str) -> dict[str, torch.Tensor]:
-    """The model of a checkpoint, unsharded, in one process: ``{name: tensor}`` with the original shapes (buffers
-    included)."""
+    """The model of a checkpoint, unsharded, in one process: ``{name: tensor}`` with the original shapes (buffers,
+    expert ones included).
+
+    Raises:
+        ValueError: ``path`` is not a readable checkpoint folder.
+    """
     out = {}
     for key, t in read_all(path).items():
         if key.startswith("model/"):
@@ -382,8 +558,9 @@ def load_full(path: str) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], root: str, step: int,
-                    keep: int = 3, extra: Optional[dict] = None) -> str:
-    """Save to ``root/step-<step>`` atomically and keep the last ``keep`` checkpoints; returns the folder.
+                    keep: int = 3, extra: Optional[dict] = None,
+                    rank_state: Optional[dict[str, torch.Tensor]] = None) -> str:
+    """:func:`save` to ``root/step-<step>`` atomically and keep the last ``keep`` checkpoints; returns the folder.
 
     Every rank writes into ``root/tmp-step-<step>``; after all ranks have finished (DCP's save ends with a collective
     commit, then a barrier), rank 0 renames it to ``root/step-<step>`` and replaces the ``root/latest`` pointer file
@@ -392,7 +569,7 @@ def save_checkpoint(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     previous checkpoint stays the latest.
 
     Raises:
-        ValueError: ``keep`` < 1 or ``step`` < 0.
+        ValueError: ``keep`` < 1 or ``step`` < 0; anything :func:`save` raises.
     """
     if keep < 1 or step < 0:
         raise ValueError(f"save_checkpoint: keep must be >= 1 and step >= 0, got keep={keep}, step={step}")
@@ -403,7 +580,7 @@ def save_checkpoint(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
     if dist.is_initialized():
         dist.barrier()
-    save(model, optimizer, tmp, extra=extra)
+    save(model, optimizer, tmp, extra=extra, rank_state=rank_state)
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
@@ -460,7 +637,7 @@ def load_full_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> No
         ValueError: on every rank: a parameter of the model missing from ``state_dict``, a key that is no parameter
             or buffer of the model on any rank, or a shape that differs (each named).
     """
-    shapes = _gather_shapes(model)
+    shapes = _model_info(model)["shapes"]
     buffers = dict(model.named_buffers())
     first = {id(p): n for n, p in model.named_parameters()}  # tied parameters: their first name
     aliases = {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}

@@ -52,8 +52,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(worker: Callable[..., Any], args: tuple, nproc: int, threads_per_worker: int) -> dict[int, Any] | None:
-    """Run worker(*args) in nproc local processes; returns {rank: return value}, or None if a worker failed.
+def launch(worker: Callable[..., Any], args: tuple, nproc: int, threads_per_worker: int,
+           max_restarts: int = 0) -> dict[int, Any] | None:
+    """Run worker(*args) in nproc local processes; returns {rank: return value}, or None if a worker failed and the
+    `max_restarts` restarts of all workers (torchrun's --max-restarts) did not end in success.
 
     worker must be a module-level function (it is pickled into spawned processes). OMP_NUM_THREADS is set for the
     children (unless already set) so that workers sharing a few cores do not oversubscribe them. A worker that
@@ -68,7 +70,7 @@ def launch(worker: Callable[..., Any], args: tuple, nproc: int, threads_per_work
         run_id=f"shardfusion-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
     )
@@ -108,12 +110,30 @@ def init_worker(device: str) -> torch.device:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     else:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+    kwargs = _restart_store()
     if device == "cuda":
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), **kwargs)
         return torch.device("cuda", local_rank)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", **kwargs)
     return torch.device("cpu")
+
+
+def _restart_store() -> dict[str, Any]:
+    """init_process_group arguments that give each elastic restart a key space of its own in the rendezvous store.
+
+    The elastic agent (torchrun's, and `launch`'s) keeps one TCPStore for all restarts and, unless
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, its workers use it as it is (torch 2.13). The process group of a restarted
+    worker would then find the addresses its predecessors published and fail to connect to them ("Gloo
+    connectFullMesh failed ... Connection refused"). A PrefixStore named after TORCHELASTIC_RESTART_COUNT keeps the
+    attempts apart. Returns {} outside the agent (env:// as usual)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return {}
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"shardfusion/attempt_{attempt}", store), "rank": rank,
+            "world_size": world_size}
 
 
 def threads_per_worker(nproc: int) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -66,13 +67,39 @@ def expert_balance(load: list[list[int]]) -> dict[str, Any]:
 
 
 class MetricsLog:
-    """Appends records to OUT/metrics.jsonl and keeps them in memory for the plot and the summary."""
+    """Appends records to OUT/metrics.jsonl and keeps them in memory for the plot and the summary.
 
-    def __init__(self, out: Path) -> None:
+    A new log starts the file empty. `resume_step` continues a run resumed from the checkpoint of that step: the
+    file's records up to that step are kept (and loaded), the later ones, which the resumed run computes again, move
+    to OUT/metrics.dropped.jsonl (appended, never deleted).
+    """
+
+    def __init__(self, out: Path, resume_step: Optional[int] = None) -> None:
         self.path = out / "metrics.jsonl"
         self.train: list[dict[str, Any]] = []
         self.val: list[dict[str, Any]] = []
-        self.path.write_text("")
+        self.dropped = 0
+        """Records moved to metrics.dropped.jsonl by a resume."""
+        if resume_step is None or not self.path.exists():
+            self.path.write_text("")
+            return
+        kept, dropped = [], []
+        for line in self.path.read_text().splitlines():
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if record["step"] <= resume_step:
+                kept.append(line)
+                (self.val if "val_loss" in record else self.train).append(record)
+            else:
+                dropped.append(line)
+        if dropped:
+            with (out / "metrics.dropped.jsonl").open("a") as f:
+                f.write("".join(line + "\n" for line in dropped))
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+        self.dropped = len(dropped)
 
     def _append(self, record: dict[str, Any], keys, store: list, kind: str) -> None:
         missing = set(keys) - set(record)

@@ -33,6 +33,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 import shardfusion as sf
+from shardfusion import train_state
 from shardfusion.accounting import ranks_per_node_from_env
 from shardfusion.data import BatchSampler, load_corpus, split_corpus
 from shardfusion.launch import (default_nproc, exit_now, init_worker, launch, pick_device, threads_per_worker,
@@ -162,6 +163,13 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
                            expert_policy=config.expert_policy, prefetch=config.prefetch,
                            param_dtype=_dtype(config.param_dtype), grad_comm_dtype=_dtype(config.grad_comm_dtype))
     optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=ADAM_BETAS)
+    start, elapsed_before, notes = 0, 0.0, []
+    resume_from = train_state.latest(config.out)
+    if resume_from is not None:
+        start, elapsed_before, notes = train_state.restore(model, optimizer, resume_from, config=config, device=device)
+    stop = config.stop_after or config.steps
+    if start > stop:
+        raise ValueError(f"--out {config.out} holds a checkpoint at step {start}, past --stop-after {stop}")
 
     dp_world = topo.dp * topo.sharding
     train_data, val_data = split_corpus(load_corpus(config.data, config.data_bytes))
@@ -173,16 +181,25 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     log = None
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps({
+        write_config(out, {
             **dataclasses.asdict(config), "model": dataclasses.asdict(model_config), "world_size": world,
             "layout": topo.describe(), "num_params": num_params, "num_active_params": num_active,
             "tokens_per_step": tokens_per_step, "train_bytes": len(train_data), "val_bytes": len(val_data)},
-            indent=2) + "\n")
-        log = MetricsLog(out)
+            resumed={"checkpoint": resume_from, "step": start, "notes": notes} if resume_from else None)
+        log = MetricsLog(out, resume_step=start if resume_from else None)
         experts = (f" ({model_config.n_experts} experts per layer, top-{model_config.top_k}: {num_active:,} active "
                    f"per token)" if moe else "")
         print(f"shardfusion: {topo.describe()}; {num_params:,} parameters{experts}; {len(train_data):,} train / "
               f"{len(val_data):,} val bytes; output in {out}", flush=True)
+        if resume_from:
+            dropped = f"; {log.dropped} later records moved to metrics.dropped.jsonl" if log.dropped else ""
+            print(f"shardfusion: resuming at step {start} from {resume_from}{dropped}", flush=True)
+            for note in notes:
+                print(f"shardfusion: warning: not an exact resume: {note}", flush=True)
+
+    def elapsed() -> float:
+        """Training seconds, those of the runs this one resumed included."""
+        return elapsed_before + time.perf_counter() - t_train
 
     def run_eval(step: int, elapsed: float) -> None:
         val_loss = evaluate(model, sampler, config.eval_batches, device)
@@ -191,13 +208,14 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             tqdm.write(f"step {step:5d}  val loss {val_loss:.4f}")
 
     t_train = time.perf_counter()
-    run_eval(0, 0.0)
+    if start == 0:
+        run_eval(0, 0.0)
     max_norm = config.clip if config.clip > 0 else float("inf")
     layout_comm = comm_layout(config, world)
-    bar = tqdm(total=config.steps, disable=not (is_main and config.progress), dynamic_ncols=True,
+    bar = tqdm(total=stop, initial=start, disable=not (is_main and config.progress), dynamic_ncols=True,
                desc="train", file=sys.stderr)
     t_step = time.perf_counter()
-    for step in range(config.steps):
+    for step in range(start, stop):
         lr = lr_at(config, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -229,7 +247,7 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         t_step = now
         if log is not None:
             log.log_train(step=step + 1, loss=loss_value, grad_norm=float(grad_norm), lr=lr,
-                          tokens_per_s=tokens_per_s, elapsed_s=now - t_train, **moe_record,
+                          tokens_per_s=tokens_per_s, elapsed_s=elapsed(), **moe_record,
                           comm=comm_step_record(step_comm.summary()))
             postfix = {"loss": f"{loss_value:.3f}", "gnorm": f"{float(grad_norm):.2f}"}
             if moe:
@@ -237,9 +255,15 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             bar.set_postfix(**postfix, tok_s=f"{tokens_per_s:,.0f}")
         bar.update()
         done = step + 1
-        if done % config.eval_every == 0 or done == config.steps:
-            run_eval(done, time.perf_counter() - t_train)
+        if done % config.eval_every == 0 or done == stop:
+            run_eval(done, elapsed())
             t_step = time.perf_counter()  # keep evaluation time out of the next step's tokens/s
+        if config.save_every and (done % config.save_every == 0 or done == stop):
+            path = train_state.save(model, optimizer, config.out, step=done, keep=config.keep, config=config,
+                                    elapsed_s=elapsed(), device=device)
+            if is_main:
+                tqdm.write(f"step {done:5d}  saved {path} in {time.perf_counter() - t_step:.1f} s")
+            t_step = time.perf_counter()
     bar.close()
     train_s = time.perf_counter() - t_train
 
@@ -250,15 +274,32 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
                   else f"{config.preset} GPT")
     layout = topo.describe().replace("; ", "\n")  # one line would be wider than the figure
     plot_losses(log, out / "loss.png", title=f"{model_name}, {num_params:,} parameters\n{layout}")
-    summary = summarize(log, total_s=time.perf_counter() - t_start, train_s=train_s, steps=config.steps,
+    summary = summarize(log, total_s=time.perf_counter() - t_start, train_s=train_s, steps=stop - start,
                         num_params=num_params, layout=topo.describe(), sample=sample,
                         experts={"n_experts": model_config.n_experts, "top_k": model_config.top_k, "ep": topo.ep,
                                  "num_active_params": num_active} if moe else None,
                         comm=layout_comm)
+    summary["steps_done"], summary["resumed_from_step"] = stop, start if resume_from else None
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary), flush=True)
     print(f"wrote {out}/metrics.jsonl, loss.png, summary.json, config.json", flush=True)
     return summary
+
+
+RUN_CONTROL = frozenset({"stop_after", "max_restarts", "progress", "resumed"})
+"""config.json fields that only control one run (not how its steps are trained): `write_config` ignores them."""
+
+
+def write_config(out: Path, config: dict[str, Any], resumed: dict[str, Any] | None) -> None:
+    """Write OUT/config.json; a resumed run adds `resumed` ({checkpoint, step, notes}). The config.json of the run it
+    resumed is kept as config.step-N.json when its settings differ from this run's (other flags), so no record of
+    how earlier steps were trained is lost."""
+    path = out / "config.json"
+    if resumed is not None and path.exists():
+        before, now = json.loads(path.read_text()), json.loads(json.dumps(config))
+        if any(before.get(k) != now.get(k) for k in set(before) | set(now) if k not in RUN_CONTROL):
+            path.replace(out / f"config.step-{resumed['step']}.json")
+    path.write_text(json.dumps({**config, **({"resumed": resumed} if resumed else {})}, indent=2) + "\n")
 
 
 def worker(config: TrainConfig) -> dict[str, Any] | None:
@@ -318,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(config)
         exit_now(0)  # not a normal exit, which can abort in torch's teardown (see shardfusion.launch)
     threads = threads_per_worker(config.nproc) if config.device == "cpu" else 1
-    results = launch(worker, (config,), config.nproc, threads)
+    results = launch(worker, (config,), config.nproc, threads, max_restarts=config.max_restarts)
     return 0 if results is not None else 1
 
 

@@ -106,7 +106,20 @@ class TrainConfig:
     data_bytes: int = 16_000_000
     """Read at most this many bytes of the corpus (default 16000000)."""
     out: str | None = None
-    """Output folder for metrics.jsonl, config.json, loss.png, summary.json (default runs/<timestamp>)."""
+    """Output folder for metrics.jsonl, config.json, loss.png, summary.json and checkpoints/ (default
+    runs/<timestamp>). A run whose --out holds a checkpoint resumes from the latest one."""
+    save_every: int = 0
+    """Save a checkpoint to OUT/checkpoints/step-N every this many optimizer steps and at the last step; 0 saves
+    none (default 0)."""
+    keep: int = 3
+    """Checkpoints kept in OUT/checkpoints: older ones are deleted once a newer one is published (default 3)."""
+    stop_after: int | None = None
+    """End this run after this many optimizer steps in total (steps of earlier runs in --out included), saving a
+    checkpoint there when --save-every > 0; the learning-rate schedule still spans --steps. For time-sliced jobs
+    (default: --steps)."""
+    max_restarts: int = 0
+    """When a worker fails, restart all workers up to this many times (the elastic launcher's restarts); they resume
+    from the latest checkpoint in --out. Under torchrun use torchrun's own --max-restarts (default 0)."""
     sample_tokens: int = 200
     """Bytes to generate for the sample printed at the end; 0 skips it (default 200)."""
     device: str = "auto"
@@ -151,11 +164,16 @@ class TrainConfig:
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         for flag, value in (("--steps", self.steps), ("--warmup", self.warmup), ("--clip", self.clip),
-                            ("--sample-tokens", self.sample_tokens), ("--weight-decay", self.weight_decay)):
+                            ("--sample-tokens", self.sample_tokens), ("--weight-decay", self.weight_decay),
+                            ("--save-every", self.save_every), ("--max-restarts", self.max_restarts)):
             if value < 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"need 0 <= --min-lr({self.min_lr}) <= --lr({self.lr})")
+        if self.keep < 1:
+            raise ValueError(f"--keep must be >= 1 (the latest checkpoint is always kept), got {self.keep}")
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            raise ValueError(f"--stop-after must be between 1 and --steps {self.steps}, got {self.stop_after}")
         if self.nproc is not None and self.nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {self.nproc}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:

@@ -6,8 +6,13 @@ checkpoint into fresh, differently initialized models at (4, 1), (1, 4) and (2, 
 one bitwise; load_full (one process, no process group) equals it too; every key of every re-saved checkpoint (model,
 exp_avg, exp_avg_sq, step) equals the original bitwise; the (2, 2) checkpoint is no bigger than the (4, 1) one
 (replicas do not write); and one more step after the load matches one more step without save/load.
+Per-rank state (`rank_state`, different keys on each rank) saved at W=4 comes back to the same global rank at W=4,
+W=2 and W=8 (ranks 4..7 get their keys removed); a W=8 (4, 2) job loads the (2, 2) checkpoint bitwise (first dim 5
+over 4 shards). A W=4 MoE job saves at ep 2 and loads at ep 1 and ep 4, expert buffers included.
 A W=2 job checks save_checkpoint / latest_checkpoint (atomic publish, keep K, an interrupted save ignored) and that
-a checkpoint whose keys or shapes differ from the model raises ValueError on every rank, naming them, without a hang.
+a checkpoint whose keys or shapes differ from the model raises ValueError on every rank, naming them, without a hang;
+so do a non-tensor rank_state value or an unsupported optimizer state entry on one rank, and a tensor-parallel
+parameter (mp = 2).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch.nn as nn
 from harness import run_distributed
 
 JOB_TIMEOUT_S = 240
+RANK_STATE = "I2O2-rank-state"  # the I2O2 checkpoint plus per-rank state
 
 
 class Tiny(nn.Module):
@@ -66,6 +72,31 @@ def _train(model, opt, steps: int, first: int = 0) -> None:
         opt.zero_grad()
 
 
+def _saved_rank_state(rank: int) -> dict:
+    """What rank `rank` saves as per-rank state: a CPU RNG state (uint8), a tensor of its own size, a key of its
+    own."""
+    return {"rng": torch.Generator().manual_seed(1000 + rank).get_state(),
+            "sized": torch.arange(rank + 1, dtype=torch.float64),
+            f"only-{rank}": torch.tensor(rank)}
+
+
+def _placeholder_rank_state(rank: int) -> dict:
+    """What a loading rank passes: `rng` and `only-<rank>` of the stored shape and dtype (filled in place), `sized`
+    of another shape (replaced), and a key no rank saved (removed)."""
+    return {"rng": torch.zeros_like(torch.get_rng_state()), "sized": torch.zeros(0),
+            f"only-{rank}": torch.tensor(-1), "never-saved": torch.zeros(2)}
+
+
+def _load_rank_state(model, opt, path: str, rank: int) -> dict:
+    """Load `path` with a placeholder rank state; report the dict after the load and which tensors were filled in
+    place."""
+    from shardfusion import checkpoint as ckpt
+    state = _placeholder_rank_state(rank)
+    before = {k: id(v) for k, v in state.items()}
+    extra = ckpt.load(model, opt, path, rank_state=state)
+    return {"state": state, "in_place": sorted(k for k, v in state.items() if id(v) == before[k]), "extra": extra}
+
+
 def _w4_job(root: str) -> dict:
     import torch.distributed as dist
     import shardfusion as sf
@@ -76,6 +107,9 @@ def _w4_job(root: str) -> dict:
         model, opt = _build(inner, outer, seed=0, unit_kw=by_class)
         _train(model, opt, 2)
         ckpt.save(model, opt, os.path.join(root, f"I{inner}O{outer}"), extra={"step": 2})
+        if (inner, outer) == (2, 2):  # the same, plus per-rank state (kept apart: I2O2's bytes are measured below)
+            ckpt.save(model, opt, os.path.join(root, RANK_STATE), extra={"step": 2},
+                      rank_state=_saved_rank_state(dist.get_rank()))
         out[f"saved-I{inner}O{outer}"] = sf.full_state_dict(model)
         if (inner, outer) == (2, 2):
             _train(model, opt, 1, first=2)
@@ -86,7 +120,11 @@ def _w4_job(root: str) -> dict:
                                         ("I4O1-whole-bf16", 4, 1, {"units": (nn.Linear,), "param_dtype": torch.bfloat16,
                                                                    "replicate_filter": lambda n, p: "bias" in n})):
         model, opt = _build(inner, outer, seed=1, unit_kw=unit_kw)  # other initial values
-        extra = ckpt.load(model, opt, src)
+        if name == "I4O1":
+            out["rank_state"] = _load_rank_state(model, opt, os.path.join(root, RANK_STATE), dist.get_rank())
+            extra = out["rank_state"]["extra"]
+        else:
+            extra = ckpt.load(model, opt, src)
         out[f"loaded-{name}"] = sf.full_state_dict(model)
         out[f"extra-{name}"] = extra
         ckpt.save(model, opt, os.path.join(root, f"resaved-{name}"))
@@ -99,15 +137,28 @@ def _w4_job(root: str) -> dict:
 def _w2_job(root: str) -> dict:
     import shardfusion as sf
     from shardfusion import checkpoint as ckpt
+    import torch.distributed as dist
     model, opt = _build(2, 1, seed=2, unit_kw={"units": (nn.Linear,)})
-    ckpt.load(model, opt, os.path.join(root, "I2O2"))
-    out = {"loaded": sf.full_state_dict(model)}
+    out = {"rank_state": _load_rank_state(model, opt, os.path.join(root, RANK_STATE), dist.get_rank())}
+    out["loaded"] = sf.full_state_dict(model)
     ckpt.save(model, opt, os.path.join(root, "resaved-W2"))
     return out
 
 
+def _w8_job(root: str) -> dict:
+    """Load the W=4 (2, 2) checkpoint at W=8 (I, O) = (4, 2): a.weight's first dim 5 splits unevenly over 4."""
+    import torch.distributed as dist
+    import shardfusion as sf
+    model, opt = _build(4, 2, seed=3, unit_kw={"units": (nn.Linear,)})
+    out = {"rank_state": _load_rank_state(model, opt, os.path.join(root, RANK_STATE), dist.get_rank())}
+    out["loaded"] = sf.full_state_dict(model)
+    out["steps"] = sorted({float(st["step"]) for st in opt.state.values()})
+    return out
+
+
 def _moe_job(root: str) -> dict:
-    """MoE: save at (ep, O) = (2, 2) with expert_policy "shard", load at (1, 2) and (4, 1) with "replicate"."""
+    """MoE: save at (ep, O) = (2, 2) with expert_policy "shard", load at (1, 2) and (4, 1) with "replicate". Every
+    expert has a buffer, which only the saved model sets: loading restores it on the ranks holding that expert."""
     import torch.distributed as dist
     import torch.nn.functional as F
     import shardfusion as sf
@@ -118,8 +169,11 @@ def _moe_job(root: str) -> dict:
                                           ("ep4O1", 4, 1, "replicate", 2)):
         topo = sf.Topology(sharding=4, ep=ep, fsdp_outer_degree=outer)
         torch.manual_seed(seed)
-        model = sf.fully_shard(TinyMoETransformer(ep_group=topo.get_group("ep")), topo, units=(MoEBlock,),
-                               expert_policy=policy)
+        model = TinyMoETransformer(ep_group=topo.get_group("ep"))
+        for block in model.blocks:  # an expert buffer (global name experts.<g>.seen): g + 100 when saved, else 0
+            for g, expert in block.moe.experts.items():
+                expert.register_buffer("seen", torch.full((3,), float(int(g) + 100) if name == "ep2O2" else 0.0))
+        model = sf.fully_shard(model, topo, units=(MoEBlock,), expert_policy=policy)
         opt = torch.optim.AdamW(model.parameters(), lr=0.05)
         if name == "ep2O2":
             for s in range(2):
@@ -152,6 +206,12 @@ def runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def w8_run(runs):
+    root = runs[0]
+    return run_distributed(_w8_job, 8, root, timeout=JOB_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("moe"))
     return root, run_distributed(_moe_job, 4, root, timeout=JOB_TIMEOUT_S)
@@ -162,6 +222,8 @@ def test_moe_other_ep_degrees(moe_runs):
     root, rs = moe_runs
     saved = rs[0]["ep2O2"]
     assert any(".experts.3." in k for k in saved), sorted(saved)
+    for g in range(4):  # expert buffers are in the checkpoint and come back (full_state_dict includes buffers)
+        assert torch.equal(saved[f"blocks.1.moe.experts.{g}.seen"], torch.full((3,), g + 100.0))
     for r in range(4):
         for name in ("ep1O2", "ep4O1"):
             _assert_bitwise(rs[r][name], saved, f"moe {name} rank {r}")
@@ -212,6 +274,38 @@ def test_resume_continues_identically(runs):
     for name in ("I4O1", "I1O4"):
         for k in ref:
             torch.testing.assert_close(w4[0][f"continued-{name}"][k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S + 60)
+def test_rank_state_per_rank(runs, w8_run):
+    """Each rank saves its own `rank/<r>/...` keys (keys differ by rank); a load at W=4, W=2 and W=8 gives rank r the
+    tensors rank r saved (in place where shape and dtype match), and removes the keys saved by no rank r (ranks 4..7
+    at W=8 get none)."""
+    from shardfusion import checkpoint as ckpt
+    root, w4, w2 = runs
+    path = os.path.join(root, RANK_STATE)
+    assert ckpt.read_meta(path)["world_size"] == 4
+    stored = {k: t for k, t in ckpt.read_all(path).items() if k.startswith("rank/")}
+    _assert_bitwise(stored, {f"rank/{r}/{k}": t for r in range(4) for k, t in _saved_rank_state(r).items()},
+                    "stored rank state")
+    loads = [("W4 I4O1", w4), ("W2", w2), ("W8", w8_run)]
+    for what, results in loads:
+        for r, result in enumerate(results):
+            got = result["rank_state"]
+            expected = _saved_rank_state(r) if r < 4 else {}
+            _assert_bitwise(got["state"], expected, f"{what} rank {r} rank_state")
+            assert got["in_place"] == sorted(k for k in expected if k != "sized"), (what, r, got["in_place"])
+            assert got["extra"] == {"step": 2}
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S + 60)
+def test_load_at_world_size_8(runs, w8_run):
+    """The W=4 (2, 2) checkpoint loads at W=8 (4, 2): gathered parameters bitwise equal, step restored everywhere."""
+    _, w4, _ = runs
+    saved = w4[0]["saved-I2O2"]
+    for r, result in enumerate(w8_run):
+        _assert_bitwise(result["loaded"], saved, f"W8 rank {r}")
+        assert result["steps"] == [2.0], (r, result["steps"])
 
 
 def _payload(path: str) -> dict[str, int]:
@@ -278,7 +372,31 @@ def _publish_job(root: str) -> dict:
         ckpt.load(model, None, os.path.join(root, "no-such-checkpoint"))
     except ValueError as e:
         out["unreadable"] = str(e)
+    # problems found on one rank only raise on every rank, before anything is written (no hang)
+    bad = os.path.join(root, "bad")
+    not_a_tensor = {"seed": 3} if topo.rank == 1 else {}
+    out["bad_rank_state"] = _value_error(lambda: ckpt.save(model, opt, bad, rank_state=not_a_tensor))
+    first = dict(model.named_parameters())["a.weight"]
+    if topo.rank == 0:
+        opt.state[first]["factored"] = torch.zeros(2, 3)  # neither per-element nor scalar
+    out["bad_state"] = _value_error(lambda: ckpt.save(model, opt, bad))
+    opt.state.pop(first, None)
+    out["bad_written"] = os.path.exists(os.path.join(bad, ".metadata"))
+    tiny = Tiny()
+    tiny.c.weight.tensor_model_parallel = True  # different values per mp rank: not handled, must raise
+    tp_model = sf.fully_shard(tiny, sf.Topology(mp=2, timeout=30), units=(nn.Linear,))
+    out["tp_save"] = _value_error(lambda: ckpt.save(tp_model, None, bad))
+    out["tp_load"] = _value_error(lambda: ckpt.load(tp_model, None, out["latest"]))
     return out
+
+
+def _value_error(fn) -> str:
+    """The message of the ValueError `fn()` raises ("" if none)."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
@@ -292,3 +410,10 @@ def test_atomic_publish_keep_and_key_errors(tmp_path):
         msg = r["mismatch"]
         assert "missing from the checkpoint: ['extra_bias']" in msg and "c.weight model (4, 7) vs checkpoint (3, 7)" in msg, msg
         assert "no-such-checkpoint" in r["unreadable"] and "not readable" in r["unreadable"], r["unreadable"]
+        assert "rank 1: rank_state['seed'] must be a tensor" in r["bad_rank_state"], r["bad_rank_state"]
+        assert "rank 0: optimizer state 'factored' of 'a.weight' is a tensor of shape (2, 3)" in r["bad_state"], \
+            r["bad_state"]
+        assert not r["bad_written"]
+        for key in ("tp_save", "tp_load"):
+            assert "rank 1: tensor-parallel parameters (tensor_model_parallel=True, mp > 1) ['c.weight']" in r[key], \
+                r[key]

@@ -1,0 +1,101 @@
+"""Checkpoints of the training job (`shardfusion.train`): what a resume needs beyond the model and the optimizer.
+
+A checkpoint of the job is a `shardfusion.checkpoint` folder `OUT/checkpoints/step-N` (published atomically, the
+last `--keep` kept) holding the model, the AdamW state and:
+
+- `extra` (written once, by rank 0): `step` (optimizer steps done), `elapsed_s` (training seconds so far), the
+  world size, and `config`: the `RESUME_FIELDS` of the run's `TrainConfig`, the settings that decide the learning
+  rate schedule and the data order;
+- per-rank state (`rank/<rank>/...`): this rank's torch RNG states (CPU, and CUDA on a GPU run), which dropout
+  draws from.
+
+The data position needs nothing more: a training batch is a pure function of (seed, step, micro-step,
+data-parallel rank) (`shardfusion.data.BatchSampler`), and the learning rate a pure function of the step
+(`train_config.lr_at`). Restoring step, parameters, optimizer state and RNG states therefore continues the run
+exactly: in fp32 with the same layout, N steps + save + restart + N steps equals 2N steps in one run, bitwise.
+
+Resuming in another layout (world size, ep or outer degree) works too (the checkpoint reshards); the data order then
+differs (each data-parallel rank draws its own batches) and the RNG states of new ranks are fresh, so the run
+continues correctly but not bitwise like the uninterrupted one. `restore` says so.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardfusion import checkpoint as ckpt
+
+CHECKPOINT_DIR = "checkpoints"
+"""Folder under --out holding the job's checkpoints (`step-N`, `latest`)."""
+
+RESUME_FIELDS = ("seed", "steps", "lr", "min_lr", "warmup", "weight_decay", "clip", "batch_size", "grad_accum",
+                 "aux_loss_coef", "data", "data_bytes", "dropout")
+"""TrainConfig fields that decide the learning rate schedule, the data order and the loss: a resume with other
+values continues, but not as the saved run would have."""
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's RNG states as uint8 tensors: ``cpu`` (torch's default generator) and, on CUDA, ``cuda``
+    (the current device's)."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Restore the states of `rng_state` that `state` holds (absent ones are left as they are)."""
+    if "cpu" in state:
+        torch.set_rng_state(state["cpu"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def latest(out: str) -> Optional[str]:
+    """The latest published checkpoint under ``out/checkpoints`` as rank 0 sees it (broadcast, so every rank resumes
+    from the same one), or None. Collective."""
+    found = [ckpt.latest_checkpoint(os.path.join(out, CHECKPOINT_DIR)) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0)
+    return found[0]
+
+
+def save(model: nn.Module, optimizer: torch.optim.Optimizer, out: str, *, step: int, keep: int, config: Any,
+         elapsed_s: float, device: torch.device) -> str:
+    """Publish ``out/checkpoints/step-<step>`` (see `shardfusion.checkpoint.save_checkpoint`); returns its path.
+    Collective."""
+    extra = {"step": step, "elapsed_s": elapsed_s, "world_size": dist.get_world_size(),
+             "config": {name: getattr(config, name) for name in RESUME_FIELDS}}
+    return ckpt.save_checkpoint(model, optimizer, os.path.join(out, CHECKPOINT_DIR), step, keep=keep, extra=extra,
+                                rank_state=rng_state(device))
+
+
+def restore(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, *, config: Any,
+            device: torch.device) -> tuple[int, float, list[str]]:
+    """Load the checkpoint at `path` into `model` and `optimizer` (any layout) and this rank's RNG states.
+    Collective.
+
+    Returns (steps done, training seconds so far, notes): the notes name every way in which the continuation will
+    differ from the saved run (changed `RESUME_FIELDS`, another world size), empty for an exact resume.
+
+    Raises:
+        ValueError: on every rank: the checkpoint does not match the model (see `shardfusion.checkpoint.load`), or
+            it was not written by the training job.
+    """
+    rng = rng_state(device)
+    extra = ckpt.load(model, optimizer, path, rank_state=rng)
+    if not isinstance(extra, dict) or "step" not in extra:
+        raise ValueError(f"checkpoint {path!r} holds no training state (no step in its extra): it was not written "
+                         f"by shardfusion.train")
+    set_rng_state(rng, device)
+    notes = [f"--{name.replace('_', '-')} was {old!r}, now {getattr(config, name)!r}"
+             for name, old in extra.get("config", {}).items()
+             if name in RESUME_FIELDS and getattr(config, name) != old]
+    if extra.get("world_size") != dist.get_world_size():
+        notes.append(f"world size was {extra.get('world_size')}, now {dist.get_world_size()}: other data order, "
+                     f"fresh RNG states on new ranks")
+    return int(extra["step"]), float(extra.get("elapsed_s", 0.0)), notes

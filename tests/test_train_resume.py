@@ -1,0 +1,140 @@
+"""Checkpoints of the training job (issue 5): exact resume and a killed worker, as whole runs of
+`python -m shardfusion.train` (4 gloo workers: GPT-MoE at ep 2, HSDP outer 2; dropout on, 2 micro-batches).
+
+Reference: one uninterrupted run of 30 steps saving every 5. Exact resume: the same flags with --stop-after 15, then
+the same command again, which resumes from step 15 by itself; its step-30 checkpoint (parameters, AdamW state) and
+its metrics must equal the reference bitwise. Killed worker: the same flags with --max-restarts 2; once the first
+checkpoint is published the test SIGKILLs one worker; the elastic launcher restarts all workers, which resume from
+the latest checkpoint, and the run must end equal to the reference bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardfusion.checkpoint import latest_checkpoint, read_all
+from shardfusion.metrics import read_metrics
+from test_train import REPO, clean_env, run
+
+STEPS, SAVE_EVERY, KEEP, EVAL_EVERY = 30, 5, 2, 10
+FLAGS = ["--preset", "tiny", "--nproc", "4", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
+         "--keep", str(KEEP), "--warmup", "3", "--eval-every", str(EVAL_EVERY), "--eval-batches", "4", "--batch-size", "4",
+         "--seq-len", "32", "--grad-accum", "2", "--dropout", "0.1", "--data-bytes", "300000",
+         "--sample-tokens", "0", "--no-progress"]
+KILL_TIMEOUT_S = 240
+
+
+def _ok(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("reference")
+    _ok(run([*FLAGS, "--out", str(out)]))
+    return out
+
+
+def _assert_same_run(out: Path, reference: Path, from_step: int, stopped_at: int | None = None) -> None:
+    """The step-STEPS checkpoints are equal key by key, bitwise; so are the metrics of steps after from_step.
+    stopped_at: the step where an earlier run ended by --stop-after."""
+    ours, theirs = read_all(str(out / "checkpoints" / f"step-{STEPS}")), read_all(
+        str(reference / "checkpoints" / f"step-{STEPS}"))
+    assert ours.keys() == theirs.keys()
+    assert any(k.endswith("/exp_avg_sq") for k in ours) and any(".experts." in k for k in ours)
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+    train, val = read_metrics(out / "metrics.jsonl")
+    ref_train, ref_val = read_metrics(reference / "metrics.jsonl")
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))  # no step lost or logged twice
+    for mine, ref in zip(train[from_step:], ref_train[from_step:]):
+        for k in ("loss", "grad_norm", "lr", "aux_loss", "tokens_per_expert"):
+            assert mine[k] == ref[k], (mine["step"], k)
+    # a run that ended early (--stop-after) also evaluated at its last step
+    extra = [] if stopped_at is None or stopped_at % EVAL_EVERY == 0 else [stopped_at]
+    assert [r["step"] for r in val] == sorted([r["step"] for r in ref_val] + extra)
+    ref_by_step = {r["step"]: r["val_loss"] for r in ref_val}
+    assert all(r["val_loss"] == ref_by_step[r["step"]] for r in val if r["step"] in ref_by_step)
+
+
+@pytest.mark.timeout(3 * 150 + 60)
+def test_exact_resume_after_stop(reference: Path, tmp_path: Path) -> None:
+    half = STEPS // 2
+    first = _ok(run([*FLAGS, "--stop-after", str(half), "--out", str(tmp_path)]))
+    assert "resuming" not in first
+    assert latest_checkpoint(str(tmp_path / "checkpoints")).endswith(f"step-{half}")
+    second = _ok(run([*FLAGS, "--out", str(tmp_path)]))
+    assert f"resuming at step {half} from" in second and "not an exact resume" not in second
+    _assert_same_run(tmp_path, reference, from_step=half, stopped_at=half)
+    published = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert published == [f"step-{STEPS - SAVE_EVERY}", f"step-{STEPS}"]  # --keep 2
+
+
+def _descendants(pid: int) -> list[int]:
+    """Processes below pid, from /proc."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _workers(pid: int) -> list[int]:
+    """The training workers the launcher `pid` spawned (multiprocessing spawn children)."""
+    workers = []
+    for child in _descendants(pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                workers.append(child)
+        except OSError:
+            pass
+    return sorted(workers)
+
+
+@pytest.mark.timeout(KILL_TIMEOUT_S + 150 + 60)
+def test_killed_worker_restarts_from_latest_checkpoint(reference: Path, tmp_path: Path) -> None:
+    log = tmp_path / "log.txt"
+    command = [sys.executable, "-m", "shardfusion.train", *FLAGS, "--max-restarts", "2", "--out", str(tmp_path)]
+    with log.open("w") as sink, subprocess.Popen(command, cwd=REPO, env=clean_env(), stdout=sink,
+                                                 stderr=subprocess.STDOUT, start_new_session=True) as process:
+        deadline = time.monotonic() + KILL_TIMEOUT_S
+        killed = None
+        try:
+            while process.poll() is None and time.monotonic() < deadline:
+                if killed is None and latest_checkpoint(str(tmp_path / "checkpoints")) is not None:
+                    workers = _workers(process.pid)
+                    assert len(workers) == 4, workers
+                    killed = workers[1]
+                    os.kill(killed, signal.SIGKILL)
+                time.sleep(0.05)
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                pytest.fail(f"the run did not end within {KILL_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert killed is not None, "no checkpoint was published while the run was going: nothing was killed"
+    assert process.returncode == 0, text[-4000:]
+    assert "resuming at step" in text, text[-4000:]
+    resumed_at = int(text.split("resuming at step ")[1].split()[0])
+    assert 0 < resumed_at < STEPS
+    _assert_same_run(tmp_path, reference, from_step=resumed_at)
