@@ -10,6 +10,7 @@ the latest checkpoint, and the run must end equal to the reference bitwise.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -21,8 +22,9 @@ import pytest
 import torch
 
 from shardfusion.checkpoint import latest_checkpoint, read_all
-from shardfusion.metrics import read_metrics
-from test_train import REPO, clean_env, run
+from shardfusion.metrics import MetricsLog, read_metrics
+from shardfusion.train import write_config
+from test_train import REPO, clean_env, moe_flag_error, run
 
 STEPS, SAVE_EVERY, KEEP, EVAL_EVERY = 30, 5, 2, 10
 FLAGS = ["--preset", "tiny", "--nproc", "4", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
@@ -138,3 +140,46 @@ def test_killed_worker_restarts_from_latest_checkpoint(reference: Path, tmp_path
     resumed_at = int(text.split("resuming at step ")[1].split()[0])
     assert 0 < resumed_at < STEPS
     _assert_same_run(tmp_path, reference, from_step=resumed_at)
+
+
+# ---- in one process: flags, the metrics log and config.json of a resumed run ----------------------------------------
+def test_checkpoint_flags_rejected(capsys: pytest.CaptureFixture) -> None:
+    assert moe_flag_error(capsys, ["--keep", "0"]) == (
+        "--keep must be >= 1 (the latest checkpoint is always kept), got 0")
+    assert moe_flag_error(capsys, ["--save-every", "-1"]) == "--save-every must be >= 0, got -1"
+    assert moe_flag_error(capsys, ["--max-restarts", "-2"]) == "--max-restarts must be >= 0, got -2"
+    assert moe_flag_error(capsys, ["--steps", "10", "--stop-after", "11"]) == (
+        "--stop-after must be between 1 and --steps 10, got 11")
+    assert moe_flag_error(capsys, ["--stop-after", "0"]).startswith("--stop-after must be between 1 and --steps")
+
+
+def test_metrics_log_resume_keeps_records_up_to_the_checkpoint(tmp_path: Path) -> None:
+    log = MetricsLog(tmp_path)
+    log.log_val(step=0, val_loss=5.0, elapsed_s=0.0)
+    for step in range(1, 9):
+        log.log_train(step=step, loss=1.0 / step, grad_norm=1.0, lr=0.1, tokens_per_s=1.0, elapsed_s=step)
+    log.log_val(step=4, val_loss=4.0, elapsed_s=4.0)
+    log.log_val(step=8, val_loss=3.0, elapsed_s=8.0)
+
+    resumed = MetricsLog(tmp_path, resume_step=5)  # a checkpoint at step 5; steps 6..8 will run again
+    assert [r["step"] for r in resumed.train] == [1, 2, 3, 4, 5] and [r["step"] for r in resumed.val] == [0, 4]
+    assert resumed.dropped == 4
+    train, val = read_metrics(tmp_path / "metrics.jsonl")
+    assert train == resumed.train and val == resumed.val
+    dropped_train, dropped_val = read_metrics(tmp_path / "metrics.dropped.jsonl")  # moved, not deleted
+    assert [r["step"] for r in dropped_train] == [6, 7, 8] and [r["step"] for r in dropped_val] == [8]
+    resumed.log_train(step=6, loss=0.5, grad_norm=1.0, lr=0.1, tokens_per_s=1.0, elapsed_s=6.0)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")[0]] == [1, 2, 3, 4, 5, 6]
+    assert MetricsLog(tmp_path).train == [] and (tmp_path / "metrics.jsonl").read_text() == ""  # a new run
+
+
+def test_config_of_a_resumed_run(tmp_path: Path) -> None:
+    first = {"lr": 0.1, "stop_after": 5, "steps": 10}
+    write_config(tmp_path, first, resumed=None)
+    resumed = {"checkpoint": "x/step-5", "step": 5, "notes": []}
+    write_config(tmp_path, {**first, "stop_after": None}, resumed=resumed)  # only run control differs
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    assert json.loads((tmp_path / "config.json").read_text())["resumed"] == resumed
+    write_config(tmp_path, {**first, "lr": 0.2}, resumed={**resumed, "step": 7})  # other settings: keep the old
+    assert json.loads((tmp_path / "config.step-7.json").read_text())["lr"] == 0.1
+    assert json.loads((tmp_path / "config.json").read_text())["lr"] == 0.2

@@ -1,0 +1,117 @@
+"""DCP planners that store each rank's fragment of a flattened parameter as one chunk of a 1-D global tensor, and
+read back exactly a rank's range, whatever chunks stored it (used by :mod:`shardfusion.checkpoint`, which describes
+the keys and the format).
+
+DCP pitfalls met in the spike (torch 2.13):
+- ``find_state_dict_object`` refuses a plain tensor addressed with a non-zero offset: both planners override
+  ``lookup_object`` / ``lookup_tensor`` for fragment keys.
+- ``_validate_global_plan`` requires the chunks of a key to tile its global size exactly (no overlap, full volume,
+  when more than one rank plans): empty fragments must not be planned, and every shard needs exactly one writer.
+  A parameter of 0 elements is therefore not stored at all (only its shape, in ``meta``), nor its per-element state.
+- ``dedup_save_plans`` deduplicates by ``MetadataIndex`` (fqn, offset): equal replicated items are written once
+  anyway, by the smallest plan unless ``dedup_save_to_lowest_rank``; we still plan fragments only on their writer.
+  Keys present on some ranks only (expert buffers, ``rank/<r>/...``) are planned by those ranks only: that is fine.
+- ``DefaultLoadPlanner(flatten_sharded_tensors=True)`` (the default) copies the state dict, so ``load_bytes`` writes
+  the loaded object into the copy and the caller sees ``None``: pass ``flatten_sharded_tensors=False``.
+- ``dcp.load`` replaces non-Stateful values of the caller's dict with the loaded ones (bytes items arrive there).
+- FileSystemWriter serializes each item with its own header (~1 KB): negligible for real models, dominant here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import (
+    create_default_local_load_plan,
+    create_default_local_save_plan,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+
+class FragmentSavePlanner(DefaultSavePlanner):
+    """Writes ``fragments`` keys as 1-D chunks ``[offset, offset + numel)`` of a ``(global_numel,)`` tensor; every
+    other key as DCP's default planner would (plain tensors and bytes, deduplicated across ranks)."""
+
+    def __init__(self, fragments: dict[str, tuple[int, int]]) -> None:
+        # flatten_state_dict=False: our keys are already flat strings, and the default flattening would store its
+        # key mapping in Metadata.planner_data for nothing.
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
+        self._fragments = fragments  # key -> (offset in the flattened parameter, global numel)
+
+    def create_local_plan(self) -> SavePlan:
+        """One SHARD write item per fragment key: chunk ``(offset,)`` + ``(numel,)`` of a ``(global numel,)``
+        tensor; DCP's default items for the rest."""
+        items: list[WriteItem] = []
+        rest = {}
+        for fqn, obj in self.state_dict.items():
+            if fqn not in self._fragments:
+                rest[fqn] = obj
+                continue
+            offset, total = self._fragments[fqn]
+            chunk = ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=obj.size())
+            items.append(WriteItem(
+                index=MetadataIndex(fqn, torch.Size([offset])),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(obj),
+                                            size=torch.Size([total]))))
+        items += create_default_local_save_plan(rest, self.is_coordinator).items
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        """The fragment tensor itself for a fragment key (the default refuses a plain tensor at a non-zero
+        offset); else the default lookup."""
+        if index.fqn in self._fragments:
+            return self.state_dict[index.fqn]
+        return super().lookup_object(index)
+
+
+class FragmentLoadPlanner(DefaultLoadPlanner):
+    """Reads ``fragments`` keys as the 1-D range ``[offset, offset + numel)`` of the stored global tensor (any stored
+    chunking); other keys as DCP's default planner. Keys in ``optional`` that the checkpoint lacks are skipped."""
+
+    def __init__(self, fragments: dict[str, int], optional: frozenset = frozenset()) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._fragments = fragments  # key -> offset in the flattened parameter
+        self._optional = optional
+
+    def create_local_plan(self) -> LoadPlan:
+        """Read items for exactly this rank's range of each fragment key (whatever chunks stored it); DCP's default
+        items for the rest. Raises DCP's error for a missing key that is not optional."""
+        md = self.metadata.state_dict_metadata
+        items = []
+        rest = {}
+        for fqn, obj in self.state_dict.items():
+            if fqn not in md:
+                if fqn in self._optional:
+                    continue
+                raise RuntimeError(f"checkpoint has no {fqn!r}")
+            if fqn not in self._fragments:
+                rest[fqn] = obj
+                continue
+            tmd = md[fqn]
+            offset, numel = self._fragments[fqn], obj.numel()
+            if not isinstance(tmd, TensorStorageMetadata) or len(tmd.size) != 1 or offset + numel > tmd.size[0]:
+                raise RuntimeError(f"{fqn!r}: checkpoint holds {tmd}, cannot read range [{offset}, {offset + numel})")
+            if numel == 0:
+                continue
+            chunk = ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=torch.Size([numel]))
+            items += create_read_items_for_chunk_list(fqn, tmd, [chunk])
+        items += create_default_local_load_plan(rest, self.metadata, True).items
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        """The destination 1-D fragment for a fragment key (the read item's ``dest_offsets`` are relative to it);
+        else the default lookup."""
+        if index.fqn in self._fragments:
+            return self.state_dict[index.fqn]
+        return super().lookup_tensor(index)
