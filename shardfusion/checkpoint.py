@@ -56,7 +56,7 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -131,13 +131,15 @@ def _scalar_tensor(value: Any) -> torch.Tensor:
 
 
 def _model_info(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-                rank_state: Optional[dict] = None) -> dict:
+                rank_state: Optional[dict] = None, unreadable: Optional[str] = None) -> dict:
     """What every rank holds, gathered (collective: one ``all_gather_object``): the union over ranks of parameter
     shapes, buffer shapes and optimizer state kinds (expert names differ across ep ranks), and the problems found on
     any rank (unsupported optimizer state, tensor-parallel parameters, non-tensor ``rank_state`` values) as
-    ``"rank <r>: ..."`` strings, so that every rank can raise the same error."""
+    ``"rank <r>: ..."`` strings, so that every rank can raise the same error; ``unreadable``: why this rank could
+    not read the checkpoint (gathered under ``"unreadable"``)."""
     rank, mp_rank = _rank(), _state(model).topology.mp_rank
-    mine: dict[str, Any] = {"shapes": {}, "buffer_shapes": {}, "optim_state": {}, "problems": []}
+    mine: dict[str, Any] = {"shapes": {}, "buffer_shapes": {}, "optim_state": {}, "problems": [],
+                            "unreadable": [f"rank {rank}: {unreadable}"] if unreadable else []}
     opt_state = optimizer.state if optimizer is not None else {}
     tensor_parallel = []
     for name, p, _offset, _total, writes, shape in _named_fragments(model):
@@ -169,13 +171,14 @@ def _model_info(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     if dist.is_initialized() and dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
-    out: dict[str, Any] = {"shapes": {}, "buffer_shapes": {}, "optim_state": {}, "problems": []}
+    out: dict[str, Any] = {"shapes": {}, "buffer_shapes": {}, "optim_state": {}, "problems": [], "unreadable": []}
     for part in every:
         for field in ("shapes", "buffer_shapes"):
             out[field].update(part[field])
         for name, kinds in part["optim_state"].items():
             out["optim_state"].setdefault(name, {}).update(kinds)
         out["problems"] += part["problems"]
+        out["unreadable"] += part["unreadable"]
     return out
 
 
@@ -276,7 +279,10 @@ def read_meta(path: str) -> dict:
 
 def _check_keys(info: dict, meta: dict, path: str) -> None:
     """Format version, missing or extra parameters and buffers, shape mismatches and unsupported parameters, from
-    the files and the gathered ``info`` (:func:`_model_info`) of every rank: the same decision on every rank."""
+    the files and the gathered ``info`` (:func:`_model_info`) of every rank: the same decision on every rank.
+    ``meta`` is None where this rank could not read the checkpoint (``info`` then holds why)."""
+    if info["unreadable"]:
+        raise ValueError("; ".join(info["unreadable"]))
     if meta.get("version") != FORMAT_VERSION:
         raise ValueError(f"checkpoint {path!r} has format version {meta.get('version')}; load reads version "
                          f"{FORMAT_VERSION} (read_all / load_full read any version)")
@@ -363,8 +369,12 @@ def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
             parameters or buffers missing from the checkpoint or from the model, shapes that differ, a
             tensor-parallel parameter with mp > 1, a ``rank_state`` value that is not a tensor (each named).
     """
-    reader, meta = _open(path)
-    _check_keys(_model_info(model, None, rank_state), meta, path)
+    try:
+        reader, meta = _open(path)
+        unreadable = None
+    except ValueError as error:  # maybe on some ranks only (a file system not shared by every node)
+        reader, meta, unreadable = None, None, str(error)
+    _check_keys(_model_info(model, None, rank_state, unreadable), meta, path)
     stored = reader.read_metadata().state_dict_metadata
     sd: dict[str, Any] = {"meta": None}
     fragments: dict[str, int] = {}
@@ -461,40 +471,66 @@ def save_checkpoint(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     """:func:`save` to ``root/step-<step>`` atomically and keep the last ``keep`` checkpoints; returns the folder.
 
     Every rank writes into ``root/tmp-step-<step>``; after all ranks have finished (DCP's save ends with a collective
-    commit, then a barrier), rank 0 renames it to ``root/step-<step>`` and replaces the ``root/latest`` pointer file
+    commit), rank 0 renames it to ``root/step-<step>`` and replaces the ``root/latest`` pointer file
     (written to a temporary file, then ``os.replace``), then deletes the oldest published checkpoints beyond
     ``keep``. A crash before the rename leaves only a ``tmp-`` folder, which :func:`latest_checkpoint` ignores: the
     previous checkpoint stays the latest.
 
     Raises:
-        ValueError: ``keep`` < 1 or ``step`` < 0; anything :func:`save` raises.
+        ValueError: ``keep`` < 1 or ``step`` < 0; on every rank: rank 0 cannot create ``root`` or publish the
+            checkpoint (e.g. not writable; the error names the path); anything :func:`save` raises.
     """
     if keep < 1 or step < 0:
         raise ValueError(f"save_checkpoint: keep must be >= 1 and step >= 0, got keep={keep}, step={step}")
-    rank = dist.get_rank() if dist.is_initialized() else 0
     final, tmp = os.path.join(root, f"step-{step}"), os.path.join(root, f"tmp-step-{step}")
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
-    if dist.is_initialized():
-        dist.barrier()
+    _on_rank0(lambda: (os.makedirs(root, exist_ok=True), shutil.rmtree(tmp, ignore_errors=True)),  # a crashed try
+              f"cannot prepare {tmp!r}")
     save(model, optimizer, tmp, extra=extra, rank_state=rank_state)
-    if dist.is_initialized():
-        dist.barrier()
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        pointer = os.path.join(root, "latest")
-        with open(pointer + ".tmp", "w") as f:
-            f.write(f"step-{step}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pointer + ".tmp", pointer)
-        for old in _published(root)[:-keep]:
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
+    _on_rank0(lambda: _publish(root, step, keep), f"cannot publish {tmp!r} as {final!r}")
     return final
+
+
+def _on_rank0(action: Callable[[], Any], what: str) -> None:
+    """Run ``action`` on rank 0 while the other ranks wait, then raise its error on every rank (collective: one
+    ``broadcast_object_list``, which is also the barrier), so that no rank waits forever for a rank that failed.
+
+    Raises:
+        ValueError: on every rank, ``what`` and rank 0's error.
+    """
+    error = None
+    if _rank() == 0:
+        try:
+            action()
+        except OSError as e:
+            error = f"{what}: {type(e).__name__}: {e}"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise ValueError(error)
+
+
+def _publish(root: str, step: int, keep: int) -> None:
+    """On rank 0, after every rank has saved into ``root/tmp-step-<step>``: rename it to ``root/step-<step>``, point
+    ``root/latest`` at it (a temporary file, fsync, ``os.replace``), fsync ``root`` so that both renames are durable,
+    then delete the oldest published checkpoints beyond ``keep``."""
+    final = os.path.join(root, f"step-{step}")
+    shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a resumed run)
+    os.replace(os.path.join(root, f"tmp-step-{step}"), final)
+    pointer = os.path.join(root, "latest")
+    with open(pointer + ".tmp", "w") as f:
+        f.write(f"step-{step}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer + ".tmp", pointer)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    for old in _published(root)[:-keep]:
+        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
 def _published(root: str) -> list[str]:

@@ -373,6 +373,12 @@ def _publish_job(root: str) -> dict:
     except ValueError as e:
         out["unreadable"] = str(e)
     # problems found on one rank only raise on every rank, before anything is written (no hang)
+    seen_by_rank_0_only = os.path.join(root, "step-4") if topo.rank == 0 else os.path.join(root, "step-9")
+    out["unreadable_on_one_rank"] = _value_error(lambda: ckpt.load(model, opt, seen_by_rank_0_only))
+    blocked = os.path.join(root, "blocked")
+    if topo.rank == 0:
+        open(blocked, "w").close()  # a file where rank 0 must create the root folder
+    out["unpublishable"] = _value_error(lambda: ckpt.save_checkpoint(model, opt, blocked, 5))
     bad = os.path.join(root, "bad")
     not_a_tensor = {"seed": 3} if topo.rank == 1 else {}
     out["bad_rank_state"] = _value_error(lambda: ckpt.save(model, opt, bad, rank_state=not_a_tensor))
@@ -411,6 +417,10 @@ def test_atomic_publish_keep_and_key_errors(tmp_path):
         assert "missing from the checkpoint: ['extra_bias']" in msg and "c.weight model (4, 7) vs checkpoint (3, 7)" in msg, msg
         assert "no-such-checkpoint" in r["unreadable"] and "not readable" in r["unreadable"], r["unreadable"]
         assert "rank 1: rank_state['seed'] must be a tensor" in r["bad_rank_state"], r["bad_rank_state"]
+        assert r["unreadable_on_one_rank"].startswith("rank 1: checkpoint folder") and \
+            "step-9" in r["unreadable_on_one_rank"], r["unreadable_on_one_rank"]
+        assert r["unpublishable"].startswith(f"cannot prepare '{root}/blocked/tmp-step-5': FileExistsError"), \
+            r["unpublishable"]
         assert "rank 0: optimizer state 'factored' of 'a.weight' is a tensor of shape (2, 3)" in r["bad_state"], \
             r["bad_state"]
         assert not r["bad_written"]
