@@ -24,6 +24,10 @@ flattened parameter) is one DCP chunk with ``offsets=(start,)`` and ``sizes=(end
                                             "optim_state": {name: {key: kind}} or None (saved without optimizer),
                                             "param_groups": [...], "extra"}
 
+``param_groups``: each optimizer group's hyperparameters (every entry but ``params``) plus ``"param_names"``, rank 0's
+names of the group's parameters, recorded for information only (expert names differ across ep ranks; :func:`load`
+matches groups by index).
+
 ``optim_state`` kinds: ``"element"`` (per-element), ``"tensor"`` (0-d tensor), ``"int"`` / ``"float"`` / ``"bool"``
 (a Python number, stored as a 0-d int64 / float64 / bool tensor). A parameter without optimizer state (e.g. it never
 had a gradient) has no entry. Names are those of ``model.named_parameters()`` (a tied parameter: its first name).
@@ -241,14 +245,78 @@ def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
              no_dist=not dist.is_initialized())
 
 
-def _read_plain(sd: dict[str, Any], reader: FileSystemReader) -> None:
-    """Fill ``sd`` (keys as stored; ``None`` for pickled items) from ``reader`` in this process alone, no collective.
-    ``flatten_sharded_tensors=False``: the default copies ``sd``, and pickled items would land in the copy."""
+def _read_plain_raw(sd: dict[str, Any], reader: FileSystemReader) -> None:
+    """Fill ``sd`` (keys as stored; ``None`` for pickled items) from ``reader`` in this process alone, no collective;
+    DCP's errors as they are (``CheckpointException``, a ``BaseException``). ``flatten_sharded_tensors=False``: the
+    default copies ``sd``, and pickled items would land in the copy."""
     with warnings.catch_warnings():
         # DCP warns that it "assumes the intent is to load in a single process" when a process group exists: it is.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(sd, storage_reader=reader,
                  planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False), no_dist=True)
+
+
+def _read_plain(sd: dict[str, Any], reader: FileSystemReader, path: str) -> None:
+    """:func:`_read_plain_raw`, a failed read (a data file truncated, corrupt or missing) as one ``ValueError``.
+
+    Raises:
+        ValueError: ``checkpoint <path> cannot be read: ...`` (:func:`_read_error`).
+    """
+    try:
+        _read_plain_raw(sd, reader)
+    except (CheckpointException, OSError) as error:  # DCP's error is a BaseException
+        raise _read_error(path, reader, error) from error
+
+
+def _failure_text(error: BaseException, with_ranks: bool = False) -> str:
+    """``error`` on one line: for DCP's ``CheckpointException`` (one traceback per failed rank in its ``str``) the
+    exception of each failed rank, with ``with_ranks`` prefixed by the ranks that raised it (``rank 1: EOFError``)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        by_text: dict[str, list[int]] = {}
+        for rank, (exc, _trace) in sorted(error.failures.items()):
+            text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            by_text.setdefault(text, []).append(rank)
+        parts = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {text}" if with_ranks else text
+                 for text, ranks in by_text.items()]
+        text = "; ".join(parts)
+    else:
+        text = f"{type(error).__name__}: {error}"
+    return " ".join(text.split())
+
+
+def _damaged_files(path: str, reader: FileSystemReader) -> list[str]:
+    """The data files of ``path`` that are missing or shorter than its metadata says, each with the keys it holds
+    (the first few), e.g. ``"__1_0.distcp has 100 bytes, the metadata needs 7442 (15 keys: model/a.weight, ...)"``;
+    ``[]`` when the metadata cannot be read or every file is long enough."""
+    try:
+        storage = reader.read_metadata().storage_data
+    except Exception:  # noqa: BLE001 - a diagnosis only: the caller reports the read error itself
+        return []
+    need: dict[str, int] = {}
+    keys: dict[str, list[str]] = {}
+    for index, info in storage.items():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+        if index.fqn not in keys.setdefault(info.relative_path, []):
+            keys[info.relative_path].append(index.fqn)
+    out = []
+    for name in sorted(need):
+        file = os.path.join(path, name)
+        size = os.path.getsize(file) if os.path.isfile(file) else None
+        if size is not None and size >= need[name]:
+            continue
+        held = ", ".join(keys[name][:3]) + (", ..." if len(keys[name]) > 3 else "")
+        what = "is missing" if size is None else f"has {size} bytes, the metadata needs {need[name]}"
+        out.append(f"{name} {what} ({len(keys[name])} key{'s' if len(keys[name]) > 1 else ''}: {held})")
+    return out
+
+
+def _read_error(path: str, reader: Optional[FileSystemReader], error: BaseException,
+                with_ranks: bool = False) -> ValueError:
+    """The error for a failed read of checkpoint ``path``: one line naming the path, the damaged data files (missing
+    or truncated, with their keys) and the exception (of each failed rank, named with ``with_ranks``)."""
+    damaged = _damaged_files(path, reader) if reader is not None else []
+    return ValueError(f"checkpoint {path!r} cannot be read: "
+                      + "; ".join(damaged + [_failure_text(error, with_ranks)]))
 
 
 def _open(path: str) -> tuple[FileSystemReader, dict]:
@@ -257,13 +325,16 @@ def _open(path: str) -> tuple[FileSystemReader, dict]:
     Raises:
         ValueError: ``path`` is not a readable checkpoint folder (names the path and the cause).
     """
+    reader = None
     try:
         reader = FileSystemReader(path)
         sd: dict[str, Any] = {"meta": None}
-        _read_plain(sd, reader)
+        _read_plain_raw(sd, reader)
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's error is a BaseException
-        # any unreadable folder: one clear error, the same on every rank
-        raise ValueError(f"checkpoint folder {path!r} is not readable: {type(error).__name__}: {error}") from error
+        # any unreadable folder: one clear error on one line, the same on every rank
+        damaged = _damaged_files(path, reader) if reader is not None else []
+        raise ValueError(f"checkpoint folder {path!r} is not readable: "
+                         + "; ".join(damaged + [_failure_text(error)])) from error
     return reader, sd["meta"]
 
 
@@ -354,8 +425,12 @@ def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
     With ``optimizer`` (and a checkpoint saved with one) its state becomes the saved one: per-element state is
     resharded like the parameters, scalars (``step``) are restored on every rank holding the parameter, Python
     numbers come back as Python numbers; keys missing from the checkpoint are dropped and parameters that had no
-    state get none. The saved hyperparameters of groups with the same parameter names are restored. A checkpoint
-    saved without an optimizer leaves ``optimizer`` as it is.
+    state get none. The saved hyperparameters (every param-group entry but ``params``: lr, weight_decay, betas, ...)
+    are restored group by group, by index, when ``optimizer`` has as many param groups as the saved one (as torch's
+    ``Optimizer.load_state_dict`` does; parameter names are not compared, so every rank decides the same, ep ranks
+    holding other experts included); with another number of groups the groups are left as they are. The caller may
+    override hyperparameters after the load (the training job of :mod:`shardfusion.train` re-applies its flags). A
+    checkpoint saved without an optimizer leaves ``optimizer`` as it is.
 
     ``rank_state`` (``{key: tensor}``): each value is filled from ``rank/<this rank>/<key>``, in place when shape and
     dtype match (else the entry is replaced by the stored tensor, on the CPU); keys the checkpoint lacks for this
@@ -367,7 +442,10 @@ def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
     Raises:
         ValueError: on every rank, before any read of tensors: an unreadable folder, another format version,
             parameters or buffers missing from the checkpoint or from the model, shapes that differ, a
-            tensor-parallel parameter with mp > 1, a ``rank_state`` value that is not a tensor (each named).
+            tensor-parallel parameter with mp > 1, a ``rank_state`` value that is not a tensor (each named). On every
+            rank, after the read: a data file truncated, corrupt or missing (also when only one rank reads it),
+            ``checkpoint <path> cannot be read: ...`` on one line naming the damaged files, their keys and each failed
+            rank's error; the model and optimizer are then partly loaded.
     """
     try:
         reader, meta = _open(path)
@@ -398,17 +476,22 @@ def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
         if value.shape != md.size or value.dtype != md.properties.dtype:
             value = replaced[key] = torch.empty(md.size, dtype=md.properties.dtype)
         sd[fqn] = value
-    with torch.no_grad():
-        dcp.load(sd, storage_reader=reader, planner=FragmentLoadPlanner(fragments, frozenset(optional)),
-                 no_dist=not dist.is_initialized())
+    try:
+        with torch.no_grad():
+            # collective; a rank whose read fails makes DCP raise CheckpointException on every rank (it gathers the
+            # results of every rank's read), so every rank raises the ValueError below: no rank is left waiting
+            dcp.load(sd, storage_reader=reader, planner=FragmentLoadPlanner(fragments, frozenset(optional)),
+                     no_dist=not dist.is_initialized())
+    except (CheckpointException, OSError) as error:  # DCP's error is a BaseException
+        raise _read_error(path, reader, error, with_ranks=dist.is_initialized()) from error
     if rank_state is not None:
         rank_state.update(replaced)
     if optimizer is not None and meta["optim_state"] is not None:
         _restore_numbers(model, optimizer, meta["optim_state"])
-        saved = {tuple(g["param_names"]): g for g in meta["param_groups"]}
-        for g, names in zip(optimizer.param_groups, _param_names(model, optimizer)):
-            src = saved.get(tuple(names))
-            if src is not None:
+        # by index, as torch's Optimizer.load_state_dict: the same decision on every rank (the saved param_names are
+        # rank 0's: expert names differ across ep ranks)
+        if len(meta["param_groups"]) == len(optimizer.param_groups):
+            for g, src in zip(optimizer.param_groups, meta["param_groups"]):
                 g.update({k: v for k, v in src.items() if k not in ("params", "param_names")})
     return meta["extra"]
 
@@ -428,14 +511,15 @@ def read_all(path: str) -> dict[str, torch.Tensor]:
     elements, which are not stored: as empty float tensors), scalars 0-d, buffers and ``rank/`` state as saved.
 
     Raises:
-        ValueError: ``path`` is not a readable checkpoint folder.
+        ValueError: ``path`` is not a readable checkpoint folder, or a data file is truncated, corrupt or missing
+            (one line naming ``path`` and the damaged files).
     """
     reader, meta = _open(path)
     sd: dict[str, Any] = {}
     for key, m in reader.read_metadata().state_dict_metadata.items():
         if key != "meta":
             sd[key] = torch.empty(m.size, dtype=m.properties.dtype)
-    _read_plain(sd, reader)
+    _read_plain(sd, reader, path)
     shapes = meta["shapes"]
     for key, t in sd.items():
         parts = key.split("/")
@@ -454,7 +538,8 @@ def load_full(path: str) -> dict[str, torch.Tensor]:
     expert ones included).
 
     Raises:
-        ValueError: ``path`` is not a readable checkpoint folder.
+        ValueError: ``path`` is not a readable checkpoint folder, or a data file is truncated, corrupt or missing
+            (as :func:`read_all`).
     """
     out = {}
     for key, t in read_all(path).items():
@@ -472,9 +557,14 @@ def save_checkpoint(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
 
     Every rank writes into ``root/tmp-step-<step>``; after all ranks have finished (DCP's save ends with a collective
     commit), rank 0 renames it to ``root/step-<step>`` and replaces the ``root/latest`` pointer file
-    (written to a temporary file, then ``os.replace``), then deletes the oldest published checkpoints beyond
-    ``keep``. A crash before the rename leaves only a ``tmp-`` folder, which :func:`latest_checkpoint` ignores: the
-    previous checkpoint stays the latest.
+    (written to a temporary file, then ``os.replace``), then prunes. A crash before the rename leaves only a ``tmp-``
+    folder, which :func:`latest_checkpoint` ignores: the previous checkpoint stays the latest.
+
+    Pruning (rank 0, after the publish): the checkpoint just published is never deleted; among the published
+    checkpoints with a lower step, the ``keep - 1`` highest are kept and the others deleted. Checkpoints with a
+    higher step (from an abandoned timeline: a run resumed from an older checkpoint) are left untouched, for the user
+    to delete; ``latest`` points at the one just saved. Leftover ``tmp-step-<n>`` folders of crashed saves (any
+    step: the one in flight has been renamed by then) are deleted too.
 
     Raises:
         ValueError: ``keep`` < 1 or ``step`` < 0; on every rank: rank 0 cannot create ``root`` or publish the
@@ -514,7 +604,8 @@ def _on_rank0(action: Callable[[], Any], what: str) -> None:
 def _publish(root: str, step: int, keep: int) -> None:
     """On rank 0, after every rank has saved into ``root/tmp-step-<step>``: rename it to ``root/step-<step>``, point
     ``root/latest`` at it (a temporary file, fsync, ``os.replace``), fsync ``root`` so that both renames are durable,
-    then delete the oldest published checkpoints beyond ``keep``."""
+    then prune (see :func:`save_checkpoint`): keep the ``keep - 1`` highest published checkpoints of a lower step,
+    leave those of a higher step, delete every ``tmp-step-<n>`` folder."""
     final = os.path.join(root, f"step-{step}")
     shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a resumed run)
     os.replace(os.path.join(root, f"tmp-step-{step}"), final)
@@ -529,8 +620,12 @@ def _publish(root: str, step: int, keep: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    for old in _published(root)[:-keep]:
+    lower = [d for d in _published(root) if int(d[5:]) < step]  # oldest first; the new one is not among them
+    for old in lower[:max(len(lower) - (keep - 1), 0)]:
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    for name in os.listdir(root):  # folders of crashed saves (the one in flight is step-<step> by now)
+        if name.startswith("tmp-step-") and name[9:].isdigit():
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def _published(root: str) -> list[str]:
@@ -543,8 +638,9 @@ def _published(root: str) -> list[str]:
 
 
 def latest_checkpoint(root: str) -> Optional[str]:
-    """The newest published checkpoint folder under ``root`` (from the ``latest`` pointer, else the highest
-    complete ``step-<n>``), or ``None``. ``tmp-`` folders of interrupted saves are never returned."""
+    """The newest published checkpoint folder under ``root`` (from the ``latest`` pointer, i.e. the last one
+    :func:`save_checkpoint` published, else the highest complete ``step-<n>``, which may belong to an abandoned
+    timeline), or ``None``. ``tmp-`` folders of interrupted saves are never returned."""
     pointer = os.path.join(root, "latest")
     if os.path.isfile(pointer):
         with open(pointer) as f:
@@ -556,7 +652,11 @@ def latest_checkpoint(root: str) -> Optional[str]:
 
 
 def checkpoint_bytes(path: str) -> int:
-    """Total size of the files of a checkpoint directory."""
+    """Total size in bytes of the files of the checkpoint directory ``path`` (its data files and ``.metadata``).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist (NotADirectoryError: it is a file).
+    """
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
 

@@ -70,8 +70,8 @@ class MetricsLog:
     """Appends records to OUT/metrics.jsonl and keeps them in memory for the plot and the summary.
 
     A new log starts the file empty. `resume_step` continues a run resumed from the checkpoint of that step: the
-    file's records up to that step are kept (and loaded), the later ones, which the resumed run computes again, move
-    to OUT/metrics.dropped.jsonl (appended, never deleted).
+    file's records up to that step are kept (and loaded); the later ones, which the resumed run computes again, and
+    lines a crash left unreadable move to OUT/metrics.dropped.jsonl (appended, never deleted).
     """
 
     def __init__(self, out: Path, resume_step: Optional[int] = None) -> None:
@@ -87,7 +87,11 @@ class MetricsLog:
         for line in self.path.read_text().splitlines():
             if not line.strip():
                 continue
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line torn by a crash while it was written
+                dropped.append(line)
+                continue
             if record["step"] <= resume_step:
                 kept.append(line)
                 (self.val if "val_loss" in record else self.train).append(record)
@@ -177,7 +181,8 @@ def summarize(log: MetricsLog, *, total_s: float, train_s: float, steps: int, nu
     """The run's headline figures as a JSON-ready dict.
 
     `comm` describes the accounting (`ranks_per_node`, `nodes`, `ranks_per_node_from`); the summary then holds it
-    under "comm", with `per_step` (`comm_per_step`: the mean per step of each category's figures, rank 0's) and
+    under "comm", with `per_step` (`comm_per_step`: the mean per step of each category's figures, rank 0's, over the
+    `steps` records that have them: those of runs this one resumed included) and
     the totals per step over the categories: `wire_bytes_per_step`, `cross_node_bytes_per_step`, `wait_s_per_step`.
 
     For a GPT-MoE run, `experts` describes the model (e.g. `n_experts, top_k, ep, num_active_params`); the summary
@@ -198,7 +203,7 @@ def summarize(log: MetricsLog, *, total_s: float, train_s: float, steps: int, nu
                    "worst_layer_balance": last.get("worst_layer_balance", math.nan)}
     if comm is not None:
         per_step = comm_per_step(log.train)
-        comm = {**comm, "per_step": per_step,
+        comm = {**comm, "per_step": per_step, "steps": sum("comm" in r for r in log.train),
                 **{f"{f}_per_step": sum(row[f] for row in per_step.values())
                    for f in ("wire_bytes", "cross_node_bytes", "wait_s")}}
     return {
@@ -270,7 +275,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{moe['load_balance']:.3f}, worst layer {moe['worst_layer_balance']:.3f} (1.0 = even)",
         ]
     if summary.get("comm") is not None:
-        lines += format_comm(summary["comm"], summary["steps"])
+        lines += format_comm(summary["comm"], summary["comm"].get("steps", summary["steps"]))
     if summary.get("sample") is not None:
         lines += ["sample (validation prompt ⟫ generated):", "-" * 72, summary["sample"], "-" * 72]
     return "\n".join(lines)

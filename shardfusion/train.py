@@ -166,10 +166,19 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     start, elapsed_before, notes = 0, 0.0, []
     resume_from = train_state.latest(config.out)
     if resume_from is not None:
-        start, elapsed_before, notes = train_state.restore(model, optimizer, resume_from, config=config, device=device)
+        start, elapsed_before, notes = train_state.restore(model, optimizer, resume_from, config=config,
+                                                           model_config=model_config, layout=topo.describe(),
+                                                           device=device)
+        for group, flags in zip(optimizer.param_groups, param_groups(model, config.weight_decay)):
+            group["weight_decay"] = flags["weight_decay"]  # this run's flags, not the saved ones (lr: per step)
     stop = config.stop_after or config.steps
-    if start > stop:
-        raise ValueError(f"--out {config.out} holds a checkpoint at step {start}, past --stop-after {stop}")
+    ends_early = stop < config.steps  # --stop-after: save there even without --save-every, so that a rerun goes on
+    if start >= stop:
+        if is_main:
+            print(f"shardfusion: nothing to train: {resume_from} is at step {start}, and this run would stop at step "
+                  f"{stop} (--steps {config.steps}, --stop-after {config.stop_after}); outputs in {out} are kept",
+                  flush=True)
+        return None
 
     dp_world = topo.dp * topo.sharding
     train_data, val_data = split_corpus(load_corpus(config.data, config.data_bytes))
@@ -258,9 +267,10 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         if done % config.eval_every == 0 or done == stop:
             run_eval(done, elapsed())
             t_step = time.perf_counter()  # keep evaluation time out of the next step's tokens/s
-        if config.save_every and (done % config.save_every == 0 or done == stop):
+        if (config.save_every and (done % config.save_every == 0 or done == stop)) or (ends_early and done == stop):
             path = train_state.save(model, optimizer, config.out, step=done, keep=config.keep, config=config,
-                                    elapsed_s=elapsed(), device=device)
+                                    model_config=model_config, layout=topo.describe(), elapsed_s=elapsed(),
+                                    device=device)
             if is_main:
                 tqdm.write(f"step {done:5d}  saved {path} in {time.perf_counter() - t_step:.1f} s")
             t_step = time.perf_counter()
@@ -286,19 +296,23 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     return summary
 
 
-RUN_CONTROL = frozenset({"stop_after", "max_restarts", "progress", "resumed"})
+RUN_CONTROL = frozenset({"stop_after", "max_restarts", "progress", "resumed", "out"})
 """config.json fields that only control one run (not how its steps are trained): `write_config` ignores them."""
 
 
 def write_config(out: Path, config: dict[str, Any], resumed: dict[str, Any] | None) -> None:
     """Write OUT/config.json; a resumed run adds `resumed` ({checkpoint, step, notes}). The config.json of the run it
-    resumed is kept as config.step-N.json when its settings differ from this run's (other flags), so no record of
+    resumed is kept as config.step-N.json (config.step-N.2.json, ... if that exists) when its settings differ from this run's (other flags), so no record of
     how earlier steps were trained is lost."""
     path = out / "config.json"
     if resumed is not None and path.exists():
         before, now = json.loads(path.read_text()), json.loads(json.dumps(config))
         if any(before.get(k) != now.get(k) for k in set(before) | set(now) if k not in RUN_CONTROL):
-            path.replace(out / f"config.step-{resumed['step']}.json")
+            kept, n = out / f"config.step-{resumed['step']}.json", 1
+            while kept.exists():  # resumed at this step before, with other settings again: keep both
+                n += 1
+                kept = out / f"config.step-{resumed['step']}.{n}.json"
+            path.replace(kept)
     path.write_text(json.dumps({**config, **({"resumed": resumed} if resumed else {})}, indent=2) + "\n")
 
 

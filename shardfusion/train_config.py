@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
+from shardfusion.checkpoint import latest_checkpoint
+from shardfusion.train_state import CHECKPOINT_DIR
 from shardfusion.data import corpus_size, min_corpus_bytes, split_sizes
 from shardfusion.models.gpt import PRESETS, GPTConfig
 from shardfusion.topology import Degrees
@@ -114,12 +116,13 @@ class TrainConfig:
     keep: int = 3
     """Checkpoints kept in OUT/checkpoints: older ones are deleted once a newer one is published (default 3)."""
     stop_after: int | None = None
-    """End this run after this many optimizer steps in total (steps of earlier runs in --out included), saving a
-    checkpoint there when --save-every > 0; the learning-rate schedule still spans --steps. For time-sliced jobs
-    (default: --steps)."""
+    """End this run after this many optimizer steps in total (steps of earlier runs in --out included) and save a
+    checkpoint there (also without --save-every); the learning-rate schedule still spans --steps, and the same
+    command run again goes on from there. For time-sliced jobs (default: --steps)."""
     max_restarts: int = 0
     """When a worker fails, restart all workers up to this many times (the elastic launcher's restarts); they resume
-    from the latest checkpoint in --out. Under torchrun use torchrun's own --max-restarts (default 0)."""
+    from the latest checkpoint in --out, so it needs --save-every. Under torchrun use torchrun's own --max-restarts
+    (default 0)."""
     sample_tokens: int = 200
     """Bytes to generate for the sample printed at the end; 0 skips it (default 200)."""
     device: str = "auto"
@@ -170,6 +173,9 @@ class TrainConfig:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"need 0 <= --min-lr({self.min_lr}) <= --lr({self.lr})")
+        if self.max_restarts and not self.save_every:
+            raise ValueError(f"--max-restarts {self.max_restarts} needs --save-every > 0: restarted workers resume "
+                             f"from the latest checkpoint, and without one they would start over")
         if self.keep < 1:
             raise ValueError(f"--keep must be >= 1 (the latest checkpoint is always kept), got {self.keep}")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
@@ -221,6 +227,10 @@ def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
                          f"bytes, but each split needs {seq} bytes; use --data-bytes >= {need} or a smaller --seq-len")
     if config.out is not None:
         out = Path(config.out)
+        earlier = [name for name in ("metrics.jsonl", "summary.json") if (out / name).is_file()]
+        if earlier and latest_checkpoint(str(out / CHECKPOINT_DIR)) is None:
+            raise ValueError(f"--out {config.out} holds a run ({', '.join(earlier)}) but no checkpoint to resume "
+                             f"from; use another --out, or move those files away")
         existing = next(p for p in (out, *out.absolute().parents) if p.exists())
         if not existing.is_dir():
             raise ValueError(f"--out {config.out}: {existing} exists and is not a folder")

@@ -4,8 +4,9 @@ A checkpoint of the job is a `shardfusion.checkpoint` folder `OUT/checkpoints/st
 last `--keep` kept) holding the model, the AdamW state and:
 
 - `extra` (written once, by rank 0): `step` (optimizer steps done), `elapsed_s` (training seconds so far), the
-  world size, and `config`: the `RESUME_FIELDS` of the run's `TrainConfig`, the settings that decide the learning
-  rate schedule and the data order;
+  world size, `layout` (`Topology.describe()`), `model` (the `GPTConfig` fields: what a plain `GPT` needs to load
+  an export of the checkpoint, see `shardfusion.export`) and `config`: the `RESUME_FIELDS` of the run's
+  `TrainConfig`, the settings that decide the learning rate schedule and the data order;
 - per-rank state (`rank/<rank>/...`): this rank's torch RNG states (CPU, and CUDA on a GPU run), which dropout
   draws from.
 
@@ -14,13 +15,16 @@ data-parallel rank) (`shardfusion.data.BatchSampler`), and the learning rate a p
 (`train_config.lr_at`). Restoring step, parameters, optimizer state and RNG states therefore continues the run
 exactly: in fp32 with the same layout, N steps + save + restart + N steps equals 2N steps in one run, bitwise.
 
-Resuming in another layout (world size, ep or outer degree) works too (the checkpoint reshards); the data order then
-differs (each data-parallel rank draws its own batches) and the RNG states of new ranks are fresh, so the run
-continues correctly but not bitwise like the uninterrupted one. `restore` says so.
+Resuming in another layout (world size, ep or outer degree) works too (the checkpoint reshards). With another
+world size the data order differs (each data-parallel rank draws its own batches) and the RNG states of new ranks
+are fresh; with another ep or outer degree the sums run in another order. The run then continues correctly but not
+bitwise like the uninterrupted one; `restore` says so, as it does for changed settings (`RESUME_FIELDS`) and model
+fields that keep every shape (e.g. `n_head`, `top_k`), which no shape check can catch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Optional
 
@@ -65,37 +69,48 @@ def latest(out: str) -> Optional[str]:
 
 
 def save(model: nn.Module, optimizer: torch.optim.Optimizer, out: str, *, step: int, keep: int, config: Any,
-         elapsed_s: float, device: torch.device) -> str:
+         model_config: Any, layout: str, elapsed_s: float, device: torch.device) -> str:
     """Publish ``out/checkpoints/step-<step>`` (see `shardfusion.checkpoint.save_checkpoint`); returns its path.
     Collective."""
-    extra = {"step": step, "elapsed_s": elapsed_s, "world_size": dist.get_world_size(),
+    extra = {"step": step, "elapsed_s": elapsed_s, "world_size": dist.get_world_size(), "layout": layout,
+             "model": dataclasses.asdict(model_config),
              "config": {name: getattr(config, name) for name in RESUME_FIELDS}}
     return ckpt.save_checkpoint(model, optimizer, os.path.join(out, CHECKPOINT_DIR), step, keep=keep, extra=extra,
                                 rank_state=rng_state(device))
 
 
-def restore(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, *, config: Any,
-            device: torch.device) -> tuple[int, float, list[str]]:
+def restore(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, *, config: Any, model_config: Any,
+            layout: str, device: torch.device) -> tuple[int, float, list[str]]:
     """Load the checkpoint at `path` into `model` and `optimizer` (any layout) and this rank's RNG states.
-    Collective.
+    Collective. The optimizer's hyperparameters are the saved ones afterwards: the caller re-applies its own.
 
     Returns (steps done, training seconds so far, notes): the notes name every way in which the continuation will
-    differ from the saved run (changed `RESUME_FIELDS`, another world size), empty for an exact resume.
+    differ from the saved run (changed `RESUME_FIELDS` or model fields, another world size or layout), empty for an
+    exact resume.
 
     Raises:
-        ValueError: on every rank: the checkpoint does not match the model (see `shardfusion.checkpoint.load`), or
-            it was not written by the training job.
+        ValueError: on every rank: the checkpoint does not match the model or cannot be read (see
+            `shardfusion.checkpoint.load`), or it was not written by the training job; the message says how to go on.
     """
     rng = rng_state(device)
-    extra = ckpt.load(model, optimizer, path, rank_state=rng)
+    try:
+        extra = ckpt.load(model, optimizer, path, rank_state=rng)
+    except ValueError as error:
+        raise ValueError(f"cannot resume from {path}: {error}. Resume with the model flags of the saved run, use "
+                         f"another --out, or move the checkpoint away") from error
     if not isinstance(extra, dict) or "step" not in extra:
-        raise ValueError(f"checkpoint {path!r} holds no training state (no step in its extra): it was not written "
-                         f"by shardfusion.train")
+        raise ValueError(f"cannot resume from {path}: it holds no training state (no step in its extra), so it was "
+                         f"not written by shardfusion.train; use another --out")
     set_rng_state(rng, device)
     notes = [f"--{name.replace('_', '-')} was {old!r}, now {getattr(config, name)!r}"
              for name, old in extra.get("config", {}).items()
              if name in RESUME_FIELDS and getattr(config, name) != old]
+    model_now = dataclasses.asdict(model_config)
+    notes += [f"model field {name} was {old!r}, now {model_now.get(name)!r}"
+              for name, old in extra.get("model", {}).items() if model_now.get(name) != old]
     if extra.get("world_size") != dist.get_world_size():
         notes.append(f"world size was {extra.get('world_size')}, now {dist.get_world_size()}: other data order, "
                      f"fresh RNG states on new ranks")
+    elif extra.get("layout") != layout:
+        notes.append(f"layout was {extra.get('layout')}, now {layout}: sums in another order")
     return int(extra["step"]), float(extra.get("elapsed_s", 0.0)), notes

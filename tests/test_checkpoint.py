@@ -8,11 +8,15 @@ exp_avg, exp_avg_sq, step) equals the original bitwise; the (2, 2) checkpoint is
 (replicas do not write); and one more step after the load matches one more step without save/load.
 Per-rank state (`rank_state`, different keys on each rank) saved at W=4 comes back to the same global rank at W=4,
 W=2 and W=8 (ranks 4..7 get their keys removed); a W=8 (4, 2) job loads the (2, 2) checkpoint bitwise (first dim 5
-over 4 shards). A W=4 MoE job saves at ep 2 and loads at ep 1 and ep 4, expert buffers included.
-A W=2 job checks save_checkpoint / latest_checkpoint (atomic publish, keep K, an interrupted save ignored) and that
+over 4 shards). A W=4 MoE job saves at ep 2 (weight decay 0.1) and loads at ep 2, ep 1 and ep 4 into optimizers
+built with weight decay 0.0, expert buffers included: every rank ends with 0.1 (groups matched by index, not by rank
+0's parameter names).
+A W=2 job checks save_checkpoint / latest_checkpoint (atomic publish, keep K, an interrupted save ignored; a resumed
+run saving lower steps keeps what it publishes, leaves the higher steps and deletes leftover tmp folders) and that
 a checkpoint whose keys or shapes differ from the model raises ValueError on every rank, naming them, without a hang;
-so do a non-tensor rank_state value or an unsupported optimizer state entry on one rank, and a tensor-parallel
-parameter (mp = 2).
+so do a non-tensor rank_state value or an unsupported optimizer state entry on one rank, a tensor-parallel
+parameter (mp = 2), and a data file truncated that only rank 1 reads (read_all in one process too). Param groups of
+another count than the saved ones are left as they are.
 """
 
 from __future__ import annotations
@@ -158,7 +162,9 @@ def _w8_job(root: str) -> dict:
 
 def _moe_job(root: str) -> dict:
     """MoE: save at (ep, O) = (2, 2) with expert_policy "shard", load at (1, 2) and (4, 1) with "replicate". Every
-    expert has a buffer, which only the saved model sets: loading restores it on the ranks holding that expert."""
+    expert has a buffer, which only the saved model sets: loading restores it on the ranks holding that expert.
+    Saved with weight decay 0.1; every load (also one at ep 2 into the saving model, where the ep rank 1 holds
+    other experts than rank 0) uses an optimizer built with 0.0: `weight_decay` reports each rank's after the load."""
     import torch.distributed as dist
     import torch.nn.functional as F
     import shardfusion as sf
@@ -174,7 +180,7 @@ def _moe_job(root: str) -> dict:
             for g, expert in block.moe.experts.items():
                 expert.register_buffer("seen", torch.full((3,), float(int(g) + 100) if name == "ep2O2" else 0.0))
         model = sf.fully_shard(model, topo, units=(MoEBlock,), expert_policy=policy)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1 if name == "ep2O2" else 0.0)
         if name == "ep2O2":
             for s in range(2):
                 idx = torch.randint(VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(10 * s + dist.get_rank()))
@@ -183,8 +189,12 @@ def _moe_job(root: str) -> dict:
                 opt.step()
                 opt.zero_grad()
             ckpt.save(model, opt, os.path.join(root, "moe"))
+            fresh = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.0)
+            ckpt.load(model, fresh, os.path.join(root, "moe"))
+            out["weight_decay-ep2O2"] = [g["weight_decay"] for g in fresh.param_groups]
         else:
             ckpt.load(model, opt, os.path.join(root, "moe"))
+            out[f"weight_decay-{name}"] = [g["weight_decay"] for g in opt.param_groups]
             ckpt.save(model, opt, os.path.join(root, f"moe-resaved-{name}"))
         out[name] = sf.full_state_dict(model)
     return out
@@ -227,6 +237,8 @@ def test_moe_other_ep_degrees(moe_runs):
     for r in range(4):
         for name in ("ep1O2", "ep4O1"):
             _assert_bitwise(rs[r][name], saved, f"moe {name} rank {r}")
+        for name in ("ep2O2", "ep1O2", "ep4O1"):  # the saved hyperparameters on every rank, whatever experts it holds
+            assert rs[r][f"weight_decay-{name}"] == [0.1], (r, name, rs[r][f"weight_decay-{name}"])
     _assert_bitwise(ckpt.load_full(os.path.join(root, "moe")), saved, "moe load_full")
     orig = ckpt.read_all(os.path.join(root, "moe"))
     for name in ("ep1O2", "ep4O1"):
@@ -362,6 +374,20 @@ def _publish_job(root: str) -> dict:
     out["latest"] = ckpt.latest_checkpoint(root)
     out["listing"] = sorted(os.listdir(root))
     out["extra"] = ckpt.load(model, opt, out["latest"])
+    # param groups of another count than the saved ones (1): left as they are
+    params = list(model.parameters())
+    two_groups = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:], "lr": 0.5}], lr=0.25)
+    ckpt.load(model, two_groups, out["latest"])
+    out["two_groups_lr"] = [g["lr"] for g in two_groups.param_groups]
+    # a run resumed from an older checkpoint saves lower steps: what it publishes is kept, steps 3 and 4 (the
+    # abandoned timeline) are left, lower ones are pruned, leftover tmp folders (tmp-step-5 above, tmp-step-0) go
+    if topo.rank == 0:
+        os.makedirs(os.path.join(root, "tmp-step-0"))
+    ckpt.save_checkpoint(model, opt, root, 1, keep=3)
+    out["resumed_listing_1"] = sorted(os.listdir(root))
+    ckpt.save_checkpoint(model, opt, root, 2, keep=1)
+    out["resumed_listing_2"] = sorted(os.listdir(root))
+    out["resumed_latest"] = ckpt.latest_checkpoint(root)
     torch.manual_seed(0)
     other = sf.fully_shard(TinyOther(), topo, units=(nn.Linear,))
     try:
@@ -393,6 +419,12 @@ def _publish_job(root: str) -> dict:
     tp_model = sf.fully_shard(tiny, sf.Topology(mp=2, timeout=30), units=(nn.Linear,))
     out["tp_save"] = _value_error(lambda: ckpt.save(tp_model, None, bad))
     out["tp_load"] = _value_error(lambda: ckpt.load(tp_model, None, out["latest"]))
+    # a truncated data file that only rank 1 reads (same layout: rank 0 reads __0_0 only): ValueError on every rank
+    torch.distributed.barrier()
+    if topo.rank == 0:
+        os.truncate(os.path.join(root, "step-4", "__1_0.distcp"), 100)
+    torch.distributed.barrier()
+    out["truncated"] = _value_error(lambda: ckpt.load(model, opt, os.path.join(root, "step-4")))
     return out
 
 
@@ -407,12 +439,20 @@ def _value_error(fn) -> str:
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 def test_atomic_publish_keep_and_key_errors(tmp_path):
+    from shardfusion import checkpoint as ckpt
     root = str(tmp_path / "ckpts")
     results = run_distributed(_publish_job, 2, root, timeout=120)
     for r in results:
         assert r["latest"] == os.path.join(root, "step-4"), r["latest"]
         assert r["listing"] == ["latest", "step-3", "step-4", "tmp-step-5"], r["listing"]  # keep=2
         assert r["extra"] == {"step": 4}
+        assert r["two_groups_lr"] == [0.25, 0.5], r["two_groups_lr"]
+        assert r["resumed_listing_1"] == ["latest", "step-1", "step-3", "step-4"], r["resumed_listing_1"]
+        assert r["resumed_listing_2"] == ["latest", "step-2", "step-3", "step-4"], r["resumed_listing_2"]  # keep=1
+        assert r["resumed_latest"] == os.path.join(root, "step-2"), r["resumed_latest"]
+        step4 = os.path.join(root, "step-4")
+        assert r["truncated"].startswith(f"checkpoint {step4!r} cannot be read: __1_0.distcp has 100 bytes") and \
+            "rank 1: EOFError" in r["truncated"] and "\n" not in r["truncated"], r["truncated"]
         msg = r["mismatch"]
         assert "missing from the checkpoint: ['extra_bias']" in msg and "c.weight model (4, 7) vs checkpoint (3, 7)" in msg, msg
         assert "no-such-checkpoint" in r["unreadable"] and "not readable" in r["unreadable"], r["unreadable"]
@@ -427,3 +467,6 @@ def test_atomic_publish_keep_and_key_errors(tmp_path):
         for key in ("tp_save", "tp_load"):
             assert "rank 1: tensor-parallel parameters (tensor_model_parallel=True, mp > 1) ['c.weight']" in r[key], \
                 r[key]
+    with pytest.raises(ValueError, match=r"cannot be read: __1_0\.distcp has 100 bytes, the metadata needs \d+ "
+                                         r"\(\d+ keys: model/"):  # one process, no process group
+        ckpt.read_all(os.path.join(root, "step-4"))

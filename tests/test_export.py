@@ -1,11 +1,14 @@
 """Export (issue 5, part): `python -m shardfusion.export CKPT OUT` writes safetensors that a plain single-process
 model loads (no shardfusion needed) with outputs equal to the sharded model's; a full state dict (that export) loads
-back into a sharded model of another layout; a missing key raises on every rank.
+back into a sharded model of another layout; a missing key raises on every rank. The command line refuses (exit 2,
+one line on stderr) an unreadable checkpoint, a truncated data file, and an OUT holding model.safetensors or
+config.json already (unless --overwrite).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +20,10 @@ from harness import run_distributed
 from models import Block, TinyTransformer, make_batch
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def _assert_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sorted(a.keys() ^ b.keys())
 
 
 def _save_job(root: str) -> dict:
@@ -60,7 +67,7 @@ def _import_job(export_dir: str) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_export_loads_in_plain_pytorch_and_back_into_sharded(tmp_path):
+def test_export_loads_in_plain_pytorch_and_back_into_sharded(tmp_path, capsys):
     root, out = tmp_path / "ckpt", tmp_path / "export"
     saved = run_distributed(_save_job, 4, str(root), timeout=120)
     proc = subprocess.run([sys.executable, "-m", "shardfusion.export", str(root), str(out)], cwd=REPO,
@@ -86,3 +93,34 @@ def test_export_loads_in_plain_pytorch_and_back_into_sharded(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "shardfusion.export", str(tmp_path / "nothing"), str(out)], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not readable" in bad.stderr, bad.stderr[-1000:]
+    # the rest in this process (main, not a subprocess: no second torch start-up)
+    from safetensors.torch import load_file
+    from shardfusion import export
+
+    def cli_error(*argv: str) -> str:
+        """main(argv)'s stderr, which must be one line, after exiting with status 2."""
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as info:
+            export.main(list(argv))
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, (info.value.code, err)
+        return err
+    # existing output files are not replaced without --overwrite (here: a run folder with its own config.json)
+    err = cli_error(str(root), str(out))
+    assert f"{str(out / 'model.safetensors')!r} exists" in err and "--overwrite" in err, err
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text('{"job": "training"}')
+    err = cli_error(str(root), str(run_dir))
+    assert f"{str(run_dir / 'config.json')!r} exists" in err, err
+    assert (run_dir / "config.json").read_text() == '{"job": "training"}'
+    assert not (run_dir / "model.safetensors").exists()
+    assert export.main([str(root), str(run_dir), "--overwrite"]) == 0
+    exported = load_file(str(out / "model.safetensors"))
+    _assert_equal(load_file(str(run_dir / "model.safetensors")), exported)
+    # a truncated data file: a usage error naming the checkpoint and the file, not DCP's traceback
+    damaged = tmp_path / "damaged"
+    shutil.copytree(root / "step-1", damaged)
+    os.truncate(damaged / "__1_0.distcp", 100)
+    err = cli_error(str(damaged), str(tmp_path / "export-damaged"))
+    assert f"checkpoint {str(damaged)!r} cannot be read: __1_0.distcp has 100 bytes" in err, err

@@ -20,10 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from shardfusion.checkpoint import latest_checkpoint, read_all
+from shardfusion.checkpoint import latest_checkpoint, read_all, read_meta
+from shardfusion.export import export
 from shardfusion.metrics import MetricsLog, read_metrics
+from shardfusion.models.gpt import GPT, GPTConfig
 from shardfusion.train import write_config
+from shardfusion.train_config import TrainConfig, check_run, resolve
 from test_train import REPO, clean_env, moe_flag_error, run
 
 STEPS, SAVE_EVERY, KEEP, EVAL_EVERY = 30, 5, 2, 10
@@ -79,6 +83,31 @@ def test_exact_resume_after_stop(reference: Path, tmp_path: Path) -> None:
     _assert_same_run(tmp_path, reference, from_step=half, stopped_at=half)
     published = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-"))
     assert published == [f"step-{STEPS - SAVE_EVERY}", f"step-{STEPS}"]  # --keep 2
+    # the export of the job's checkpoint carries the model config: a plain GPT is built from it and loads it
+    export(str(tmp_path / "checkpoints"), str(tmp_path / "export"))
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    plain = GPT(GPTConfig(**config["extra"]["model"]))
+    missing, unexpected = plain.load_state_dict(load_file(str(tmp_path / "export" / "model.safetensors")),
+                                                strict=False)
+    assert missing == ["lm_head.weight"] and unexpected == []  # tied to the token embedding
+
+
+@pytest.mark.timeout(3 * 150 + 60)
+def test_resume_with_other_flags(tmp_path: Path) -> None:
+    """Changed flags take effect and are named; a model field that keeps every shape is named too; a run that has
+    nothing left to train says so and leaves the outputs alone; --stop-after saves without --save-every."""
+    flags = [f for f in FLAGS if f not in ("--save-every", str(SAVE_EVERY))]
+    assert "--save-every" not in flags
+    _ok(run([*flags, "--stop-after", "2", "--out", str(tmp_path)]))
+    assert latest_checkpoint(str(tmp_path / "checkpoints")).endswith("step-2")  # saved by --stop-after alone
+    second = _ok(run([*flags, "--stop-after", "4", "--weight-decay", "0", "--n-head", "2", "--out", str(tmp_path)]))
+    assert "--weight-decay was 0.1, now 0.0" in second and "model field n_head was 4, now 2" in second, second
+    groups = read_meta(str(tmp_path / "checkpoints" / "step-4"))["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.0, 0.0]  # this run's flag, not the saved 0.1
+    assert json.loads((tmp_path / "config.step-2.json").read_text())["weight_decay"] == 0.1  # kept
+    summary = (tmp_path / "summary.json").read_text()
+    third = _ok(run([*flags, "--stop-after", "4", "--weight-decay", "0", "--n-head", "2", "--out", str(tmp_path)]))
+    assert "nothing to train" in third and (tmp_path / "summary.json").read_text() == summary
 
 
 def _descendants(pid: int) -> list[int]:
@@ -183,3 +212,21 @@ def test_config_of_a_resumed_run(tmp_path: Path) -> None:
     write_config(tmp_path, {**first, "lr": 0.2}, resumed={**resumed, "step": 7})  # other settings: keep the old
     assert json.loads((tmp_path / "config.step-7.json").read_text())["lr"] == 0.1
     assert json.loads((tmp_path / "config.json").read_text())["lr"] == 0.2
+
+
+def test_out_with_a_run_but_no_checkpoint_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "metrics.jsonl").write_text("")
+    config = resolve(TrainConfig(out=str(tmp_path), data_bytes=300_000, preset="tiny"), device="cpu", world_size=4)
+    with pytest.raises(ValueError, match="holds a run \\(metrics.jsonl\\) but no checkpoint to resume from"):
+        check_run(config, world_size=4, world="--nproc 4")
+    assert moe_flag_error(capsys, ["--max-restarts", "1"]).startswith("--max-restarts 1 needs --save-every > 0")
+
+
+def test_metrics_log_drops_a_torn_line(tmp_path: Path) -> None:
+    log = MetricsLog(tmp_path)
+    log.log_train(step=1, loss=1.0, grad_norm=1.0, lr=0.1, tokens_per_s=1.0, elapsed_s=1.0)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 2, "loss": 4.5, "grad_n')  # a crash in the middle of a write
+    resumed = MetricsLog(tmp_path, resume_step=1)
+    assert [r["step"] for r in resumed.train] == [1] and resumed.dropped == 1
+    assert (tmp_path / "metrics.dropped.jsonl").read_text() == '{"step": 2, "loss": 4.5, "grad_n\n'
