@@ -59,19 +59,23 @@ from __future__ import annotations
 
 import os
 import shutil
-import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from shardfusion.checkpoint_folder import checkpoint_bytes, latest_checkpoint, publish
 from shardfusion.checkpoint_planners import FragmentLoadPlanner, FragmentSavePlanner
+from shardfusion.checkpoint_read import failure_text, open_checkpoint, read_error, read_meta, read_plain
+from shardfusion.comm import call_on_rank0
 from shardfusion.fully_shard import _state
+
+__all__ = ["FORMAT_VERSION", "save", "load", "save_checkpoint", "latest_checkpoint", "checkpoint_bytes", "read_meta",
+           "read_all", "load_full", "load_full_state"]
 
 FORMAT_VERSION = 2
 
@@ -206,7 +210,8 @@ def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
     Raises:
         ValueError: on every rank, before anything is written: an optimizer state entry of another kind, a
             tensor-parallel parameter with mp > 1, or a ``rank_state`` value that is not a tensor (each named with
-            its rank).
+            its rank); after the write, on every rank: a rank could not write its files (disk full, not writable:
+            ``checkpoint <path> cannot be written: rank r: ...``), and the folder is then incomplete.
     """
     info = _model_info(model, optimizer, rank_state)
     if info["problems"]:
@@ -241,111 +246,12 @@ def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
                       "shapes": info["shapes"], "buffer_shapes": info["buffer_shapes"],
                       "optim_state": info["optim_state"] if optimizer is not None else None,
                       "param_groups": groups, "extra": extra}
-    dcp.save(sd, storage_writer=FileSystemWriter(path), planner=FragmentSavePlanner(fragments),
-             no_dist=not dist.is_initialized())
-
-
-def _read_plain_raw(sd: dict[str, Any], reader: FileSystemReader) -> None:
-    """Fill ``sd`` (keys as stored; ``None`` for pickled items) from ``reader`` in this process alone, no collective;
-    DCP's errors as they are (``CheckpointException``, a ``BaseException``). ``flatten_sharded_tensors=False``: the
-    default copies ``sd``, and pickled items would land in the copy."""
-    with warnings.catch_warnings():
-        # DCP warns that it "assumes the intent is to load in a single process" when a process group exists: it is.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(sd, storage_reader=reader,
-                 planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False), no_dist=True)
-
-
-def _read_plain(sd: dict[str, Any], reader: FileSystemReader, path: str) -> None:
-    """:func:`_read_plain_raw`, a failed read (a data file truncated, corrupt or missing) as one ``ValueError``.
-
-    Raises:
-        ValueError: ``checkpoint <path> cannot be read: ...`` (:func:`_read_error`).
-    """
     try:
-        _read_plain_raw(sd, reader)
-    except (CheckpointException, OSError) as error:  # DCP's error is a BaseException
-        raise _read_error(path, reader, error) from error
-
-
-def _failure_text(error: BaseException, with_ranks: bool = False) -> str:
-    """``error`` on one line: for DCP's ``CheckpointException`` (one traceback per failed rank in its ``str``) the
-    exception of each failed rank, with ``with_ranks`` prefixed by the ranks that raised it (``rank 1: EOFError``)."""
-    if isinstance(error, CheckpointException) and error.failures:
-        by_text: dict[str, list[int]] = {}
-        for rank, (exc, _trace) in sorted(error.failures.items()):
-            text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            by_text.setdefault(text, []).append(rank)
-        parts = [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {text}" if with_ranks else text
-                 for text, ranks in by_text.items()]
-        text = "; ".join(parts)
-    else:
-        text = f"{type(error).__name__}: {error}"
-    return " ".join(text.split())
-
-
-def _damaged_files(path: str, reader: FileSystemReader) -> list[str]:
-    """The data files of ``path`` that are missing or shorter than its metadata says, each with the keys it holds
-    (the first few), e.g. ``"__1_0.distcp has 100 bytes, the metadata needs 7442 (15 keys: model/a.weight, ...)"``;
-    ``[]`` when the metadata cannot be read or every file is long enough."""
-    try:
-        storage = reader.read_metadata().storage_data
-    except Exception:  # noqa: BLE001 - a diagnosis only: the caller reports the read error itself
-        return []
-    need: dict[str, int] = {}
-    keys: dict[str, list[str]] = {}
-    for index, info in storage.items():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-        if index.fqn not in keys.setdefault(info.relative_path, []):
-            keys[info.relative_path].append(index.fqn)
-    out = []
-    for name in sorted(need):
-        file = os.path.join(path, name)
-        size = os.path.getsize(file) if os.path.isfile(file) else None
-        if size is not None and size >= need[name]:
-            continue
-        held = ", ".join(keys[name][:3]) + (", ..." if len(keys[name]) > 3 else "")
-        what = "is missing" if size is None else f"has {size} bytes, the metadata needs {need[name]}"
-        out.append(f"{name} {what} ({len(keys[name])} key{'s' if len(keys[name]) > 1 else ''}: {held})")
-    return out
-
-
-def _read_error(path: str, reader: Optional[FileSystemReader], error: BaseException,
-                with_ranks: bool = False) -> ValueError:
-    """The error for a failed read of checkpoint ``path``: one line naming the path, the damaged data files (missing
-    or truncated, with their keys) and the exception (of each failed rank, named with ``with_ranks``)."""
-    damaged = _damaged_files(path, reader) if reader is not None else []
-    return ValueError(f"checkpoint {path!r} cannot be read: "
-                      + "; ".join(damaged + [_failure_text(error, with_ranks)]))
-
-
-def _open(path: str) -> tuple[FileSystemReader, dict]:
-    """A reader of ``path`` (its DCP metadata read) and the ``meta`` item, in this process alone.
-
-    Raises:
-        ValueError: ``path`` is not a readable checkpoint folder (names the path and the cause).
-    """
-    reader = None
-    try:
-        reader = FileSystemReader(path)
-        sd: dict[str, Any] = {"meta": None}
-        _read_plain_raw(sd, reader)
-    except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's error is a BaseException
-        # any unreadable folder: one clear error on one line, the same on every rank
-        damaged = _damaged_files(path, reader) if reader is not None else []
-        raise ValueError(f"checkpoint folder {path!r} is not readable: "
-                         + "; ".join(damaged + [_failure_text(error)])) from error
-    return reader, sd["meta"]
-
-
-def read_meta(path: str) -> dict:
-    """The ``meta`` item of a checkpoint (format version, saving world size, original shapes, optimizer state keys
-    and groups, ``extra``: see the module docstring), read by this process alone (no collective).
-
-    Raises:
-        ValueError: ``path`` is not a readable checkpoint folder (names the path and the cause).
-    """
-    return _open(path)[1]
+        dcp.save(sd, storage_writer=FileSystemWriter(path), planner=FragmentSavePlanner(fragments),
+                 no_dist=not dist.is_initialized())
+    except (CheckpointException, OSError) as error:  # DCP gathers every rank's write errors: raised on every rank
+        raise ValueError(f"checkpoint {path!r} cannot be written: "
+                         f"{failure_text(error, with_ranks=dist.is_initialized())}") from error
 
 
 def _check_keys(info: dict, meta: dict, path: str) -> None:
@@ -448,7 +354,7 @@ def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
             rank's error; the model and optimizer are then partly loaded.
     """
     try:
-        reader, meta = _open(path)
+        reader, meta = open_checkpoint(path)
         unreadable = None
     except ValueError as error:  # maybe on some ranks only (a file system not shared by every node)
         reader, meta, unreadable = None, None, str(error)
@@ -483,7 +389,7 @@ def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
             dcp.load(sd, storage_reader=reader, planner=FragmentLoadPlanner(fragments, frozenset(optional)),
                      no_dist=not dist.is_initialized())
     except (CheckpointException, OSError) as error:  # DCP's error is a BaseException
-        raise _read_error(path, reader, error, with_ranks=dist.is_initialized()) from error
+        raise read_error(path, reader, error, with_ranks=dist.is_initialized()) from error
     if rank_state is not None:
         rank_state.update(replaced)
     if optimizer is not None and meta["optim_state"] is not None:
@@ -514,12 +420,12 @@ def read_all(path: str) -> dict[str, torch.Tensor]:
         ValueError: ``path`` is not a readable checkpoint folder, or a data file is truncated, corrupt or missing
             (one line naming ``path`` and the damaged files).
     """
-    reader, meta = _open(path)
+    reader, meta = open_checkpoint(path)
     sd: dict[str, Any] = {}
     for key, m in reader.read_metadata().state_dict_metadata.items():
         if key != "meta":
             sd[key] = torch.empty(m.size, dtype=m.properties.dtype)
-    _read_plain(sd, reader, path)
+    read_plain(sd, reader, path)
     shapes = meta["shapes"]
     for key, t in sd.items():
         parts = key.split("/")
@@ -563,7 +469,7 @@ def save_checkpoint(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     Pruning (rank 0, after the publish): the checkpoint just published is never deleted; among the published
     checkpoints with a lower step, the ``keep - 1`` highest are kept and the others deleted. Checkpoints with a
     higher step (from an abandoned timeline: a run resumed from an older checkpoint) are left untouched, for the user
-    to delete; ``latest`` points at the one just saved. Leftover ``tmp-step-<n>`` folders of crashed saves (any
+    to delete, except one of the same step, which the new one replaces; ``latest`` points at the one just saved. Leftover ``tmp-step-<n>`` folders of crashed saves (any
     step: the one in flight has been renamed by then) are deleted too.
 
     Raises:
@@ -573,91 +479,11 @@ def save_checkpoint(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     if keep < 1 or step < 0:
         raise ValueError(f"save_checkpoint: keep must be >= 1 and step >= 0, got keep={keep}, step={step}")
     final, tmp = os.path.join(root, f"step-{step}"), os.path.join(root, f"tmp-step-{step}")
-    _on_rank0(lambda: (os.makedirs(root, exist_ok=True), shutil.rmtree(tmp, ignore_errors=True)),  # a crashed try
-              f"cannot prepare {tmp!r}")
+    call_on_rank0(lambda: (os.makedirs(root, exist_ok=True), shutil.rmtree(tmp, ignore_errors=True)),  # a crashed try
+                  f"cannot prepare {tmp!r}")
     save(model, optimizer, tmp, extra=extra, rank_state=rank_state)
-    _on_rank0(lambda: _publish(root, step, keep), f"cannot publish {tmp!r} as {final!r}")
+    call_on_rank0(lambda: publish(root, step, keep), f"cannot publish {tmp!r} as {final!r}")
     return final
-
-
-def _on_rank0(action: Callable[[], Any], what: str) -> None:
-    """Run ``action`` on rank 0 while the other ranks wait, then raise its error on every rank (collective: one
-    ``broadcast_object_list``, which is also the barrier), so that no rank waits forever for a rank that failed.
-
-    Raises:
-        ValueError: on every rank, ``what`` and rank 0's error.
-    """
-    error = None
-    if _rank() == 0:
-        try:
-            action()
-        except OSError as e:
-            error = f"{what}: {type(e).__name__}: {e}"
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error is not None:
-        raise ValueError(error)
-
-
-def _publish(root: str, step: int, keep: int) -> None:
-    """On rank 0, after every rank has saved into ``root/tmp-step-<step>``: rename it to ``root/step-<step>``, point
-    ``root/latest`` at it (a temporary file, fsync, ``os.replace``), fsync ``root`` so that both renames are durable,
-    then prune (see :func:`save_checkpoint`): keep the ``keep - 1`` highest published checkpoints of a lower step,
-    leave those of a higher step, delete every ``tmp-step-<n>`` folder."""
-    final = os.path.join(root, f"step-{step}")
-    shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a resumed run)
-    os.replace(os.path.join(root, f"tmp-step-{step}"), final)
-    pointer = os.path.join(root, "latest")
-    with open(pointer + ".tmp", "w") as f:
-        f.write(f"step-{step}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer + ".tmp", pointer)
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    lower = [d for d in _published(root) if int(d[5:]) < step]  # oldest first; the new one is not among them
-    for old in lower[:max(len(lower) - (keep - 1), 0)]:
-        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    for name in os.listdir(root):  # folders of crashed saves (the one in flight is step-<step> by now)
-        if name.startswith("tmp-step-") and name[9:].isdigit():
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-
-def _published(root: str) -> list[str]:
-    """The published checkpoint folders under ``root`` (``step-<n>`` with DCP's ``.metadata``), oldest first."""
-    if not os.path.isdir(root):
-        return []
-    found = [d for d in os.listdir(root) if d.startswith("step-") and d[5:].isdigit()
-             and os.path.isfile(os.path.join(root, d, ".metadata"))]
-    return sorted(found, key=lambda d: int(d[5:]))
-
-
-def latest_checkpoint(root: str) -> Optional[str]:
-    """The newest published checkpoint folder under ``root`` (from the ``latest`` pointer, i.e. the last one
-    :func:`save_checkpoint` published, else the highest complete ``step-<n>``, which may belong to an abandoned
-    timeline), or ``None``. ``tmp-`` folders of interrupted saves are never returned."""
-    pointer = os.path.join(root, "latest")
-    if os.path.isfile(pointer):
-        with open(pointer) as f:
-            name = f.read().strip()
-        if os.path.isfile(os.path.join(root, name, ".metadata")):
-            return os.path.join(root, name)
-    published = _published(root)
-    return os.path.join(root, published[-1]) if published else None
-
-
-def checkpoint_bytes(path: str) -> int:
-    """Total size in bytes of the files of the checkpoint directory ``path`` (its data files and ``.metadata``).
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist (NotADirectoryError: it is a file).
-    """
-    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
 
 def load_full_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -378,3 +378,28 @@ def all_to_all_counts(counts: torch.Tensor, group: Optional[ProcessGroup]) -> to
     splits = [counts.numel() // size] * size
     with torch.no_grad():
         return _all_to_all(counts, splits, splits, group)
+
+
+def call_on_rank0(action: Callable[[], Any], what: str) -> Any:
+    """Run ``action()`` on rank 0 of the default group while the other ranks wait; return its value on every rank,
+    or raise its error on every rank. Collective: one ``broadcast_object_list`` (not recorded by a CommCounter: a
+    host object, not a tensor collective of the step), which is also the barrier. For work only rank 0 does (file
+    system updates, reading a pointer file) before a collective that every rank enters: a failure on rank 0 alone
+    must not leave the others waiting in it. The value must be picklable.
+
+    Raises:
+        ValueError: on every rank: ``"<what>: <rank 0's error type>: <message>"``.
+    """
+    value, error = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            value = action()
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            error = f"{what}: {type(e).__name__}: {e}"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [(value, error)]
+        dist.broadcast_object_list(box, src=0)
+        value, error = box[0]
+    if error is not None:
+        raise ValueError(error)
+    return value

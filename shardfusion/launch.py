@@ -26,6 +26,25 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 
+UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""Set to 1 in the elastic agent's environment, it gives the workers of each restart a new rendezvous store."""
+
+
+def restart_problem() -> str | None:
+    """Why restarts of this worker would fail, or None: under torchrun with --max-restarts > 0, torch 2.13's agent
+    shares one rendezvous TCPStore across restarts unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is in its
+    environment. Restarted workers then find the addresses that the dead attempt's process group published under
+    the same keys and fail to connect ("Gloo connectFullMesh failed ... Connection refused"). A per-attempt key
+    prefix does not help on several nodes: only the node whose worker failed counts the restart
+    (TORCHELASTIC_RESTART_COUNT), so the nodes would disagree on the prefix. `launch` sets the variable itself."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and \
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        return (f"torchrun --max-restarts needs {UNSHARED_STORE}=1 in torchrun's environment (with torch 2.13 a "
+                f"restarted worker cannot join the process group otherwise): run "
+                f"`{UNSHARED_STORE}=1 torchrun ...`")
+    return None
+
+
 def under_torchrun() -> bool:
     """True when this process was started by torchrun / the elastic launcher."""
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
@@ -63,6 +82,8 @@ def launch(worker: Callable[..., Any], args: tuple, nproc: int, threads_per_work
     one that raises exits as usual, non-zero.
     """
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker))
+    if max_restarts:
+        os.environ[UNSHARED_STORE] = "1"  # a store of its own per restart (see `restart_problem`)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -110,30 +131,12 @@ def init_worker(device: str) -> torch.device:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     else:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
-    kwargs = _restart_store()
     if device == "cuda":
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), **kwargs)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
         return torch.device("cuda", local_rank)
-    dist.init_process_group("gloo", **kwargs)
+    dist.init_process_group("gloo")
     return torch.device("cpu")
-
-
-def _restart_store() -> dict[str, Any]:
-    """init_process_group arguments that give each elastic restart a key space of its own in the rendezvous store.
-
-    The elastic agent (torchrun's, and `launch`'s) keeps one TCPStore for all restarts and, unless
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, its workers use it as it is (torch 2.13). The process group of a restarted
-    worker would then find the addresses its predecessors published and fail to connect to them ("Gloo
-    connectFullMesh failed ... Connection refused"). A PrefixStore named after TORCHELASTIC_RESTART_COUNT keeps the
-    attempts apart. Returns {} outside the agent (env:// as usual)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        return {}
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"shardfusion/attempt_{attempt}", store), "rank": rank,
-            "world_size": world_size}
 
 
 def threads_per_worker(nproc: int) -> int:

@@ -36,11 +36,13 @@ import shardfusion as sf
 from shardfusion import train_state
 from shardfusion.accounting import ranks_per_node_from_env
 from shardfusion.data import BatchSampler, load_corpus, split_corpus
-from shardfusion.launch import (default_nproc, exit_now, init_worker, launch, pick_device, threads_per_worker,
-                                under_torchrun)
+from shardfusion.launch import (default_nproc, exit_now, init_worker, launch, pick_device, restart_problem,
+                                threads_per_worker, under_torchrun)
+from shardfusion.comm import call_on_rank0
 from shardfusion.metrics import (MetricsLog, comm_step_record, expert_balance, format_summary, plot_losses,
                                  summarize)
 from shardfusion.models.gpt import GPT, Block, GPTConfig
+from shardfusion.run_outputs import open_outputs
 from shardfusion.train_config import DTYPES, TrainConfig, check_run, lr_at, parse_args, resolve, usage_error
 
 ADAM_BETAS = (0.9, 0.95)
@@ -187,19 +189,21 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
                            dp_world=dp_world)
     tokens_per_step = config.batch_size * model_config.seq_len * config.grad_accum * dp_world
 
-    log = None
+    record = {**dataclasses.asdict(config), "model": dataclasses.asdict(model_config), "world_size": world,
+              "layout": topo.describe(), "num_params": num_params, "num_active_params": num_active,
+              "tokens_per_step": tokens_per_step, "train_bytes": len(train_data), "val_bytes": len(val_data)}
+    resumed = {"checkpoint": resume_from, "step": start, "notes": notes} if resume_from else None
+    opened: list[MetricsLog] = []  # rank 0's log; a failure on rank 0 raises on every rank (no rank left waiting)
+    archived = call_on_rank0(lambda: open_outputs(out, record, resumed, opened), f"cannot write to --out {out}")
+    log = opened[0] if opened else None
     if is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        write_config(out, {
-            **dataclasses.asdict(config), "model": dataclasses.asdict(model_config), "world_size": world,
-            "layout": topo.describe(), "num_params": num_params, "num_active_params": num_active,
-            "tokens_per_step": tokens_per_step, "train_bytes": len(train_data), "val_bytes": len(val_data)},
-            resumed={"checkpoint": resume_from, "step": start, "notes": notes} if resume_from else None)
-        log = MetricsLog(out, resume_step=start if resume_from else None)
         experts = (f" ({model_config.n_experts} experts per layer, top-{model_config.top_k}: {num_active:,} active "
                    f"per token)" if moe else "")
         print(f"shardfusion: {topo.describe()}; {num_params:,} parameters{experts}; {len(train_data):,} train / "
               f"{len(val_data):,} val bytes; output in {out}", flush=True)
+        if archived:
+            print(f"shardfusion: {out} held the outputs of a run without a checkpoint: moved to {archived}",
+                  flush=True)
         if resume_from:
             dropped = f"; {log.dropped} later records moved to metrics.dropped.jsonl" if log.dropped else ""
             print(f"shardfusion: resuming at step {start} from {resume_from}{dropped}", flush=True)
@@ -296,26 +300,6 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     return summary
 
 
-RUN_CONTROL = frozenset({"stop_after", "max_restarts", "progress", "resumed", "out"})
-"""config.json fields that only control one run (not how its steps are trained): `write_config` ignores them."""
-
-
-def write_config(out: Path, config: dict[str, Any], resumed: dict[str, Any] | None) -> None:
-    """Write OUT/config.json; a resumed run adds `resumed` ({checkpoint, step, notes}). The config.json of the run it
-    resumed is kept as config.step-N.json (config.step-N.2.json, ... if that exists) when its settings differ from this run's (other flags), so no record of
-    how earlier steps were trained is lost."""
-    path = out / "config.json"
-    if resumed is not None and path.exists():
-        before, now = json.loads(path.read_text()), json.loads(json.dumps(config))
-        if any(before.get(k) != now.get(k) for k in set(before) | set(now) if k not in RUN_CONTROL):
-            kept, n = out / f"config.step-{resumed['step']}.json", 1
-            while kept.exists():  # resumed at this step before, with other settings again: keep both
-                n += 1
-                kept = out / f"config.step-{resumed['step']}.{n}.json"
-            path.replace(kept)
-    path.write_text(json.dumps({**config, **({"resumed": resumed} if resumed else {})}, indent=2) + "\n")
-
-
 def worker(config: TrainConfig) -> dict[str, Any] | None:
     """One worker's whole run: join the process group, train, leave the group. Run in a process spawned by `launch`,
     or in the process torchrun started; either way the process then ends with `exit_now(0)` if this returned."""
@@ -336,6 +320,13 @@ def preflight(config: TrainConfig, *, torchrun: bool) -> TrainConfig:
         ValueError: one line naming the flag to change (see `check_run`).
     """
     device = pick_device(config.device)
+    if torchrun and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        problem = restart_problem()
+        if problem is None and (config.out is None or not config.save_every):
+            problem = ("torchrun --max-restarts needs --out and --save-every: restarted workers resume from the "
+                       "latest checkpoint in --out (without --out each attempt would write to a new folder)")
+        if problem:
+            raise ValueError(problem)
     if torchrun:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))

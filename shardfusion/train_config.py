@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from shardfusion.checkpoint import latest_checkpoint
-from shardfusion.train_state import CHECKPOINT_DIR
 from shardfusion.data import corpus_size, min_corpus_bytes, split_sizes
 from shardfusion.models.gpt import PRESETS, GPTConfig
 from shardfusion.topology import Degrees
@@ -227,10 +225,6 @@ def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
                          f"bytes, but each split needs {seq} bytes; use --data-bytes >= {need} or a smaller --seq-len")
     if config.out is not None:
         out = Path(config.out)
-        earlier = [name for name in ("metrics.jsonl", "summary.json") if (out / name).is_file()]
-        if earlier and latest_checkpoint(str(out / CHECKPOINT_DIR)) is None:
-            raise ValueError(f"--out {config.out} holds a run ({', '.join(earlier)}) but no checkpoint to resume "
-                             f"from; use another --out, or move those files away")
         existing = next(p for p in (out, *out.absolute().parents) if p.exists())
         if not existing.is_dir():
             raise ValueError(f"--out {config.out}: {existing} exists and is not a folder")

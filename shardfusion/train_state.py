@@ -33,14 +33,17 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardfusion import checkpoint as ckpt
+from shardfusion.comm import call_on_rank0
 
 CHECKPOINT_DIR = "checkpoints"
 """Folder under --out holding the job's checkpoints (`step-N`, `latest`)."""
 
 RESUME_FIELDS = ("seed", "steps", "lr", "min_lr", "warmup", "weight_decay", "clip", "batch_size", "grad_accum",
-                 "aux_loss_coef", "data", "data_bytes", "dropout")
-"""TrainConfig fields that decide the learning rate schedule, the data order and the loss: a resume with other
-values continues, but not as the saved run would have."""
+                 "aux_loss_coef", "data", "data_bytes", "dropout", "param_dtype", "grad_comm_dtype", "expert_policy",
+                 "device")
+"""TrainConfig fields that decide the learning rate schedule, the data order, the loss or the arithmetic (dtypes,
+device, where expert gradients are summed): a resume with other values continues, but not as the saved run would
+have."""
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -62,16 +65,24 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
 
 def latest(out: str) -> Optional[str]:
     """The latest published checkpoint under ``out/checkpoints`` as rank 0 sees it (broadcast, so every rank resumes
-    from the same one), or None. Collective."""
-    found = [ckpt.latest_checkpoint(os.path.join(out, CHECKPOINT_DIR)) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(found, src=0)
-    return found[0]
+    from the same one), or None. Collective.
+
+    Raises:
+        ValueError: on every rank: rank 0 could not look (e.g. the folder is not readable).
+    """
+    return call_on_rank0(lambda: ckpt.latest_checkpoint(os.path.join(out, CHECKPOINT_DIR)),
+                         f"cannot look for a checkpoint in {out}/{CHECKPOINT_DIR}")
 
 
 def save(model: nn.Module, optimizer: torch.optim.Optimizer, out: str, *, step: int, keep: int, config: Any,
          model_config: Any, layout: str, elapsed_s: float, device: torch.device) -> str:
     """Publish ``out/checkpoints/step-<step>`` (see `shardfusion.checkpoint.save_checkpoint`); returns its path.
-    Collective."""
+    Collective.
+
+    Raises:
+        ValueError: on every rank: what `shardfusion.checkpoint.save_checkpoint` raises (a folder that cannot be
+            written, a disk full).
+    """
     extra = {"step": step, "elapsed_s": elapsed_s, "world_size": dist.get_world_size(), "layout": layout,
              "model": dataclasses.asdict(model_config),
              "config": {name: getattr(config, name) for name in RESUME_FIELDS}}

@@ -26,8 +26,7 @@ from shardfusion.checkpoint import latest_checkpoint, read_all, read_meta
 from shardfusion.export import export
 from shardfusion.metrics import MetricsLog, read_metrics
 from shardfusion.models.gpt import GPT, GPTConfig
-from shardfusion.train import write_config
-from shardfusion.train_config import TrainConfig, check_run, resolve
+from shardfusion.run_outputs import open_outputs, write_config
 from test_train import REPO, clean_env, moe_flag_error, run
 
 STEPS, SAVE_EVERY, KEEP, EVAL_EVERY = 30, 5, 2, 10
@@ -128,23 +127,43 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _workers(pid: int) -> list[int]:
-    """The training workers the launcher `pid` spawned (multiprocessing spawn children)."""
-    workers = []
-    for child in _descendants(pid):
+TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "4",
+            "--max-restarts", "2", "-m", "shardfusion.train"]
+
+
+def _workers(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of the training workers below the launcher: processes started by torchrun have RANK in their
+    environment; the job's own launcher spawns them (multiprocessing) in rank order and sets RANK only after the
+    start, so their rank is their place in pid order."""
+    found = {}
+    for pid in _descendants(launcher_pid):
         try:
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                workers.append(child)
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
-            pass
-    return sorted(workers)
+            continue
+        if b"spawn_main" in cmdline or b"shardfusion.train" in cmdline:
+            found[pid] = next((int(e[5:]) for e in environ if e.startswith(b"RANK=")), None)
+    if any(rank is None for rank in found.values()):
+        return dict(enumerate(sorted(found)))
+    return {rank: pid for pid, rank in found.items()}
 
 
 @pytest.mark.timeout(KILL_TIMEOUT_S + 150 + 60)
-def test_killed_worker_restarts_from_latest_checkpoint(reference: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", ["local", "torchrun"])
+def test_killed_worker_restarts_from_latest_checkpoint(reference: Path, tmp_path: Path, launcher: str) -> None:
+    """SIGKILL rank 2 once the first checkpoint is published: the elastic agent (the job's own launcher with
+    --max-restarts, or torchrun's with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) restarts every worker, and they resume."""
     log = tmp_path / "log.txt"
-    command = [sys.executable, "-m", "shardfusion.train", *FLAGS, "--max-restarts", "2", "--out", str(tmp_path)]
-    with log.open("w") as sink, subprocess.Popen(command, cwd=REPO, env=clean_env(), stdout=sink,
+    if launcher == "local":
+        command = [sys.executable, "-m", "shardfusion.train", *FLAGS, "--max-restarts", "2"]
+        env = clean_env()
+    else:
+        nproc = FLAGS.index("--nproc")
+        command = [*TORCHRUN, *FLAGS[:nproc], *FLAGS[nproc + 2:]]
+        env = {**clean_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    command += ["--out", str(tmp_path)]
+    with log.open("w") as sink, subprocess.Popen(command, cwd=REPO, env=env, stdout=sink,
                                                  stderr=subprocess.STDOUT, start_new_session=True) as process:
         deadline = time.monotonic() + KILL_TIMEOUT_S
         killed = None
@@ -152,8 +171,8 @@ def test_killed_worker_restarts_from_latest_checkpoint(reference: Path, tmp_path
             while process.poll() is None and time.monotonic() < deadline:
                 if killed is None and latest_checkpoint(str(tmp_path / "checkpoints")) is not None:
                     workers = _workers(process.pid)
-                    assert len(workers) == 4, workers
-                    killed = workers[1]
+                    assert sorted(workers) == [0, 1, 2, 3], workers
+                    killed = workers[2]
                     os.kill(killed, signal.SIGKILL)
                 time.sleep(0.05)
             if process.poll() is None:
@@ -169,6 +188,16 @@ def test_killed_worker_restarts_from_latest_checkpoint(reference: Path, tmp_path
     resumed_at = int(text.split("resuming at step ")[1].split()[0])
     assert 0 < resumed_at < STEPS
     _assert_same_run(tmp_path, reference, from_step=resumed_at)
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_restarts_need_an_unshared_store(tmp_path: Path) -> None:
+    # without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 a restart cannot work (launch.restart_problem): refused up front
+    nproc = FLAGS.index("--nproc")
+    result = run([*FLAGS[:nproc], *FLAGS[nproc + 2:], "--out", str(tmp_path)], launcher=[*TORCHRUN[:-1]])
+    assert result.returncode != 0
+    assert "torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in result.stdout + result.stderr
+    assert not (tmp_path / "checkpoints").exists()
 
 
 # ---- in one process: flags, the metrics log and config.json of a resumed run ----------------------------------------
@@ -214,11 +243,20 @@ def test_config_of_a_resumed_run(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "config.json").read_text())["lr"] == 0.2
 
 
-def test_out_with_a_run_but_no_checkpoint_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    (tmp_path / "metrics.jsonl").write_text("")
-    config = resolve(TrainConfig(out=str(tmp_path), data_bytes=300_000, preset="tiny"), device="cpu", world_size=4)
-    with pytest.raises(ValueError, match="holds a run \\(metrics.jsonl\\) but no checkpoint to resume from"):
-        check_run(config, world_size=4, world="--nproc 4")
+def test_a_new_run_moves_the_files_of_an_earlier_one_aside(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "config.json").write_text('{"lr": 1}\n')
+    opened: list = []
+    assert open_outputs(tmp_path, {"lr": 2}, None, opened) == str(tmp_path / "earlier-1")
+    assert (tmp_path / "earlier-1" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert (tmp_path / "earlier-1" / "config.json").read_text() == '{"lr": 1}\n'
+    assert json.loads((tmp_path / "config.json").read_text()) == {"lr": 2} and opened[0].train == []
+    assert open_outputs(tmp_path, {"lr": 3}, None, []) == str(tmp_path / "earlier-2")  # never over earlier-1
+    assert json.loads((tmp_path / "earlier-2" / "config.json").read_text()) == {"lr": 2}
+    # a resume keeps the files (and archives an unreadable config.json as it is)
+    (tmp_path / "config.json").write_text('{"lr": ')
+    assert open_outputs(tmp_path, {"lr": 3}, {"checkpoint": "c", "step": 0, "notes": []}, []) is None
+    assert (tmp_path / "config.step-0.json").read_text() == '{"lr": '
     assert moe_flag_error(capsys, ["--max-restarts", "1"]).startswith("--max-restarts 1 needs --save-every > 0")
 
 
