@@ -119,8 +119,8 @@ class TrainConfig:
     command run again goes on from there. For time-sliced jobs (default: --steps)."""
     max_restarts: int = 0
     """When a worker fails, restart all workers up to this many times (the elastic launcher's restarts); they resume
-    from the latest checkpoint in --out, so it needs --save-every. Under torchrun use torchrun's own --max-restarts
-    (default 0)."""
+    from the latest checkpoint in --out, so it needs --save-every. Under torchrun use torchrun's own --max-restarts,
+    with --out, --save-every and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (default 0)."""
     sample_tokens: int = 200
     """Bytes to generate for the sample printed at the end; 0 skips it (default 200)."""
     device: str = "auto"
