@@ -92,6 +92,9 @@ def open_checkpoint(path: str) -> tuple[FileSystemReader, dict]:
     Raises:
         ValueError: ``path`` is not a readable checkpoint folder (names the path and the cause).
     """
+    if not os.path.isfile(os.path.join(path, ".metadata")):  # checked first: DCP would log tracebacks for it
+        what = "does not exist" if not os.path.exists(path) else "has no .metadata (not a complete DCP checkpoint)"
+        raise ValueError(f"checkpoint folder {path!r} is not readable: it {what}")
     reader = None
     try:
         reader = FileSystemReader(path)

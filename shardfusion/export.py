@@ -39,7 +39,10 @@ def export(ckpt: str, out: str, overwrite: bool = False) -> str:
             ``ckpt`` is not a readable checkpoint, or a data file of it is truncated, corrupt or missing (one line
             naming the path).
     """
-    path = ckpt if os.path.isfile(os.path.join(ckpt, ".metadata")) else (checkpoint.latest_checkpoint(ckpt) or ckpt)
+    path = ckpt
+    if not os.path.isfile(os.path.join(ckpt, ".metadata")):  # a root of step-N folders, or a training run's --out
+        root = os.path.join(ckpt, "checkpoints") if os.path.isdir(os.path.join(ckpt, "checkpoints")) else ckpt
+        path = checkpoint.latest_checkpoint(root) or ckpt
     meta = checkpoint.read_meta(path)  # an unreadable checkpoint first: the more basic error
     target, config_path = os.path.join(out, "model.safetensors"), os.path.join(out, "config.json")
     if not overwrite:  # before the tensors are read, before anything is written
@@ -61,7 +64,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     """The command line: ``CKPT OUT [--overwrite]``. Returns 0. An unreadable or damaged checkpoint, or an output
     file that exists without ``--overwrite``, exits with status 2 and a one-line error on stderr (no traceback)."""
     parser = argparse.ArgumentParser(prog="python -m shardfusion.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("ckpt", help="a checkpoint folder, or a root folder holding step-N checkpoints (the latest)")
+    parser.add_argument("ckpt", help="a checkpoint folder, a root folder holding step-N checkpoints, or a training run's --out "
+                        "(the latest checkpoint)")
     parser.add_argument("out", help="output folder for model.safetensors and config.json")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace OUT/model.safetensors and OUT/config.json if they exist (default: refuse)")

@@ -174,12 +174,15 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         for group, flags in zip(optimizer.param_groups, param_groups(model, config.weight_decay)):
             group["weight_decay"] = flags["weight_decay"]  # this run's flags, not the saved ones (lr: per step)
     stop = config.stop_after or config.steps
-    ends_early = stop < config.steps  # --stop-after: save there even without --save-every, so that a rerun goes on
+    # Save at the last step of this run also without --save-every when the run ends early (--stop-after) or resumed
+    # from a checkpoint: the next run then goes on from there, or knows that nothing is left to train.
+    save_at_stop = bool(config.save_every) or stop < config.steps or resume_from is not None
     if start >= stop:
         if is_main:
-            print(f"shardfusion: nothing to train: {resume_from} is at step {start}, and this run would stop at step "
-                  f"{stop} (--steps {config.steps}, --stop-after {config.stop_after}); outputs in {out} are kept",
-                  flush=True)
+            limit = f"--stop-after {stop}" if config.stop_after else f"--steps {config.steps}"
+            hint = "; to go on, run again with a larger --stop-after, or without it" if config.stop_after else ""
+            print(f"shardfusion: nothing to train: {resume_from} is at step {start}, and this run stops at {limit}"
+                  f"{hint}; outputs in {out} are kept", flush=True)
         return None
 
     dp_world = topo.dp * topo.sharding
@@ -271,7 +274,7 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         if done % config.eval_every == 0 or done == stop:
             run_eval(done, elapsed())
             t_step = time.perf_counter()  # keep evaluation time out of the next step's tokens/s
-        if (config.save_every and (done % config.save_every == 0 or done == stop)) or (ends_early and done == stop):
+        if (config.save_every and done % config.save_every == 0) or (save_at_stop and done == stop):
             path = train_state.save(model, optimizer, config.out, step=done, keep=config.keep, config=config,
                                     model_config=model_config, layout=topo.describe(), elapsed_s=elapsed(),
                                     device=device)

@@ -115,8 +115,8 @@ class TrainConfig:
     """Checkpoints kept in OUT/checkpoints: older ones are deleted once a newer one is published (default 3)."""
     stop_after: int | None = None
     """End this run after this many optimizer steps in total (steps of earlier runs in --out included) and save a
-    checkpoint there (also without --save-every); the learning-rate schedule still spans --steps, and the same
-    command run again goes on from there. For time-sliced jobs (default: --steps)."""
+    checkpoint there (also without --save-every); the learning-rate schedule still spans --steps, and a run without
+    it (or with a larger one) goes on from there. For time-sliced jobs (default: --steps)."""
     max_restarts: int = 0
     """When a worker fails, restart all workers up to this many times (the elastic launcher's restarts); they resume
     from the latest checkpoint in --out, so it needs --save-every. Under torchrun use torchrun's own --max-restarts,

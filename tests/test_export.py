@@ -118,6 +118,9 @@ def test_export_loads_in_plain_pytorch_and_back_into_sharded(tmp_path, capsys):
     assert export.main([str(root), str(run_dir), "--overwrite"]) == 0
     exported = load_file(str(out / "model.safetensors"))
     _assert_equal(load_file(str(run_dir / "model.safetensors")), exported)
+    # no checkpoint there at all: one line (DCP is not even asked, so it logs no traceback)
+    err = cli_error(str(tmp_path / "nowhere"), str(tmp_path / "export-nowhere"))
+    assert "nowhere' is not readable: it does not exist" in err, err
     # a truncated data file: a usage error naming the checkpoint and the file, not DCP's traceback
     damaged = tmp_path / "damaged"
     shutil.copytree(root / "step-1", damaged)

@@ -83,7 +83,7 @@ def test_exact_resume_after_stop(reference: Path, tmp_path: Path) -> None:
     published = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-"))
     assert published == [f"step-{STEPS - SAVE_EVERY}", f"step-{STEPS}"]  # --keep 2
     # the export of the job's checkpoint carries the model config: a plain GPT is built from it and loads it
-    export(str(tmp_path / "checkpoints"), str(tmp_path / "export"))
+    export(str(tmp_path), str(tmp_path / "export"))  # the run's --out: its latest checkpoint
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     plain = GPT(GPTConfig(**config["extra"]["model"]))
     missing, unexpected = plain.load_state_dict(load_file(str(tmp_path / "export" / "model.safetensors")),
@@ -107,6 +107,14 @@ def test_resume_with_other_flags(tmp_path: Path) -> None:
     summary = (tmp_path / "summary.json").read_text()
     third = _ok(run([*flags, "--stop-after", "4", "--weight-decay", "0", "--n-head", "2", "--out", str(tmp_path)]))
     assert "nothing to train" in third and (tmp_path / "summary.json").read_text() == summary
+    assert "to go on, run again with a larger --stop-after, or without it" in third
+    # without --stop-after and --save-every, a resumed run still saves at its end: a rerun knows it is finished
+    shorter = [*flags, "--weight-decay", "0", "--n-head", "2", "--out", str(tmp_path)]
+    shorter[shorter.index("--steps") + 1] = "6"
+    _ok(run(shorter))
+    assert latest_checkpoint(str(tmp_path / "checkpoints")).endswith("step-6")
+    last = _ok(run(shorter))
+    assert "nothing to train" in last and "to go on" not in last
 
 
 def _descendants(pid: int) -> list[int]:
