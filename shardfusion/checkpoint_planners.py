@@ -2,7 +2,7 @@
 read back exactly a rank's range, whatever chunks stored it (used by :mod:`shardfusion.checkpoint`, which describes
 the keys and the format).
 
-DCP pitfalls met in the spike (torch 2.13):
+DCP pitfalls these planners work around (torch 2.13):
 - ``find_state_dict_object`` refuses a plain tensor addressed with a non-zero offset: both planners override
   ``lookup_object`` / ``lookup_tensor`` for fragment keys.
 - ``_validate_global_plan`` requires the chunks of a key to tile its global size exactly (no overlap, full volume,
