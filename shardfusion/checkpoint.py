@@ -58,7 +58,6 @@ The DCP planners that write and read fragments, and the DCP pitfalls they avoid,
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Any, Optional
 
 import torch
@@ -68,7 +67,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from shardfusion.checkpoint_folder import checkpoint_bytes, latest_checkpoint, publish
+from shardfusion.checkpoint_folder import checkpoint_bytes, latest_checkpoint, prepare, publish
 from shardfusion.checkpoint_planners import FragmentLoadPlanner, FragmentSavePlanner
 from shardfusion.checkpoint_read import failure_text, open_checkpoint, read_error, read_meta, read_plain
 from shardfusion.comm import call_on_rank0
@@ -479,8 +478,7 @@ def save_checkpoint(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     if keep < 1 or step < 0:
         raise ValueError(f"save_checkpoint: keep must be >= 1 and step >= 0, got keep={keep}, step={step}")
     final, tmp = os.path.join(root, f"step-{step}"), os.path.join(root, f"tmp-step-{step}")
-    call_on_rank0(lambda: (os.makedirs(root, exist_ok=True), shutil.rmtree(tmp, ignore_errors=True)),  # a crashed try
-                  f"cannot prepare {tmp!r}")
+    call_on_rank0(lambda: prepare(root, step), f"cannot prepare {tmp!r}")
     save(model, optimizer, tmp, extra=extra, rank_state=rank_state)
     call_on_rank0(lambda: publish(root, step, keep), f"cannot publish {tmp!r} as {final!r}")
     return final

@@ -10,6 +10,13 @@ import shutil
 from typing import Optional
 
 
+def prepare(root: str, step: int) -> None:
+    """On rank 0, before every rank saves into ``root/tmp-step-<step>``: create ``root`` and remove what a crashed
+    earlier save of this step left there."""
+    os.makedirs(root, exist_ok=True)
+    shutil.rmtree(os.path.join(root, f"tmp-step-{step}"), ignore_errors=True)
+
+
 def publish(root: str, step: int, keep: int) -> None:
     """On rank 0, after every rank has saved into ``root/tmp-step-<step>``: rename it to ``root/step-<step>``, point
     ``root/latest`` at it (a temporary file, fsync, ``os.replace``), fsync ``root`` so that both renames are durable,

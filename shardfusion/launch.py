@@ -30,18 +30,25 @@ UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """Set to 1 in the elastic agent's environment, it gives the workers of each restart a new rendezvous store."""
 
 
-def restart_problem() -> str | None:
-    """Why restarts of this worker would fail, or None: under torchrun with --max-restarts > 0, torch 2.13's agent
-    shares one rendezvous TCPStore across restarts unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is in its
-    environment. Restarted workers then find the addresses that the dead attempt's process group published under
-    the same keys and fail to connect ("Gloo connectFullMesh failed ... Connection refused"). A per-attempt key
-    prefix does not help on several nodes: only the node whose worker failed counts the restart
-    (TORCHELASTIC_RESTART_COUNT), so the nodes would disagree on the prefix. `launch` sets the variable itself."""
-    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and \
-            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+def restart_problem(*, out_given: bool, saves: bool) -> str | None:
+    """Why restarts of this torchrun worker could not resume, or None (also when torchrun allows no restarts).
+
+    A restarted worker resumes from the latest checkpoint in --out, so it needs an --out fixed in advance
+    (`out_given`) and checkpoints (`saves`). And torch 2.13's agent shares one rendezvous TCPStore across restarts
+    unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is in its environment: restarted workers then find the addresses
+    that the dead attempt's process group published under the same keys and fail to connect ("Gloo
+    connectFullMesh failed ... Connection refused"). A per-attempt key prefix does not help on several nodes: only
+    the node whose worker failed counts the restart (TORCHELASTIC_RESTART_COUNT), so the nodes would disagree on
+    the prefix. `launch` sets the variable itself."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0:
+        return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
         return (f"torchrun --max-restarts needs {UNSHARED_STORE}=1 in torchrun's environment (with torch 2.13 a "
                 f"restarted worker cannot join the process group otherwise): run "
                 f"`{UNSHARED_STORE}=1 torchrun ...`")
+    if not (out_given and saves):
+        return ("torchrun --max-restarts needs --out and --save-every: restarted workers resume from the latest "
+                "checkpoint in --out (without --out each attempt would write to a new folder)")
     return None
 
 

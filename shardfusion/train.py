@@ -35,10 +35,10 @@ from tqdm import tqdm
 import shardfusion as sf
 from shardfusion import train_state
 from shardfusion.accounting import ranks_per_node_from_env
+from shardfusion.comm import call_on_rank0
 from shardfusion.data import BatchSampler, load_corpus, split_corpus
 from shardfusion.launch import (default_nproc, exit_now, init_worker, launch, pick_device, restart_problem,
                                 threads_per_worker, under_torchrun)
-from shardfusion.comm import call_on_rank0
 from shardfusion.metrics import (MetricsLog, comm_step_record, expert_balance, format_summary, plot_losses,
                                  summarize)
 from shardfusion.models.gpt import GPT, Block, GPTConfig
@@ -323,11 +323,8 @@ def preflight(config: TrainConfig, *, torchrun: bool) -> TrainConfig:
         ValueError: one line naming the flag to change (see `check_run`).
     """
     device = pick_device(config.device)
-    if torchrun and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
-        problem = restart_problem()
-        if problem is None and (config.out is None or not config.save_every):
-            problem = ("torchrun --max-restarts needs --out and --save-every: restarted workers resume from the "
-                       "latest checkpoint in --out (without --out each attempt would write to a new folder)")
+    if torchrun:
+        problem = restart_problem(out_given=config.out is not None, saves=bool(config.save_every))
         if problem:
             raise ValueError(problem)
     if torchrun:
