@@ -92,15 +92,22 @@ def load_corpus(path: str | Path | None = None, max_bytes: int = DEFAULT_MAX_BYT
 
 
 def corpus_size(path: str | Path | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
-    """How many bytes `load_corpus(path, max_bytes)` would return, from the file sizes, without reading them.
+    """How many bytes `load_corpus(path, max_bytes)` would return, from the file sizes; each file it would read is
+    opened (and its first byte read), so a file that cannot be read fails here, before any worker starts.
 
     Raises:
         FileNotFoundError: `path` is neither a file nor a folder.
+        OSError: a file of the corpus cannot be read; the message starts with ``--data`` and names the file.
     """
     total = 0
     for file in _corpus_files(path)[0]:
         if total >= max_bytes:
             break
+        try:
+            with file.open("rb") as handle:
+                handle.read(1)
+        except OSError as error:
+            raise OSError(f"--data: cannot read {file}: {error.strerror or error}") from None
         total += file.stat().st_size
     return min(total, max_bytes)
 

@@ -341,6 +341,7 @@ def preflight(config: TrainConfig, *, torchrun: bool) -> TrainConfig:
                          f"{torch.cuda.device_count()} or fewer")
     config = resolve(config, device=device, world_size=world)
     check_run(config, world_size=world, world=label)
+    train_state.check_resume(config.out, config.model_config())
     return config
 
 

@@ -141,7 +141,13 @@ class TrainConfig:
                                    top_k=self.top_k, **overrides)
 
     def validate(self) -> None:
-        """Raise ValueError naming the flag to change."""
+        """Raise ValueError naming the flag to change.
+
+        Float fields must be finite (the command line refuses nan and inf already, see `finite_float`)."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"--{field.name.replace('_', '-')} must be a finite number, got {value}")
         if self.experts < 0:
             raise ValueError(f"--experts must be >= 0, got {self.experts}")
         if self.experts and not 1 <= self.top_k <= self.experts:
@@ -161,10 +167,10 @@ class TrainConfig:
         self.model_config()
         for flag, value in (("--batch-size", self.batch_size), ("--grad-accum", self.grad_accum),
                             ("--eval-every", self.eval_every), ("--eval-batches", self.eval_batches),
-                            ("--data-bytes", self.data_bytes)):
+                            ("--data-bytes", self.data_bytes), ("--steps", self.steps)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
-        for flag, value in (("--steps", self.steps), ("--warmup", self.warmup), ("--clip", self.clip),
+        for flag, value in (("--warmup", self.warmup), ("--clip", self.clip),
                             ("--sample-tokens", self.sample_tokens), ("--weight-decay", self.weight_decay),
                             ("--save-every", self.save_every), ("--max-restarts", self.max_restarts)):
             if value < 0:
@@ -236,6 +242,9 @@ def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
         size = corpus_size(config.data, min(config.data_bytes, need))
     except OSError as error:
         raise ValueError(str(error) if str(error).startswith("--data") else f"{where}: {error}") from None
+    if size == 0:
+        raise ValueError(f"{where} holds no bytes; pass --data with a non-empty text file or folder (a corpus of "
+                         f">= {need} bytes for --seq-len {config.model_config().seq_len})")
     if size < need:
         n_train, n_val = split_sizes(size)
         raise ValueError(f"{where} holds only {size} bytes, which split into {n_train} train / {n_val} val bytes, "
@@ -284,11 +293,29 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def finite_float(text: str) -> float:
+    """argparse type of the float flags: a finite number (nan and inf are refused, so a run cannot silently train on
+    NaN or turn clipping off).
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is not a number, or not a finite one.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 def build_parser(cls: type = TrainConfig) -> argparse.ArgumentParser:
-    """An ArgumentParser with one --kebab-case flag per dataclass field, typed from its annotation."""
+    """An ArgumentParser with one --kebab-case flag per dataclass field, typed from its annotation. Abbreviated flags
+    are refused (``--step 2`` is not ``--steps 2``), and float flags take finite numbers only."""
     parser = argparse.ArgumentParser(
         prog="shardfusion-train",
         description="Train a byte-level GPT with shardfusion (FSDP/HSDP) on this machine's CPUs or GPUs.",
+        allow_abbrev=False,
     )
     docs = _field_docs(cls)
     hints = typing.get_type_hints(cls)
@@ -301,8 +328,8 @@ def build_parser(cls: type = TrainConfig) -> argparse.ArgumentParser:
         if base is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
         else:
-            parser.add_argument(flag, type=base, default=field.default, metavar=base.__name__.upper(),
-                                help=help_text)
+            parser.add_argument(flag, type=finite_float if base is float else base, default=field.default,
+                                metavar=base.__name__.upper(), help=help_text)
     return parser
 
 

@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from shardfusion import checkpoint as ckpt
 from shardfusion.comm import call_on_rank0
+from shardfusion.models.gpt import GPT
 
 CHECKPOINT_DIR = "checkpoints"
 """Folder under --out holding the job's checkpoints (`step-N`, `latest`)."""
@@ -72,6 +73,34 @@ def latest(out: str) -> Optional[str]:
     """
     return call_on_rank0(lambda: ckpt.latest_checkpoint(os.path.join(out, CHECKPOINT_DIR)),
                          f"cannot look for a checkpoint in {out}/{CHECKPOINT_DIR}")
+
+
+def check_resume(out: str, model_config: Any) -> None:
+    """Refuse, before any worker starts, a resume whose model has other parameters than the checkpoint in ``out``:
+    the model is built on the meta device (no memory, no process group) and its parameter names and shapes are
+    compared with the latest checkpoint's (read by this process alone). No checkpoint: nothing to check.
+
+    Raises:
+        ValueError: one line naming the checkpoint, the differing parameters (at most 3) and how to go on.
+    """
+    path = ckpt.latest_checkpoint(os.path.join(out, CHECKPOINT_DIR))
+    if path is None:
+        return
+    meta = ckpt.read_meta(path)
+    with torch.device("meta"):
+        model = GPT(model_config)
+    mine = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    saved = {name: tuple(shape) for name, shape in meta["shapes"].items()}
+    differ = [f"{n} {saved[n]} -> {mine[n]}" for n in mine if n in saved and saved[n] != mine[n]]
+    differ += [f"{n} is new" for n in mine if n not in saved] + [f"{n} is gone" for n in saved if n not in mine]
+    if differ:
+        fields = (meta.get("extra") or {}).get("model") or {}
+        was = ", ".join(f"{k}={fields[k]}" for k in ("n_layer", "d_model", "seq_len", "n_experts", "expert_hidden")
+                        if k in fields)
+        more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+        raise ValueError(f"--out {out} holds a checkpoint of another model ({path}: {was}): "
+                         f"{'; '.join(differ[:3])}{more}; resume with the model flags of the saved run, use another "
+                         f"--out, or move the checkpoint away")
 
 
 def save(model: nn.Module, optimizer: torch.optim.Optimizer, out: str, *, step: int, keep: int, config: Any,

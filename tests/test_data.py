@@ -95,6 +95,25 @@ def test_corpus_size_without_reading(tmp_path: Path) -> None:
         corpus_size(tmp_path / "missing")
 
 
+def test_unreadable_file_fails_the_size_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The launcher's pre-check reads each file's first byte, so an unreadable file is a usage error before any
+    # worker starts. (The test runs as root, who reads any mode-000 file: the denial is simulated.)
+    (tmp_path / "a.txt").write_bytes(b"hello")
+    locked = tmp_path / "b.txt"
+    locked.write_bytes(b"world")
+    real_open = Path.open
+
+    def deny(self: Path, *args, **kwargs):
+        if self == locked:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", deny)
+    with pytest.raises(OSError, match=r"^--data: cannot read .*b.txt: Permission denied$"):
+        corpus_size(tmp_path)
+    assert corpus_size(tmp_path, max_bytes=5) == 5  # a file past the cap is not read, so not checked
+
+
 @pytest.mark.parametrize("n", [1, 2, 19, 20, 21, 999, 1000, 1001, 123_457])
 def test_split_sizes_match_split_corpus(n: int) -> None:
     train, val = split_corpus(torch.zeros(n, dtype=torch.uint8))

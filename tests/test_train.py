@@ -278,8 +278,11 @@ def test_check_run_messages(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="^--data .* is neither a file nor a folder$"):
         check(data=str(tmp_path / "missing"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="holds only 0 bytes"):
+    with pytest.raises(ValueError, match="^--data .*empty holds no bytes; pass --data with a non-empty"):
         check(data=str(tmp_path / "empty"))
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match="^--data .*empty.txt holds no bytes"):
+        check(data=str(tmp_path / "empty.txt"))
     with pytest.raises(ValueError, match="--out .* is not a folder"):
         check(out=str(tmp_path / "corpus.txt" / "run"))
 
@@ -329,6 +332,23 @@ def test_moe_flags_rejected(capsys: pytest.CaptureFixture) -> None:
     assert moe_flag_error(capsys, ["--ep", "0"]) == "--ep must be >= 1, got 0"
     assert moe_flag_error(capsys, ["--expert-policy", "all"]).startswith("--expert-policy must be replicate or shard")
     assert moe_flag_error(capsys, ["--aux-loss-coef", "-0.1"]) == "--aux-loss-coef must be >= 0, got -0.1"
+
+
+@pytest.mark.parametrize("flag", ["--weight-decay", "--aux-loss-coef", "--clip", "--lr", "--min-lr", "--dropout"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_non_finite_float_flags_rejected(flag: str, value: str, capsys: pytest.CaptureFixture) -> None:
+    # nan would train a NaN run with exit status 0 (or, for --clip, silently turn clipping off)
+    assert moe_flag_error(capsys, [flag, value]) == f"argument {flag}: expected a finite number, got {value!r}"
+
+
+def test_config_refuses_non_finite_floats() -> None:
+    with pytest.raises(ValueError, match="^--clip must be a finite number, got nan$"):
+        TrainConfig(clip=float("nan")).validate()
+
+
+def test_abbreviated_flags_and_zero_steps_rejected(capsys: pytest.CaptureFixture) -> None:
+    assert moe_flag_error(capsys, ["--step", "2"]) == "unrecognized arguments: --step 2"
+    assert moe_flag_error(capsys, ["--steps", "0"]) == "--steps must be >= 1, got 0"
 
 
 def test_expert_balance() -> None:

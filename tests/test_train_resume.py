@@ -99,6 +99,12 @@ def test_resume_with_other_flags(tmp_path: Path) -> None:
     assert "--save-every" not in flags
     _ok(run([*flags, "--stop-after", "2", "--out", str(tmp_path)]))
     assert latest_checkpoint(str(tmp_path / "checkpoints")).endswith("step-2")  # saved by --stop-after alone
+    # a model with other shapes is refused before any worker starts, in one line
+    other = run([*flags, "--stop-after", "4", "--d-model", "96", "--out", str(tmp_path)])
+    errors = [line for line in other.stderr.splitlines() if line.startswith("shardfusion-train: error: ")]
+    assert other.returncode == 2 and "Traceback" not in other.stdout + other.stderr, other.stderr[-3000:]
+    assert len(errors) == 1 and "holds a checkpoint of another model" in errors[0], other.stderr[-3000:]
+    assert "wte.weight (256, 64) -> (256, 96)" in errors[0] and "d_model=64" in errors[0]
     second = _ok(run([*flags, "--stop-after", "4", "--weight-decay", "0", "--n-head", "2", "--out", str(tmp_path)]))
     assert "--weight-decay was 0.1, now 0.0" in second and "model field n_head was 4, now 2" in second, second
     groups = read_meta(str(tmp_path / "checkpoints" / "step-4"))["param_groups"]
