@@ -23,6 +23,11 @@ Step boundary: the replicate-group all-reduce runs once per optimizer step in ``
 last of its step (``set_is_last_backward``), it is overlapped with that backward instead: each time a reduce-scatter
 is issued, the previous unit's reduce-scatter is completed and its all-reduce issued (asynchronously, in reduce order),
 and ``finish_grad_sync`` only waits. A gradient arriving for a buffer whose all-reduce is in flight raises.
+
+``torch.compile``: every hook is excluded from tracing (``torch.compiler.disable``). They resize storages, issue
+collectives and keep Python state, which Inductor cannot lower (its ``resize_storage_bytes_`` lowering needs static
+sizes). Dynamo breaks the graph at each hook, so the compute of each unit between two hooks is one compiled graph
+and the hooks run eagerly, as without compile (``tests/test_compile.py``).
 """
 
 from __future__ import annotations
@@ -114,6 +119,7 @@ class ShardState:
                     view.register_hook(self._make_pre_accumulate(g, i))
                     view.register_post_accumulate_grad_hook(self._make_post_accumulate(unit))
 
+    @torch.compiler.disable
     def _root_pre_forward(self, module, args, kwargs):
         if not _in_backward():
             # A forward without a following backward (evaluation) may have left units gathered: start clean.
@@ -132,6 +138,7 @@ class ShardState:
             return x.to(self.param_dtype)
         return x
 
+    @torch.compiler.disable
     def _root_post_forward(self, module, args, output):
         if not _in_backward():
             ran = list(dict.fromkeys(u for u in self._ran if u is not self.units[0]))
@@ -149,6 +156,7 @@ class ShardState:
                     u.reshard()
 
     def _make_pre_forward(self, unit: Unit):
+        @torch.compiler.disable
         def hook(module, args):
             self._pre_forward(unit)
 
@@ -169,6 +177,7 @@ class ShardState:
         self._note_unsharded()
 
     def _make_post_forward(self, unit: Unit):
+        @torch.compiler.disable
         def hook(module, args, output):
             if unit.reshard_after_forward and not _in_backward():
                 unit.reshard()
@@ -178,6 +187,7 @@ class ShardState:
         return hook
 
     def _make_backward_hook_only(self, unit: Unit):
+        @torch.compiler.disable
         def hook(module, args, output):
             if torch.is_grad_enabled():
                 self._register_pre_backward(unit, output)
@@ -192,6 +202,7 @@ class ShardState:
         if not _in_backward():
             self._grad_order.append(unit)
 
+    @torch.compiler.disable
     def _pre_backward(self, unit: Unit) -> None:
         self._queue_callback()
         order = self._start_backward_order()
@@ -222,6 +233,7 @@ class ShardState:
         self.peak_unsharded_units = max(self.peak_unsharded_units, live)
 
     def _make_pre_accumulate(self, group, view_index: int):
+        @torch.compiler.disable
         def hook(grad):
             self._queue_callback()
             if group.sync_in_flight and not group.discard_if_reset():
@@ -237,6 +249,7 @@ class ShardState:
         return hook
 
     def _make_post_accumulate(self, unit: Unit):
+        @torch.compiler.disable
         def hook(param):
             if unit.grad_arrived():
                 if unit is not self.units[0] and self._gather_done(unit):
@@ -283,6 +296,7 @@ class ShardState:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
 
+    @torch.compiler.disable
     def _post_backward(self) -> None:
         """End of backward: reduce-scatter what is left, in order, wait for all, free full buffers."""
         self._callback_queued = False
