@@ -74,21 +74,44 @@ def fully_shard(
     sibling modules are packed greedily into units of at most ``comm_unit_size`` elements (a larger module is split
     into its children; ``ModuleList``/``ModuleDict`` containers, which are never called, are always split).
     Parameters outside every unit form the root unit (the model itself), which is never
-    resharded after forward. A parameter registered in several modules (tied) belongs to the unit of their lowest
-    common ancestor.
+    resharded after forward. A parameter registered in several modules (tied weights, or a module shared by several
+    units) belongs to the unit of their lowest common ancestor.
+
+    Nested calls (shard the children, then the root): a call on a module that contains modules sharded by earlier
+    calls absorbs them: their parameters get their full values back, their hooks are removed, and each of their
+    units (its modules, its reshard-after-forward setting) becomes a unit of this call; the earlier call's root
+    becomes a unit that reshards after forward under that call's ``reshard_policy`` / ``reshard_filter``. ``units``
+    and ``comm_unit_size`` of this call make no units inside them. The earlier calls must have used the same options
+    as this one (``topology`` with the same degrees, the same ``param_dtype``, ``grad_comm_dtype``, filter objects,
+    ``broadcast_buffers``, ``expert_policy``, ``prefetch``); only ``reshard_policy`` and ``reshard_filter`` may
+    differ. Build the optimizer after the outermost call (one built in between holds the inner calls' fragments and
+    is refused at its first step).
+
+    Every rank must run the same units in the same order, in forward and in backward: a unit skipped on some ranks
+    only (LayerDrop, an early exit, a branch on per-rank data) leaves the collectives mismatched, and the ranks wait
+    until the process-group timeout (``Topology(timeout=...)``), which then raises ``RuntimeError`` naming the
+    collective, the unit and this cause. To drop a layer, run it on every rank and zero its contribution (e.g.
+    ``x = x + keep * block(x)``).
 
     Each unit keeps one flat buffer per (dtype, device, trainable or frozen, sharded or kept whole, dense or expert);
     parameters start at 16-byte aligned offsets and the buffer is padded to a multiple of its shard count. Each rank keeps its
     ``1/inner`` shard in the parameters' own dtype. Afterwards ``model.named_parameters()`` yields, under the original
-    names, 1-D fragments (views into the shard, possibly of 0 elements), so any ``torch.optim`` optimizer works
-    unchanged. Gradients become the gradient of the mean loss over the global batch (summed over the data-parallel
+    names, 1-D fragments (views into the shard, possibly of 0 elements), so element-wise ``torch.optim`` optimizers
+    (SGD, Adam, AdamW, Adamax, Adagrad, Adadelta, RMSprop, Rprop, ASGD, NAdam, RAdam) work unchanged and give the
+    single-process result; build the optimizer after ``fully_shard``, from ``model.parameters()``. Optimizers that
+    read a parameter's shape or all parameters together (``LBFGS``, ``Adafactor``, ``Muon``, ``SparseAdam`` and
+    their subclasses) are refused at their first step with ``ValueError`` on every rank, as is an optimizer holding
+    parameters from before ``fully_shard`` (matrix optimizers such as Muon are planned work). Cast or move the model
+    (``.to(dtype)``, ``.double()``, ``.half()``, ``.to(device)``) before wrapping: afterwards the next forward raises
+    ``ValueError``. Gradients become the gradient of the mean loss over the global batch (summed over the data-parallel
     world and divided by ``dp * sharding``); they are all-reduced over the replicate group (``dp x outer``) once per
     optimizer step (see :func:`finish_grad_sync`).
 
     Args:
-        model: the module to shard (on its target device; parameters of any float dtype).
+        model: the module to shard (on its target device, materialized: not on the meta device; parameters of any
+            float dtype). It may contain modules sharded by earlier calls (see nested calls above).
         topology: a :class:`shardfusion.Topology`.
-        units: module classes that each form a unit (e.g. ``(Block,)``).
+        units: module classes that each form a unit (e.g. ``(Block,)``); at least one must match a module.
         comm_unit_size: with no ``units``: the largest unit, in elements (> 0).
         reshard_policy: ``"after_forward"`` (free full buffers after each unit's forward, gather again for backward;
             ZeRO-3) or ``"after_backward"`` (keep them from forward until the unit's backward is done).
@@ -131,8 +154,11 @@ def fully_shard(
         ``model``, changed in place.
 
     Raises:
-        ValueError: bad ``units``, ``comm_unit_size``, ``reshard_policy``, ``reshard_filter``, ``expert_filter`` or
-            ``expert_policy``; a model that is already sharded.
+        ValueError: bad ``units`` (also: none of its classes matches a module), ``comm_unit_size``,
+            ``reshard_policy``, ``reshard_filter``, ``expert_filter`` or ``expert_policy``; a model that is already
+            sharded, or that is inside a sharded module; a parameter or buffer on the meta device; a sharded submodule
+            whose call used other options (the message names the option). All before any collective, so on every
+            rank.
         NotImplementedError: ``sep * cp > 1``.
     """
     _check_args(model, topology, units, comm_unit_size, reshard_policy, reshard_filter, param_dtype, grad_comm_dtype,
@@ -293,13 +319,16 @@ def _check_materialized(model: nn.Module) -> None:
 
 
 def _check_unit_classes(model: nn.Module, units: Optional[Sequence[type]]) -> None:
-    """Every class in ``units`` matches some module of ``model`` (a misspelt or wrong class would silently make no
-    unit)."""
+    """Some class in ``units`` matches a module of ``model``: with none (a class of the same name from another
+    module, a wrong import), the whole model would silently be one unit, gathered whole. A tuple shared by several
+    models may hold classes that one of them lacks."""
+    if not units:
+        return
     present = {type(m) for m in model.modules()}
-    missing = [u.__name__ for u in units or () if not any(issubclass(t, u) for t in present)]
-    if missing:
-        raise ValueError(f"units {missing} match no module of {type(model).__name__} (its module classes: "
-                         f"{sorted(t.__name__ for t in present)})")
+    if not any(issubclass(t, u) for u in units for t in present):
+        raise ValueError(f"units {[u.__name__ for u in units]} match no module of {type(model).__name__} (its "
+                         f"module classes: {sorted({t.__name__ for t in present})}); pass the classes of its "
+                         "layers, e.g. the block class the model itself uses")
 
 
 def _sharded_submodules(model: nn.Module) -> list[tuple[str, nn.Module]]:

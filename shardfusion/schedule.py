@@ -23,6 +23,9 @@ Step boundary: the replicate-group all-reduce runs once per optimizer step in ``
 last of its step (``set_is_last_backward``), it is overlapped with that backward instead: each time a reduce-scatter
 is issued, the previous unit's reduce-scatter is completed and its all-reduce issued (asynchronously, in reduce order),
 and ``finish_grad_sync`` only waits. A gradient arriving for a buffer whose all-reduce is in flight raises.
+
+The optimizer step pre-hook first refuses, on every rank and before anything else, an optimizer that holds
+parameters ``fully_shard`` replaced (built before wrapping) or that is not element-wise (``_NOT_ELEMENTWISE``).
 """
 
 from __future__ import annotations
@@ -342,15 +345,15 @@ def _optimizer_pre_step(optimizer, args, kwargs) -> None:
     states = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            s = _FRAGMENT_OWNER.get(p)
-            if s is not None:
-                states[id(s)] = s
-            elif p in REPLACED_PARAMS:
+            if p in REPLACED_PARAMS:  # first: an absorbed nested call's fragments are replaced too
                 raise ValueError(
                     f"{type(optimizer).__name__} holds parameter {REPLACED_PARAMS[p]!r} (shape {tuple(p.shape)}) from "
                     "before fully_shard, which replaced every parameter by a 1-D fragment of its shard: this optimizer "
                     "would update tensors the model no longer uses. Build the optimizer after fully_shard, from "
                     "model.parameters()")
+            s = _FRAGMENT_OWNER.get(p)
+            if s is not None:
+                states[id(s)] = s
     if states and isinstance(optimizer, _NOT_ELEMENTWISE):
         raise ValueError(
             f"{type(optimizer).__name__} is not supported on a sharded model: it reads each parameter's shape or all "

@@ -215,7 +215,7 @@ def _refusals(topo, sf) -> dict:
     with torch.device("meta"):
         meta = _stack(True)
     errors["meta"] = _error(lambda: sf.fully_shard(meta, topo))
-    errors["unmatched-units"] = _error(lambda: sf.fully_shard(build("three-levels"), topo, units=(Block, nn.Conv1d)))
+    errors["unmatched-units"] = _error(lambda: sf.fully_shard(build("three-levels"), topo, units=(nn.Conv1d, nn.GRU)))
 
     casts = {"double": lambda m: m.double(), "half": lambda m: m.half(),
              "to_float64": lambda m: m.to(torch.float64), "to_meta": lambda m: m.to("meta")}
@@ -305,8 +305,8 @@ def test_meta_device_model_is_refused(job):
     _assert_error(job, "meta", "meta device", "to_empty", "reset_parameters", "not supported yet")
 
 
-def test_unit_class_matching_no_module_is_refused(job):
-    _assert_error(job, "unmatched-units", "Conv1d", "match no module")
+def test_unit_classes_matching_no_module_are_refused(job):
+    _assert_error(job, "unmatched-units", "Conv1d", "GRU", "match no module")
 
 
 @pytest.mark.parametrize("cast", ["double", "half", "to_float64", "to_meta"])
