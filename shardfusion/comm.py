@@ -198,6 +198,30 @@ def _issue(rec: Optional[CommRecord], call, *args, async_op: bool = False, **kwa
     return TimedWork(work, rec) if async_op and work is not None else work
 
 
+def wait(work: Any, what: str) -> None:
+    """``work.wait()``; a backend timeout becomes a ``RuntimeError`` that names ``what`` (the collective and the unit
+    it serves, e.g. ``"all_gather of unit 'blocks.1'"``) and the likely cause.
+
+    A collective that times out has usually been issued on some ranks only: the ranks ran different units in forward
+    or backward (LayerDrop, early exit, a branch taken on some ranks), so their all-gathers and reduce-scatters no
+    longer match. Other errors pass through unchanged.
+
+    Raises:
+        RuntimeError: the backend reported a timeout (the original error is chained as ``__cause__``).
+    """
+    try:
+        work.wait()
+    except RuntimeError as e:
+        text = str(e).lower()
+        if "timed out" not in text and "timeout" not in text:
+            raise
+        raise RuntimeError(
+            f"{what} timed out on rank {dist.get_rank()}: the ranks most likely ran different units in forward or "
+            "backward (e.g. LayerDrop or an early exit that skips a unit on some ranks), so their collectives no "
+            "longer match. Every rank must run the same units in the same order; to skip a layer, run it and zero "
+            f"its contribution instead. Backend error: {type(e).__name__}: {str(e)[:300]}") from e
+
+
 def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Optional[ProcessGroup], async_op: bool = False):
     """All-gather equal 1-D shards into ``full`` (``full.numel() == shard.numel() * group size``).
 

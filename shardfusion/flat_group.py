@@ -95,6 +95,7 @@ class FlatGroup:
         self.requires_grad = params[0].requires_grad
         self.counts_in_norm = True  # set by the owner: whether this rank counts this group's elements in a norm
         self.is_expert = False  # set by the owner: expert parameters (distinct across the ep ranks)
+        self.unit_name = ""  # set by the owner: the qualified name of the unit holding this buffer (for errors)
         dtype, device = params[0].dtype, params[0].device
         self.param_dtype = param_dtype or dtype
         self.grad_comm_dtype = grad_comm_dtype or self.param_dtype
@@ -143,6 +144,12 @@ class FlatGroup:
         self._sync_started = False
         self._reduce_work = None
 
+    def _collective(self, op: str) -> str:
+        """``op`` and whose buffer it moves, for error messages: ``"all_gather of unit 'blocks.1' (...)"``."""
+        slots = self.layout.slots
+        shown = ", ".join(s.name for s in slots[:3]) + (f", ... ({len(slots)} parameters)" if len(slots) > 3 else "")
+        return f"{op} of unit {self.unit_name!r} ({shown})"
+
     # ---- unshard / reshard -------------------------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
         """Start (``async_op``) or complete the all-gather of ``full`` over ``shard_group``. Idempotent."""
@@ -164,7 +171,7 @@ class FlatGroup:
     def wait_unshard(self) -> None:
         """Wait for an in-flight all-gather, if any."""
         if self._gather_work is not None:
-            self._gather_work.wait()
+            comm.wait(self._gather_work, self._collective("all_gather"))
             self._gather_work = None
             self._gather_input = None
             self.is_unsharded = True
@@ -240,7 +247,7 @@ class FlatGroup:
         if self._reduce_out is None:
             return
         if self._reduce_work is not None:
-            self._reduce_work.wait()
+            comm.wait(self._reduce_work, self._collective("reduce_scatter"))
             self._reduce_work = None
         out, self._reduce_out, self._reduce_in = self._reduce_out, None, None
         with torch.no_grad():
@@ -295,7 +302,7 @@ class FlatGroup:
         if len(self._user_cleared()) != trainable:
             return False
         if self._sync_work is not None:
-            self._sync_work.wait()  # issued on every rank in an earlier backward: it completes
+            comm.wait(self._sync_work, self._collective("all_reduce"))  # issued on every rank earlier: it completes
         self._sync_work, self._sync_buf, self._sync_started = None, None, False
         with torch.no_grad():
             self.grad_shard.zero_()
@@ -331,7 +338,7 @@ class FlatGroup:
             return
         self.start_sync_replicas()
         if self._sync_work is not None:
-            self._sync_work.wait()
+            comm.wait(self._sync_work, self._collective("all_reduce"))
         # In grad_shard itself, a gradient the user set to None since the backward stays None for the optimizer
         # (plain PyTorch); into a temporary step_grad, None means "start from zero" and the sum is attached.
         dropped = set(self._user_cleared()) if self.step_grad is self.grad_shard else set()

@@ -7,16 +7,19 @@ Data flow of a step and the invariants are in DESIGN.md; the tensors a unit owns
 from __future__ import annotations
 
 import contextlib
+import weakref
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from shardfusion import comm
 from shardfusion.flat_buffer import build_layout
 from shardfusion.flat_group import FlatGroup
 from shardfusion.moe import MoE
-from shardfusion.schedule import ShardState
+from shardfusion.schedule import REPLACED_PARAMS, ShardState
 from shardfusion.unit import Unit
 
 ReshardFilter = Union[str, Callable[[str, nn.Module], bool]]
@@ -24,6 +27,30 @@ _RESHARD_POLICIES = ("after_forward", "after_backward")
 _EXPERT_POLICIES = ("replicate", "shard")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 ALIGN_BYTES = 16  # each parameter starts at a multiple of 16 bytes in its flat buffer
+# submodule of a sharded model -> (class name of that model, the submodule's qualified name), to refuse wrapping a
+# module inside an already sharded one.
+_SHARDED_MODULES: "weakref.WeakKeyDictionary[nn.Module, tuple[str, str]]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class _WrapOptions:
+    """The options of one ``fully_shard`` call, kept on its state (a later call on an ancestor compares them)."""
+
+    topology: object
+    param_dtype: Optional[torch.dtype]
+    grad_comm_dtype: Optional[torch.dtype]
+    replicate_filter: Optional[Callable]
+    broadcast_buffers: bool
+    expert_filter: Optional[Callable]
+    expert_policy: str
+    prefetch: int
+    reshard_policy: str  # per unit: may differ between nested calls
+    reshard_filter: ReshardFilter  # per unit: may differ between nested calls
+
+
+# Options a nested call must share with the call that absorbs it (the reshard policy is per unit and may differ).
+_MUST_AGREE = ("topology", "param_dtype", "grad_comm_dtype", "replicate_filter", "broadcast_buffers",
+               "expert_filter", "expert_policy", "prefetch")
 
 
 def fully_shard(
@@ -47,21 +74,44 @@ def fully_shard(
     sibling modules are packed greedily into units of at most ``comm_unit_size`` elements (a larger module is split
     into its children; ``ModuleList``/``ModuleDict`` containers, which are never called, are always split).
     Parameters outside every unit form the root unit (the model itself), which is never
-    resharded after forward. A parameter registered in several modules (tied) belongs to the unit of their lowest
-    common ancestor.
+    resharded after forward. A parameter registered in several modules (tied weights, or a module shared by several
+    units) belongs to the unit of their lowest common ancestor.
+
+    Nested calls (shard the children, then the root): a call on a module that contains modules sharded by earlier
+    calls absorbs them: their parameters get their full values back, their hooks are removed, and each of their
+    units (its modules, its reshard-after-forward setting) becomes a unit of this call; the earlier call's root
+    becomes a unit that reshards after forward under that call's ``reshard_policy`` / ``reshard_filter``. ``units``
+    and ``comm_unit_size`` of this call make no units inside them. The earlier calls must have used the same options
+    as this one (``topology`` with the same degrees, the same ``param_dtype``, ``grad_comm_dtype``, filter objects,
+    ``broadcast_buffers``, ``expert_policy``, ``prefetch``); only ``reshard_policy`` and ``reshard_filter`` may
+    differ. Build the optimizer after the outermost call (one built in between holds the inner calls' fragments and
+    is refused at its first step).
+
+    Every rank must run the same units in the same order, in forward and in backward: a unit skipped on some ranks
+    only (LayerDrop, an early exit, a branch on per-rank data) leaves the collectives mismatched, and the ranks wait
+    until the process-group timeout (``Topology(timeout=...)``), which then raises ``RuntimeError`` naming the
+    collective, the unit and this cause. To drop a layer, run it on every rank and zero its contribution (e.g.
+    ``x = x + keep * block(x)``).
 
     Each unit keeps one flat buffer per (dtype, device, trainable or frozen, sharded or kept whole, dense or expert);
     parameters start at 16-byte aligned offsets and the buffer is padded to a multiple of its shard count. Each rank keeps its
     ``1/inner`` shard in the parameters' own dtype. Afterwards ``model.named_parameters()`` yields, under the original
-    names, 1-D fragments (views into the shard, possibly of 0 elements), so any ``torch.optim`` optimizer works
-    unchanged. Gradients become the gradient of the mean loss over the global batch (summed over the data-parallel
+    names, 1-D fragments (views into the shard, possibly of 0 elements), so element-wise ``torch.optim`` optimizers
+    (SGD, Adam, AdamW, Adamax, Adagrad, Adadelta, RMSprop, Rprop, ASGD, NAdam, RAdam) work unchanged and give the
+    single-process result; build the optimizer after ``fully_shard``, from ``model.parameters()``. Optimizers that
+    read a parameter's shape or all parameters together (``LBFGS``, ``Adafactor``, ``Muon``, ``SparseAdam`` and
+    their subclasses) are refused at their first step with ``ValueError`` on every rank, as is an optimizer holding
+    parameters from before ``fully_shard`` (matrix optimizers such as Muon are planned work). Cast or move the model
+    (``.to(dtype)``, ``.double()``, ``.half()``, ``.to(device)``) before wrapping: afterwards the next forward raises
+    ``ValueError``. Gradients become the gradient of the mean loss over the global batch (summed over the data-parallel
     world and divided by ``dp * sharding``); they are all-reduced over the replicate group (``dp x outer``) once per
     optimizer step (see :func:`finish_grad_sync`).
 
     Args:
-        model: the module to shard (on its target device; parameters of any float dtype).
+        model: the module to shard (on its target device, materialized: not on the meta device; parameters of any
+            float dtype). It may contain modules sharded by earlier calls (see nested calls above).
         topology: a :class:`shardfusion.Topology`.
-        units: module classes that each form a unit (e.g. ``(Block,)``).
+        units: module classes that each form a unit (e.g. ``(Block,)``); at least one must match a module.
         comm_unit_size: with no ``units``: the largest unit, in elements (> 0).
         reshard_policy: ``"after_forward"`` (free full buffers after each unit's forward, gather again for backward;
             ZeRO-3) or ``"after_backward"`` (keep them from forward until the unit's backward is done).
@@ -104,8 +154,11 @@ def fully_shard(
         ``model``, changed in place.
 
     Raises:
-        ValueError: bad ``units``, ``comm_unit_size``, ``reshard_policy``, ``reshard_filter``, ``expert_filter`` or
-            ``expert_policy``; a model that is already sharded.
+        ValueError: bad ``units`` (also: none of its classes matches a module), ``comm_unit_size``,
+            ``reshard_policy``, ``reshard_filter``, ``expert_filter`` or ``expert_policy``; a model that is already
+            sharded, or that is inside a sharded module; a parameter or buffer on the meta device; a sharded submodule
+            whose call used other options (the message names the option). All before any collective, so on every
+            rank.
         NotImplementedError: ``sep * cp > 1``.
     """
     _check_args(model, topology, units, comm_unit_size, reshard_policy, reshard_filter, param_dtype, grad_comm_dtype,
@@ -117,12 +170,21 @@ def fully_shard(
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead), got {prefetch!r}")
     _check_moe_layers(model, topology)
+    _check_materialized(model)
+    _check_unit_classes(model, units)
+    options = _WrapOptions(topology, param_dtype, grad_comm_dtype, replicate_filter, broadcast_buffers, expert_filter,
+                           expert_policy, prefetch, reshard_policy, reshard_filter)
+    inner = _sharded_submodules(model)
+    _check_nested_options(model, inner, options)
+    absorbed = [spec for name, sub in inner for spec in _absorb(name, sub)]  # collective: restores the parameters
     expert_buffers = _expert_buffers(model, expert_filter or _marked_expert)  # before parameters become fragments
-    unit_specs = _unit_modules(model, tuple(units or ()), comm_unit_size)
-    built: list[Unit] = []
-    for name, modules in unit_specs:
-        reshard = reshard_policy == "after_forward" and name != "" and _filter(reshard_filter, name, modules[0])
-        built.append(Unit(name, modules, reshard))
+    unit_specs = [(name, modules, reshard_policy == "after_forward" and name != "" and
+                   _filter(reshard_filter, name, modules[0]))
+                  for name, modules in _unit_modules(model, tuple(units or ()), comm_unit_size,
+                                                     [sub for _, sub in inner])]
+    if absorbed:
+        unit_specs = _in_module_order(model, unit_specs + absorbed)
+    built = [Unit(name, modules, reshard) for name, modules, reshard in unit_specs]
     owner = _owning_unit(model, unit_specs)
     placed = _assign_params(model, owner)
     plan = _GroupPlan(topology, replicate_filter, expert_filter or _marked_expert, expert_policy, param_dtype,
@@ -130,9 +192,14 @@ def fully_shard(
     for unit_index, params in enumerate(placed):
         _add_flat_groups(built[unit_index], params, plan)
     state = ShardState(model, built, topology, broadcast_buffers, expert_buffers, param_dtype, prefetch)
+    state.wrap_options = options
     state.sync_buffers()  # e.g. BatchNorm statistics start equal too
     state.register_hooks()
+    state.hook_handles.append(model.register_forward_pre_hook(_fragment_check(built), prepend=True))
     model._sf_state = state
+    for name, m in model.named_modules():
+        if m is not model:
+            _SHARDED_MODULES[m] = (type(model).__name__, name)
     return model
 
 
@@ -207,6 +274,11 @@ def _check_args(model, topology, units, comm_unit_size, reshard_policy, reshard_
         raise ValueError(f"topology must be a shardfusion.Topology, got {type(topology).__name__}")
     if getattr(model, "_sf_state", None) is not None:
         raise ValueError(f"model ({type(model).__name__}) is already sharded by fully_shard")
+    if model in _SHARDED_MODULES:
+        root, name = _SHARDED_MODULES[model]
+        raise ValueError(f"model ({type(model).__name__}) is submodule {name!r} of a {root} that is already sharded "
+                         "by fully_shard: shard the submodules first, then their ancestor (a call on a module "
+                         "absorbs the already sharded modules inside it)")
     if topology.sep * topology.cp > 1:
         raise NotImplementedError(
             f"sep({topology.sep}) * cp({topology.cp}) = {topology.sep * topology.cp} > 1 is not supported yet: "
@@ -233,6 +305,136 @@ def _check_args(model, topology, units, comm_unit_size, reshard_policy, reshard_
     if not (reshard_filter in ("all", "none") or callable(reshard_filter)):
         raise ValueError(f"reshard_filter must be 'all', 'none' or a callable (name, module) -> bool, "
                          f"got {reshard_filter!r}")
+
+
+def _check_materialized(model: nn.Module) -> None:
+    """No parameter or buffer on the meta device: its values are what every rank starts from."""
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.is_meta:
+                raise ValueError(
+                    f"{kind} {name!r} of {type(model).__name__} is on the meta device: materialize the model first "
+                    "(model.to_empty(device=...), then reset_parameters() on its modules); meta-device "
+                    "initialization is not supported yet")
+
+
+def _check_unit_classes(model: nn.Module, units: Optional[Sequence[type]]) -> None:
+    """Some class in ``units`` matches a module of ``model``: with none (a class of the same name from another
+    module, a wrong import), the whole model would silently be one unit, gathered whole. A tuple shared by several
+    models may hold classes that one of them lacks."""
+    if not units:
+        return
+    present = {type(m) for m in model.modules()}
+    if not any(issubclass(t, u) for u in units for t in present):
+        raise ValueError(f"units {[u.__name__ for u in units]} match no module of {type(model).__name__} (its "
+                         f"module classes: {sorted({t.__name__ for t in present})}); pass the classes of its "
+                         "layers, e.g. the block class the model itself uses")
+
+
+def _sharded_submodules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``[(qualified name, module)]`` of the submodules an earlier ``fully_shard`` call sharded."""
+    return [(name, m) for name, m in model.named_modules()
+            if m is not model and getattr(m, "_sf_state", None) is not None]
+
+
+def _check_nested_options(model: nn.Module, inner: list[tuple[str, nn.Module]], options: _WrapOptions) -> None:
+    """Each already sharded submodule was wrapped with the same options as this call (but the reshard policy)."""
+    for name, sub in inner:
+        theirs = sub._sf_state.wrap_options
+        for field in _MUST_AGREE:
+            mine, earlier = getattr(options, field), getattr(theirs, field)
+            same = _same_topology(mine, earlier) if field == "topology" else (
+                mine is earlier if callable(mine) or callable(earlier) else mine == earlier)
+            if not same:
+                raise ValueError(
+                    f"submodule {name!r} was sharded with {field}={earlier!r} but this fully_shard call on "
+                    f"{type(model).__name__} has {field}={mine!r}: a call absorbs the already sharded submodules, "
+                    f"which must have been sharded with the same {field} (only reshard_policy and reshard_filter may "
+                    "differ)")
+
+
+def _same_topology(a, b) -> bool:
+    return a is b or (a.degrees == b.degrees and getattr(a, "timeout", None) == getattr(b, "timeout", None))
+
+
+def _absorb(prefix: str, sub: nn.Module) -> list[tuple[str, list, bool]]:
+    """Undo the earlier ``fully_shard`` call on ``sub`` (at ``prefix`` in the model being sharded) and return its
+    units as ``(name, modules, reshard_after_forward)`` for this call.
+
+    Collective over each flat buffer's shard group (all-gathers, in unit order, the same on every rank): every
+    parameter gets its full values back (the original ``nn.Parameter`` if it is still alive, else a new one with its
+    attributes), its hooks are removed and ``sub`` is no longer sharded. The earlier root unit becomes a unit whose
+    reshard-after-forward follows the earlier call's ``reshard_policy`` and ``reshard_filter`` (called with
+    ``prefix``); the other units keep their setting.
+    """
+    state = sub._sf_state
+    state.remove_hooks()
+    specs = []
+    for unit in state.units:
+        unit.reshard()
+        _restore_parameters(unit, prefix)
+        if unit is state.units[0]:
+            opts = state.wrap_options
+            reshard = opts.reshard_policy == "after_forward" and _filter(opts.reshard_filter, prefix, sub)
+            specs.append((prefix, [sub], reshard))
+        else:
+            specs.append((f"{prefix}.{unit.name}", unit.modules, unit.reshard_after_forward))
+    del sub._sf_state
+    return specs
+
+
+def _restore_parameters(unit: Unit, prefix: str) -> None:
+    """Register full-shape parameters with the unit's current values in place of its fragments (collective)."""
+    for g, regs in zip(unit.groups, unit.registrations):
+        full = torch.empty(g.layout.padded_numel, dtype=g.shard.dtype, device=g.shard.device)  # (P,)
+        comm.all_gather(full, g.shard, g.shard_group)
+        for slot, frag, places, original, attrs in zip(g.layout.slots, g.fragments, regs, g.originals,
+                                                       g.param_attrs):
+            value = full[slot.offset:slot.end].view(slot.shape)
+            param = original()
+            if param is None:
+                param = nn.Parameter(value.clone(), requires_grad=frag.requires_grad)
+                param.__dict__.update(attrs)
+            else:  # still alive: e.g. tied to a module outside ``sub``, which must keep sharing it
+                with torch.no_grad():
+                    param.copy_(value)
+                param.requires_grad_(frag.requires_grad)
+            for module, attr in places:
+                module._parameters[attr] = param
+            REPLACED_PARAMS[frag] = f"{prefix}.{slot.name}"
+        del full
+
+
+def _in_module_order(model: nn.Module, specs: list[tuple[str, list, bool]]) -> list[tuple[str, list, bool]]:
+    """``specs`` sorted by the position of each unit's first module in ``model.modules()`` (root first, a unit after
+    the units containing it)."""
+    position = {id(m): i for i, m in enumerate(model.modules())}
+    return sorted(specs, key=lambda spec: position[id(spec[1][0])])
+
+
+def _fragment_check(units: list[Unit]):
+    """A root forward pre-hook that raises if the model was cast or moved after wrapping: every registered fragment
+    must still be the module's parameter and a view of its shard (same storage, dtype and device)."""
+    checks = []
+    for u in units:
+        for g, regs in zip(u.groups, u.registrations):
+            for slot, frag, places in zip(g.layout.slots, g.fragments, regs):
+                for module, attr in places:
+                    checks.append((module._parameters, attr, frag, frag.data_ptr(), g.shard, slot.name))
+
+    @torch.compiler.disable  # a Python loop over every fragment: not for tracing (see schedule.py on compile)
+    def hook(module, args):
+        for params, attr, frag, ptr, shard, name in checks:
+            now = params.get(attr)
+            if now is not frag or frag.dtype != shard.dtype or frag.data_ptr() != ptr:
+                now = frag if now is None else now
+                raise ValueError(
+                    f"parameter {name!r} is no longer a view of its shard: it is {now.dtype} on {now.device}, its "
+                    f"shard {shard.dtype} on {shard.device}. The model was cast or moved after fully_shard (e.g. "
+                    "model.to(torch.float64), .double(), .half(), .to(device)), which replaces the fragments. Cast "
+                    "or move the model before calling fully_shard (for low-precision compute pass param_dtype=)")
+
+    return hook
 
 
 def _check_moe_layers(model: nn.Module, topology) -> None:
@@ -277,12 +479,17 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _unit_modules(model: nn.Module, classes: tuple, comm_unit_size: Optional[int]) -> list[tuple[str, list]]:
-    """``[(name, modules)]`` for every unit, the root unit ``("", [model])`` first, then in registration order."""
+def _unit_modules(model: nn.Module, classes: tuple, comm_unit_size: Optional[int],
+                  absorbed: Sequence[nn.Module] = ()) -> list[tuple[str, list]]:
+    """``[(name, modules)]`` for every unit, the root unit ``("", [model])`` first, then in registration order.
+
+    Modules inside ``absorbed`` (submodules sharded by an earlier call, whose units are kept) are never made units
+    here."""
     specs: list[tuple[str, list]] = [("", [model])]
+    inside = {id(m) for sub in absorbed for m in sub.modules()}
     if classes:
         for name, m in model.named_modules():
-            if m is not model and isinstance(m, classes):
+            if m is not model and isinstance(m, classes) and id(m) not in inside:
                 specs.append((name, [m]))
         return specs
     if comm_unit_size is None:
@@ -300,6 +507,9 @@ def _unit_modules(model: nn.Module, classes: tuple, comm_unit_size: Optional[int
 
         for cname, child in parent.named_children():
             qual = f"{prefix}{cname}"
+            if id(child) in inside:  # its own units, from the earlier call
+                close()
+                continue
             n = _numel(child)
             if n == 0 or isinstance(child, (nn.ParameterList, nn.ParameterDict)):
                 continue  # parameter containers: their parameters stay with the parent's unit
@@ -321,13 +531,14 @@ def _unit_modules(model: nn.Module, classes: tuple, comm_unit_size: Optional[int
     return specs
 
 
-def _owning_unit(model: nn.Module, specs: list[tuple[str, list]]) -> dict[str, int]:
-    """Map every module's qualified name to the index of the innermost unit containing it."""
+def _owning_unit(model: nn.Module, specs: list[tuple[str, list, bool]]) -> dict[str, int]:
+    """Map every module's qualified name to the index of the innermost unit containing it (``specs``: ``(name,
+    modules, reshard_after_forward)`` of every unit, each after the units that contain it)."""
     names: dict[int, list[str]] = {}  # module id -> every qualified name it has (shared modules have several)
     for name, m in model.named_modules(remove_duplicate=False):
         names.setdefault(id(m), []).append(name)
     owner: dict[str, int] = {}
-    for idx, (_, modules) in enumerate(specs):  # later (inner) units overwrite earlier (outer) ones
+    for idx, (_, modules, _) in enumerate(specs):  # later (inner) units overwrite earlier (outer) ones
         for top in modules:
             for name in names[id(top)]:
                 for sub, _ in top.named_modules(remove_duplicate=False):
@@ -337,23 +548,24 @@ def _owning_unit(model: nn.Module, specs: list[tuple[str, list]]) -> dict[str, i
 
 def _assign_params(model: nn.Module, owner: dict[str, int]) -> list[list[tuple[str, nn.Parameter, list]]]:
     """For each unit: ``[(name, param, [(module, attr), ...])]`` in registration order (tied: common ancestor)."""
-    places: dict[int, list] = {}
+    places: dict[int, list[tuple[nn.Module, str]]] = {}  # distinct (module, attr) registrations
+    module_names: dict[int, list[str]] = {}  # every qualified name of a module holding it (a shared module: several)
     first: dict[int, tuple[str, nn.Parameter]] = {}
     for mname, m in model.named_modules(remove_duplicate=False):
         for attr, p in m._parameters.items():
             if p is None:
                 continue
-            places.setdefault(id(p), [])
-            if (m, attr) not in [(pm, pa) for pm, pa, _ in places[id(p)]]:
-                places[id(p)].append((m, attr, mname))
+            regs = places.setdefault(id(p), [])
+            if not any(pm is m and pa == attr for pm, pa in regs):
+                regs.append((m, attr))
+            module_names.setdefault(id(p), []).append(mname)
             first.setdefault(id(p), (f"{mname}.{attr}" if mname else attr, p))
     out: list[list] = [[] for _ in range(max(owner.values(), default=0) + 1)]
     for pid, (pname, p) in first.items():
-        mnames = [mn for _, _, mn in places[pid]]
-        common = _common_prefix(mnames)
+        common = _common_prefix(module_names[pid])
         while common not in owner:
             common = common.rpartition(".")[0]
-        out[owner[common]].append((pname, p, [(pm, pa) for pm, pa, _ in places[pid]]))
+        out[owner[common]].append((pname, p, places[pid]))
     return out
 
 
@@ -422,6 +634,11 @@ def _add_flat_groups(unit: Unit, params: list, plan: _GroupPlan) -> None:
                           replicate_group, divisor, holders, param_dtype=plan.param_dtype if cast else None,
                           grad_comm_dtype=plan.grad_comm_dtype if cast else None)
         group.is_expert = expert
+        # What a later fully_shard call on an ancestor needs to give the modules their parameters back (_absorb).
+        group.originals = [weakref.ref(p) for _, p, _ in members]
+        group.param_attrs = [dict(vars(p)) for _, p, _ in members]
+        for name, p, _ in members:
+            REPLACED_PARAMS[p] = name
         if expert:  # the fragments the optimizer sees keep the mark (e.g. for per-expert parameter groups)
             for frag in group.fragments:
                 frag.is_expert = True

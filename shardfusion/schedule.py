@@ -28,6 +28,9 @@ and ``finish_grad_sync`` only waits. A gradient arriving for a buffer whose all-
 collectives and keep Python state, which Inductor cannot lower (its ``resize_storage_bytes_`` lowering needs static
 sizes). Dynamo breaks the graph at each hook, so the compute of each unit between two hooks is one compiled graph
 and the hooks run eagerly, as without compile (``tests/test_compile.py``).
+
+The optimizer step pre-hook first refuses, on every rank and before anything else, an optimizer that holds
+parameters ``fully_shard`` replaced (built before wrapping) or that is not element-wise (``_NOT_ELEMENTWISE``).
 """
 
 from __future__ import annotations
@@ -46,7 +49,15 @@ from shardfusion.unit import ReduceState, Unit
 
 # fragment parameter -> its model's ShardState, for the optimizer step pre-hook.
 _FRAGMENT_OWNER = WeakIdKeyDictionary()
+# parameter that fully_shard replaced by fragments (the originals, and the fragments of an absorbed nested call) ->
+# its qualified name, so that an optimizer still holding one is refused instead of silently updating nothing.
+REPLACED_PARAMS = WeakIdKeyDictionary()
 _OPTIMIZER_HOOK = None
+# Optimizers that read a parameter's shape or all parameters together: wrong on 1-D fragments of a flat shard.
+_NOT_ELEMENTWISE = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafactor", "Muon", "SparseAdam")
+                         if hasattr(torch.optim, name))
+_ELEMENTWISE_NAMES = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD", "NAdam",
+                      "RAdam")
 
 
 class ShardState:
@@ -104,20 +115,27 @@ class ShardState:
     def register_hooks(self) -> None:
         """Install the forward hooks on every unit's modules and the gradient hooks on every full view."""
         root_unit = self.units[0]
-        self.root.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True)
-        self.root.register_forward_hook(self._root_post_forward)
+        handles = self.hook_handles = []  # the module hooks, removed when a later fully_shard call absorbs this one
+        handles.append(self.root.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True))
+        handles.append(self.root.register_forward_hook(self._root_post_forward))
         for unit in self.units:
             if unit is not root_unit:
                 for m in unit.modules:
-                    m.register_forward_pre_hook(self._make_pre_forward(unit))
+                    handles.append(m.register_forward_pre_hook(self._make_pre_forward(unit)))
                 last = unit.modules[-1]
-                last.register_forward_hook(self._make_post_forward(unit))
+                handles.append(last.register_forward_hook(self._make_post_forward(unit)))
                 for m in unit.modules[:-1]:
-                    m.register_forward_hook(self._make_backward_hook_only(unit))
+                    handles.append(m.register_forward_hook(self._make_backward_hook_only(unit)))
             for g in unit.trainable_groups:
                 for i, view in enumerate(g.full_views):
                     view.register_hook(self._make_pre_accumulate(g, i))
                     view.register_post_accumulate_grad_hook(self._make_post_accumulate(unit))
+
+    def remove_hooks(self) -> None:
+        """Remove the module hooks (when a later ``fully_shard`` call absorbs this model's units)."""
+        for handle in self.hook_handles:
+            handle.remove()
+        self.hook_handles = []
 
     @torch.compiler.disable
     def _root_pre_forward(self, module, args, kwargs):
@@ -328,12 +346,34 @@ def _in_backward() -> bool:
 
 
 def _optimizer_pre_step(optimizer, args, kwargs) -> None:
+    """Before any ``torch.optim`` step: refuse what cannot work on fragments, then finish the gradient sync of every
+    sharded model the optimizer holds fragments of.
+
+    The refusals come before anything collective or local in the step, and depend only on the optimizer (the same on
+    every rank), so every rank raises alike.
+
+    Raises:
+        ValueError: the optimizer holds a parameter that ``fully_shard`` replaced (built before wrapping); or it holds
+            fragments and is not element-wise (``LBFGS``, ``Adafactor``, ``Muon``, ``SparseAdam`` or a subclass).
+    """
     states = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
+            if p in REPLACED_PARAMS:  # first: an absorbed nested call's fragments are replaced too
+                raise ValueError(
+                    f"{type(optimizer).__name__} holds parameter {REPLACED_PARAMS[p]!r} (shape {tuple(p.shape)}) from "
+                    "before fully_shard, which replaced every parameter by a 1-D fragment of its shard: this optimizer "
+                    "would update tensors the model no longer uses. Build the optimizer after fully_shard, from "
+                    "model.parameters()")
             s = _FRAGMENT_OWNER.get(p)
             if s is not None:
                 states[id(s)] = s
+    if states and isinstance(optimizer, _NOT_ELEMENTWISE):
+        raise ValueError(
+            f"{type(optimizer).__name__} is not supported on a sharded model: it reads each parameter's shape or all "
+            "parameters together, but after fully_shard each rank's parameters are 1-D fragments of a flat shard "
+            "(pieces of the original tensors, possibly empty). Use an element-wise optimizer: "
+            f"{', '.join(_ELEMENTWISE_NAMES)}. Matrix optimizers such as Muon are planned work")
     for s in states.values():
         s.finish_grad_sync()
 

@@ -68,6 +68,7 @@ class Unit:
 
     def add_group(self, group: FlatGroup, registrations: list[list[tuple[nn.Module, str]]]) -> None:
         """Attach a flat buffer and register its fragments in the modules."""
+        group.unit_name = self.name
         self.groups.append(group)
         self.registrations.append(registrations)
         self.param_names.extend(s.name for s in group.layout.slots)
