@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from shardfusion.flat_buffer import build_layout
 from shardfusion.flat_group import FlatGroup
+from shardfusion.local_state_dict import LocalStateDict
 from shardfusion.moe import MoE
 from shardfusion.schedule import ShardState
 from shardfusion.unit import Unit
@@ -80,8 +81,9 @@ def fully_shard(
         replicate_filter: optional ``(name, parameter) -> bool``; parameters for which it is true are kept whole on
             every rank (not sharded) and their gradients all-reduced over the data-parallel group.
         broadcast_buffers: broadcast module buffers (e.g. BatchNorm running statistics) from the first data-parallel
-            rank at the start of every forward in training mode, as DDP does, so replicas keep identical buffers.
-            Buffers are always broadcast once when wrapping.
+            rank at the start of every forward in training mode and of the first forward after training ones (an
+            evaluation), as DDP does, so replicas keep identical buffers and evaluate alike. Buffers are always
+            broadcast once when wrapping. BatchNorm batch statistics stay per rank (as in DDP).
         expert_filter: optional ``(name, parameter) -> bool`` choosing the expert parameters; default: those with
             ``param.is_expert = True`` (set by :class:`shardfusion.moe.MoE`; see :func:`shardfusion.moe.mark_expert`).
             Expert parameters differ across the ep ranks (each ep rank holds its own experts); they are broadcast at
@@ -132,6 +134,7 @@ def fully_shard(
     state = ShardState(model, built, topology, broadcast_buffers, expert_buffers, param_dtype, prefetch)
     state.sync_buffers()  # e.g. BatchNorm statistics start equal too
     state.register_hooks()
+    LocalStateDict(state).install()  # model.state_dict() / load_state_dict(): see local_state_dict.py
     model._sf_state = state
     return model
 
