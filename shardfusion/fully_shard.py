@@ -57,7 +57,9 @@ def fully_shard(
     names, 1-D fragments (views into the shard, possibly of 0 elements), so any ``torch.optim`` optimizer works
     unchanged. Gradients become the gradient of the mean loss over the global batch (summed over the data-parallel
     world and divided by ``dp * sharding``); they are all-reduced over the replicate group (``dp x outer``) once per
-    optimizer step (see :func:`finish_grad_sync`).
+    optimizer step (see :func:`finish_grad_sync`). ``model.state_dict()`` holds those fragments (local);
+    ``model.load_state_dict()`` is collective and takes full-shape tensors or this rank's own fragments (see
+    :func:`shardfusion.full_state_dict`).
 
     Args:
         model: the module to shard (on its target device; parameters of any float dtype).

@@ -87,11 +87,12 @@ class LocalStateDict:
         self._loading = False  # between the model's load pre-hook and post-hook: its submodules may load
 
     def install(self) -> None:
-        """Register the hooks on the sharded model and on each submodule that holds fragments."""
+        """Register the hooks on the sharded model and on each submodule that holds fragments; their handles join
+        ``state.hook_handles`` (the module hooks removed when a later ``fully_shard`` call absorbs this model)."""
         root = self.state.root
-        root.register_state_dict_post_hook(lambda *args: self._save_metadata(*args))  # torch marks the function
-        root.register_load_state_dict_pre_hook(self._before_load)
-        root.register_load_state_dict_post_hook(self._after_load)
+        handles = [root.register_state_dict_post_hook(lambda *args: self._save_metadata(*args)),  # torch marks it
+                   root.register_load_state_dict_pre_hook(self._before_load),
+                   root.register_load_state_dict_post_hook(self._after_load)]
         holders = {}
         for unit in self.state.units:
             for regs in unit.registrations:
@@ -101,7 +102,8 @@ class LocalStateDict:
                             holders[id(module)] = module
         names = {id(m): n for n, m in root.named_modules()}
         for module in holders.values():
-            module.register_load_state_dict_pre_hook(self._guard_submodule(names.get(id(module), "?")))
+            handles.append(module.register_load_state_dict_pre_hook(self._guard_submodule(names.get(id(module), "?"))))
+        self.state.__dict__.setdefault("hook_handles", []).extend(handles)
 
     def metadata(self) -> dict:
         """This rank's entry: ``{"rank", "world_size", "layout"}``."""

@@ -66,21 +66,24 @@ class Cache(nn.Module):
         return self.fc(x)
 
 
-def _value_error(fn) -> str:
-    """The message of the ValueError `fn()` raises ("" if none)."""
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return ""
-
-
 def _runtime_error(fn) -> str:
     try:
         fn()
     except RuntimeError as e:
         return str(e)
     return ""
+
+
+def _outcome(fn):
+    """`fn()`, or what it raised as a string (so that the job goes on and each test reports its own failure)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return f"raised {type(e).__name__}: {e}"
+
+
+def _incompatible(result) -> tuple | str:
+    return result if isinstance(result, str) else (sorted(result.missing_keys), sorted(result.unexpected_keys))
 
 
 def _outer(seed: int, layout: str | None):
@@ -94,10 +97,11 @@ def _outer(seed: int, layout: str | None):
 
 
 def _refused_unchanged(model, load) -> tuple[str, bool]:
-    """(the ValueError of `load()`, whether the sharded model's full state stayed as it was)."""
+    """(what `load()` raised, or "returned ...", whether the sharded model's full state stayed as it was)."""
     import shardfusion as sf
     before = sf.full_state_dict(model)
-    msg = _value_error(load)
+    result = _outcome(load)
+    msg = result if isinstance(result, str) else f"returned {result}"
     after = sf.full_state_dict(model)
     return msg, all(torch.equal(before[k], after[k]) for k in before)
 
@@ -111,18 +115,18 @@ def _layout_job(tmp: str) -> dict:
     models = {}
     for tag in LAYOUTS:
         model = models[tag] = _outer(1, tag)
-        result = model.load_state_dict(plain)
-        out[f"{tag}-incompatible"] = (sorted(result.missing_keys), sorted(result.unexpected_keys))
+        out[f"{tag}-incompatible"] = _incompatible(_outcome(lambda: model.load_state_dict(plain)))
         out[f"{tag}-full"] = sf.full_state_dict(model.net)
         out[f"{tag}-pre"] = model.pre.weight.detach().clone()
         torch.save(model.state_dict(), os.path.join(tmp, f"{tag}-rank{rank}.pt"))
         before = sf.full_state_dict(model.net)
-        model.load_state_dict(_outer(2, None).state_dict())  # other values
-        model.load_state_dict(torch.load(os.path.join(tmp, f"{tag}-rank{rank}.pt")))
-        out[f"{tag}-round-trip"] = (before, sf.full_state_dict(model.net))
+        _outcome(lambda: model.load_state_dict(_outer(2, None).state_dict()))  # other values
+        loaded = _outcome(lambda: model.load_state_dict(torch.load(os.path.join(tmp, f"{tag}-rank{rank}.pt"))))
+        out[f"{tag}-round-trip"] = (before, sf.full_state_dict(model.net), _incompatible(loaded))
     # one layout's full_state_dict into the other (tied head.weight appears once in it)
     fresh = _outer(3, "I2O2")
-    fresh.net.load_state_dict(sf.full_state_dict(models["I4O1"].net))
+    full = sf.full_state_dict(models["I4O1"].net)
+    out["I4O1-full-into-I2O2-incompatible"] = _incompatible(_outcome(lambda: fresh.net.load_state_dict(full)))
     out["I4O1-full-into-I2O2"] = sf.full_state_dict(fresh.net)
     dist.barrier()
     m = models["I4O1"]
@@ -133,8 +137,7 @@ def _layout_job(tmp: str) -> dict:
     out["no-metadata"] = _refused_unchanged(m.net, lambda: m.load_state_dict(dict(m.state_dict())))
     out["submodule"] = _refused_unchanged(m.net, lambda: m.net.a.load_state_dict(_outer(2, None).net.a.state_dict()))
     partial = {k: v for k, v in _outer(2, None).state_dict().items() if k != "net.a.weight"}
-    result = m.load_state_dict(partial, strict=False)
-    out["partial"] = (sorted(result.missing_keys), sorted(result.unexpected_keys))
+    out["partial"] = _incompatible(_outcome(lambda: m.load_state_dict(partial, strict=False)))
     out["partial-full"] = sf.full_state_dict(m.net)
     out["strict-missing"] = _runtime_error(lambda: m.load_state_dict(partial))
     return out
@@ -167,14 +170,13 @@ def _moe_job(tmp: str) -> dict:
     plain = TinyMoETransformer()  # every expert
     torch.manual_seed(4)
     model = sf.fully_shard(TinyMoETransformer(ep_group=topo.get_group("ep")), topo, units=(MoEBlock,))
-    result = model.load_state_dict(plain.state_dict())
-    out = {"incompatible": (sorted(result.missing_keys), sorted(result.unexpected_keys)),
+    out = {"incompatible": _incompatible(_outcome(lambda: model.load_state_dict(plain.state_dict()))),
            "full": sf.full_state_dict(model), "plain": plain.state_dict()}
     path = os.path.join(tmp, f"moe-rank{dist.get_rank()}.pt")
     torch.save(model.state_dict(), path)
     torch.manual_seed(5)
-    model.load_state_dict(TinyMoETransformer().state_dict())
-    model.load_state_dict(torch.load(path))
+    _outcome(lambda: model.load_state_dict(TinyMoETransformer().state_dict()))
+    out["round-trip-incompatible"] = _incompatible(_outcome(lambda: model.load_state_dict(torch.load(path))))
     out["round-trip"] = sf.full_state_dict(model)
     return out
 
@@ -218,6 +220,8 @@ def test_full_shape_dict_loads_into_each_layout(runs):
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 def test_full_state_dict_loads_into_another_layout(runs):
     for r in runs:
+        incompatible = r["layout"]["I4O1-full-into-I2O2-incompatible"]
+        assert incompatible == ([], []), incompatible
         _assert_equal(r["layout"]["I4O1-full-into-I2O2"], _net(_plain(0)), "I4O1 full_state_dict into I2O2")
 
 
@@ -225,7 +229,8 @@ def test_full_state_dict_loads_into_another_layout(runs):
 def test_own_state_dict_round_trips_on_the_same_rank(runs):
     for r in runs:
         for tag in LAYOUTS:
-            before, after = r["layout"][f"{tag}-round-trip"]
+            before, after, incompatible = r["layout"][f"{tag}-round-trip"]
+            assert incompatible == ([], []), (tag, incompatible)
             _assert_equal(after, before, f"{tag} round trip")
 
 
@@ -234,7 +239,8 @@ def test_rank0_state_dict_refused_on_every_rank(runs):
     for rank, r in enumerate(runs):
         for msg, unchanged in (r["habit"]["rank0"], r["layout"]["rank0-uneven"]):
             assert unchanged, f"rank {rank}: the model changed"
-            assert "refused on every rank" in msg and "saved by rank 0 of 4" in msg, (rank, msg)
+            assert msg.startswith("raised ValueError: ") and "saved by rank 0 of 4" in msg, (rank, msg)
+            assert "refused on every rank" in msg, msg
             assert "rank 1: '" in msg and "full_state_dict" in msg and "shardfusion.checkpoint" in msg, msg
 
 
@@ -242,7 +248,8 @@ def test_rank0_state_dict_refused_on_every_rank(runs):
 def test_other_layout_state_dict_refused(runs):
     for rank, r in enumerate(runs):
         msg, unchanged = r["layout"]["other-layout"]
-        assert unchanged and f"rank 0: 'net." in msg and "saved by rank 0 of 4" in msg, (rank, msg)
+        assert unchanged and msg.startswith("raised ValueError: "), (rank, msg)
+        assert f"rank 0: 'net." in msg and "saved by rank 0 of 4" in msg, (rank, msg)
         assert "keys refused per rank {0: " in msg and "3: " in msg, msg  # every rank's fragments are refused
 
 
@@ -250,15 +257,16 @@ def test_other_layout_state_dict_refused(runs):
 def test_fragments_without_metadata_refused(runs):
     for rank, r in enumerate(runs):
         msg, unchanged = r["layout"]["no-metadata"]
-        assert unchanged and "no shardfusion metadata" in msg and "not the full shape" in msg, (rank, msg)
+        assert unchanged and msg.startswith("raised ValueError: "), (rank, msg)
+        assert "no shardfusion metadata" in msg and "not the full shape" in msg, (rank, msg)
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 def test_load_on_a_submodule_refused(runs):
     for rank, r in enumerate(runs):
         msg, unchanged = r["layout"]["submodule"]
-        assert unchanged and "load_state_dict on 'a'" in msg and "call load_state_dict on the sharded model" in msg, \
-            (rank, msg)
+        assert unchanged and msg.startswith("raised ValueError: "), (rank, msg)
+        assert "load_state_dict on 'a'" in msg and "call load_state_dict on the sharded model" in msg, (rank, msg)
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
@@ -284,6 +292,7 @@ def test_expert_parameters_load_full_and_own_fragments(runs):
         assert moe["incompatible"] == ([], []), (rank, moe["incompatible"])
         assert set(moe["full"]) == set(moe["plain"]) - {"head.weight"}, rank  # the tied head appears once
         _assert_equal(moe["full"], moe["plain"], f"rank {rank}: MoE full")
+        assert moe["round-trip-incompatible"] == ([], []), (rank, moe["round-trip-incompatible"])
         _assert_equal(moe["round-trip"], moe["plain"], f"rank {rank}: MoE round trip")
 
 
