@@ -16,8 +16,9 @@ flattened parameter) is one DCP chunk with ``offsets=(start,)`` and ``sizes=(end
                                             same chunks as the parameter
     optim/<name>/<key>           ()         scalar optimizer state (a 0-d tensor such as step, or a Python number),
                                             a plain tensor written once (DCP dedups equal keys)
-    model_buffer/<name>          shape      module buffers, dense and expert ones (expert names are global across
-                                            the ep ranks), plain tensors written once per name
+    model_buffer/<name>          shape      persistent module buffers (those state_dict() holds; non-persistent
+                                            ones are left out), dense and expert ones (expert names are global
+                                            across the ep ranks), plain tensors written once per name
     rank/<global rank>/<key>     shape      per-rank state (e.g. RNG states), written by that rank only
     meta                         bytes      {"version", "world_size", "shapes": {name: shape},
                                             "buffer_shapes": {name: shape},
@@ -72,6 +73,7 @@ from shardfusion.checkpoint_planners import FragmentLoadPlanner, FragmentSavePla
 from shardfusion.checkpoint_read import failure_text, open_checkpoint, read_error, read_meta, read_plain
 from shardfusion.comm import call_on_rank0
 from shardfusion.fully_shard import _state
+from shardfusion.local_state_dict import persistent_buffers
 
 __all__ = ["FORMAT_VERSION", "save", "load", "save_checkpoint", "latest_checkpoint", "checkpoint_bytes", "read_meta",
            "read_all", "load_full", "load_full_state"]
@@ -168,8 +170,9 @@ def _model_info(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
         mine["problems"].append(f"rank {rank}: tensor-parallel parameters (tensor_model_parallel=True, mp > 1) "
                                 f"{tensor_parallel} are not handled by checkpoints (one key per name, equal on "
                                 f"every mp rank)")
-    for name, buf in model.named_buffers():
+    for name, buf in persistent_buffers(model):
         mine["buffer_shapes"][name] = tuple(buf.shape)
+    mine["nonpersistent"] = sorted({n for n, _ in model.named_buffers()} - set(mine["buffer_shapes"]))
     for key, value in (rank_state or {}).items():
         if not isinstance(key, str) or not torch.is_tensor(value):
             mine["problems"].append(f"rank {rank}: rank_state[{key!r}] must be a tensor under a str key, got "
@@ -178,10 +181,12 @@ def _model_info(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     if dist.is_initialized() and dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
-    out: dict[str, Any] = {"shapes": {}, "buffer_shapes": {}, "optim_state": {}, "problems": [], "unreadable": []}
+    out: dict[str, Any] = {"shapes": {}, "buffer_shapes": {}, "optim_state": {}, "problems": [], "unreadable": [],
+                           "nonpersistent": set()}
     for part in every:
         for field in ("shapes", "buffer_shapes"):
             out[field].update(part[field])
+        out["nonpersistent"].update(part["nonpersistent"])
         for name, kinds in part["optim_state"].items():
             out["optim_state"].setdefault(name, {}).update(kinds)
         out["problems"] += part["problems"]
@@ -231,7 +236,8 @@ def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
         for k, kind in kinds.items():  # every rank holding the parameter (empty fragments too); DCP keeps one
             if kind not in (None, "element"):
                 sd[f"optim/{name}/{k}"] = _scalar_tensor(st[k])
-    for name, buf in model.named_buffers():  # dense and expert ones (global names); DCP keeps one copy per name
+    # dense and expert ones (global names), persistent ones only (as state_dict); DCP keeps one copy per name
+    for name, buf in persistent_buffers(model):
         sd[f"model_buffer/{name}"] = buf.detach()
     for key, value in (rank_state or {}).items():
         sd[f"rank/{_rank()}/{key}"] = value.detach()
@@ -265,7 +271,8 @@ def _check_keys(info: dict, meta: dict, path: str) -> None:
     problems = [_mismatch(info["shapes"], meta["shapes"], "checkpoint", "missing from the checkpoint",
                           "in the checkpoint but not in the model"),
                 _mismatch(info["buffer_shapes"], meta["buffer_shapes"], "checkpoint",
-                          "buffers missing from the checkpoint", "buffers in the checkpoint but not in the model")]
+                          "buffers missing from the checkpoint", "buffers in the checkpoint but not in the model",
+                          also_allowed=info["nonpersistent"])]  # written by older versions: not read
     problems = [p for p in problems if p] + info["problems"]
     if problems:
         raise ValueError(f"checkpoint {path!r} does not match the model: {'; '.join(problems)}")
@@ -369,7 +376,7 @@ def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
             optional.add(f"model/{name}")
     if optimizer is not None and meta["optim_state"] is not None:
         _plan_optimizer(model, optimizer, meta["optim_state"], stored, sd, fragments, optional)
-    for name, buf in model.named_buffers():
+    for name, buf in persistent_buffers(model):
         sd[f"model_buffer/{name}"] = buf.detach()
     replaced: dict[str, torch.Tensor] = {}  # rank_state keys whose stored shape or dtype differs: loaded anew
     for key in list(rank_state or {}):
@@ -439,8 +446,8 @@ def read_all(path: str) -> dict[str, torch.Tensor]:
 
 
 def load_full(path: str) -> dict[str, torch.Tensor]:
-    """The model of a checkpoint, unsharded, in one process: ``{name: tensor}`` with the original shapes (buffers,
-    expert ones included).
+    """The model of a checkpoint, unsharded, in one process: ``{name: tensor}`` with the original shapes (persistent
+    buffers, expert ones included: the keys of the model's own ``state_dict()``, a tied parameter once).
 
     Raises:
         ValueError: ``path`` is not a readable checkpoint folder, or a data file is truncated, corrupt or missing
@@ -489,19 +496,21 @@ def load_full_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> No
     model's fragments and buffers, in place. Collective (one ``all_gather_object`` of the parameter shapes).
 
     Keys of experts held by other ep ranks are expected in a full state dict and skipped here; a tied parameter may
-    appear under any of its names.
+    appear under any of its names; non-persistent buffers are not loaded (a key for one is ignored). The model's own
+    ``load_state_dict`` takes the same full state dict (see :func:`shardfusion.full_state_dict`).
 
     Raises:
         ValueError: on every rank: a parameter of the model missing from ``state_dict``, a key that is no parameter
             or buffer of the model on any rank, or a shape that differs (each named).
     """
     shapes = _model_info(model)["shapes"]
-    buffers = dict(model.named_buffers())
+    buffers = dict(persistent_buffers(model))
+    nonpersistent = {n for n, _ in model.named_buffers()} - set(buffers)  # ignored if given (older exports)
     first = {id(p): n for n, p in model.named_parameters()}  # tied parameters: their first name
     aliases = {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
     given = {aliases.get(k, k): v for k, v in state_dict.items()}
     problems = _mismatch(shapes, {n: t.shape for n, t in given.items()}, "given", "missing", "unexpected",
-                         also_allowed=set(buffers))
+                         also_allowed=set(buffers) | nonpersistent)
     if problems:
         raise ValueError(f"state dict does not match the model: {problems}")
     with torch.no_grad():

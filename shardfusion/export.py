@@ -1,7 +1,7 @@
 """`python -m shardfusion.export CKPT OUT [--overwrite]`: a checkpoint as one safetensors file plus its config.
 
 Reads a checkpoint folder written by :mod:`shardfusion.checkpoint` (any layout) in one process, with no process group,
-and writes ``OUT/model.safetensors`` (every parameter and buffer, original names and shapes, the dtypes they were
+and writes ``OUT/model.safetensors`` (parameters, persistent buffers; original names and shapes, the dtypes they were
 saved in) and ``OUT/config.json`` (``source``: the checkpoint folder; ``extra``: the checkpoint's ``extra`` (for a
 checkpoint of shardfusion.train: the model config under 'model', the step, the schedule settings); ``shapes``: the
 parameter shapes). Existing files of those names are not replaced unless ``--overwrite`` (``OUT`` may be a run folder

@@ -18,6 +18,7 @@ import torch.nn as nn
 from shardfusion import comm
 from shardfusion.flat_buffer import build_layout
 from shardfusion.flat_group import FlatGroup
+from shardfusion.local_state_dict import LocalStateDict
 from shardfusion.moe import MoE
 from shardfusion.schedule import REPLACED_PARAMS, ShardState
 from shardfusion.unit import Unit
@@ -105,7 +106,9 @@ def fully_shard(
     (``.to(dtype)``, ``.double()``, ``.half()``, ``.to(device)``) before wrapping: afterwards the next forward raises
     ``ValueError``. Gradients become the gradient of the mean loss over the global batch (summed over the data-parallel
     world and divided by ``dp * sharding``); they are all-reduced over the replicate group (``dp x outer``) once per
-    optimizer step (see :func:`finish_grad_sync`).
+    optimizer step (see :func:`finish_grad_sync`). ``model.state_dict()`` holds those fragments (local);
+    ``model.load_state_dict()`` is collective and takes full-shape tensors or this rank's own fragments (see
+    :func:`shardfusion.full_state_dict`).
 
     Args:
         model: the module to shard (on its target device, materialized: not on the meta device; parameters of any
@@ -130,8 +133,9 @@ def fully_shard(
         replicate_filter: optional ``(name, parameter) -> bool``; parameters for which it is true are kept whole on
             every rank (not sharded) and their gradients all-reduced over the data-parallel group.
         broadcast_buffers: broadcast module buffers (e.g. BatchNorm running statistics) from the first data-parallel
-            rank at the start of every forward in training mode, as DDP does, so replicas keep identical buffers.
-            Buffers are always broadcast once when wrapping.
+            rank at the start of every forward in training mode and of the first forward after training ones (an
+            evaluation), as DDP does, so replicas keep identical buffers and evaluate alike. Buffers are always
+            broadcast once when wrapping. BatchNorm batch statistics stay per rank (as in DDP).
         expert_filter: optional ``(name, parameter) -> bool`` choosing the expert parameters; default: those with
             ``param.is_expert = True`` (set by :class:`shardfusion.moe.MoE`; see :func:`shardfusion.moe.mark_expert`).
             Expert parameters differ across the ep ranks (each ep rank holds its own experts); they are broadcast at
@@ -196,6 +200,7 @@ def fully_shard(
     state.sync_buffers()  # e.g. BatchNorm statistics start equal too
     state.register_hooks()
     state.hook_handles.append(model.register_forward_pre_hook(_fragment_check(built), prepend=True))
+    LocalStateDict(state).install()  # model.state_dict() / load_state_dict(): see local_state_dict.py
     model._sf_state = state
     for name, m in model.named_modules():
         if m is not model:

@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardfusion import comm
+from shardfusion.local_state_dict import persistent_buffers
 from shardfusion.unit import ReduceState, Unit
 
 # fragment parameter -> its model's ShardState, for the optimizer step pre-hook.
@@ -79,6 +80,7 @@ class ShardState:
         self.units = units
         self.topology = topology
         self.broadcast_buffers = broadcast_buffers
+        self._buffers_trained = False  # a training forward ran since the last buffer broadcast (see _root_pre_forward)
         self.expert_buffers = expert_buffers  # ids of the buffers that belong to experts (distinct across ep)
         self.requires_gradient_sync = True
         self._reduce_order = [u for u in reversed(units) if u.trainable_groups]
@@ -98,15 +100,17 @@ class ShardState:
                     _FRAGMENT_OWNER[f] = self
         _install_optimizer_hook()
 
-    def split_buffers(self) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
-        """The model's named buffers as (dense, expert) lists."""
-        named = list(self.root.named_buffers())
+    def split_buffers(self, persistent_only: bool = False
+                      ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+        """The model's named buffers as (dense, expert) lists; with ``persistent_only`` without the non-persistent
+        ones (those ``state_dict()`` leaves out: full state dicts and checkpoints leave them out too)."""
+        named = persistent_buffers(self.root) if persistent_only else list(self.root.named_buffers())
         return ([(n, b) for n, b in named if id(b) not in self.expert_buffers],
                 [(n, b) for n, b in named if id(b) in self.expert_buffers])
 
     def sync_buffers(self) -> None:
-        """Broadcast buffers from the first rank holding the same ones: dense buffers over the data-parallel group,
-        expert buffers over the ranks holding the same experts."""
+        """Broadcast buffers (non-persistent ones too) from the first rank holding the same ones: dense buffers over
+        the data-parallel group, expert buffers over the ranks holding the same experts."""
         dense, expert = self.split_buffers()
         comm.broadcast_coalesced([b for _, b in dense], self.topology.get_data_parallel_group())
         comm.broadcast_coalesced([b for _, b in expert], self.topology.get_expert_data_parallel_group())
@@ -144,8 +148,11 @@ class ShardState:
             for u in self.units[1:]:
                 u.reshard()
             self._ran, self._grad_order = [], []
-            if self.broadcast_buffers and module.training:
+            # As DDP: before every training forward, and before the first forward after training ones (evaluation),
+            # so eval outputs are the same on every rank (BatchNorm running statistics move in training forwards).
+            if self.broadcast_buffers and (module.training or self._buffers_trained):
                 self.sync_buffers()
+            self._buffers_trained = module.training
         self._pre_forward(self.units[0])
         if self.param_dtype is not None:  # mixed precision: floating-point inputs in the compute dtype
             return tree_map(self._cast_input, args), tree_map(self._cast_input, kwargs)

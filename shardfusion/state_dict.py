@@ -1,4 +1,15 @@
-"""Full (unsharded) state dicts of a sharded model, for tests, export and inspection."""
+"""Full (unsharded) state dicts of a sharded model, for tests, export and inspection.
+
+State dicts of a sharded model, in short (details: [Note: local state dicts] in ``local_state_dict.py``):
+
+- ``model.state_dict()``: this rank's 1-D fragments under the original names, plus the buffers; cheap, local. Its
+  ``_metadata`` (kept by ``torch.save``) records the rank, the world size and a digest of this rank's layout.
+- :func:`full_state_dict`: every parameter in its full shape, on every rank (collective); loads into a plain model
+  and into a sharded model of any layout.
+- ``model.load_state_dict(sd)``: collective (every rank calls it). Takes full-shape tensors (each rank copies its
+  fragment) and 1-D fragments only from this same rank and layout; refuses anything else with a ``ValueError`` on
+  every rank, before anything is copied into it.
+"""
 
 from __future__ import annotations
 
@@ -17,8 +28,16 @@ def full_state_dict(model: nn.Module, buffers: bool = True) -> dict[str, torch.T
     runtime buffer) in the parameters' dtype and device; a tied parameter appears once, under its first name.
     Expert parameters of every ep rank are included (each ep rank holds its own experts, under their global names,
     see :class:`shardfusion.moe.MoE`): they are exchanged over the ep group with ``all_gather_object``.
-    With ``buffers`` the module buffers (e.g. BatchNorm statistics) are included too, as held by the first
-    data-parallel rank (for buffers of experts: the first rank holding those experts).
+    With ``buffers`` the persistent module buffers (e.g. BatchNorm statistics; not those registered with
+    ``persistent=False``, which ``state_dict()`` leaves out too) are included, as held by the first data-parallel
+    rank (for buffers of experts: the first rank holding those experts).
+
+    The result loads into a plain (unsharded) model with ``load_state_dict`` (tied parameters: ``strict=False``, or
+    give the other names too), and into a sharded model of any layout and world size with the sharded model's own
+    ``model.load_state_dict(full)`` (collective; each rank copies its fragment out of the full tensors). To move
+    weights between ranks or layouts use this (or :mod:`shardfusion.checkpoint`), never ``model.state_dict()``: that
+    holds this rank's 1-D fragments, and ``load_state_dict`` refuses them on another rank or layout (``ValueError``
+    on every rank, naming the key and the rank and layout it came from).
 
     Raises:
         ValueError: two ep ranks hold an expert parameter or buffer of the same name.
@@ -32,7 +51,7 @@ def full_state_dict(model: nn.Module, buffers: bool = True) -> dict[str, torch.T
             comm.all_gather(full, g.shard, g.shard_group)
             for slot in g.layout.slots:
                 (experts if g.is_expert else out)[slot.name] = full[slot.offset:slot.end].view(slot.shape).clone()
-    dense_buffers, expert_buffers = state.split_buffers() if buffers else ([], [])
+    dense_buffers, expert_buffers = state.split_buffers(persistent_only=True) if buffers else ([], [])
     copies = {name: buf.detach().clone() for name, buf in dense_buffers}
     comm.broadcast_coalesced(list(copies.values()), state.topology.get_data_parallel_group())
     out.update(copies)

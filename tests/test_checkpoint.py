@@ -470,3 +470,54 @@ def test_atomic_publish_keep_and_key_errors(tmp_path):
     with pytest.raises(ValueError, match=r"cannot be read: __1_0\.distcp has 100 bytes, the metadata needs \d+ "
                                          r"\(\d+ keys: model/"):  # one process, no process group
         ckpt.read_all(os.path.join(root, "step-4"))
+
+
+class Masked(nn.Module):
+    """A Linear and a non-persistent mask buffer whose size is a constructor argument (a cache, not state)."""
+
+    def __init__(self, max_len: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("mask", torch.ones(max_len, max_len).tril(), persistent=False)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _nonpersistent_job(root: str) -> dict:
+    import shardfusion as sf
+    from shardfusion import checkpoint as ckpt
+    topo = sf.Topology(sharding=2, timeout=30)
+    torch.manual_seed(0)
+    saved = sf.fully_shard(Masked(max_len=8), topo, units=(nn.Linear,))
+    path = ckpt.save_checkpoint(saved, None, root, 1)
+    torch.manual_seed(1)
+    loaded = sf.fully_shard(Masked(max_len=16), topo, units=(nn.Linear,))  # another mask shape
+    out = {"load": _value_error(lambda: ckpt.load(loaded, None, path)), "path": path,
+           "saved": sf.full_state_dict(saved), "loaded": sf.full_state_dict(loaded), "mask": loaded.mask.clone()}
+    full = {**sf.full_state_dict(saved), "mask": torch.zeros(3, 3)}  # e.g. an older export holding it: ignored
+    out["load_full_state"] = _value_error(lambda: ckpt.load_full_state(loaded, full))
+    out["mask_after"] = loaded.mask.clone()
+    return out
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+def test_nonpersistent_buffers_left_out(tmp_path):
+    from safetensors.torch import load_file
+    from shardfusion import checkpoint as ckpt
+    from shardfusion.export import export
+    results = run_distributed(_nonpersistent_job, 2, str(tmp_path / "ckpts"), timeout=120)
+    plain_keys = sorted(Masked().state_dict())
+    assert plain_keys == ["fc.bias", "fc.weight"]
+    for r in results:
+        assert r["load"] == "", r["load"]
+        _assert_bitwise(r["loaded"], r["saved"], "load")
+        assert torch.equal(r["mask"], torch.ones(16, 16).tril())  # the model's own, not the saved one's
+        assert r["load_full_state"] == "" and torch.equal(r["mask_after"], r["mask"]), r["load_full_state"]
+    path = results[0]["path"]
+    assert sorted(ckpt.read_meta(path)["buffer_shapes"]) == []
+    full = ckpt.load_full(path)
+    assert sorted(full) == plain_keys
+    Masked().load_state_dict(full)  # strict
+    target = export(path, str(tmp_path / "export"))
+    assert sorted(load_file(target)) == plain_keys

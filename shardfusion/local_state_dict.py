@@ -1,0 +1,228 @@
+"""``model.state_dict()`` and ``model.load_state_dict()`` of a sharded model, with torch's own module hooks.
+
+[Note: local state dicts]
+After :func:`shardfusion.fully_shard`, ``model.state_dict()`` holds, under the original names, this rank's 1-D
+fragments of the sharded parameters (views of its shard; kept-whole and expert parameters are 1-D too) and the
+module buffers. A state-dict post-hook on the sharded model records in the state dict's ``_metadata`` (which
+``torch.save`` keeps) where the fragments come from, under ``_metadata[prefix]["shardfusion"]``::
+
+    {"rank": global rank, "world_size": W, "layout": hex digest of this rank's fragments}
+
+The layout digest covers, for every parameter of the model: its name, full shape, shard count and index, and the
+fragment's offset and length in the flattened parameter. Two ranks never share a digest unless they hold the same
+fragments (replicas of the outer group do; they are still told apart by ``rank``).
+
+A load-state-dict pre-hook on the sharded model decides, for every parameter key of the given state dict:
+
+- a tensor of the parameter's full shape (a plain model's ``state_dict()``, :func:`shardfusion.full_state_dict`):
+  each rank copies its own fragment out of it;
+- a 1-D fragment: accepted only when the metadata says it comes from this rank, world size and layout;
+- anything else (another rank's or layout's fragment, a 1-D fragment without metadata, another shape) is refused.
+
+Refusals are collective: every rank validates its own keys, then one ``all_gather_object`` over the default group
+exchanges the problems (and the names of the expert parameters and buffers each ep rank holds), before anything is
+copied into the sharded model; if any rank found a problem every rank raises the same ``ValueError``. (When the
+sharded model is a submodule, torch has loaded the modules it visits before it, e.g. earlier siblings, by then.) So
+``load_state_dict`` of a sharded model (or of a module that contains it) must be called on every rank. Keys of
+experts held by other ep ranks (a full state dict holds every expert) are dropped before torch matches keys, so
+``strict=True`` works with full state dicts at any ep degree. A tied parameter may be given under any of its names.
+``strict`` and the returned missing / unexpected keys otherwise behave as in torch. ``assign=True`` is refused (the
+fragments must stay views of the shard). ``load_state_dict`` called on a submodule of a sharded model (not through
+the model passed to ``fully_shard``) is refused on every rank that calls it.
+
+Non-persistent buffers (``register_buffer(..., persistent=False)``) are left out of ``state_dict()`` by torch; the
+full state dict and checkpoints leave them out too (:func:`persistent_buffers`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+META_KEY = "shardfusion"  # key of our entry in a state dict's ``_metadata[prefix]``
+
+
+@dataclass(frozen=True)
+class _Param:
+    """One parameter of the sharded model as this rank holds it."""
+
+    name: str  # its first name (relative to the sharded model)
+    aliases: tuple[str, ...]  # every name it is registered under (tied parameters: several)
+    shape: tuple[int, ...]  # full shape
+    offset: int  # start of this rank's fragment in the flattened parameter (elements)
+    numel: int  # fragment length (elements; 0 allowed)
+    is_expert: bool
+
+
+def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module.named_buffers()`` without the non-persistent ones: the buffers ``module.state_dict()`` holds."""
+    persistent = set()
+    for mname, m in module.named_modules(remove_duplicate=False):
+        for bname, buf in m._buffers.items():
+            if buf is not None and bname not in m._non_persistent_buffers_set:
+                persistent.add(f"{mname}.{bname}" if mname else bname)
+    return [(n, b) for n, b in module.named_buffers() if n in persistent]
+
+
+class LocalStateDict:
+    """The state-dict hooks of one sharded model (see [Note: local state dicts]). Built by ``fully_shard``.
+
+    Args:
+        state: the model's ``ShardState`` (its root, units and expert buffer ids are read once, here).
+    """
+
+    def __init__(self, state) -> None:
+        self.state = state
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.params = _params(state)
+        self.by_alias = {a: p for p in self.params for a in p.aliases}
+        expert_ids = state.expert_buffers
+        self.expert_names = sorted({a for p in self.params if p.is_expert for a in p.aliases} |
+                                   {n for n, b in state.root.named_buffers() if id(b) in expert_ids})
+        self.layout = _digest(state)
+        self._loading = False  # between the model's load pre-hook and post-hook: its submodules may load
+
+    def install(self) -> None:
+        """Register the hooks on the sharded model and on each submodule that holds fragments; their handles join
+        ``state.hook_handles`` (the module hooks removed when a later ``fully_shard`` call absorbs this model)."""
+        root = self.state.root
+        handles = [root.register_state_dict_post_hook(lambda *args: self._save_metadata(*args)),  # torch marks it
+                   root.register_load_state_dict_pre_hook(self._before_load),
+                   root.register_load_state_dict_post_hook(self._after_load)]
+        holders = {}
+        for unit in self.state.units:
+            for regs in unit.registrations:
+                for places in regs:
+                    for module, _attr in places:
+                        if module is not root:
+                            holders[id(module)] = module
+        names = {id(m): n for n, m in root.named_modules()}
+        for module in holders.values():
+            handles.append(module.register_load_state_dict_pre_hook(self._guard_submodule(names.get(id(module), "?"))))
+        self.state.__dict__.setdefault("hook_handles", []).extend(handles)
+
+    def metadata(self) -> dict:
+        """This rank's entry: ``{"rank", "world_size", "layout"}``."""
+        return {"rank": self.rank, "world_size": self.world_size, "layout": self.layout}
+
+    # ---- hooks ---------------------------------------------------------------------------------------------------
+    def _save_metadata(self, module, state_dict, prefix, local_metadata) -> None:
+        local_metadata[META_KEY] = self.metadata()
+
+    def _before_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                     error_msgs) -> None:
+        problems = self._problems(state_dict, prefix, local_metadata)
+        every = [None] * self.world_size
+        dist.all_gather_object(every, (self.rank, problems, self.expert_names))
+        refused = [(r, p) for r, p, _ in every if p]
+        if refused:
+            raise ValueError(_refusal(type(module).__name__, refused))
+        held = set(self.by_alias) | {n for n, _ in module.named_buffers()}
+        elsewhere = {n for _, _, names in every for n in names} - held  # other ep ranks' experts
+        for name in elsewhere:
+            state_dict.pop(prefix + name, None)
+        self._to_fragments(state_dict, prefix)
+        self._loading = True
+
+    def _after_load(self, module, incompatible_keys) -> None:
+        self._loading = False
+        for unit in self.state.units:  # a gathered full buffer would hold the values from before the load
+            unit.reshard()
+
+    def _guard_submodule(self, name: str):
+        def hook(module, state_dict, prefix, *rest) -> None:
+            if not self._loading:
+                raise ValueError(
+                    f"load_state_dict on {name!r} ({type(module).__name__}), a submodule of a model sharded by "
+                    f"shardfusion.fully_shard, would copy into this rank's 1-D fragments unchecked: call "
+                    f"load_state_dict on the sharded model (or a module containing it), on every rank")
+        return hook
+
+    # ---- validation and slicing ----------------------------------------------------------------------------------
+    def _problems(self, state_dict, prefix: str, local_metadata: dict) -> list[str]:
+        """What this rank refuses in ``state_dict`` (one string per key), before anything is copied."""
+        if local_metadata.get("assign_to_params_buffers", False):
+            return ["assign=True would replace this rank's fragments (views of its shard): use assign=False"]
+        saved = local_metadata.get(META_KEY)
+        saved = saved if isinstance(saved, dict) else None
+        same = saved == self.metadata()
+        out = []
+        for alias, p in self.by_alias.items():
+            t = state_dict.get(prefix + alias)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) == p.shape:
+                continue  # not a tensor: torch reports it; full shape: sliced
+            if same and tuple(t.shape) == (p.numel,):
+                continue  # this rank's own fragment, same layout
+            key = prefix + alias
+            if saved is None:
+                out.append(f"{key!r} has shape {tuple(t.shape)}, not the full shape {p.shape}, and the state dict "
+                           f"has no shardfusion metadata (it lost its _metadata, or it is a fragment from elsewhere)")
+            elif not same:
+                out.append(f"{key!r} is a 1-D fragment {tuple(t.shape)} saved by rank {saved.get('rank')} of "
+                           f"{saved.get('world_size')} (layout {saved.get('layout')}); rank {self.rank} of "
+                           f"{self.world_size} holds layout {self.layout}")
+            else:
+                out.append(f"{key!r} has shape {tuple(t.shape)}: neither the full shape {p.shape} nor this rank's "
+                           f"fragment ({p.numel},)")
+        return out
+
+    def _to_fragments(self, state_dict, prefix: str) -> None:
+        """Replace each full-shape tensor by this rank's fragment of it (1-D); give a tied parameter that appears
+        under one of its names the same value under the others."""
+        for p in self.params:
+            given = [prefix + a for a in p.aliases if prefix + a in state_dict]
+            for key in given:
+                t = state_dict[key]
+                if isinstance(t, torch.Tensor) and tuple(t.shape) == p.shape:
+                    state_dict[key] = t.reshape(-1)[p.offset:p.offset + p.numel]
+            for alias in p.aliases:
+                if given and prefix + alias not in state_dict:
+                    state_dict[prefix + alias] = state_dict[given[0]]
+
+
+def _shard_index(group) -> int:
+    count = group.layout.shard_count
+    return 0 if count == 1 or group.shard_group is None else dist.get_rank(group.shard_group)
+
+
+def _params(state) -> list[_Param]:
+    aliases: dict[int, list[str]] = {}
+    for name, frag in state.root.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(frag), []).append(name)
+    out = []
+    for unit in state.units:
+        for g in unit.groups:
+            for frag_param, frag in zip(g.fragments, g.layout.fragments(_shard_index(g))):
+                names = aliases.get(id(frag_param), [frag.slot.name])
+                out.append(_Param(frag.slot.name, tuple(names), tuple(frag.slot.shape), frag.param_offset,
+                                  frag.numel, bool(g.is_expert)))
+    return out
+
+
+def _digest(state) -> str:
+    """Hex digest (16 digits) of this rank's layout: per parameter name, full shape, shard count and index, fragment
+    offset and length."""
+    rows = []
+    for unit in state.units:
+        for g in unit.groups:
+            index = _shard_index(g)
+            for frag in g.layout.fragments(index):
+                rows.append((frag.slot.name, tuple(frag.slot.shape), g.layout.shard_count, index, frag.param_offset,
+                             frag.numel))
+    return hashlib.sha1(repr(sorted(rows)).encode()).hexdigest()[:16]
+
+
+def _refusal(model_name: str, refused: list[tuple[int, list[str]]]) -> str:
+    """One message for every rank: the first refusing rank's first problem, and which ranks refused how many keys."""
+    first_rank, problems = refused[0]
+    more = f" (and {len(problems) - 1} more key{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
+    counts = ", ".join(f"{r}: {len(p)}" for r, p in refused)
+    return (f"load_state_dict into the sharded {model_name} refused on every rank, nothing copied into it: rank "
+            f"{first_rank}: {problems[0]}{more}; keys refused per rank {{{counts}}}. model.state_dict() of a sharded "
+            f"model holds this rank's 1-D fragments and loads back only on the rank and layout that saved it; to move "
+            f"weights between ranks or layouts, save shardfusion.full_state_dict(model) (full shapes; every rank "
+            f"calls it) and load that, or use shardfusion.checkpoint.save / load")
