@@ -28,8 +28,8 @@ sharded or kept whole). ``P`` is the padded flat length (``layout.padded_numel``
 - ``direct_grad`` # (S,)  alive from the first *direct* gradient of a step until its replicate all-reduce: gradients
                   #       autograd computed for the fragments themselves (a loss term computed from
                   #       ``model.parameters()``, e.g. an explicit L2 penalty), in the shard's dtype. They never pass
-                  #       through ``grad_full``: each fragment's hooks move them here (``stash_fragment_grad`` /
-                  #       ``take_direct_grad``) and leave its ``.grad`` as it was. Folded into ``step_grad`` divided by
+                  #       through ``grad_full``: each fragment's hooks move them here (``stash_fragment_grad``,
+                  #       ``unstash_fragment_grad``, ``add_direct_grad``) and leave its ``.grad`` as it was. Folded into ``step_grad`` divided by
                   #       the replicate group's size just before the replicate all-reduce, so the all-reduce averages
                   #       them over the replicas (a term identical on every replica counts once, as unsharded).
 """
@@ -301,7 +301,8 @@ class FlatGroup:
 
     def _user_cleared(self) -> list[int]:
         """Indices of trainable fragments whose ``.grad`` the user set to ``None`` (e.g. ``zero_grad()``)."""
-        return [i for i, f in enumerate(self.fragments) if f.requires_grad and f.grad is None]
+        grads = [self._stashed_grads.get(i, f.grad) for i, f in enumerate(self.fragments)]  # as the user left them
+        return [i for i, (f, g) in enumerate(zip(self.fragments, grads)) if f.requires_grad and g is None]
 
     def discard_if_reset(self) -> bool:
         """If this step's gradient is pending in ``grad_shard`` but the user has since set every fragment's ``.grad``
@@ -328,11 +329,15 @@ class FlatGroup:
         self._stashed_grads[i] = frag.grad
         frag.grad = None
 
-    def take_direct_grad(self, i: int) -> None:
-        """After autograd accumulated into fragment ``i``: add its ``.grad`` (the direct gradient, ``(numel,)``) into
-        ``direct_grad`` and put back the ``.grad`` it had before."""
+    def unstash_fragment_grad(self, i: int) -> Optional[torch.Tensor]:
+        """After autograd accumulated into fragment ``i``: put back the ``.grad`` it had before; returns what autograd
+        left there (the direct gradient, ``(numel,)``)."""
         frag = self.fragments[i]
         grad, frag.grad = frag.grad, self._stashed_grads.pop(i, None)
+        return grad
+
+    def add_direct_grad(self, i: int, grad: Optional[torch.Tensor]) -> None:
+        """Add a direct gradient of fragment ``i`` (``(numel,)``, or ``None``: nothing) into ``direct_grad``."""
         if grad is None:
             return
         off, n = self._frag_ranges[i]

@@ -71,6 +71,7 @@ class ShardState:
         self._callback_queued = False
         self._next_sync = 0  # units of _reduce_order whose replicate all-reduce was issued in this backward
         self._creates_graph = False  # the running backward has create_graph=True (grad mode on in its hooks)
+        self._views_accumulated = False  # autograd accumulated a gradient into a full view in the running backward
         self._graph_kept = False  # a create_graph backward ran: keep every unit unsharded until a plain one ends
         self._direct_check = (-1, False)  # (graph task id, whether it accumulates into a fragment)
         self._grad_accumulators: dict[int, Any] = {}  # id(fragment) -> its AccumulateGrad node, kept alive
@@ -247,6 +248,7 @@ class ShardState:
 
     def _make_post_accumulate(self, unit: Unit, group, view_index: int):
         def hook(param):
+            self._views_accumulated = True
             group.keep_grad_in_buffer(view_index)
             if unit.grad_arrived():
                 if unit is not self.units[0] and self._gather_done(unit):
@@ -260,15 +262,18 @@ class ShardState:
         ``model.parameters()``): set the fragment's ``.grad`` aside so that the new gradient can be taken out."""
         def hook(grad):
             self._queue_callback()  # this backward may reach only fragments: every rank still runs its collectives
-            _check_not_in_flight(group, index)
-            group.discard_if_reset()  # the user reset gradients since the last backward: drop that pending step
             group.stash_fragment_grad(index)
 
         return hook
 
     def _make_fragment_post_accumulate(self, group, index: int):
+        """Autograd accumulated a direct gradient into a fragment (not in ``autograd.grad``, which accumulates
+        nothing): take it out into the group's direct gradient and give the fragment its ``.grad`` back."""
         def hook(param):
-            group.take_direct_grad(index)
+            grad = group.unstash_fragment_grad(index)
+            _check_not_in_flight(group, index)
+            group.discard_if_reset()  # the user reset gradients since the last backward: drop that pending step
+            group.add_direct_grad(index, grad)
 
         return hook
 
@@ -314,7 +319,7 @@ class ShardState:
         gradient may still reach a fragment directly in this backward, no all-reduce is issued before its end (the
         direct gradients are part of what it reduces); then all are issued, in order."""
         order = self._reduce_order
-        overlap = self.is_last_backward and self.requires_gradient_sync and (
+        overlap = self.is_last_backward and self.requires_gradient_sync and not self._creates_graph and (
             block or not self._direct_grads_expected())
         if overlap:
             self._start_syncs(self._next_all_reduce)
@@ -344,16 +349,21 @@ class ShardState:
     def _post_backward(self) -> None:
         """End of backward: reduce-scatter what is left, in order, wait for all, free full buffers.
 
-        A backward with ``create_graph=True`` (a gradient penalty's ``autograd.grad``) reduces nothing and frees
-        nothing: its gradients are held as with gradient sync off, and every unit stays unsharded, because the graph
-        it built holds views of the full buffers. The next backward without ``create_graph`` reduces all and frees
-        them at its end. This costs the memory of every gathered unit from the first backward to the second."""
+        A backward with ``create_graph=True`` frees nothing: every unit stays unsharded, because the graph it built
+        holds views of the full buffers; the next backward without ``create_graph`` frees them at its end. This costs
+        the memory of every gathered unit from the first backward to the end of the second. If it accumulated no
+        gradient into the parameters (a gradient penalty's ``autograd.grad``), it reduces nothing either: its zero
+        gradients are held as with gradient sync off. It never issues the replicate all-reduce early
+        (``set_is_last_backward``): that is left to the next backward or the step boundary."""
         self._callback_queued = False
-        creates_graph, self._creates_graph = self._creates_graph, False
+        creates_graph = self._creates_graph
+        for u in self._reduce_order:  # before anything reads the fragments' .grad
+            for g in u.trainable_groups:
+                g.restore_fragment_grads()
         self._start_backward_order()
         self._issue_gathers(len(self._backward_order))  # as issued on ranks where those units got gradients
         self._backward_order = None  # rebuilt from _grad_order by a second backward over a retained graph
-        reduced = self.requires_gradient_sync and not creates_graph
+        reduced = self.requires_gradient_sync and (self._views_accumulated or not creates_graph)
         if reduced:
             order = self._reduce_order
             while self._next_reduce < len(order):
@@ -363,13 +373,19 @@ class ShardState:
         self._next_reduce = self._next_all_reduce = self._next_sync = 0
         for u in self.units:
             u.finish_backward(reduced=reduced)
-            for g in u.trainable_groups:
-                g.restore_fragment_grads()
-        self._graph_kept = creates_graph
+        self._graph_kept, self._creates_graph, self._views_accumulated = creates_graph, False, False
         for u in self.units:
             self._reshard(u)
 
     # ---- step boundary -----------------------------------------------------------------------------------------
+    def release_kept_units(self) -> None:
+        """Reshard the units kept unsharded after a create_graph backward (see ``_post_backward``): called before an
+        optimizer step, which makes their full buffers stale (a graph built before the step is stale as well)."""
+        if self._graph_kept:
+            self._graph_kept = False
+            for u in self.units:
+                u.reshard()
+
     def finish_grad_sync(self) -> None:
         """All-reduce this step's sharded gradients over their replicate groups (once per step; idempotent)."""
         for u in self._reduce_order:
@@ -402,6 +418,7 @@ def _optimizer_pre_step(optimizer, args, kwargs) -> None:
                 states[id(s)] = s
     for s in states.values():
         s.finish_grad_sync()
+        s.release_kept_units()
 
 
 def _install_optimizer_hook() -> None:
