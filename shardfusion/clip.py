@@ -189,8 +189,8 @@ def _clip_grad_norm_(parameters: _Params, max_norm: float, norm_type: float = 2.
     params = _as_list(parameters)
     states, groups = _fragment_groups(params)
     if not states:
-        return _TORCH_CLIP_GRAD_NORM(iter(params) if is_generator else params, max_norm, norm_type,
-                                     error_if_nonfinite, foreach)
+        return _TORCH_CLIP_GRAD_NORM((p for p in params) if is_generator else params, max_norm, norm_type,
+                                     error_if_nonfinite, foreach)  # a generator again: torch warns if empty
     fragments = sum(len(frags) for _, frags in groups)
     if fragments != len(params):
         raise ValueError(

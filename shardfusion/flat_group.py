@@ -25,13 +25,14 @@ sharded or kept whole). ``P`` is the padded flat length (``layout.padded_numel``
                   #       per optimizer step (``sync_replicas``; issued early by ``start_sync_replicas`` when the
                   #       last backward of the step is known), then dropped. Nothing may be added to it while that
                   #       all-reduce is in flight (``sync_in_flight``).
-- ``direct_grad`` # (S,)  alive from the first *direct* gradient of a step until its replicate all-reduce: gradients
-                  #       autograd computed for the fragments themselves (a loss term computed from
-                  #       ``model.parameters()``, e.g. an explicit L2 penalty), in the shard's dtype. They never pass
-                  #       through ``grad_full``: each fragment's hooks move them here (``stash_fragment_grad``,
-                  #       ``unstash_fragment_grad``, ``add_direct_grad``) and leave its ``.grad`` as it was. Folded into ``step_grad`` divided by
-                  #       the replicate group's size just before the replicate all-reduce, so the all-reduce averages
-                  #       them over the replicas (a term identical on every replica counts once, as unsharded).
+- ``direct_grad`` # (S,)  alive from the first *direct* gradient until the end of the next reducing backward (or the
+                  #       replicate all-reduce): gradients autograd accumulated into the fragments themselves (a loss
+                  #       term computed from ``model.parameters()``, e.g. an explicit L2 penalty), in the shard's
+                  #       dtype. They never pass through ``grad_full``: each fragment's hooks move them here
+                  #       (``stash_fragment_grad``, ``unstash_fragment_grad``, ``add_direct_grad``) and leave its
+                  #       ``.grad`` as it was. Folded into ``step_grad`` divided by the replicate group's size
+                  #       (``fold_direct_grad``) before the replicate all-reduce, which so averages them over the
+                  #       replicas: a term identical on every replica counts once, as unsharded.
 """
 
 from __future__ import annotations

@@ -23,6 +23,15 @@ Step boundary: the replicate-group all-reduce runs once per optimizer step in ``
 last of its step (``set_is_last_backward``), it is overlapped with that backward instead: each time a reduce-scatter
 is issued, the previous unit's reduce-scatter is completed and its all-reduce issued (asynchronously, in reduce order),
 and ``finish_grad_sync`` only waits. A gradient arriving for a buffer whose all-reduce is in flight raises.
+
+Direct gradients: a loss term computed from ``model.parameters()`` (the fragments) makes autograd accumulate into a
+fragment. Each fragment's hooks take that gradient out into its group's ``direct_grad`` and leave ``.grad`` as it was
+(see flat_group.py); it joins the step's gradient before the replicate all-reduce, averaged over the replicas. A
+backward whose graph reaches a fragment issues no replicate all-reduce before its end, so none can be in flight when
+a direct gradient arrives (decided from the graph: timing plays no part).
+
+Double backward: a backward with ``create_graph=True`` keeps every unit unsharded (its graph holds views of the full
+buffers) until the end of the next backward without it, or an optimizer step; see ``_post_backward``.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ after clipping (assembled from fragments); the parameters after every step. max_
 (asserted on the reference); max_norm=1e6 leaves the gradients unscaled, so only the norm is under test.
 Non-finite gradients: the norm is non-finite on every rank, and error_if_nonfinite=True raises on every rank.
 Communication: clipping adds exactly one all-reduce of one scalar over the world per step.
+torch's own torch.nn.utils.clip_grad_norm_ (p = 2, inf, 1; foreach None/True/False) and clip_grad_value_ on
+model.parameters() at W=4 (I, O) = (2, 2) equal the same calls on the single-process reference (norm and parameters);
+a mix of fragments and plain parameters raises ValueError on every rank.
 """
 
 from __future__ import annotations

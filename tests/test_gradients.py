@@ -3,9 +3,9 @@
 Direct gradients: a loss term computed from ``model.parameters()`` (which yields the fragments after fully_shard),
 e.g. an explicit L2 or L1 penalty, or a penalty on one parameter, counts once per element as in the unsharded model:
 with inner-only sharding (O=1) and HSDP (O=2), with SGD and AdamW, with 2 micro-batches under no_sync, when the user
-keeps gradients across steps (no zero_grad) or drops a backward's with zero_grad, when the penalty's gradient arrives after the model's (term computed
-before the forward) under set_is_last_backward, and when the penalty has a backward of its own. Replicas stay
-bitwise identical.
+keeps gradients across steps (no zero_grad) or drops a backward's with zero_grad, when the penalty's gradient
+arrives after the model's (term computed before the forward) under set_is_last_backward, and when the penalty has a
+backward of its own. Replicas stay bitwise identical.
 
 Double backward: a WGAN-GP-style gradient penalty (``autograd.grad(..., create_graph=True)`` then ``backward()``)
 under after_forward, after_backward and root-only wrapping, and with set_is_last_backward; every unit is resharded
@@ -113,8 +113,9 @@ def _wrap_kwargs(case: GradCase) -> dict:
     return kw
 
 
-def sharded_job(cases: list[GradCase]) -> dict:
-    """Worker: train every case with shardfusion on this rank; the full parameters and fragments after training."""
+def sharded_job(cases: list[GradCase], autograd_grad: bool = False) -> dict:
+    """Worker: train every case with shardfusion on this rank; the full parameters and fragments after training.
+    With ``autograd_grad``, also what ``torch.autograd.grad`` of an L2 term over the fragments gives."""
     import torch.distributed as dist
     import shardfusion as sf
 
@@ -133,7 +134,22 @@ def sharded_job(cases: list[GradCase]) -> dict:
             "unsharded": [u.name for u in sf.get_units(model)[1:] if u.is_unsharded],
             "rank": rank,
         }
+    if autograd_grad:
+        out["autograd_grad"] = _autograd_grad_on_fragments(sf, topologies[2])
     return out
+
+
+def _autograd_grad_on_fragments(sf, topo) -> dict:
+    """After a backward: autograd.grad of sum(p^2) over the fragments; whether it is 2p and leaves .grad as it was."""
+    model = sf.fully_shard(build_model("mlp"), topo, units=(nn.Linear,))
+    x, y = _batch(0)
+    F.mse_loss(model(x), y).backward()
+    sf.finish_grad_sync(model)
+    params = list(model.parameters())
+    before = [p.grad.clone() for p in params]
+    grads = torch.autograd.grad(sum(p.pow(2).sum() for p in params), params)
+    return {"is_2p": all(torch.equal(g, 2 * p.detach()) for g, p in zip(grads, params)),
+            "grad_kept": all(torch.equal(b, p.grad) for b, p in zip(before, params))}
 
 
 def reference(case: GradCase) -> dict[str, torch.Tensor]:
@@ -169,7 +185,7 @@ DOUBLE_BACKWARD_CASES = [
 
 @pytest.fixture(scope="module")
 def direct_results():
-    return run_distributed(sharded_job, WORLD, DIRECT_CASES, timeout=JOB_TIMEOUT_S)
+    return run_distributed(sharded_job, WORLD, DIRECT_CASES, autograd_grad=True, timeout=JOB_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -204,3 +220,9 @@ def test_parameter_term_counts_once(direct_results, case):
 @pytest.mark.parametrize("case", DOUBLE_BACKWARD_CASES, ids=lambda c: c.name)
 def test_double_backward_gradient_penalty(double_backward_results, case):
     _check_parity(double_backward_results, case)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+def test_autograd_grad_of_parameter_term_leaves_grad_alone(direct_results):
+    for rank, r in enumerate(direct_results):
+        assert r["autograd_grad"] == {"is_2p": True, "grad_kept": True}, f"rank {rank}: {r['autograd_grad']}"
