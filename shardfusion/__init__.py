@@ -11,7 +11,7 @@ Public API (v0, see DESIGN.md)::
 
 from shardfusion import checkpoint, comm, topology
 from shardfusion import moe
-from shardfusion.clip import clip_grad_norm_
+from shardfusion.clip import clip_grad_norm_, install_torch_clip_wrappers
 from shardfusion.fully_shard import (
     finish_grad_sync,
     fully_shard,
@@ -23,6 +23,8 @@ from shardfusion.fully_shard import (
 from shardfusion.moe import MoE, is_expert, mark_expert
 from shardfusion.state_dict import full_state_dict
 from shardfusion.topology import Topology
+
+install_torch_clip_wrappers()  # torch.nn.utils.clip_grad_norm_ / clip_grad_value_ on fragments: see shardfusion.clip
 
 __all__ = [
     "MoE",

@@ -5,33 +5,50 @@ shards only if it is replica index 0 of the group's replicate group (after the s
 same shard), and, for parameters replicated across model-parallel ranks, only on mp rank 0 (parameters marked
 ``tensor_model_parallel = True``, Megatron's convention, are distinct across mp and counted everywhere). Then one
 all-reduce of one scalar over the world gives every rank the same norm; every rank takes part, even with no gradient.
+
+``import shardfusion`` also makes torch's own ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` (and the
+same names in ``torch.nn.utils.clip_grad``) act on fragments correctly (:func:`install_torch_clip_wrappers`): given
+fragments of sharded models they finish the step's gradient synchronization first and, for the norm, measure the
+global norm as :func:`clip_grad_norm_` does. Given anything else they are torch's functions unchanged. A name bound
+before ``import shardfusion`` (``from torch.nn.utils import clip_grad_norm_``) stays torch's original.
 """
 
 from __future__ import annotations
 
 import math
+import types
+from typing import Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.utils.clip_grad as _torch_clip_grad
+from torch.utils._foreach_utils import _device_has_foreach_support
 
 from shardfusion import comm
 from shardfusion.fully_shard import _state
+from shardfusion.schedule import _FRAGMENT_OWNER
+
+_Params = Union[torch.Tensor, Iterable[torch.Tensor]]
 
 
 def clip_grad_norm_(
-    model: nn.Module, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    model: nn.Module, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+    foreach: Optional[bool] = None,
 ) -> torch.Tensor:
     """Clip the gradients of a sharded model in place so that their global norm is at most ``max_norm``.
 
     Finishes the step's gradient synchronization first (:func:`shardfusion.finish_grad_sync`). Scaling follows
     ``torch.nn.utils.clip_grad_norm_``: gradients are multiplied by ``min(1, max_norm / (norm + 1e-6))``.
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` gives the same result (see the module docstring).
 
     Args:
         model: a model passed to :func:`shardfusion.fully_shard`.
         max_norm: largest allowed norm (``float('inf')`` only measures).
-        norm_type: ``2.0`` or ``float('inf')``.
+        norm_type: the order p of the norm: a finite ``p > 0`` or ``float('inf')``.
         error_if_nonfinite: raise if the norm is nan or inf (on every rank, as the norm is the same everywhere).
+        foreach: as in torch: ``None`` uses the foreach kernels where the device has them, ``True`` requires them,
+            ``False`` works tensor by tensor.
 
     Returns:
         The total norm of the gradients before clipping: a 0-dim tensor (float64 if any gradient is float64, else
@@ -39,41 +56,74 @@ def clip_grad_norm_(
         count: a fragment whose ``.grad`` is ``None`` counts as absent.
 
     Raises:
-        ValueError: ``norm_type`` is not 2 or inf, or ``max_norm`` is negative or nan.
-        RuntimeError: ``error_if_nonfinite`` and the norm is not finite.
+        ValueError: ``norm_type`` is not a finite positive number or inf, or ``max_norm`` is negative or nan.
+        RuntimeError: ``error_if_nonfinite`` and the norm is not finite; ``foreach=True`` on a device without
+            foreach kernels.
     """
+    state = _state(model)
+    groups = [(g, g.fragments) for u in state.units for g in u.trainable_groups]
+    return _clip_fragment_grads([state], groups, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def _clip_fragment_grads(states: list, groups: list[tuple], max_norm: float, norm_type: float,
+                         error_if_nonfinite: bool, foreach: Optional[bool]) -> torch.Tensor:
+    """Clip the ``.grad`` of the given fragments by their global norm. ``groups``: ``(FlatGroup, fragments)`` pairs,
+    the fragments being some of that group's; ``states``: the ``ShardState`` of every model they belong to."""
     norm_type = float(norm_type)
-    if norm_type not in (2.0, math.inf):
-        raise ValueError(f"norm_type must be 2.0 or inf, got {norm_type}")
+    if not (norm_type == math.inf or 0.0 < norm_type < math.inf):
+        raise ValueError(f"norm_type must be a finite number > 0 or inf, got {norm_type}")
     if not max_norm >= 0:
         raise ValueError(f"max_norm must be >= 0, got {max_norm}")
-    state = _state(model)
-    state.finish_grad_sync()
-    groups = [g for u in state.units for g in u.trainable_groups]
+    for state in states:
+        state.finish_grad_sync()
     # What the optimizer will read: the fragments' .grad (None after zero_grad(set_to_none=True) is skipped).
     counted, scaled = [], []
-    for g in groups:
-        grads = [f.grad for f in g.fragments if f.grad is not None and f.grad.numel()]
+    for g, frags in groups:
+        grads = [f.grad for f in frags if f.grad is not None and f.grad.numel()]
         scaled.extend(grads)
         if g.counts_in_norm or norm_type == math.inf:
             counted.extend(grads)
-    device = _norm_device(groups)
+    device = _norm_device([g for g, _ in groups])
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in scaled) else torch.float32
     local = torch.zeros((), dtype=dtype, device=device)
     if counted:
-        norms = torch.stack([n.to(device, dtype) for n in torch._foreach_norm(counted, norm_type)])
-        local = norms.pow(2).sum() if norm_type == 2.0 else norms.max()
-    op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
+        norms = torch.stack([n.to(device, dtype) for n in _norms(counted, norm_type, foreach)])
+        local = norms.max() if norm_type == math.inf else norms.pow(norm_type).sum()
+    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
     comm.all_reduce(local, dist.group.WORLD, op=op)  # every rank, even one without gradients (invariant 1)
-    total = local.sqrt() if norm_type == 2.0 else local
+    total = local if norm_type == math.inf else local.sqrt() if norm_type == 2.0 else local.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is {total.item()}; "
             "set error_if_nonfinite=False to clip anyway")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for dev_dtype, same in _by_device_dtype(scaled).items():
-        torch._foreach_mul_(same, coef.to(*dev_dtype))
+    for (dev, dt), same in _by_device_dtype(scaled).items():
+        if _use_foreach(dev, foreach):
+            torch._foreach_mul_(same, coef.to(dev, dt))
+        else:
+            for t in same:
+                t.mul_(coef.to(dev, dt))
     return total
+
+
+def _norms(tensors: list[torch.Tensor], norm_type: float, foreach: Optional[bool]) -> list[torch.Tensor]:
+    """The norm of each tensor (0-dim tensors), with torch's foreach kernels where ``foreach`` allows."""
+    out = []
+    for (dev, _), same in _by_device_dtype(tensors).items():
+        if _use_foreach(dev, foreach):
+            out.extend(torch._foreach_norm(same, norm_type))
+        else:
+            out.extend(torch.linalg.vector_norm(t, norm_type) for t in same)
+    return out
+
+
+def _use_foreach(device: torch.device, foreach: Optional[bool]) -> bool:
+    if foreach is False:
+        return False
+    supported = _device_has_foreach_support(device)
+    if foreach and not supported:
+        raise RuntimeError(f"foreach=True was passed, but {device.type} tensors have no foreach kernels")
+    return supported
 
 
 def _norm_device(groups) -> torch.device:
@@ -87,3 +137,90 @@ def _by_device_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tens
     for t in tensors:
         out.setdefault((t.device, t.dtype), []).append(t)
     return out
+
+
+# ---- torch.nn.utils.clip_grad_norm_ / clip_grad_value_ on fragments ---------------------------------------------
+def _original(fn):
+    return getattr(fn, "_sf_torch_original", fn)  # torch's function even if this module is imported again
+
+
+_TORCH_CLIP_GRAD_NORM = _original(_torch_clip_grad.clip_grad_norm_)
+_TORCH_CLIP_GRAD_VALUE = _original(_torch_clip_grad.clip_grad_value_)
+
+
+def _fragment_groups(params: list[torch.Tensor]) -> tuple[list, list[tuple]]:
+    """The sharded models (``ShardState``, in order of first appearance) and ``(FlatGroup, [fragments])`` pairs of the
+    fragments among ``params``; both empty when none is a fragment."""
+    states: dict[int, object] = {}
+    for p in params:
+        s = _FRAGMENT_OWNER.get(p)
+        if s is not None:
+            states.setdefault(id(s), s)
+    if not states:
+        return [], []
+    group_of = {id(f): g for s in states.values() for u in s.units for g in u.groups for f in g.fragments}
+    groups: dict[int, tuple] = {}
+    for p in params:
+        g = group_of.get(id(p))
+        if g is not None:
+            groups.setdefault(id(g), (g, []))[1].append(p)
+    return list(states.values()), list(groups.values())
+
+
+def _as_list(parameters: _Params) -> list[torch.Tensor]:
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
+def _clip_grad_norm_(parameters: _Params, max_norm: float, norm_type: float = 2.0,
+                     error_if_nonfinite: bool = False, foreach: Optional[bool] = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``, made aware of shardfusion fragments (installed by ``import shardfusion``).
+
+    When ``parameters`` are fragments of sharded models (e.g. ``model.parameters()`` after ``fully_shard``): the
+    global norm over exactly those parameters, as :func:`shardfusion.clip_grad_norm_` measures it (the step's
+    gradient synchronization finished first, each element counted once, one all-reduce of one scalar over the
+    world: every rank must call it with the same parameters), identical on every rank; then the gradients are
+    scaled by ``min(1, max_norm / (norm + 1e-6))``. Otherwise torch's own function.
+
+    Raises:
+        ValueError: ``parameters`` mixes fragments with parameters that are not sharded (clip them separately);
+            ``norm_type`` or ``max_norm`` out of range (see :func:`shardfusion.clip_grad_norm_`).
+    """
+    is_generator = isinstance(parameters, types.GeneratorType)
+    params = _as_list(parameters)
+    states, groups = _fragment_groups(params)
+    if not states:
+        return _TORCH_CLIP_GRAD_NORM((p for p in params) if is_generator else params, max_norm, norm_type,
+                                     error_if_nonfinite, foreach)  # a generator again: torch warns if empty
+    fragments = sum(len(frags) for _, frags in groups)
+    if fragments != len(params):
+        raise ValueError(
+            f"clip_grad_norm_: parameters holds {fragments} shardfusion fragments and {len(params) - fragments} "
+            "tensors that are not sharded; their norm cannot be combined (which ranks hold copies of the others is "
+            "unknown). Clip each model separately, e.g. shardfusion.clip_grad_norm_(sharded_model, max_norm)")
+    return _clip_fragment_grads(states, groups, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def _clip_grad_value_(parameters: _Params, clip_value: float, foreach: Optional[bool] = None) -> None:
+    """``torch.nn.utils.clip_grad_value_``, made aware of shardfusion fragments (installed by ``import shardfusion``).
+
+    Clamping is elementwise, so each rank clamps its own shard; for the fragments among ``parameters`` the step's
+    gradient synchronization (the replicate all-reduce) is finished first, so that the clamped values are the
+    step's full gradient (collective when fragments are given: every rank must call it). Then torch's function.
+    """
+    params = _as_list(parameters)
+    for state in _fragment_groups(params)[0]:
+        state.finish_grad_sync()
+    return _TORCH_CLIP_GRAD_VALUE(params, clip_value, foreach)
+
+
+def install_torch_clip_wrappers() -> None:
+    """Bind ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` (and the same names in
+    ``torch.nn.utils.clip_grad``, which torch's deprecated ``clip_grad_norm`` calls) to the fragment-aware
+    versions above. Idempotent; called by ``import shardfusion``."""
+    for module in (torch.nn.utils, _torch_clip_grad):
+        module.clip_grad_norm_ = _clip_grad_norm_
+        module.clip_grad_value_ = _clip_grad_value_
+
+
+_clip_grad_norm_._sf_torch_original = _TORCH_CLIP_GRAD_NORM
+_clip_grad_value_._sf_torch_original = _TORCH_CLIP_GRAD_VALUE

@@ -25,6 +25,14 @@ sharded or kept whole). ``P`` is the padded flat length (``layout.padded_numel``
                   #       per optimizer step (``sync_replicas``; issued early by ``start_sync_replicas`` when the
                   #       last backward of the step is known), then dropped. Nothing may be added to it while that
                   #       all-reduce is in flight (``sync_in_flight``).
+- ``direct_grad`` # (S,)  alive from the first *direct* gradient until the end of the next reducing backward (or the
+                  #       replicate all-reduce): gradients autograd accumulated into the fragments themselves (a loss
+                  #       term computed from ``model.parameters()``, e.g. an explicit L2 penalty), in the shard's
+                  #       dtype. They never pass through ``grad_full``: each fragment's hooks move them here
+                  #       (``stash_fragment_grad``, ``unstash_fragment_grad``, ``add_direct_grad``) and leave its
+                  #       ``.grad`` as it was. Folded into ``step_grad`` divided by the replicate group's size
+                  #       (``fold_direct_grad``) before the replicate all-reduce, which so averages them over the
+                  #       replicas: a term identical on every replica counts once, as unsharded.
 """
 
 from __future__ import annotations
@@ -143,6 +151,8 @@ class FlatGroup:
         self._sync_buf: Optional[torch.Tensor] = None
         self._sync_started = False
         self._reduce_work = None
+        self.direct_grad: Optional[torch.Tensor] = None
+        self._stashed_grads: dict[int, Optional[torch.Tensor]] = {}  # fragment index -> its .grad before autograd
 
     def _collective(self, op: str) -> str:
         """``op`` and whose buffer it moves, for error messages: ``"all_gather of unit 'blocks.1' (...)"``."""
@@ -203,6 +213,15 @@ class FlatGroup:
                 view.grad = g
         elif view_index is not None and self.full_views[view_index].grad is not self.grad_views[view_index]:
             self.full_views[view_index].grad = self.grad_views[view_index]
+
+    def keep_grad_in_buffer(self, view_index: int) -> None:
+        """After autograd accumulated into a full view: if it replaced the view's ``.grad`` by a new tensor (it does
+        so in a backward with ``create_graph=True``), copy the value back into ``grad_full`` and re-attach the view."""
+        view, alias = self.full_views[view_index], self.grad_views[view_index]
+        if view.grad is not None and view.grad is not alias:
+            with torch.no_grad():
+                alias.copy_(view.grad)
+            view.grad = alias
 
     def hold_grads(self) -> None:
         """End of a backward with gradient sync off: keep this backward's gradient for the next one. Under mixed
@@ -290,7 +309,8 @@ class FlatGroup:
 
     def _user_cleared(self) -> list[int]:
         """Indices of trainable fragments whose ``.grad`` the user set to ``None`` (e.g. ``zero_grad()``)."""
-        return [i for i, f in enumerate(self.fragments) if f.requires_grad and f.grad is None]
+        grads = [self._stashed_grads.get(i, f.grad) for i, f in enumerate(self.fragments)]  # as the user left them
+        return [i for i, (f, g) in enumerate(zip(self.fragments, grads)) if f.requires_grad and g is None]
 
     def discard_if_reset(self) -> bool:
         """If this step's gradient is pending in ``grad_shard`` but the user has since set every fragment's ``.grad``
@@ -306,8 +326,48 @@ class FlatGroup:
         self._sync_work, self._sync_buf, self._sync_started = None, None, False
         with torch.no_grad():
             self.grad_shard.zero_()
-        self.step_grad = None
+        self.step_grad = self.direct_grad = None
         return True
+
+    # ---- direct gradients (autograd reached a fragment itself) ----------------------------------------------------
+    def stash_fragment_grad(self, i: int) -> None:
+        """Before autograd accumulates into fragment ``i``: set its ``.grad`` aside and to ``None``, so that what
+        autograd leaves there is exactly the new direct gradient."""
+        frag = self.fragments[i]
+        self._stashed_grads[i] = frag.grad
+        frag.grad = None
+
+    def unstash_fragment_grad(self, i: int) -> Optional[torch.Tensor]:
+        """After autograd accumulated into fragment ``i``: put back the ``.grad`` it had before; returns what autograd
+        left there (the direct gradient, ``(numel,)``)."""
+        frag = self.fragments[i]
+        grad, frag.grad = frag.grad, self._stashed_grads.pop(i, None)
+        return grad
+
+    def add_direct_grad(self, i: int, grad: Optional[torch.Tensor]) -> None:
+        """Add a direct gradient of fragment ``i`` (``(numel,)``, or ``None``: nothing) into ``direct_grad``."""
+        if grad is None:
+            return
+        off, n = self._frag_ranges[i]
+        with torch.no_grad():
+            if self.direct_grad is None:
+                self.direct_grad = torch.zeros_like(self.shard)  # (S,) the shard's dtype
+            self.direct_grad[off:off + n].add_(grad.detach())
+
+    def fold_direct_grad(self) -> None:
+        """Add ``direct_grad`` / (replicate group size) into this step's gradient, if both exist and its replicate
+        all-reduce has not been issued (called at the end of each reducing backward and before the all-reduce)."""
+        if self.direct_grad is None or self.step_grad is None or self._sync_started:
+            return
+        with torch.no_grad():
+            self.step_grad.add_(self.direct_grad, alpha=1.0 / comm.group_size(self.replicate_group))
+        self.direct_grad = None
+
+    def restore_fragment_grads(self) -> None:
+        """End of backward: put back any ``.grad`` set aside whose accumulation did not happen (``autograd.grad``
+        computes a fragment's gradient without accumulating it)."""
+        for i in list(self._stashed_grads):
+            self.fragments[i].grad = self._stashed_grads.pop(i)
 
     @property
     def has_pending_sync(self) -> bool:
@@ -323,6 +383,7 @@ class FlatGroup:
         """Issue this step's replicate all-reduce asynchronously (no-op if nothing is pending or it was issued)."""
         if self.step_grad is None or self._sync_started:
             return
+        self.fold_direct_grad()  # averaged over the replicas by the all-reduce below
         with torch.no_grad():
             buf = self.step_grad
             if buf.dtype != self.grad_comm_dtype and comm.group_size(self.replicate_group) > 1:

@@ -31,6 +31,15 @@ and the hooks run eagerly, as without compile (``tests/test_compile.py``).
 
 The optimizer step pre-hook first refuses, on every rank and before anything else, an optimizer that holds
 parameters ``fully_shard`` replaced (built before wrapping) or that is not element-wise (``_NOT_ELEMENTWISE``).
+
+Direct gradients: a loss term computed from ``model.parameters()`` (the fragments) makes autograd accumulate into a
+fragment. Each fragment's hooks take that gradient out into its group's ``direct_grad`` and leave ``.grad`` as it was
+(see flat_group.py); it joins the step's gradient before the replicate all-reduce, averaged over the replicas. A
+backward whose graph reaches a fragment issues no replicate all-reduce before its end, so none can be in flight when
+a direct gradient arrives (decided from the graph: timing plays no part).
+
+Double backward: a backward with ``create_graph=True`` keeps every unit unsharded (its graph holds views of the full
+buffers) until the end of the next backward without it, or an optimizer step; see ``_post_backward``.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.autograd.graph import register_multi_grad_hook
+from torch.autograd.graph import get_gradient_edge, register_multi_grad_hook
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -87,6 +96,12 @@ class ShardState:
         self._next_reduce = 0
         self._next_all_reduce = 0  # units of _reduce_order whose reduce-scatter has been completed
         self._callback_queued = False
+        self._next_sync = 0  # units of _reduce_order whose replicate all-reduce was issued in this backward
+        self._creates_graph = False  # the running backward has create_graph=True (grad mode on in its hooks)
+        self._views_accumulated = False  # autograd accumulated a gradient into a full view in the running backward
+        self._graph_kept = False  # a create_graph backward ran: keep every unit unsharded until a plain one ends
+        self._direct_check = (-1, False)  # (graph task id, whether it accumulates into a fragment)
+        self._grad_accumulators: dict[int, Any] = {}  # id(fragment) -> its AccumulateGrad node, kept alive
         # Forward prefetch: unit -> the unit that ran after it in the last forward (unit order before the first).
         self._next_in_forward = {id(a): b for a, b in zip(units[1:], units[2:])}
         self._first_in_forward: Unit | None = units[1] if len(units) > 1 else None
@@ -117,7 +132,8 @@ class ShardState:
 
     # ---- hooks -------------------------------------------------------------------------------------------------
     def register_hooks(self) -> None:
-        """Install the forward hooks on every unit's modules and the gradient hooks on every full view."""
+        """Install the forward hooks on every unit's modules and the gradient hooks on every full view and on every
+        trainable fragment (for gradients that reach a fragment directly)."""
         root_unit = self.units[0]
         handles = self.hook_handles = []  # the module hooks, removed when a later fully_shard call absorbs this one
         handles.append(self.root.register_forward_pre_hook(self._root_pre_forward, prepend=True, with_kwargs=True))
@@ -133,7 +149,10 @@ class ShardState:
             for g in unit.trainable_groups:
                 for i, view in enumerate(g.full_views):
                     view.register_hook(self._make_pre_accumulate(g, i))
-                    view.register_post_accumulate_grad_hook(self._make_post_accumulate(unit))
+                    view.register_post_accumulate_grad_hook(self._make_post_accumulate(unit, g, i))
+                for i, frag in enumerate(g.fragments):
+                    frag.register_hook(self._make_fragment_pre_accumulate(g, i))
+                    frag.register_post_accumulate_grad_hook(self._make_fragment_post_accumulate(g, i))
 
     def remove_hooks(self) -> None:
         """Remove the module hooks (when a later ``fully_shard`` call absorbs this model's units)."""
@@ -146,7 +165,7 @@ class ShardState:
         if not _in_backward():
             # A forward without a following backward (evaluation) may have left units gathered: start clean.
             for u in self.units[1:]:
-                u.reshard()
+                self._reshard(u)
             self._ran, self._grad_order = [], []
             # As DDP: before every training forward, and before the first forward after training ones (evaluation),
             # so eval outputs are the same on every rank (BatchNorm running statistics move in training forwards).
@@ -172,13 +191,13 @@ class ShardState:
                 self._first_in_forward = ran[0]
         if not torch.is_grad_enabled():
             for u in self.units:  # no backward follows: free everything
-                u.reshard()
+                self._reshard(u)
             return
         self._register_pre_backward(self.units[0], output)
         if not _in_backward():
             for u in self.units[1:]:  # e.g. a prefetched unit that did not run in this forward
                 if u.reshard_after_forward and u.is_unsharded:
-                    u.reshard()
+                    self._reshard(u)
 
     def _make_pre_forward(self, unit: Unit):
         @torch.compiler.disable
@@ -205,7 +224,7 @@ class ShardState:
         @torch.compiler.disable
         def hook(module, args, output):
             if unit.reshard_after_forward and not _in_backward():
-                unit.reshard()
+                self._reshard(unit)
             if torch.is_grad_enabled():
                 self._register_pre_backward(unit, output)
 
@@ -257,31 +276,73 @@ class ShardState:
         live = sum(1 for u in self.units[1:] if u.is_unsharded)
         self.peak_unsharded_units = max(self.peak_unsharded_units, live)
 
+    def _reshard(self, unit: Unit) -> None:
+        """Reshard ``unit`` unless a create_graph backward's graph may still be differentiated (it holds views of the
+        full buffers: see ``_post_backward``)."""
+        if not (self._graph_kept or self._creates_graph):
+            unit.reshard()
+
     def _make_pre_accumulate(self, group, view_index: int):
         @torch.compiler.disable
         def hook(grad):
             self._queue_callback()
-            if group.sync_in_flight and not group.discard_if_reset():
-                name = group.layout.slots[view_index].name
-                raise RuntimeError(
-                    f"a gradient for {name!r} arrived while the replicate all-reduce of its buffer is in flight: "
-                    "set_is_last_backward(model, True) was in effect for an earlier backward of this step. Set it "
-                    "only for the last micro-batch of a step (or leave it off: the all-reduce then runs at the step "
-                    "boundary)")
+            _check_not_in_flight(group, view_index)
             group.ensure_grad_full(view_index)
             return grad
 
         return hook
 
-    def _make_post_accumulate(self, unit: Unit):
+    def _make_post_accumulate(self, unit: Unit, group, view_index: int):
         @torch.compiler.disable
         def hook(param):
+            self._views_accumulated = True
+            group.keep_grad_in_buffer(view_index)
             if unit.grad_arrived():
                 if unit is not self.units[0] and self._gather_done(unit):
-                    unit.reshard()
+                    self._reshard(unit)
                 self._issue_ready_reduces()
 
         return hook
+
+    def _make_fragment_pre_accumulate(self, group, index: int):
+        """Autograd is about to accumulate a gradient into a fragment itself (a loss term computed from
+        ``model.parameters()``): set the fragment's ``.grad`` aside so that the new gradient can be taken out."""
+        @torch.compiler.disable
+        def hook(grad):
+            self._queue_callback()  # this backward may reach only fragments: every rank still runs its collectives
+            group.stash_fragment_grad(index)
+
+        return hook
+
+    def _make_fragment_post_accumulate(self, group, index: int):
+        """Autograd accumulated a direct gradient into a fragment (not in ``autograd.grad``, which accumulates
+        nothing): take it out into the group's direct gradient and give the fragment its ``.grad`` back."""
+        @torch.compiler.disable
+        def hook(param):
+            grad = group.unstash_fragment_grad(index)
+            _check_not_in_flight(group, index)
+            group.discard_if_reset()  # the user reset gradients since the last backward: drop that pending step
+            group.add_direct_grad(index, grad)
+
+        return hook
+
+    def _direct_grads_expected(self) -> bool:
+        """Whether the running backward will accumulate a gradient into any fragment (decided from its graph, the
+        same at any moment of the backward)."""
+        task = torch._C._current_graph_task_id()
+        if self._direct_check[0] != task:
+            frags = [f for u in self._reduce_order for g in u.trainable_groups for f in g.fragments if f.requires_grad]
+            self._direct_check = (task, any(self._will_accumulate(f) for f in frags))
+        return self._direct_check[1]
+
+    def _will_accumulate(self, frag: nn.Parameter) -> bool:
+        node = self._grad_accumulators.get(id(frag))
+        if node is None:
+            node = self._grad_accumulators[id(frag)] = get_gradient_edge(frag).node
+        try:
+            return torch._C._will_engine_execute_node(node)
+        except RuntimeError:  # inside autograd.grad(): it accumulates into no leaf
+            return False
 
     def _gather_done(self, unit: Unit) -> bool:
         """Whether no all-gather of ``unit`` can follow in this backward (so it may be freed now)."""
@@ -290,7 +351,7 @@ class ShardState:
 
     # ---- reduce scheduling -------------------------------------------------------------------------------------
     def _issue_ready_reduces(self) -> None:
-        if not self.requires_gradient_sync:
+        if not self.requires_gradient_sync or self._creates_graph:
             return
         order = self._reduce_order
         while self._next_reduce < len(order) and order[self._next_reduce].reduce_state is ReduceState.READY:
@@ -303,49 +364,95 @@ class ShardState:
         sharded gradient, free the full gradient buffer) and, with ``is_last_backward``, issue the replicate
         all-reduce. With ``block=False`` (during backward) stop at the first reduce-scatter still running: a rank never
         waits for others in the middle of its backward, which could deadlock when ranks' gradients differ. The
-        all-reduces go in the same order on every rank, on the replicate group, which carries nothing else."""
+        all-reduces go in the same order on every rank, on the replicate group, which carries nothing else. While a
+        gradient may still reach a fragment directly in this backward, no all-reduce is issued before its end (the
+        direct gradients are part of what it reduces); then all are issued, in order."""
         order = self._reduce_order
-        overlap = self.is_last_backward and self.requires_gradient_sync
+        overlap = self.is_last_backward and self.requires_gradient_sync and not self._creates_graph and (
+            block or not self._direct_grads_expected())
+        if overlap:
+            self._start_syncs(self._next_all_reduce)
         while self._next_all_reduce < upto:
             groups = order[self._next_all_reduce].trainable_groups
             if not block and not all(g.reduce_done() for g in groups):
                 return
             for g in groups:
                 g.finish_reduce_scatter()
-                if overlap:
-                    g.start_sync_replicas()
             self._next_all_reduce += 1
+            if overlap:
+                self._start_syncs(self._next_all_reduce)
+
+    def _start_syncs(self, upto: int) -> None:
+        """Issue the replicate all-reduces of units ``[issued, upto)`` of the reduce order, in that order."""
+        while self._next_sync < upto:
+            for g in self._reduce_order[self._next_sync].trainable_groups:
+                g.start_sync_replicas()
+            self._next_sync += 1
 
     def _queue_callback(self) -> None:
         if not self._callback_queued and _in_backward():
             self._callback_queued = True
+            self._creates_graph = torch.is_grad_enabled()  # create_graph=True: grad mode is on in its hooks
             torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
 
     @torch.compiler.disable
     def _post_backward(self) -> None:
-        """End of backward: reduce-scatter what is left, in order, wait for all, free full buffers."""
+        """End of backward: reduce-scatter what is left, in order, wait for all, free full buffers.
+
+        A backward with ``create_graph=True`` frees nothing: every unit stays unsharded, because the graph it built
+        holds views of the full buffers; the next backward without ``create_graph`` frees them at its end. This costs
+        the memory of every gathered unit from the first backward to the end of the second. If it accumulated no
+        gradient into the parameters (a gradient penalty's ``autograd.grad``), it reduces nothing either: its zero
+        gradients are held as with gradient sync off. It never issues the replicate all-reduce early
+        (``set_is_last_backward``): that is left to the next backward or the step boundary."""
         self._callback_queued = False
+        creates_graph = self._creates_graph
+        for u in self._reduce_order:  # before anything reads the fragments' .grad
+            for g in u.trainable_groups:
+                g.restore_fragment_grads()
         self._start_backward_order()
         self._issue_gathers(len(self._backward_order))  # as issued on ranks where those units got gradients
         self._backward_order = None  # rebuilt from _grad_order by a second backward over a retained graph
-        if self.requires_gradient_sync:
+        reduced = self.requires_gradient_sync and (self._views_accumulated or not creates_graph)
+        if reduced:
             order = self._reduce_order
             while self._next_reduce < len(order):
                 order[self._next_reduce].reduce_scatter()
                 self._next_reduce += 1
             self._complete_reduces(len(order), block=True)
-        self._next_reduce = self._next_all_reduce = 0
+        self._next_reduce = self._next_all_reduce = self._next_sync = 0
         for u in self.units:
-            u.finish_backward(reduced=self.requires_gradient_sync)
+            u.finish_backward(reduced=reduced)
+        self._graph_kept, self._creates_graph, self._views_accumulated = creates_graph, False, False
         for u in self.units:
-            u.reshard()
+            self._reshard(u)
 
     # ---- step boundary -----------------------------------------------------------------------------------------
+    def release_kept_units(self) -> None:
+        """Reshard the units kept unsharded after a create_graph backward (see ``_post_backward``): called before an
+        optimizer step, which makes their full buffers stale (a graph built before the step is stale as well)."""
+        if self._graph_kept:
+            self._graph_kept = False
+            for u in self.units:
+                u.reshard()
+
     def finish_grad_sync(self) -> None:
         """All-reduce this step's sharded gradients over their replicate groups (once per step; idempotent)."""
         for u in self._reduce_order:
             for g in u.trainable_groups:
                 g.sync_replicas()
+
+
+def _check_not_in_flight(group, index: int) -> None:
+    """Raise if a gradient arrives for ``group`` while its replicate all-reduce is in flight (and the user did not
+    reset the gradients since)."""
+    if group.sync_in_flight and not group.discard_if_reset():
+        name = group.layout.slots[index].name
+        raise RuntimeError(
+            f"a gradient for {name!r} arrived while the replicate all-reduce of its buffer is in flight: "
+            "set_is_last_backward(model, True) was in effect for an earlier backward of this step. Set it "
+            "only for the last micro-batch of a step (or leave it off: the all-reduce then runs at the step "
+            "boundary)")
 
 
 def _in_backward() -> bool:
@@ -383,6 +490,7 @@ def _optimizer_pre_step(optimizer, args, kwargs) -> None:
             f"{', '.join(_ELEMENTWISE_NAMES)}. Matrix optimizers such as Muon are planned work")
     for s in states.values():
         s.finish_grad_sync()
+        s.release_kept_units()
 
 
 def _install_optimizer_hook() -> None:

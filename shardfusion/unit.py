@@ -130,6 +130,7 @@ class Unit:
         for g in self.trainable_groups:
             if reduced:
                 g.finish_reduce_scatter()
+                g.fold_direct_grad()
             else:
                 g.hold_grads()
         self.reduce_state = ReduceState.IDLE
