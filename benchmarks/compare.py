@@ -252,7 +252,7 @@ def worker(opts: dict) -> dict | None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardfusion as sf
-    from shardfusion.launch import init_worker
+    from shardfusion.train.launch import init_worker
     from benchmarks.variants import Context
 
     device = init_worker(opts["device"])
@@ -295,7 +295,7 @@ def _prefetch_depth() -> int:
 
 
 def main(argv=None) -> int:
-    from shardfusion.launch import (default_nproc, exit_now, launch, pick_device, threads_per_worker,
+    from shardfusion.train.launch import (default_nproc, exit_now, launch, pick_device, threads_per_worker,
                                     under_torchrun)
     from benchmarks import report
     from benchmarks.compare import worker as entry  # pickled by module name for the spawned workers

@@ -26,8 +26,8 @@ import torch.nn.utils.clip_grad as _torch_clip_grad
 from torch.utils._foreach_utils import _device_has_foreach_support
 
 from shardfusion import comm
-from shardfusion.fully_shard import _state
-from shardfusion.schedule import _FRAGMENT_OWNER
+from shardfusion._runtime.state import sharded_state
+from shardfusion._runtime.scheduler import _FRAGMENT_OWNER
 
 _Params = Union[torch.Tensor, Iterable[torch.Tensor]]
 
@@ -60,15 +60,15 @@ def clip_grad_norm_(
         RuntimeError: ``error_if_nonfinite`` and the norm is not finite; ``foreach=True`` on a device without
             foreach kernels.
     """
-    state = _state(model)
+    state = sharded_state(model)
     groups = [(g, g.fragments) for u in state.units for g in u.trainable_groups]
     return _clip_fragment_grads([state], groups, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
 def _clip_fragment_grads(states: list, groups: list[tuple], max_norm: float, norm_type: float,
                          error_if_nonfinite: bool, foreach: Optional[bool]) -> torch.Tensor:
-    """Clip the ``.grad`` of the given fragments by their global norm. ``groups``: ``(FlatGroup, fragments)`` pairs,
-    the fragments being some of that group's; ``states``: the ``ShardState`` of every model they belong to."""
+    """Clip the ``.grad`` of the given fragments by their global norm. ``groups``: ``(FlatBuffer, fragments)`` pairs,
+    the fragments being some of that group's; ``states``: the ``Scheduler`` of every model they belong to."""
     norm_type = float(norm_type)
     if not (norm_type == math.inf or 0.0 < norm_type < math.inf):
         raise ValueError(f"norm_type must be a finite number > 0 or inf, got {norm_type}")
@@ -149,7 +149,7 @@ _TORCH_CLIP_GRAD_VALUE = _original(_torch_clip_grad.clip_grad_value_)
 
 
 def _fragment_groups(params: list[torch.Tensor]) -> tuple[list, list[tuple]]:
-    """The sharded models (``ShardState``, in order of first appearance) and ``(FlatGroup, [fragments])`` pairs of the
+    """The sharded models (``Scheduler``, in order of first appearance) and ``(FlatBuffer, [fragments])`` pairs of the
     fragments among ``params``; both empty when none is a fragment."""
     states: dict[int, object] = {}
     for p in params:

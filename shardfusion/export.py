@@ -1,83 +1,13 @@
-"""`python -m shardfusion.export CKPT OUT [--overwrite]`: a checkpoint as one safetensors file plus its config.
+"""``python -m shardfusion.export CKPT OUT [--overwrite]``: the command line of :mod:`shardfusion.checkpoint.export`.
 
-Reads a checkpoint folder written by :mod:`shardfusion.checkpoint` (any layout) in one process, with no process group,
-and writes ``OUT/model.safetensors`` (parameters, persistent buffers; original names and shapes, the dtypes they were
-saved in) and ``OUT/config.json`` (``source``: the checkpoint folder; ``extra``: the checkpoint's ``extra`` (for a
-checkpoint of shardfusion.train: the model config under 'model', the step, the schedule settings); ``shapes``: the
-parameter shapes). Existing files of those names are not replaced unless ``--overwrite`` (``OUT`` may be a run folder
-with its own ``config.json``). Loading the export needs only ``safetensors`` and the model class::
-
-    from safetensors.torch import load_file
-    model.load_state_dict(load_file("OUT/model.safetensors"), strict=False)   # tied weights appear once
-
-A full state dict like that export loads into a sharded model too: see :func:`shardfusion.checkpoint.load_full_state`.
+Needs the ``safetensors`` package (``pip install 'shardfusion[train]'``).
 """
 
-from __future__ import annotations
-
-import argparse
-import json
-import os
 import sys
-from typing import Optional
 
-from safetensors.torch import save_file
+from shardfusion.checkpoint.export import export, main
 
-from shardfusion import checkpoint
-
-
-def export(ckpt: str, out: str, overwrite: bool = False) -> str:
-    """Write ``out/model.safetensors`` and ``out/config.json`` from the checkpoint folder ``ckpt`` (or the latest
-    checkpoint under a root folder). Returns the safetensors path.
-
-    ``config.json`` holds ``source`` (the checkpoint folder), ``extra`` (the checkpoint's ``extra``: for a checkpoint
-    of shardfusion.train: the model config under 'model', the step, the schedule settings) and ``shapes`` (the
-    parameter shapes). Without ``overwrite``, nothing is written when either file exists already.
-
-    Raises:
-        ValueError: ``out/model.safetensors`` or ``out/config.json`` exists and not ``overwrite`` (names the file);
-            ``ckpt`` is not a readable checkpoint, or a data file of it is truncated, corrupt or missing (one line
-            naming the path).
-    """
-    path = ckpt
-    if not os.path.isfile(os.path.join(ckpt, ".metadata")):  # a root of step-N folders, or a training run's --out
-        root = os.path.join(ckpt, "checkpoints") if os.path.isdir(os.path.join(ckpt, "checkpoints")) else ckpt
-        path = checkpoint.latest_checkpoint(root) or ckpt
-    meta = checkpoint.read_meta(path)  # an unreadable checkpoint first: the more basic error
-    target, config_path = os.path.join(out, "model.safetensors"), os.path.join(out, "config.json")
-    if not overwrite:  # before the tensors are read, before anything is written
-        for existing in (target, config_path):
-            if os.path.lexists(existing):
-                raise ValueError(f"{existing!r} exists; export does not replace it unless overwrite=True "
-                                 f"(--overwrite)")
-    tensors = {name: t.contiguous() for name, t in checkpoint.load_full(path).items()}
-    os.makedirs(out, exist_ok=True)
-    save_file(tensors, target, metadata={"source": os.path.abspath(path), "format": "shardfusion export v1"})
-    config = {"source": os.path.abspath(path), "extra": meta.get("extra"),
-              "shapes": {n: list(s) for n, s in meta["shapes"].items()}}
-    with open(config_path, "w") as f:
-        json.dump(config, f, indent=2, default=str)
-    return target
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """The command line: ``CKPT OUT [--overwrite]``. Returns 0. An unreadable or damaged checkpoint, or an output
-    file that exists without ``--overwrite``, exits with status 2 and a one-line error on stderr (no traceback)."""
-    parser = argparse.ArgumentParser(prog="python -m shardfusion.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("ckpt", help="a checkpoint folder, a root folder holding step-N checkpoints, or a training run's --out "
-                        "(the latest checkpoint)")
-    parser.add_argument("out", help="output folder for model.safetensors and config.json")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace OUT/model.safetensors and OUT/config.json if they exist (default: refuse)")
-    args = parser.parse_args(argv)
-    try:
-        target = export(args.ckpt, args.out, overwrite=args.overwrite)
-    except ValueError as error:
-        message = str(error).replace("\n", " ")  # one line, whatever the cause
-        parser.exit(2, f"{parser.prog}: error: {message}\n")
-    print(f"wrote {target} and {os.path.join(args.out, 'config.json')}")
-    return 0
-
+__all__ = ["export", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

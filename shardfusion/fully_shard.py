@@ -16,12 +16,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardfusion import comm
-from shardfusion.flat_buffer import build_layout
-from shardfusion.flat_group import FlatGroup
-from shardfusion.local_state_dict import LocalStateDict
+from shardfusion._runtime.layout import build_layout
+from shardfusion._runtime.flat_buffer import FlatBuffer
+from shardfusion._runtime.local_state_dict import LocalStateDict
 from shardfusion.moe import MoE
-from shardfusion.schedule import REPLACED_PARAMS, ShardState
-from shardfusion.unit import Unit
+from shardfusion._runtime.scheduler import REPLACED_PARAMS, Scheduler
+from shardfusion._runtime.state import sharded_state
+from shardfusion._runtime.unit import Unit
 
 ReshardFilter = Union[str, Callable[[str, nn.Module], bool]]
 _RESHARD_POLICIES = ("after_forward", "after_backward")
@@ -195,7 +196,7 @@ def fully_shard(
                       grad_comm_dtype)
     for unit_index, params in enumerate(placed):
         _add_flat_groups(built[unit_index], params, plan)
-    state = ShardState(model, built, topology, broadcast_buffers, expert_buffers, param_dtype, prefetch)
+    state = Scheduler(model, built, topology, broadcast_buffers, expert_buffers, param_dtype, prefetch)
     state.wrap_options = options
     state.sync_buffers()  # e.g. BatchNorm statistics start equal too
     state.register_hooks()
@@ -214,7 +215,7 @@ def get_units(model: nn.Module) -> list[Unit]:
     Raises:
         ValueError: if ``model`` was not passed to :func:`fully_shard`.
     """
-    return _state(model).units
+    return sharded_state(model).units
 
 
 def finish_grad_sync(model: nn.Module) -> None:
@@ -224,7 +225,7 @@ def finish_grad_sync(model: nn.Module) -> None:
     :func:`shardfusion.clip_grad_norm_`; call it yourself before reading ``.grad`` of the fragments. Idempotent.
     Every rank of the model must call it (it is collective).
     """
-    _state(model).finish_grad_sync()
+    sharded_state(model).finish_grad_sync()
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:
@@ -233,7 +234,7 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     While off, gradients accumulate in the full-size per-unit gradient buffers with no reduce-scatter or
     all-reduce; turn it on again before the last micro-batch of the step, whose backward reduces the total.
     """
-    _state(model).requires_gradient_sync = bool(requires_gradient_sync)
+    sharded_state(model).requires_gradient_sync = bool(requires_gradient_sync)
 
 
 def set_is_last_backward(model: nn.Module, is_last_backward: bool) -> None:
@@ -246,25 +247,18 @@ def set_is_last_backward(model: nn.Module, is_last_backward: bool) -> None:
     (another backward before the optimizer step) raises ``RuntimeError``: never a silent race. Results are bitwise
     the same as with the default (all-reduce at the step boundary).
     """
-    _state(model).is_last_backward = bool(is_last_backward)
+    sharded_state(model).is_last_backward = bool(is_last_backward)
 
 
 @contextlib.contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Context manager form of ``set_requires_gradient_sync(model, False)``; restores the previous setting."""
-    state = _state(model)
+    state = sharded_state(model)
     prev, state.requires_gradient_sync = state.requires_gradient_sync, False
     try:
         yield
     finally:
         state.requires_gradient_sync = prev
-
-
-def _state(model: nn.Module) -> ShardState:
-    state = getattr(model, "_sf_state", None)
-    if state is None:
-        raise ValueError(f"{type(model).__name__} is not sharded: pass it to shardfusion.fully_shard first")
-    return state
 
 
 # Containers are never called, so forward hooks on them never fire: never a unit, always descended into.
@@ -621,7 +615,7 @@ class _GroupPlan:
 
 
 def _add_flat_groups(unit: Unit, params: list, plan: _GroupPlan) -> None:
-    """Group a unit's parameters by kind and build one :class:`FlatGroup` per kind, in first-seen order."""
+    """Group a unit's parameters by kind and build one :class:`FlatBuffer` per kind, in first-seen order."""
     kinds: dict[tuple, list] = {}
     for name, p, regs in params:
         kinds.setdefault(plan.kind(name, p), []).append((name, p, regs))
@@ -635,7 +629,7 @@ def _add_flat_groups(unit: Unit, params: list, plan: _GroupPlan) -> None:
         layout = build_layout([n for n, _, _ in members], [tuple(p.shape) for _, p, _ in members], shard_count,
                               align)
         cast = dtype.is_floating_point
-        group = FlatGroup(layout, [p for _, p, _ in members], shard_index, shard_group, reduce_group,
+        group = FlatBuffer(layout, [p for _, p, _ in members], shard_index, shard_group, reduce_group,
                           replicate_group, divisor, holders, param_dtype=plan.param_dtype if cast else None,
                           grad_comm_dtype=plan.grad_comm_dtype if cast else None)
         group.is_expert = expert

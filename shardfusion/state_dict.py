@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardfusion import comm
-from shardfusion.fully_shard import _state
+from shardfusion._runtime.state import sharded_state
 
 
 def full_state_dict(model: nn.Module, buffers: bool = True) -> dict[str, torch.Tensor]:
@@ -42,7 +42,7 @@ def full_state_dict(model: nn.Module, buffers: bool = True) -> dict[str, torch.T
     Raises:
         ValueError: two ep ranks hold an expert parameter or buffer of the same name.
     """
-    state = _state(model)
+    state = sharded_state(model)
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, torch.Tensor] = {}  # this ep rank's experts, exchanged over the ep group below
     for unit in state.units:

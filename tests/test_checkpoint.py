@@ -505,7 +505,7 @@ def _nonpersistent_job(root: str) -> dict:
 def test_nonpersistent_buffers_left_out(tmp_path):
     from safetensors.torch import load_file
     from shardfusion import checkpoint as ckpt
-    from shardfusion.export import export
+    from shardfusion.checkpoint.export import export
     results = run_distributed(_nonpersistent_job, 2, str(tmp_path / "ckpts"), timeout=120)
     plain_keys = sorted(Masked().state_dict())
     assert plain_keys == ["fc.bias", "fc.weight"]

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardfusion.data import (VAL_FRACTION, BatchSampler, corpus_size, load_corpus, min_corpus_bytes,
+from shardfusion.train.data import (VAL_FRACTION, BatchSampler, corpus_size, load_corpus, min_corpus_bytes,
                               split_corpus, split_sizes, stdlib_files)
 
 

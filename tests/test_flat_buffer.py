@@ -2,7 +2,7 @@
 
 import pytest
 
-from shardfusion.flat_buffer import build_layout
+from shardfusion._runtime.layout import build_layout
 
 
 def test_offsets_aligned_and_padded_to_shard_multiple():

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardfusion.data import min_corpus_bytes
+from shardfusion.train.data import min_corpus_bytes
 from shardfusion.accounting import CATEGORIES
-from shardfusion.metrics import (COMM_FIELDS, MOE_KEYS, TRAIN_KEYS, VAL_KEYS, comm_per_step, comm_step_record,
+from shardfusion.train.metrics import (COMM_FIELDS, MOE_KEYS, TRAIN_KEYS, VAL_KEYS, comm_per_step, comm_step_record,
                                  expert_balance, format_comm, read_metrics)
-from shardfusion.train import no_decay
-from shardfusion.train_config import TrainConfig, build_parser, check_run, lr_at, parse_args, resolve
+from shardfusion.train.job import no_decay
+from shardfusion.train.config import TrainConfig, build_parser, check_run, lr_at, parse_args, resolve
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 150
@@ -234,7 +234,7 @@ def test_bad_flag_under_torchrun(tmp_path: Path) -> None:
     text = result.stdout + result.stderr
     assert text.count("shardfusion-train: error: --fsdp-outer-degree 4 does not fit 2 ranks") == 1, text[-3000:]
     assert "exitcode  : 2" in text  # the workers exited with the usage error's status ...
-    assert 'shardfusion/train.py"' not in text  # ... not with a traceback of ours
+    assert 'shardfusion/train/' not in text  # ... not with a traceback of ours
     assert not (tmp_path / "run").exists()
 
 
@@ -242,7 +242,7 @@ def test_bad_flag_under_torchrun(tmp_path: Path) -> None:
 def test_worker_failure_gives_nonzero_exit(tmp_path: Path) -> None:
     # A worker that fails after the launch must still fail the job. Skip the parent's checks (in the parent only;
     # spawned workers import the module afresh) so that a layout error reaches the workers: 2 ranks, 3 replicas.
-    code = ("import dataclasses, sys; import shardfusion.train as t\n"
+    code = ("import dataclasses, sys; import shardfusion.train.job as t\n"
             "t.preflight = lambda config, torchrun: t.resolve(dataclasses.replace(config, nproc=2), device='cpu', "
             "world_size=2)\n"
             f"sys.exit(t.main({[*TINY_RUN, '--fsdp-outer-degree', '3', '--steps', '1', '--out', str(tmp_path)]!r}))")

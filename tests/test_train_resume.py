@@ -23,10 +23,10 @@ import torch
 from safetensors.torch import load_file
 
 from shardfusion.checkpoint import latest_checkpoint, read_all, read_meta
-from shardfusion.export import export
-from shardfusion.metrics import MetricsLog, read_metrics
+from shardfusion.checkpoint.export import export
+from shardfusion.train.metrics import MetricsLog, read_metrics
 from shardfusion.models.gpt import GPT, GPTConfig
-from shardfusion.run_outputs import open_outputs, write_config
+from shardfusion.train.outputs import open_outputs, write_config
 from test_train import REPO, clean_env, moe_flag_error, run
 
 STEPS, SAVE_EVERY, KEEP, EVAL_EVERY = 30, 5, 2, 10

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from shardfusion.metrics import MetricsLog
+from shardfusion.train.metrics import MetricsLog
 
 RUN_CONTROL = frozenset({"stop_after", "max_restarts", "progress", "resumed", "out"})
 """config.json fields that only control one run (not how its steps are trained): `write_config` ignores them."""

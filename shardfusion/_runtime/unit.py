@@ -1,6 +1,6 @@
 """A unit: the parameters gathered and reduced together, and its state machine.
 
-A unit owns one :class:`~shardfusion.flat_group.FlatGroup` per kind of parameter (see [Note: flat group tensors]
+A unit owns one :class:`~shardfusion._runtime.flat_buffer.FlatBuffer` per kind of parameter (see [Note: flat group tensors]
 in ``flat_group.py``) and the places in the modules where its parameters are registered. Its sharded state says
 which tensors the modules see:
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import torch.nn as nn
 
-from shardfusion.flat_group import FlatGroup
+from shardfusion._runtime.flat_buffer import FlatBuffer
 
 
 class ShardedState(enum.Enum):
@@ -57,7 +57,7 @@ class Unit:
         self.modules = modules
         self.reshard_after_forward = reshard_after_forward
         self.param_names: list[str] = []
-        self.groups: list[FlatGroup] = []
+        self.groups: list[FlatBuffer] = []
         # For each group, for each slot: the (module, attribute) places the parameter is registered under.
         self.registrations: list[list[list[tuple[nn.Module, str]]]] = []
         self.state = ShardedState.SHARDED
@@ -66,7 +66,7 @@ class Unit:
         self._grads_arrived = 0
         self._grads_expected = 0
 
-    def add_group(self, group: FlatGroup, registrations: list[list[tuple[nn.Module, str]]]) -> None:
+    def add_group(self, group: FlatBuffer, registrations: list[list[tuple[nn.Module, str]]]) -> None:
         """Attach a flat buffer and register its fragments in the modules."""
         group.unit_name = self.name
         self.groups.append(group)
@@ -77,7 +77,7 @@ class Unit:
                 module._parameters[attr] = frag
 
     @property
-    def trainable_groups(self) -> list[FlatGroup]:
+    def trainable_groups(self) -> list[FlatBuffer]:
         """The flat buffers that hold trainable parameters."""
         return [g for g in self.groups if g.requires_grad]
 

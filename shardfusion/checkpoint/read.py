@@ -1,5 +1,6 @@
-"""Reading a checkpoint folder in one process (no collective), with one-line errors that name the path and the
-damaged files: the plain DCP read under :mod:`shardfusion.checkpoint`'s ``read_meta``, ``read_all`` and ``load``."""
+"""Reading a checkpoint folder in one process, with no process group (no collective): ``read_meta``, ``read_all``
+and ``load_full``, and the plain DCP read under the distributed ``load`` too; errors are one line that names the
+path and the damaged files. The keys are those of :mod:`shardfusion.checkpoint.save_load`'s format table."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import warnings
 from typing import Any, Optional
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
@@ -116,3 +118,48 @@ def read_meta(path: str) -> dict:
         ValueError: ``path`` is not a readable checkpoint folder (names the path and the cause).
     """
     return open_checkpoint(path)[1]
+
+
+def read_all(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, in one process with no process group: ``{key: tensor}`` (keys as in the module
+    docstring), parameters and per-element optimizer state reshaped to the original shapes (also those of 0
+    elements, which are not stored: as empty float tensors), scalars 0-d, buffers and ``rank/`` state as saved.
+
+    Raises:
+        ValueError: ``path`` is not a readable checkpoint folder, or a data file is truncated, corrupt or missing
+            (one line naming ``path`` and the damaged files).
+    """
+    reader, meta = open_checkpoint(path)
+    sd: dict[str, Any] = {}
+    for key, m in reader.read_metadata().state_dict_metadata.items():
+        if key != "meta":
+            sd[key] = torch.empty(m.size, dtype=m.properties.dtype)
+    read_plain(sd, reader, path)
+    shapes = meta["shapes"]
+    for key, t in sd.items():
+        parts = key.split("/")
+        if parts[0] == "model" or (parts[0] == "optim" and t.dim() == 1):  # per-element state is stored 1-D
+            sd[key] = t.view(shapes[parts[1]])
+    for name, shape in shapes.items():  # 0-element parameters (and their per-element state) are never written
+        sd.setdefault(f"model/{name}", torch.empty(shape))
+        for k, kind in ((meta.get("optim_state") or {}).get(name) or {}).items():
+            if kind == "element":
+                sd.setdefault(f"optim/{name}/{k}", torch.empty(shape))
+    return sd
+
+
+def load_full(path: str) -> dict[str, torch.Tensor]:
+    """The model of a checkpoint, unsharded, in one process: ``{name: tensor}`` with the original shapes (persistent
+    buffers, expert ones included: the keys of the model's own ``state_dict()``, a tied parameter once).
+
+    Raises:
+        ValueError: ``path`` is not a readable checkpoint folder, or a data file is truncated, corrupt or missing
+            (as :func:`read_all`).
+    """
+    out = {}
+    for key, t in read_all(path).items():
+        if key.startswith("model/"):
+            out[key[len("model/"):]] = t
+        elif key.startswith("model_buffer/"):
+            out[key[len("model_buffer/"):]] = t
+    return out

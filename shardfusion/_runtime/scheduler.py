@@ -54,10 +54,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardfusion import comm
-from shardfusion.local_state_dict import persistent_buffers
-from shardfusion.unit import ReduceState, Unit
+from shardfusion._runtime.local_state_dict import persistent_buffers
+from shardfusion._runtime.unit import ReduceState, Unit
 
-# fragment parameter -> its model's ShardState, for the optimizer step pre-hook.
+# fragment parameter -> its model's Scheduler, for the optimizer step pre-hook.
 _FRAGMENT_OWNER = WeakIdKeyDictionary()
 # parameter that fully_shard replaced by fragments (the originals, and the fragments of an absorbed nested call) ->
 # its qualified name, so that an optimizer still holding one is refused instead of silently updating nothing.
@@ -70,7 +70,7 @@ _ELEMENTWISE_NAMES = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "
                       "RAdam")
 
 
-class ShardState:
+class Scheduler:
     """Scheduling state of one sharded model: its units in order and the per-backward bookkeeping.
 
     Args:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from shardfusion.data import corpus_size, min_corpus_bytes, split_sizes
+from shardfusion.train.data import corpus_size, min_corpus_bytes, split_sizes
 from shardfusion.models.gpt import PRESETS, GPTConfig
 from shardfusion.topology import Degrees
 
@@ -207,7 +207,7 @@ def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
     corpus.
 
     config must be `resolve`d; `world` names where world_size comes from in messages (e.g. "--nproc 4").
-    Uses the library's own rules: `shardfusion.topology.Degrees` for the layout, `shardfusion.data` for the split.
+    Uses the library's own rules: `shardfusion.topology.Degrees` for the layout, `shardfusion.train.data` for the split.
 
     Raises:
         ValueError: one line that names the flag to change and the numbers involved.

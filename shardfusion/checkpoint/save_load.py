@@ -34,7 +34,7 @@ matches groups by index).
 had a gradient) has no entry. Names are those of ``model.named_parameters()`` (a tied parameter: its first name).
 
 Save: only the canonical holder of each shard writes its fragments (replica 0 of the replicate group, mp rank 0:
-``FlatGroup.counts_in_norm``), with the global ``(numel,)`` size and the chunk offset; DCP's coordinator merges the
+``FlatBuffer.counts_in_norm``), with the global ``(numel,)`` size and the chunk offset; DCP's coordinator merges the
 chunks of every rank into one ``TensorStorageMetadata`` per key (and validates that they tile the tensor). Bytes
 written therefore do not depend on the outer (replicate) degree. Scalar state and buffers are emitted by every rank
 holding them (also by ranks whose fragment is empty, so that a parameter smaller than a shard still gets its
@@ -53,7 +53,7 @@ only mp rank 0 writes them (``counts_in_norm``) and every mp rank reads the same
 would need per-mp-rank keys: :func:`save` and :func:`load` raise ``ValueError`` for it instead.
 
 The DCP planners that write and read fragments, and the DCP pitfalls they avoid, are in
-:mod:`shardfusion.checkpoint_planners`.
+:mod:`shardfusion.checkpoint.planners`.
 """
 
 from __future__ import annotations
@@ -68,15 +68,14 @@ import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from shardfusion.checkpoint_folder import checkpoint_bytes, latest_checkpoint, prepare, publish
-from shardfusion.checkpoint_planners import FragmentLoadPlanner, FragmentSavePlanner
-from shardfusion.checkpoint_read import failure_text, open_checkpoint, read_error, read_meta, read_plain
+from shardfusion.checkpoint.folder import prepare, publish
+from shardfusion.checkpoint.planners import FragmentLoadPlanner, FragmentSavePlanner
+from shardfusion.checkpoint.read import failure_text, open_checkpoint, read_error, read_plain
 from shardfusion.comm import call_on_rank0
-from shardfusion.fully_shard import _state
-from shardfusion.local_state_dict import persistent_buffers
+from shardfusion._runtime.state import sharded_state
+from shardfusion._runtime.local_state_dict import persistent_buffers
 
-__all__ = ["FORMAT_VERSION", "save", "load", "save_checkpoint", "latest_checkpoint", "checkpoint_bytes", "read_meta",
-           "read_all", "load_full", "load_full_state"]
+__all__ = ["FORMAT_VERSION", "save", "load", "save_checkpoint", "load_full_state"]
 
 FORMAT_VERSION = 2
 
@@ -85,7 +84,7 @@ FORMAT_VERSION = 2
 def _fragment_table(model: nn.Module) -> dict[int, tuple[str, int, int, bool, tuple]]:
     """``id(fragment) -> (name, offset in the flattened parameter, global numel, writes, shape)`` for every
     fragment this rank holds (empty ones included)."""
-    state = _state(model)
+    state = sharded_state(model)
     out = {}
     for unit in state.units:
         for g in unit.groups:
@@ -146,7 +145,7 @@ def _model_info(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = N
     any rank (unsupported optimizer state, tensor-parallel parameters, non-tensor ``rank_state`` values) as
     ``"rank <r>: ..."`` strings, so that every rank can raise the same error; ``unreadable``: why this rank could
     not read the checkpoint (gathered under ``"unreadable"``)."""
-    rank, mp_rank = _rank(), _state(model).topology.mp_rank
+    rank, mp_rank = _rank(), sharded_state(model).topology.mp_rank
     mine: dict[str, Any] = {"shapes": {}, "buffer_shapes": {}, "optim_state": {}, "problems": [],
                             "unreadable": [f"rank {rank}: {unreadable}"] if unreadable else []}
     opt_state = optimizer.state if optimizer is not None else {}
@@ -415,51 +414,6 @@ def _restore_numbers(model: nn.Module, optimizer: torch.optim.Optimizer, kinds_b
         for k, kind in kinds_by_name.get(names.get(id(p)), {}).items():
             if kind in _NUMBER_DTYPES:
                 st[k] = {"int": int, "float": float, "bool": bool}[kind](st[k].item())
-
-
-def read_all(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint, in one process with no process group: ``{key: tensor}`` (keys as in the module
-    docstring), parameters and per-element optimizer state reshaped to the original shapes (also those of 0
-    elements, which are not stored: as empty float tensors), scalars 0-d, buffers and ``rank/`` state as saved.
-
-    Raises:
-        ValueError: ``path`` is not a readable checkpoint folder, or a data file is truncated, corrupt or missing
-            (one line naming ``path`` and the damaged files).
-    """
-    reader, meta = open_checkpoint(path)
-    sd: dict[str, Any] = {}
-    for key, m in reader.read_metadata().state_dict_metadata.items():
-        if key != "meta":
-            sd[key] = torch.empty(m.size, dtype=m.properties.dtype)
-    read_plain(sd, reader, path)
-    shapes = meta["shapes"]
-    for key, t in sd.items():
-        parts = key.split("/")
-        if parts[0] == "model" or (parts[0] == "optim" and t.dim() == 1):  # per-element state is stored 1-D
-            sd[key] = t.view(shapes[parts[1]])
-    for name, shape in shapes.items():  # 0-element parameters (and their per-element state) are never written
-        sd.setdefault(f"model/{name}", torch.empty(shape))
-        for k, kind in ((meta.get("optim_state") or {}).get(name) or {}).items():
-            if kind == "element":
-                sd.setdefault(f"optim/{name}/{k}", torch.empty(shape))
-    return sd
-
-
-def load_full(path: str) -> dict[str, torch.Tensor]:
-    """The model of a checkpoint, unsharded, in one process: ``{name: tensor}`` with the original shapes (persistent
-    buffers, expert ones included: the keys of the model's own ``state_dict()``, a tied parameter once).
-
-    Raises:
-        ValueError: ``path`` is not a readable checkpoint folder, or a data file is truncated, corrupt or missing
-            (as :func:`read_all`).
-    """
-    out = {}
-    for key, t in read_all(path).items():
-        if key.startswith("model/"):
-            out[key[len("model/"):]] = t
-        elif key.startswith("model_buffer/"):
-            out[key[len("model_buffer/"):]] = t
-    return out
 
 
 def save_checkpoint(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], root: str, step: int,

@@ -72,7 +72,7 @@ class LocalStateDict:
     """The state-dict hooks of one sharded model (see [Note: local state dicts]). Built by ``fully_shard``.
 
     Args:
-        state: the model's ``ShardState`` (its root, units and expert buffer ids are read once, here).
+        state: the model's ``Scheduler`` (its root, units and expert buffer ids are read once, here).
     """
 
     def __init__(self, state) -> None:

@@ -1,7 +1,7 @@
 """One flat buffer of a unit: its tensors, their lifetimes, and the collectives that move them.
 
 [Note: flat group tensors]
-A unit keeps one :class:`FlatGroup` per kind of parameter it holds (same dtype and device, trainable or frozen,
+A unit keeps one :class:`FlatBuffer` per kind of parameter it holds (same dtype and device, trainable or frozen,
 sharded or kept whole). ``P`` is the padded flat length (``layout.padded_numel``), ``S = P / shard_count``.
 
 - ``shard``       # (S,)  persistent. This rank's slice of the flat buffer; the optimizer updates it in place through
@@ -44,7 +44,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from shardfusion import comm
-from shardfusion.flat_buffer import FlatLayout
+from shardfusion._runtime.layout import FlatLayout
 
 
 def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -62,7 +62,7 @@ def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Ten
     return t
 
 
-class FlatGroup:
+class FlatBuffer:
     """One flat buffer of a unit. See [Note: flat group tensors] at the top of this file.
 
     Args:

@@ -67,6 +67,21 @@ def latest_checkpoint(root: str) -> Optional[str]:
     return os.path.join(root, done[-1]) if done else None
 
 
+def find_checkpoint(path: str) -> str:
+    """The checkpoint folder that ``path`` names: ``path`` itself if it is one (it holds DCP's ``.metadata``), else the
+    latest checkpoint under it (a root of ``step-<n>`` folders), else the latest under its one subfolder that is such
+    a root (e.g. a training run's output folder, which keeps its checkpoints in a subfolder). Otherwise ``path``
+    unchanged, so that reading it reports what is wrong there."""
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return path
+    latest = latest_checkpoint(path)
+    if latest is not None:
+        return latest
+    below = [found for found in (latest_checkpoint(os.path.join(path, d)) for d in sorted(os.listdir(path))
+                                 if os.path.isdir(os.path.join(path, d))) if found] if os.path.isdir(path) else []
+    return below[0] if len(below) == 1 else path
+
+
 def checkpoint_bytes(path: str) -> int:
     """Total size in bytes of the files of the checkpoint directory ``path`` (its data files and ``.metadata``).
 

@@ -11,7 +11,7 @@ last `--keep` kept) holding the model, the AdamW state and:
   draws from.
 
 The data position needs nothing more: a training batch is a pure function of (seed, step, micro-step,
-data-parallel rank) (`shardfusion.data.BatchSampler`), and the learning rate a pure function of the step
+data-parallel rank) (`shardfusion.train.data.BatchSampler`), and the learning rate a pure function of the step
 (`train_config.lr_at`). Restoring step, parameters, optimizer state and RNG states therefore continues the run
 exactly: in fp32 with the same layout, N steps + save + restart + N steps equals 2N steps in one run, bitwise.
 

@@ -1,0 +1,24 @@
+"""Sharded checkpoints on ``torch.distributed.checkpoint`` (DCP), loadable into any layout.
+
+The package, one module per concern:
+
+- :mod:`~shardfusion.checkpoint.save_load`: the distributed :func:`save` / :func:`load` of one checkpoint folder,
+  :func:`save_checkpoint` (numbered, atomically published, the last K kept) and :func:`load_full_state`; its
+  docstring has the format (keys, shapes, who writes what).
+- :mod:`~shardfusion.checkpoint.planners`: the DCP save and load planners that write and read fragments.
+- :mod:`~shardfusion.checkpoint.folder`: the folder of numbered checkpoints: prepare, publish, prune,
+  :func:`latest_checkpoint`, :func:`checkpoint_bytes`.
+- :mod:`~shardfusion.checkpoint.read`: single-process readers, no process group: :func:`read_meta`,
+  :func:`read_all`, :func:`load_full`.
+- :mod:`~shardfusion.checkpoint.export`: ``python -m shardfusion.export``, a checkpoint as safetensors (needs the
+  ``safetensors`` package, not imported here).
+
+See ``docs/checkpoints.md``.
+"""
+
+from shardfusion.checkpoint.folder import checkpoint_bytes, latest_checkpoint
+from shardfusion.checkpoint.read import load_full, read_all, read_meta
+from shardfusion.checkpoint.save_load import FORMAT_VERSION, load, load_full_state, save, save_checkpoint
+
+__all__ = ["FORMAT_VERSION", "checkpoint_bytes", "latest_checkpoint", "load", "load_full", "load_full_state",
+           "read_all", "read_meta", "save", "save_checkpoint"]
