@@ -4,7 +4,7 @@
     python benchmarks/compare.py --device cuda        # one worker per GPU, NCCL
     python benchmarks/compare.py --regimes tiny --repeats 1 --warmup 0 --steps 1   # smoke run (seconds)
 
-It starts its own workers (torch's elastic launcher, as `shardfusion.train` does; under torchrun each process is one
+It starts its own workers (torch's elastic launcher API, `benchmarks/spawn.py`; under torchrun each process is one
 worker). For every regime, each repeat runs every variant in turn (the order rotates by one each repeat), each on a
 fresh model under the same seed: W warm-up steps, a barrier, N timed steps. A step's time is the slowest rank's; the
 reported time is the median over all timed steps of all repeats. After its first repeat's timed steps each variant
@@ -68,13 +68,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=None, help="local workers (default: 4 on CPU, one per GPU)")
     p.add_argument("--outer", type=int, default=2, help="HSDP replicas (outer degree); inner = world / outer")
     p.add_argument("--param-dtype", default="fp32", choices=("fp32", "bf16"),
-                   help="bf16: FSDP2 MixedPrecisionPolicy(bf16, reduce fp32), shardfusion param_dtype=bf16 / "
-                        "grad_comm_dtype=fp32 (skipped if not supported), DDP under autocast")
+                   help="bf16: FSDP2 MixedPrecisionPolicy(bf16, reduce fp32), shardfusion MixedPrecisionPolicy("
+                        "param_dtype=bf16, grad_comm_dtype=fp32), DDP under autocast")
     p.add_argument("--reshard", default="after_forward", choices=("after_forward", "after_backward"),
                    help="when the sharded variants free a block's gathered parameters: after its forward (ZeRO-3; "
                         "gathered again for backward) or after its backward (FSDP2: reshard_after_forward=False)")
-    p.add_argument("--prefetch", type=int, default=None,
-                   help="shardfusion's prefetch depth (units gathered ahead; default: fully_shard's own default)")
+    p.add_argument("--prefetch", type=int, default=1,
+                   help="shardfusion's prefetch depth (units gathered ahead; fully_shard's default is 1)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads per worker, the same for every variant (default: cores / workers, at least 1)")
     p.add_argument("--seed", type=int, default=42)
@@ -90,8 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in args.variants.split(","):
         if name not in VARIANTS:
             p.error(f"--variants: unknown variant {name!r}; pick from {VARIANTS}")
-    if args.repeats < 1 or args.steps < 1 or args.warmup < 0:
-        p.error("--repeats and --steps must be >= 1, --warmup >= 0")
+    if args.repeats < 1 or args.steps < 1 or args.warmup < 0 or args.prefetch < 0:
+        p.error("--repeats and --steps must be >= 1, --warmup and --prefetch >= 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but torch.cuda.is_available() is False; use --device cpu")
     return args
 
 
@@ -252,10 +254,10 @@ def worker(opts: dict) -> dict | None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardfusion as sf
-    from shardfusion.train.launch import init_worker
+    from benchmarks.spawn import join
     from benchmarks.variants import Context
 
-    device = init_worker(opts["device"])
+    device = join(opts["device"])
     world = dist.get_world_size()
     outer = opts["outer"]
     if world % outer:
@@ -282,28 +284,15 @@ def worker(opts: dict) -> dict | None:
 
 
 # ---- parent -----------------------------------------------------------------------------------------------------
-def _prefetch_depth() -> int:
-    """shardfusion's prefetch depth: a fully_shard int argument named like *prefetch* if there is one, else 1."""
-    import inspect
-
-    import shardfusion as sf
-
-    for name, p in inspect.signature(sf.fully_shard).parameters.items():
-        if "prefetch" in name and isinstance(p.default, int) and not isinstance(p.default, bool):
-            return p.default
-    return 1
-
-
 def main(argv=None) -> int:
-    from shardfusion.train.launch import (default_nproc, exit_now, launch, pick_device, threads_per_worker,
-                                    under_torchrun)
     from benchmarks import report
     from benchmarks.compare import worker as entry  # pickled by module name for the spawned workers
+    from benchmarks.spawn import end_process, run_workers, under_torchrun
 
     args = parse_args(argv)
-    device = pick_device(args.device)
-    nproc = args.nproc or default_nproc(device)
-    threads = args.threads or threads_per_worker(nproc)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    nproc = args.nproc or (max(1, torch.cuda.device_count()) if device == "cuda" else 4)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // nproc)
     name = args.name or f"{device}-{args.param_dtype}"
     opts = {"regimes": args.regimes.split(","), "variants": args.variants.split(","), "repeats": args.repeats,
             "warmup": args.warmup, "steps": args.steps, "device": device, "outer": args.outer,
@@ -317,10 +306,10 @@ def main(argv=None) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         res = entry(opts)
         if res is None:
-            exit_now(0)
+            end_process(0)
     else:
         os.environ["OMP_NUM_THREADS"] = str(threads)
-        results = launch(entry, (opts,), nproc, threads)
+        results = run_workers(entry, (opts,), nproc)
         if results is None:
             return 1
         res = results[0]
@@ -328,8 +317,7 @@ def main(argv=None) -> int:
     env["load_after"] = [round(x, 2) for x in os.getloadavg()]
     cfg = {**{k: v for k, v in opts.items() if k not in ("regimes", "variants")}, "regimes": opts["regimes"],
            "variants": opts["variants"], "world_size": res["world_size"], "inner": res["inner"],
-           "backend": res["backend"], "threads": res["threads"],
-           "prefetch_depth": args.prefetch if args.prefetch is not None else _prefetch_depth()}
+           "backend": res["backend"], "threads": res["threads"], "prefetch_depth": args.prefetch}
     raw = {"name": name, "config": cfg, "env": env, "groups": res["groups"], "regimes": res["regimes"]}
     js, md = report.write(raw, Path(args.out_dir))
     print(md.read_text())

@@ -2,8 +2,8 @@
 
 - ``shardfusion``: ``sf.fully_shard(model, Topology(fsdp_outer_degree=O), units=(Block,))``, one flat buffer per
   block and one for the root (embeddings, final norm, tied head), ``after_forward`` (or ``ctx.reshard_policy``);
-  ``set_is_last_backward(model, True)`` where it exists (every backward ends its step: FSDP2's default); clipping
-  with ``sf.clip_grad_norm_``.
+  ``set_is_last_backward(model, True)`` (every backward ends its step: FSDP2's default); clipping with
+  ``sf.clip_grad_norm_``.
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on each Block (``reshard_after_forward=True``; False under
   ``after_backward``) then on the root, left at its default, which for the root is not to reshard after forward
   (shardfusion's root unit is not resharded either), over the 2-D mesh ``(replicate=O, shard=I)``; clipping with
@@ -17,7 +17,6 @@ is: forward, backward, clip to norm 1.0, ``optimizer.step()``, ``zero_grad(set_t
 from __future__ import annotations
 
 import contextlib
-import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -43,7 +42,7 @@ class Context:
     mesh: object  # torch DeviceMesh (replicate, shard)
     param_dtype: Optional[torch.dtype]  # None: fp32 everywhere
     reshard_policy: str = "after_forward"  # of the sharded variants' blocks (FSDP2: reshard_after_forward)
-    prefetch: Optional[int] = None  # shardfusion's prefetch depth (None: its default)
+    prefetch: int = 1  # shardfusion's prefetch depth
     seed: int = 42
 
 
@@ -68,12 +67,6 @@ def unit_sizes(config: GPTConfig) -> tuple[int, list[int]]:
     return total - sum(blocks), blocks
 
 
-def sf_accepts_mixed_precision() -> bool:
-    """Whether this shardfusion's fully_shard takes param_dtype / grad_comm_dtype (it may still refuse them)."""
-    params = inspect.signature(sf.fully_shard).parameters
-    return "param_dtype" in params and "grad_comm_dtype" in params
-
-
 def build(name: str, config: GPTConfig, ctx: Context) -> Built:
     """A fresh GPT under ``ctx.seed``, wrapped as variant ``name``, with its optimizer.
 
@@ -96,20 +89,14 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def _build_shardfusion(model: GPT, ctx: Context) -> Built:
-    kwargs = {}
-    if ctx.param_dtype is not None:
-        if not sf_accepts_mixed_precision():
-            raise NotImplementedError("shardfusion.fully_shard has no param_dtype / grad_comm_dtype")
-        kwargs = {"param_dtype": ctx.param_dtype, "grad_comm_dtype": torch.float32}
-    if ctx.prefetch is not None:
-        if "prefetch" not in inspect.signature(sf.fully_shard).parameters:
-            raise NotImplementedError("shardfusion.fully_shard has no prefetch argument")
-        kwargs["prefetch"] = ctx.prefetch
-    sf.fully_shard(model, ctx.topo, units=(Block,), reshard_policy=ctx.reshard_policy, **kwargs)
-    note = ""
-    if hasattr(sf, "set_is_last_backward"):  # every backward ends its step: overlap the outer all-reduce with it,
-        sf.set_is_last_backward(model, True)  # as FSDP2 does by default
-        note = "set_is_last_backward(model, True): outer all-reduce overlapped with backward, as in FSDP2"
+    mp_policy = sf.MixedPrecisionPolicy()
+    if ctx.param_dtype is not None:  # as FSDP2's MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32) below
+        mp_policy = sf.MixedPrecisionPolicy(param_dtype=ctx.param_dtype, grad_comm_dtype=torch.float32)
+    sf.fully_shard(model, ctx.topo, units=(Block,), reshard_policy=ctx.reshard_policy, mp_policy=mp_policy,
+                   prefetch=ctx.prefetch)
+    # Every backward ends its step: overlap the outer all-reduce with it, as FSDP2 does by default.
+    sf.set_is_last_backward(model, True)
+    note = "set_is_last_backward(model, True): outer all-reduce overlapped with backward, as in FSDP2"
     units = sf.get_units(model)
 
     def sample() -> dict[str, int]:
@@ -119,9 +106,8 @@ def _build_shardfusion(model: GPT, ctx: Context) -> Built:
             for g in u.groups:
                 if g.full is not g.shard:
                     alive += g.full.untyped_storage().nbytes()
-                gf = getattr(g, "grad_full", None)
-                if gf is not None:
-                    grad += gf.untyped_storage().nbytes()
+                if g.grad_full is not None:
+                    grad += g.grad_full.untyped_storage().nbytes()
             full += alive
             alive_blocks += bool(alive) and u.name != ""
         return {"full_param_bytes": full, "full_grad_bytes": grad, "blocks_unsharded": alive_blocks}

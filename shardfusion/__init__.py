@@ -1,6 +1,6 @@
 """shardfusion: fully sharded data parallelism (FSDP) and its hybrid form (HSDP) with fused flat buffers.
 
-Public API (v0, see DESIGN.md)::
+Public API (v0; the design: docs/design.md)::
 
     import shardfusion as sf
     topo = sf.Topology(sharding=-1, fsdp_outer_degree=2)
@@ -13,6 +13,7 @@ from shardfusion import checkpoint, comm, topology
 from shardfusion import moe
 from shardfusion.clip import clip_grad_norm_, install_torch_clip_wrappers
 from shardfusion.fully_shard import (
+    MixedPrecisionPolicy,
     finish_grad_sync,
     fully_shard,
     get_units,
@@ -27,6 +28,7 @@ from shardfusion.topology import Topology
 install_torch_clip_wrappers()  # torch.nn.utils.clip_grad_norm_ / clip_grad_value_ on fragments: see shardfusion.clip
 
 __all__ = [
+    "MixedPrecisionPolicy",
     "MoE",
     "Topology",
     "checkpoint",

@@ -1,10 +1,11 @@
 """Gradient clipping by global norm over a sharded model.
 
-Each element of the gradient is counted exactly once (DESIGN.md step 5, invariant 2): a rank adds the elements of its
-shards only if it is replica index 0 of the group's replicate group (after the step's all-reduce all replicas hold the
-same shard), and, for parameters replicated across model-parallel ranks, only on mp rank 0 (parameters marked
-``tensor_model_parallel = True``, Megatron's convention, are distinct across mp and counted everywhere). Then one
-all-reduce of one scalar over the world gives every rank the same norm; every rank takes part, even with no gradient.
+Each element of the gradient is counted exactly once (docs/design.md, step 5 and invariant 2): a rank adds the
+elements of a flat buffer's shard only where it holds the buffer's canonical copy (``FlatBuffer.is_primary``: replica
+0 of the replicate group, which after the step's all-reduce holds the same shard as the other replicas, and, for
+parameters replicated across model-parallel ranks, mp rank 0; parameters marked ``tensor_model_parallel = True``,
+Megatron's convention, are distinct across mp and counted everywhere). Then one all-reduce of one scalar over the world
+gives every rank the same norm; every rank takes part, even with no gradient.
 
 ``import shardfusion`` also makes torch's own ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` (and the
 same names in ``torch.nn.utils.clip_grad``) act on fragments correctly (:func:`install_torch_clip_wrappers`): given
@@ -26,8 +27,7 @@ import torch.nn.utils.clip_grad as _torch_clip_grad
 from torch.utils._foreach_utils import _device_has_foreach_support
 
 from shardfusion import comm
-from shardfusion._runtime.state import sharded_state
-from shardfusion._runtime.scheduler import _FRAGMENT_OWNER
+from shardfusion._runtime.state import flat_buffers, fragments_by_buffer, sharded_state
 
 _Params = Union[torch.Tensor, Iterable[torch.Tensor]]
 
@@ -60,9 +60,8 @@ def clip_grad_norm_(
         RuntimeError: ``error_if_nonfinite`` and the norm is not finite; ``foreach=True`` on a device without
             foreach kernels.
     """
-    state = sharded_state(model)
-    groups = [(g, g.fragments) for u in state.units for g in u.trainable_groups]
-    return _clip_fragment_grads([state], groups, max_norm, norm_type, error_if_nonfinite, foreach)
+    groups = [(b, b.fragments) for b in flat_buffers(model, trainable_only=True)]
+    return _clip_fragment_grads([sharded_state(model)], groups, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
 def _clip_fragment_grads(states: list, groups: list[tuple], max_norm: float, norm_type: float,
@@ -81,7 +80,7 @@ def _clip_fragment_grads(states: list, groups: list[tuple], max_norm: float, nor
     for g, frags in groups:
         grads = [f.grad for f in frags if f.grad is not None and f.grad.numel()]
         scaled.extend(grads)
-        if g.counts_in_norm or norm_type == math.inf:
+        if g.is_primary or norm_type == math.inf:
             counted.extend(grads)
     device = _norm_device([g for g, _ in groups])
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in scaled) else torch.float32
@@ -90,7 +89,7 @@ def _clip_fragment_grads(states: list, groups: list[tuple], max_norm: float, nor
         norms = torch.stack([n.to(device, dtype) for n in _norms(counted, norm_type, foreach)])
         local = norms.max() if norm_type == math.inf else norms.pow(norm_type).sum()
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-    comm.all_reduce(local, dist.group.WORLD, op=op)  # every rank, even one without gradients (invariant 1)
+    comm.all_reduce(local, dist.group.WORLD, op=op)  # every rank, even one without gradients: the same collectives
     total = local if norm_type == math.inf else local.sqrt() if norm_type == 2.0 else local.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
@@ -148,25 +147,6 @@ _TORCH_CLIP_GRAD_NORM = _original(_torch_clip_grad.clip_grad_norm_)
 _TORCH_CLIP_GRAD_VALUE = _original(_torch_clip_grad.clip_grad_value_)
 
 
-def _fragment_groups(params: list[torch.Tensor]) -> tuple[list, list[tuple]]:
-    """The sharded models (``Scheduler``, in order of first appearance) and ``(FlatBuffer, [fragments])`` pairs of the
-    fragments among ``params``; both empty when none is a fragment."""
-    states: dict[int, object] = {}
-    for p in params:
-        s = _FRAGMENT_OWNER.get(p)
-        if s is not None:
-            states.setdefault(id(s), s)
-    if not states:
-        return [], []
-    group_of = {id(f): g for s in states.values() for u in s.units for g in u.groups for f in g.fragments}
-    groups: dict[int, tuple] = {}
-    for p in params:
-        g = group_of.get(id(p))
-        if g is not None:
-            groups.setdefault(id(g), (g, []))[1].append(p)
-    return list(states.values()), list(groups.values())
-
-
 def _as_list(parameters: _Params) -> list[torch.Tensor]:
     return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
 
@@ -187,7 +167,7 @@ def _clip_grad_norm_(parameters: _Params, max_norm: float, norm_type: float = 2.
     """
     is_generator = isinstance(parameters, types.GeneratorType)
     params = _as_list(parameters)
-    states, groups = _fragment_groups(params)
+    states, groups = fragments_by_buffer(params)
     if not states:
         return _TORCH_CLIP_GRAD_NORM((p for p in params) if is_generator else params, max_norm, norm_type,
                                      error_if_nonfinite, foreach)  # a generator again: torch warns if empty
@@ -208,7 +188,7 @@ def _clip_grad_value_(parameters: _Params, clip_value: float, foreach: Optional[
     step's full gradient (collective when fragments are given: every rank must call it). Then torch's function.
     """
     params = _as_list(parameters)
-    for state in _fragment_groups(params)[0]:
+    for state in fragments_by_buffer(params)[0]:
         state.finish_grad_sync()
     return _TORCH_CLIP_GRAD_VALUE(params, clip_value, foreach)
 

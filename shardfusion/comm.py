@@ -1,8 +1,8 @@
 """The collectives the runtime issues, in one place, with a record of each for counting and accounting.
 
 Every collective shardfusion issues goes through the functions here. A group of one rank issues nothing (the
-operation is done locally), so world size 1 runs the same code path (STYLE.md item 10). While a
-:class:`CommCounter` is active, each issued collective appends a :class:`CommRecord`; tests assert counts per group
+operation is done locally), so world size 1 runs the same code path as any other (no branch on the world size).
+While a :class:`CommCounter` is active, each issued collective appends a :class:`CommRecord`; tests assert counts per group
 from it and cross-check the totals with ``torch.distributed.tensor.debug.CommDebugMode``, and
 :meth:`CommCounter.summary` adds the records up per category (see [Note: communication accounting] in
 ``accounting.py``: categories, bytes on the wire, bytes across nodes, time waited).

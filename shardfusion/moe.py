@@ -19,8 +19,9 @@ ep group:
              token into a new (T, C) tensor; a shared expert (if any) adds its output for every token.
 
 Step 5 never skips an expert and no rank returns early (T == 0 included), so every rank builds the same autograd
-graph and issues the same sequence of collectives in forward and backward (DESIGN.md invariant 1), and every expert
-parameter gets a gradient (zeros when it saw no row): the sharding runtime then reduces the same buffers everywhere.
+graph and issues the same sequence of collectives in forward and backward (docs/design.md, invariant 1), and every
+expert parameter gets a gradient (zeros when it saw no row): the sharding runtime then reduces the same buffers
+everywhere.
 With ep = 1 the same code runs and the all-to-alls issue nothing.
 
 Expert parameters carry ``param.is_expert = True`` (:data:`EXPERT_ATTR`, set by :func:`mark_expert`): ``fully_shard``
@@ -145,7 +146,9 @@ class MoE(nn.Module):
         num_experts: E, the global number of experts; must be divisible by the ep group size.
         top_k: K, experts per token, in [1, E] (default 2).
         ep_group: the expert-parallel group (e.g. ``topo.get_group("ep")``); ``None`` (default) or a group of one
-            holds every expert. Group rank j holds the experts ``j*E_local .. (j+1)*E_local - 1``.
+            holds every expert. Group rank j holds the experts ``j*E_local .. (j+1)*E_local - 1``. Kept as the
+            attribute ``ep_group``, by which ``fully_shard`` recognizes an expert-parallel layer and checks that it
+            dispatches over the topology's ep group.
         shared_expert_hidden: hidden size of a dense :class:`Expert` applied to every token and added to the routed
             output; 0 (default) for none.
         normalize_top_k: renormalize the K gates of a token to sum to 1 when K > 1 (default True).

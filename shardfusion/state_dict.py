@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardfusion import comm
-from shardfusion._runtime.state import sharded_state
+from shardfusion._runtime.state import flat_buffers, sharded_state
 
 
 def full_state_dict(model: nn.Module, buffers: bool = True) -> dict[str, torch.Tensor]:
@@ -45,12 +45,10 @@ def full_state_dict(model: nn.Module, buffers: bool = True) -> dict[str, torch.T
     state = sharded_state(model)
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, torch.Tensor] = {}  # this ep rank's experts, exchanged over the ep group below
-    for unit in state.units:
-        for g in unit.groups:
-            full = torch.empty(g.layout.padded_numel, dtype=g.shard.dtype, device=g.shard.device)  # (P,)
-            comm.all_gather(full, g.shard, g.shard_group)
-            for slot in g.layout.slots:
-                (experts if g.is_expert else out)[slot.name] = full[slot.offset:slot.end].view(slot.shape).clone()
+    for buffer in flat_buffers(model):
+        full = buffer.gather_copy()  # (P,)
+        for slot in buffer.layout.slots:
+            (experts if buffer.is_expert else out)[slot.name] = full[slot.offset:slot.end].view(slot.shape).clone()
     dense_buffers, expert_buffers = state.split_buffers(persistent_only=True) if buffers else ([], [])
     copies = {name: buf.detach().clone() for name, buf in dense_buffers}
     comm.broadcast_coalesced(list(copies.values()), state.topology.get_data_parallel_group())

@@ -1,6 +1,6 @@
 """The rank grid and its process groups.
 
-Vocabulary (see DESIGN.md): an *axis* is a named direction of the rank grid and its *degree* is its size ("dim" is
+Vocabulary (see docs/design.md): an *axis* is a named direction of the rank grid and its *degree* is its size ("dim" is
 kept for tensor dims). The dense axes, slowest first, are ``dp, pp, sharding, sep, cp, mp``; a rank is::
 
     rank = (((((dp_i*pp + pp_i)*sharding + sh_i)*sep + sep_i)*cp + cp_i)*mp + mp_i
@@ -211,9 +211,9 @@ def _backend_override(backend: str, timeout: datetime.timedelta | None) -> str |
 class Topology:
     """The rank grid of this job and one process group of every kind, created on every rank in one global order.
 
-    ``Topology(dp, pp, sharding, sep, cp, mp, ep, fsdp_outer_degree, timeout=None)``: degrees as in
-    :class:`Degrees` (``sharding=-1`` takes the rest of the world); ``timeout`` (a ``timedelta`` or seconds) applies to
-    every group it creates. Groups of size 1 are real groups too. Kinds whose ranks coincide for these degrees (e.g.
+    ``Topology(*, dp=1, pp=1, sharding=-1, sep=1, cp=1, mp=1, ep=1, fsdp_outer_degree=1, timeout=None)``, keywords
+    only: degrees as in :class:`Degrees` (``sharding=-1`` takes the rest of the world); ``timeout`` (a ``timedelta``
+    or seconds) applies to every group it creates. Groups of size 1 are real groups too. Kinds whose ranks coincide for these degrees (e.g.
     ``sharding`` and ``moe_sharding`` when ep is 1) share one group object.
 
     Raises:
@@ -221,8 +221,8 @@ class Topology:
             rule of :class:`Degrees`.
     """
 
-    def __init__(self, dp: int = 1, pp: int = 1, sharding: int = -1, sep: int = 1, cp: int = 1, mp: int = 1,
-                 ep: int = 1, fsdp_outer_degree: int = 1, *,
+    def __init__(self, *, dp: int = 1, pp: int = 1, sharding: int = -1, sep: int = 1, cp: int = 1, mp: int = 1,
+                 ep: int = 1, fsdp_outer_degree: int = 1,
                  timeout: datetime.timedelta | float | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("Topology needs torch.distributed: call torch.distributed.init_process_group() first "

@@ -194,9 +194,12 @@ def coordinates(topo) -> dict:
 
 def wrap_kwargs(case: Case) -> dict:
     kw: dict[str, Any] = {"reshard_policy": case.reshard_policy, "expert_policy": case.expert_policy}
-    for key in ("param_dtype", "grad_comm_dtype"):
-        if getattr(case, key) is not None:
-            kw[key] = getattr(torch, getattr(case, key))
+    dtypes = {key: getattr(torch, getattr(case, key)) for key in ("param_dtype", "grad_comm_dtype")
+              if getattr(case, key) is not None}
+    if dtypes:
+        import shardfusion as sf
+
+        kw["mp_policy"] = sf.MixedPrecisionPolicy(**dtypes)
     if case.units == "class":
         kw["units"] = UNIT_CLASSES[case.model]
     elif case.units == "experts":

@@ -119,9 +119,10 @@ def _w4_job(root: str) -> dict:
             _train(model, opt, 1, first=2)
             out["continued"] = sf.full_state_dict(model)
     src = os.path.join(root, "I2O2")
+    bf16 = sf.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     for name, inner, outer, unit_kw in (("I4O1", 4, 1, by_class), ("I1O4", 1, 4, by_class),
                                         ("I2O2-size40", 2, 2, {"comm_unit_size": 40}),
-                                        ("I4O1-whole-bf16", 4, 1, {"units": (nn.Linear,), "param_dtype": torch.bfloat16,
+                                        ("I4O1-whole-bf16", 4, 1, {"units": (nn.Linear,), "mp_policy": bf16,
                                                                    "replicate_filter": lambda n, p: "bias" in n})):
         model, opt = _build(inner, outer, seed=1, unit_kw=unit_kw)  # other initial values
         if name == "I4O1":

@@ -60,8 +60,8 @@ def _f8_job(inner: int, outer: int) -> dict:
     out = {}
     for sync_first in (True, False):
         torch.manual_seed(42)
-        model = sf.fully_shard(F8Model(), topo, units=(nn.Linear,), param_dtype=torch.bfloat16,
-                               grad_comm_dtype=torch.float32)
+        model = sf.fully_shard(F8Model(), topo, units=(nn.Linear,), mp_policy=sf.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, grad_comm_dtype=torch.float32))
         full_dtypes = set()
         for micro in range(2):
             sf.set_requires_gradient_sync(model, sync_first or micro == 1)

@@ -34,10 +34,11 @@ def _fp16_overflow_job(case: str) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4, bias=False))
     if case == "fp32_params_fp16_comm":  # one backward; rank 0's gradient is 1e5 per element, rank 1's zero
-        sf.fully_shard(model, topo, units=(nn.Linear,), grad_comm_dtype=torch.float16)
+        sf.fully_shard(model, topo, units=(nn.Linear,),
+                       mp_policy=sf.MixedPrecisionPolicy(grad_comm_dtype=torch.float16))
         micro, value = 1, 1e5
     else:  # fp16 compute and comm; 2 micro-batches of 6e4 (fits fp16) summed in fp32 under no_sync: 1.2e5
-        sf.fully_shard(model, topo, units=(nn.Linear,), param_dtype=torch.float16)
+        sf.fully_shard(model, topo, units=(nn.Linear,), mp_policy=sf.MixedPrecisionPolicy(param_dtype=torch.float16))
         micro, value = 2, 6e4
     for m in range(micro):
         sf.set_requires_gradient_sync(model, m == micro - 1)

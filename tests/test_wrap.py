@@ -205,7 +205,7 @@ def _refusals(topo, sf) -> dict:
         sf.fully_shard(model[2], topo)
         return _error(lambda: sf.fully_shard(model, topo))
 
-    errors["mismatch-param_dtype"] = mismatch(topo, param_dtype=torch.bfloat16)
+    errors["mismatch-param_dtype"] = mismatch(topo, mp_policy=sf.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     errors["mismatch-prefetch"] = mismatch(topo, prefetch=0)
     errors["mismatch-topology"] = mismatch(sf.Topology(sharding=WORLD // 2, dp=2))
 

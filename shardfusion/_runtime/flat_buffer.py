@@ -1,8 +1,9 @@
 """One flat buffer of a unit: its tensors, their lifetimes, and the collectives that move them.
 
-[Note: flat group tensors]
+[Note: flat buffer tensors]
 A unit keeps one :class:`FlatBuffer` per kind of parameter it holds (same dtype and device, trainable or frozen,
-sharded or kept whole). ``P`` is the padded flat length (``layout.padded_numel``), ``S = P / shard_count``.
+sharded or kept whole, dense or expert). ``P`` is the padded flat length (``layout.padded_numel``),
+``S = P / shard_count``.
 
 - ``shard``       # (S,)  persistent. This rank's slice of the flat buffer; the optimizer updates it in place through
                   #       the *fragments*: one ``nn.Parameter`` per original parameter, a 1-D view of ``shard`` (0
@@ -37,6 +38,7 @@ sharded or kept whole). ``P`` is the padded flat length (``layout.padded_numel``
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -63,7 +65,7 @@ def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Ten
 
 
 class FlatBuffer:
-    """One flat buffer of a unit. See [Note: flat group tensors] at the top of this file.
+    """One flat buffer of a unit. See [Note: flat buffer tensors] at the top of this file.
 
     Args:
         layout: the pure layout (offsets, padding, shard count).
@@ -75,23 +77,39 @@ class FlatBuffer:
         replicate_group: group holding identical shards; gradients are all-reduced over it once per step.
         grad_divisor: the data-parallel world size (dp * sharding); reduced gradients are divided by it so they are
             the gradient of the mean loss over the global batch.
+        data_parallel_group: the ranks that hold these parameters before sharding (all data-parallel ranks for dense
+            parameters; for experts, the ranks with the same ep index); the values of its first rank are broadcast.
+        is_expert: the buffer holds expert parameters (distinct across the ep ranks); its fragments get
+            ``is_expert = True`` too (e.g. for per-expert optimizer groups).
+        is_primary: this rank holds the canonical copy of this shard: it is replica 0 of the replicate group and,
+            unless the parameters are tensor parallel (``tensor_model_parallel = True``, distinct across mp), mp
+            rank 0. Exactly one rank is primary for each element of the model, so the gradient norm counts the
+            shard's elements only there (:mod:`shardfusion.clip`) and only there are they written to a checkpoint
+            (:mod:`shardfusion.checkpoint.save_load`).
+        unit_name: the qualified name of the unit holding this buffer (for error messages).
         param_dtype: dtype of the full buffer, the compute and ``grad_full`` (``None``: the parameters' dtype).
         grad_comm_dtype: dtype of the reduce-scatter and the replicate all-reduce (``None``: ``full``'s dtype).
             Below fp32 the gradient is divided by ``grad_divisor`` before it is reduced (no overflow in fp16).
-        data_parallel_group: the ranks that hold these parameters before sharding (all data-parallel ranks for dense
-            parameters; for experts, the ranks with the same ep index); the values of its first rank are broadcast.
+
+    Attributes (besides the tensors of the note): ``shard_index`` (0 for a buffer without elements), ``is_expert``,
+    ``is_primary``, ``unit_name``, and, for a later ``fully_shard`` call that absorbs this one, ``originals`` (a weak
+    reference to each original parameter) and ``param_attrs`` (each original parameter's ``__dict__``, copied).
     """
 
     def __init__(
         self,
         layout: FlatLayout,
         params: list[nn.Parameter],
+        *,
         shard_index: int,
         shard_group: Optional[ProcessGroup],
         reduce_group: Optional[ProcessGroup],
         replicate_group: Optional[ProcessGroup],
         grad_divisor: int,
         data_parallel_group: Optional[ProcessGroup],
+        is_expert: bool,
+        is_primary: bool,
+        unit_name: str = "",
         param_dtype: Optional[torch.dtype] = None,
         grad_comm_dtype: Optional[torch.dtype] = None,
     ) -> None:
@@ -101,17 +119,21 @@ class FlatBuffer:
         self.replicate_group = replicate_group
         self.grad_divisor = grad_divisor
         self.requires_grad = params[0].requires_grad
-        self.counts_in_norm = True  # set by the owner: whether this rank counts this group's elements in a norm
-        self.is_expert = False  # set by the owner: expert parameters (distinct across the ep ranks)
-        self.unit_name = ""  # set by the owner: the qualified name of the unit holding this buffer (for errors)
+        self.is_expert = bool(is_expert)
+        self.is_primary = bool(is_primary)
+        self.unit_name = unit_name
+        self.originals = [weakref.ref(p) for p in params]
+        self.param_attrs = [dict(vars(p)) for p in params]
         dtype, device = params[0].dtype, params[0].device
         self.param_dtype = param_dtype or dtype
         self.grad_comm_dtype = grad_comm_dtype or self.param_dtype
         P, S = layout.padded_numel, layout.shard_numel
         if P == 0:  # only zero-element parameters: nothing to communicate, on every rank alike
             self.shard_group = self.reduce_group = self.replicate_group = None
+        self.shard_index = shard_index if P else 0
 
-        # Initial values: every data-parallel replica starts from the first rank's parameters (case F7).
+        # Initial values: every data-parallel replica starts from the first rank's parameters (docs/field-cases.md,
+        # F7: replicas started from different weights).
         with torch.no_grad():
             flat = torch.zeros(P, dtype=dtype, device=device)  # (P,)
             for slot, p in zip(layout.slots, params):
@@ -126,6 +148,8 @@ class FlatBuffer:
             self._frag_ranges.append((frag.shard_offset, frag.numel))
             view = self.shard[frag.shard_offset:frag.shard_offset + frag.numel]
             self.fragments.append(nn.Parameter(view, requires_grad=self.requires_grad))
+            if self.is_expert:
+                self.fragments[-1].is_expert = True
 
         if (layout.shard_count == 1 or P == 0) and self.param_dtype == dtype:
             self.full = self.shard
@@ -198,6 +222,13 @@ class FlatBuffer:
     def gather_in_flight(self) -> bool:
         """Whether an asynchronous all-gather has been issued and not yet waited for."""
         return self._gather_work is not None
+
+    def gather_copy(self) -> torch.Tensor:
+        """The whole flat buffer as a new ``(P,)`` tensor in the shard's dtype, apart from ``full`` (an all-gather over
+        ``shard_group``: collective). Parameter ``i`` is ``[slot.offset:slot.end]`` of ``layout.slots[i]``."""
+        out = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.shard.device)  # (P,)
+        comm.all_gather(out, self.shard, self.shard_group)
+        return out
 
     # ---- gradients ---------------------------------------------------------------------------------------------
     def ensure_grad_full(self, view_index: Optional[int] = None) -> None:

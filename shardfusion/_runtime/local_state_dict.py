@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from shardfusion._runtime.state import fragment_holders, named_fragments
+
 META_KEY = "shardfusion"  # key of our entry in a state dict's ``_metadata[prefix]``
 
 
@@ -72,18 +74,18 @@ class LocalStateDict:
     """The state-dict hooks of one sharded model (see [Note: local state dicts]). Built by ``fully_shard``.
 
     Args:
-        state: the model's ``Scheduler`` (its root, units and expert buffer ids are read once, here).
+        state: the model's ``Scheduler``, attached to it (its fragments and expert buffer ids are read once, here).
     """
 
     def __init__(self, state) -> None:
         self.state = state
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.params = _params(state)
+        self.params = _params(state.root)
         self.by_alias = {a: p for p in self.params for a in p.aliases}
         expert_ids = state.expert_buffers
         self.expert_names = sorted({a for p in self.params if p.is_expert for a in p.aliases} |
                                    {n for n, b in state.root.named_buffers() if id(b) in expert_ids})
-        self.layout = _digest(state)
+        self.layout = _digest(state.root)
         self._loading = False  # between the model's load pre-hook and post-hook: its submodules may load
 
     def install(self) -> None:
@@ -93,13 +95,7 @@ class LocalStateDict:
         handles = [root.register_state_dict_post_hook(lambda *args: self._save_metadata(*args)),  # torch marks it
                    root.register_load_state_dict_pre_hook(self._before_load),
                    root.register_load_state_dict_post_hook(self._after_load)]
-        holders = {}
-        for unit in self.state.units:
-            for regs in unit.registrations:
-                for places in regs:
-                    for module, _attr in places:
-                        if module is not root:
-                            holders[id(module)] = module
+        holders = {id(m): m for m in fragment_holders(root) if m is not root}
         names = {id(m): n for n, m in root.named_modules()}
         for module in holders.values():
             handles.append(module.register_load_state_dict_pre_hook(self._guard_submodule(names.get(id(module), "?"))))
@@ -130,8 +126,7 @@ class LocalStateDict:
 
     def _after_load(self, module, incompatible_keys) -> None:
         self._loading = False
-        for unit in self.state.units:  # a gathered full buffer would hold the values from before the load
-            unit.reshard()
+        self.state.reshard_all()  # a gathered full buffer would hold the values from before the load
 
     def _guard_submodule(self, name: str):
         def hook(module, state_dict, prefix, *rest) -> None:
@@ -184,35 +179,19 @@ class LocalStateDict:
                     state_dict[prefix + alias] = state_dict[given[0]]
 
 
-def _shard_index(group) -> int:
-    count = group.layout.shard_count
-    return 0 if count == 1 or group.shard_group is None else dist.get_rank(group.shard_group)
-
-
-def _params(state) -> list[_Param]:
+def _params(model: nn.Module) -> list[_Param]:
     aliases: dict[int, list[str]] = {}
-    for name, frag in state.root.named_parameters(remove_duplicate=False):
+    for name, frag in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(frag), []).append(name)
-    out = []
-    for unit in state.units:
-        for g in unit.groups:
-            for frag_param, frag in zip(g.fragments, g.layout.fragments(_shard_index(g))):
-                names = aliases.get(id(frag_param), [frag.slot.name])
-                out.append(_Param(frag.slot.name, tuple(names), tuple(frag.slot.shape), frag.param_offset,
-                                  frag.numel, bool(g.is_expert)))
-    return out
+    return [_Param(f.name, tuple(aliases.get(id(f.param), [f.name])), f.shape, f.offset, f.numel, f.buffer.is_expert)
+            for f in named_fragments(model)]
 
 
-def _digest(state) -> str:
+def _digest(model: nn.Module) -> str:
     """Hex digest (16 digits) of this rank's layout: per parameter name, full shape, shard count and index, fragment
     offset and length."""
-    rows = []
-    for unit in state.units:
-        for g in unit.groups:
-            index = _shard_index(g)
-            for frag in g.layout.fragments(index):
-                rows.append((frag.slot.name, tuple(frag.slot.shape), g.layout.shard_count, index, frag.param_offset,
-                             frag.numel))
+    rows = [(f.name, f.shape, f.buffer.layout.shard_count, f.shard_index, f.offset, f.numel)
+            for f in named_fragments(model)]
     return hashlib.sha1(repr(sorted(rows)).encode()).hexdigest()[:16]
 
 

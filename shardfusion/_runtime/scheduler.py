@@ -11,8 +11,9 @@ where they did), and the next one is prefetched; the end of backward gathers wha
 hook that makes sure the gradient buffer is alive before autograd accumulates into it, and a post-accumulate hook
 that counts arrivals; a unit whose trainable views all got their gradient is READY. Reduce-scatters are issued in one
 fixed order (reverse unit order), as soon as the unit at the head of that order is READY, on a process group of their
-own, so every rank issues the same sequence whatever gradients it got (invariant 1). A callback queued on the autograd
-engine flushes the rest at the end of backward: units that got no gradient reduce-scatter zeros.
+own, so every rank issues the same sequence whatever gradients it got (docs/design.md, invariant 1). A callback
+queued on the autograd engine flushes the rest at the end of backward: units that got no gradient reduce-scatter
+zeros.
 
 Prefetch: ``prefetch`` units are all-gathered ahead of the running one, in forward (the order of the previous
 forward) and in backward (the backward order); 0 gathers each unit only when it runs. ``peak_unsharded_units``
@@ -29,12 +30,11 @@ collectives and keep Python state, which Inductor cannot lower (its ``resize_sto
 sizes). Dynamo breaks the graph at each hook, so the compute of each unit between two hooks is one compiled graph
 and the hooks run eagerly, as without compile (``tests/test_compile.py``).
 
-The optimizer step pre-hook first refuses, on every rank and before anything else, an optimizer that holds
-parameters ``fully_shard`` replaced (built before wrapping) or that is not element-wise (``_NOT_ELEMENTWISE``).
+The step boundary's optimizer step pre-hook, and the optimizers it refuses, are in ``optimizer_hook.py``.
 
 Direct gradients: a loss term computed from ``model.parameters()`` (the fragments) makes autograd accumulate into a
 fragment. Each fragment's hooks take that gradient out into its group's ``direct_grad`` and leave ``.grad`` as it was
-(see flat_group.py); it joins the step's gradient before the replicate all-reduce, averaged over the replicas. A
+(see flat_buffer.py); it joins the step's gradient before the replicate all-reduce, averaged over the replicas. A
 backward whose graph reaches a fragment issues no replicate all-reduce before its end, so none can be in flight when
 a direct gradient arrives (decided from the graph: timing plays no part).
 
@@ -48,26 +48,14 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.autograd.graph import get_gradient_edge, register_multi_grad_hook
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.weak import WeakIdKeyDictionary
 
 from shardfusion import comm
 from shardfusion._runtime.local_state_dict import persistent_buffers
+from shardfusion._runtime.optimizer_hook import install_optimizer_hook
 from shardfusion._runtime.unit import ReduceState, Unit
 
-# fragment parameter -> its model's Scheduler, for the optimizer step pre-hook.
-_FRAGMENT_OWNER = WeakIdKeyDictionary()
-# parameter that fully_shard replaced by fragments (the originals, and the fragments of an absorbed nested call) ->
-# its qualified name, so that an optimizer still holding one is refused instead of silently updating nothing.
-REPLACED_PARAMS = WeakIdKeyDictionary()
-_OPTIMIZER_HOOK = None
-# Optimizers that read a parameter's shape or all parameters together: wrong on 1-D fragments of a flat shard.
-_NOT_ELEMENTWISE = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafactor", "Muon", "SparseAdam")
-                         if hasattr(torch.optim, name))
-_ELEMENTWISE_NAMES = ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD", "NAdam",
-                      "RAdam")
 
 
 class Scheduler:
@@ -76,12 +64,14 @@ class Scheduler:
     Args:
         root: the model passed to ``fully_shard``.
         units: units in unit order (the root unit first, then by module registration order).
+        wrap_options: the options of the ``fully_shard`` call (a later call that absorbs this one compares them).
     """
 
     def __init__(self, root: nn.Module, units: list[Unit], topology, broadcast_buffers: bool = True,
                  expert_buffers: frozenset = frozenset(), param_dtype: torch.dtype | None = None,
-                 prefetch: int = 1) -> None:
+                 prefetch: int = 1, *, wrap_options: Any = None) -> None:
         self.root = root
+        self.wrap_options = wrap_options
         self.prefetch = prefetch  # units all-gathered ahead of the one running, in forward and in backward
         self.is_last_backward = False  # set_is_last_backward: overlap the replicate all-reduce with this backward
         self.peak_unsharded_units = 0  # most non-root units holding a full buffer at once (see _note_unsharded)
@@ -109,11 +99,7 @@ class Scheduler:
         self._grad_order: list[Unit] = []  # units in the order they registered a pre-backward hook
         self._backward_order: list[Unit] | None = None  # reverse of _grad_order, fixed at the start of backward
         self._gathers_issued = 0  # units of _backward_order whose backward all-gather has been issued
-        for u in units:
-            for g in u.groups:
-                for f in g.fragments:
-                    _FRAGMENT_OWNER[f] = self
-        _install_optimizer_hook()
+        install_optimizer_hook()
 
     def split_buffers(self, persistent_only: bool = False
                       ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
@@ -162,6 +148,8 @@ class Scheduler:
 
     @torch.compiler.disable
     def _root_pre_forward(self, module, args, kwargs):
+        for u in self.units:  # a model cast or moved after fully_shard raises here, before anything runs
+            u.check_fragments()
         if not _in_backward():
             # A forward without a following backward (evaluation) may have left units gathered: start clean.
             for u in self.units[1:]:
@@ -436,6 +424,11 @@ class Scheduler:
             for u in self.units:
                 u.reshard()
 
+    def reshard_all(self) -> None:
+        """Reshard every unit (e.g. after a load, which makes gathered full buffers stale)."""
+        for u in self.units:
+            u.reshard()
+
     def finish_grad_sync(self) -> None:
         """All-reduce this step's sharded gradients over their replicate groups (once per step; idempotent)."""
         for u in self._reduce_order:
@@ -457,43 +450,3 @@ def _check_not_in_flight(group, index: int) -> None:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-def _optimizer_pre_step(optimizer, args, kwargs) -> None:
-    """Before any ``torch.optim`` step: refuse what cannot work on fragments, then finish the gradient sync of every
-    sharded model the optimizer holds fragments of.
-
-    The refusals come before anything collective or local in the step, and depend only on the optimizer (the same on
-    every rank), so every rank raises alike.
-
-    Raises:
-        ValueError: the optimizer holds a parameter that ``fully_shard`` replaced (built before wrapping); or it holds
-            fragments and is not element-wise (``LBFGS``, ``Adafactor``, ``Muon``, ``SparseAdam`` or a subclass).
-    """
-    states = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p in REPLACED_PARAMS:  # first: an absorbed nested call's fragments are replaced too
-                raise ValueError(
-                    f"{type(optimizer).__name__} holds parameter {REPLACED_PARAMS[p]!r} (shape {tuple(p.shape)}) from "
-                    "before fully_shard, which replaced every parameter by a 1-D fragment of its shard: this optimizer "
-                    "would update tensors the model no longer uses. Build the optimizer after fully_shard, from "
-                    "model.parameters()")
-            s = _FRAGMENT_OWNER.get(p)
-            if s is not None:
-                states[id(s)] = s
-    if states and isinstance(optimizer, _NOT_ELEMENTWISE):
-        raise ValueError(
-            f"{type(optimizer).__name__} is not supported on a sharded model: it reads each parameter's shape or all "
-            "parameters together, but after fully_shard each rank's parameters are 1-D fragments of a flat shard "
-            "(pieces of the original tensors, possibly empty). Use an element-wise optimizer: "
-            f"{', '.join(_ELEMENTWISE_NAMES)}. Matrix optimizers such as Muon are planned work")
-    for s in states.values():
-        s.finish_grad_sync()
-        s.release_kept_units()
-
-
-def _install_optimizer_hook() -> None:
-    global _OPTIMIZER_HOOK
-    if _OPTIMIZER_HOOK is None:
-        _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_optimizer_pre_step)

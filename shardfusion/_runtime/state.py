@@ -1,11 +1,20 @@
-"""The one accessor for a sharded model's runtime state, used by the public API, clipping, state dicts and
-checkpoints: they reach the flat buffers through it, never through the model's attributes."""
+"""The one accessor for a sharded model's runtime state.
+
+``fully_shard`` attaches a model's :class:`~shardfusion._runtime.scheduler.Scheduler` here (:func:`attach`) and a
+later call that absorbs the model takes it off (:func:`detach`); the public API, clipping, state dicts and checkpoints
+reach the flat buffers and fragments through :func:`sharded_state`, :func:`flat_buffers`, :func:`named_fragments`,
+:func:`fragment_holders` and :func:`fragments_by_buffer`, never through the model's attributes, its units or their buffers' lists.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional
 
+import torch
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
     from shardfusion._runtime.flat_buffer import FlatBuffer
@@ -13,6 +22,58 @@ if TYPE_CHECKING:
 
 STATE_ATTR = "_sf_state"
 """The attribute of a sharded model that holds its :class:`~shardfusion._runtime.scheduler.Scheduler`."""
+
+# fragment parameter -> the Scheduler of its model (for the optimizer step pre-hook and torch's clip functions).
+_FRAGMENT_OWNER = WeakIdKeyDictionary()
+# submodule of a sharded model -> (class name of that model, the submodule's qualified name), to refuse wrapping a
+# module inside an already sharded one.
+_INSIDE: "weakref.WeakKeyDictionary[nn.Module, tuple[str, str]]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class NamedFragment:
+    """This rank's fragment of one parameter of a sharded model.
+
+    Attributes:
+        name: the parameter's first qualified name, relative to the sharded model.
+        param: the fragment, an ``nn.Parameter`` of shape ``(numel,)``: a view of ``buffer.shard``.
+        shape: the parameter's full shape.
+        offset: start of the fragment in the flattened parameter, in elements.
+        numel: the fragment's length in elements (0 allowed).
+        shard_index: the shard this rank holds (0 for a buffer kept whole or without elements).
+        buffer: the :class:`~shardfusion._runtime.flat_buffer.FlatBuffer` holding it (``is_expert``, ``is_primary``).
+    """
+
+    name: str
+    param: nn.Parameter
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+    shard_index: int
+    buffer: "FlatBuffer"
+
+
+def attach(model: nn.Module, state: "Scheduler") -> None:
+    """Make ``state`` the runtime state of ``model`` (the end of ``fully_shard``): its fragments know their owner, its
+    submodules know they are inside a sharded model."""
+    setattr(model, STATE_ATTR, state)
+    for buffer in _buffers(state):
+        for frag in buffer.fragments:
+            _FRAGMENT_OWNER[frag] = state
+    for name, m in model.named_modules():
+        if m is not model:
+            _INSIDE[m] = (type(model).__name__, name)
+
+
+def detach(model: nn.Module) -> "Scheduler":
+    """Take the runtime state off ``model`` (a later ``fully_shard`` call absorbs it) and return it.
+
+    Raises:
+        ValueError: ``model`` is not sharded.
+    """
+    state = sharded_state(model)
+    delattr(model, STATE_ATTR)
+    return state
 
 
 def sharded_state(model: nn.Module) -> "Scheduler":
@@ -32,11 +93,72 @@ def is_sharded(model: nn.Module) -> bool:
     return getattr(model, STATE_ATTR, None) is not None
 
 
+def sharded_ancestor(module: nn.Module) -> Optional[tuple[str, str]]:
+    """``(class name of the sharded model, qualified name of module in it)`` if ``module`` is a submodule of a model
+    passed to ``fully_shard``, else ``None``."""
+    return _INSIDE.get(module)
+
+
 def flat_buffers(model: nn.Module, trainable_only: bool = False) -> Iterator["FlatBuffer"]:
     """Every flat buffer of a sharded model, in unit order (the root unit first), each unit's in layout order.
 
     Raises:
         ValueError: ``model`` is not sharded.
     """
+    return _buffers(sharded_state(model), trainable_only)
+
+
+def named_fragments(model: nn.Module) -> Iterator[NamedFragment]:
+    """This rank's fragment of every parameter of a sharded model (empty ones included), in the order of
+    :func:`flat_buffers`, each buffer's in layout order; a tied parameter once.
+
+    Raises:
+        ValueError: ``model`` is not sharded.
+    """
+    for buffer in flat_buffers(model):
+        for param, frag in zip(buffer.fragments, buffer.layout.fragments(buffer.shard_index)):
+            yield NamedFragment(frag.slot.name, param, tuple(frag.slot.shape), frag.param_offset, frag.numel,
+                                buffer.shard_index, buffer)
+
+
+def fragment_holders(model: nn.Module) -> list[nn.Module]:
+    """The modules in which a sharded model's fragments are registered, each once, in unit and layout order.
+
+    Raises:
+        ValueError: ``model`` is not sharded.
+    """
+    holders: dict[int, nn.Module] = {}
     for unit in sharded_state(model).units:
+        for regs in unit.registrations:
+            for places in regs:
+                for module, _attr in places:
+                    holders.setdefault(id(module), module)
+    return list(holders.values())
+
+
+def fragments_by_buffer(params: Iterable[torch.Tensor]) -> tuple[list["Scheduler"], list[tuple["FlatBuffer", list]]]:
+    """The fragments among ``params``: the sharded models' states they belong to (in order of first appearance) and
+    ``(FlatBuffer, [its fragments among params])`` pairs; both lists are empty when none is a fragment."""
+    params = list(params)
+    states: dict[int, "Scheduler"] = {}
+    for p in params:
+        s = _FRAGMENT_OWNER.get(p)
+        if s is not None:
+            states.setdefault(id(s), s)
+    buffer_of = {id(f): b for s in states.values() for b in _buffers(s) for f in b.fragments}
+    pairs: dict[int, tuple] = {}
+    for p in params:
+        b = buffer_of.get(id(p))
+        if b is not None:
+            pairs.setdefault(id(b), (b, []))[1].append(p)
+    return list(states.values()), list(pairs.values())
+
+
+def fragment_owner(param: torch.Tensor) -> Optional["Scheduler"]:
+    """The runtime state of the sharded model whose fragment ``param`` is, else ``None``."""
+    return _FRAGMENT_OWNER.get(param)
+
+
+def _buffers(state: "Scheduler", trainable_only: bool = False) -> Iterator["FlatBuffer"]:
+    for unit in state.units:
         yield from (unit.trainable_groups if trainable_only else unit.groups)

@@ -1,8 +1,8 @@
 """A unit: the parameters gathered and reduced together, and its state machine.
 
-A unit owns one :class:`~shardfusion._runtime.flat_buffer.FlatBuffer` per kind of parameter (see [Note: flat group tensors]
-in ``flat_group.py``) and the places in the modules where its parameters are registered. Its sharded state says
-which tensors the modules see:
+A unit owns one :class:`~shardfusion._runtime.flat_buffer.FlatBuffer` per kind of parameter (see [Note: flat buffer
+tensors] in ``flat_buffer.py``) and the places in the modules where its parameters are registered. Its sharded state
+says which tensors the modules see:
 
 - ``SHARDED``: the modules' attributes resolve to the fragments (1-D local pieces, what the optimizer updates).
 - ``UNSHARDED``: the modules' attributes resolve to full-shape views of the all-gathered buffers (forward and
@@ -60,6 +60,8 @@ class Unit:
         self.groups: list[FlatBuffer] = []
         # For each group, for each slot: the (module, attribute) places the parameter is registered under.
         self.registrations: list[list[list[tuple[nn.Module, str]]]] = []
+        # (module._parameters, attribute, fragment, its data_ptr, shard, name) of every registration (check_fragments)
+        self._registered: list[tuple] = []
         self.state = ShardedState.SHARDED
         self.reduce_state = ReduceState.IDLE
         self.ran_forward = False
@@ -68,13 +70,31 @@ class Unit:
 
     def add_group(self, group: FlatBuffer, registrations: list[list[tuple[nn.Module, str]]]) -> None:
         """Attach a flat buffer and register its fragments in the modules."""
-        group.unit_name = self.name
         self.groups.append(group)
         self.registrations.append(registrations)
         self.param_names.extend(s.name for s in group.layout.slots)
-        for frag, places in zip(group.fragments, registrations):
+        for slot, frag, places in zip(group.layout.slots, group.fragments, registrations):
             for module, attr in places:
                 module._parameters[attr] = frag
+                self._registered.append((module._parameters, attr, frag, frag.data_ptr(), group.shard, slot.name))
+
+    def check_fragments(self) -> None:
+        """Raise if the model was cast or moved since its fragments were registered: each must still be the module's
+        parameter and a view of its shard (same storage, dtype and device).
+
+        Raises:
+            ValueError: a parameter was replaced (``.to(dtype)``, ``.double()``, ``.half()``, ``.to(device)``).
+        """
+        for params, attr, frag, ptr, shard, name in self._registered:
+            now = params.get(attr)
+            if now is not frag or frag.dtype != shard.dtype or frag.data_ptr() != ptr:
+                now = frag if now is None else now
+                raise ValueError(
+                    f"parameter {name!r} is no longer a view of its shard: it is {now.dtype} on {now.device}, its "
+                    f"shard {shard.dtype} on {shard.device}. The model was cast or moved after fully_shard (e.g. "
+                    "model.to(torch.float64), .double(), .half(), .to(device)), which replaces the fragments. Cast "
+                    "or move the model before calling fully_shard (for low-precision compute pass "
+                    "mp_policy=MixedPrecisionPolicy(param_dtype=...))")
 
     @property
     def trainable_groups(self) -> list[FlatBuffer]:

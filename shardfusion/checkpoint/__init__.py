@@ -5,6 +5,8 @@ The package, one module per concern:
 - :mod:`~shardfusion.checkpoint.save_load`: the distributed :func:`save` / :func:`load` of one checkpoint folder,
   :func:`save_checkpoint` (numbered, atomically published, the last K kept) and :func:`load_full_state`; its
   docstring has the format (keys, shapes, who writes what).
+- :mod:`~shardfusion.checkpoint.inventory`: what a sharded model holds in the format's terms (fragments, optimizer
+  state kinds, gathered over the ranks) and how it matches a checkpoint.
 - :mod:`~shardfusion.checkpoint.planners`: the DCP save and load planners that write and read fragments.
 - :mod:`~shardfusion.checkpoint.folder`: the folder of numbered checkpoints: prepare, publish, prune,
   :func:`latest_checkpoint`, :func:`checkpoint_bytes`.

@@ -34,7 +34,7 @@ matches groups by index).
 had a gradient) has no entry. Names are those of ``model.named_parameters()`` (a tied parameter: its first name).
 
 Save: only the canonical holder of each shard writes its fragments (replica 0 of the replicate group, mp rank 0:
-``FlatBuffer.counts_in_norm``), with the global ``(numel,)`` size and the chunk offset; DCP's coordinator merges the
+``FlatBuffer.is_primary``), with the global ``(numel,)`` size and the chunk offset; DCP's coordinator merges the
 chunks of every rank into one ``TensorStorageMetadata`` per key (and validates that they tile the tensor). Bytes
 written therefore do not depend on the outer (replicate) degree. Scalar state and buffers are emitted by every rank
 holding them (also by ranks whose fragment is empty, so that a parameter smaller than a shard still gets its
@@ -48,12 +48,13 @@ dropped. ``load_full`` reads the same checkpoint in one process with no process 
 shapes.
 
 Model parallel (``mp``): this library has no tensor-parallel layers. Parameters are identical on every mp rank, so
-only mp rank 0 writes them (``counts_in_norm``) and every mp rank reads the same values. A parameter marked
+only mp rank 0 writes them (``is_primary``) and every mp rank reads the same values. A parameter marked
 ``tensor_model_parallel = True`` (Megatron's convention: different values per mp rank under one name) with mp > 1
 would need per-mp-rank keys: :func:`save` and :func:`load` raise ``ValueError`` for it instead.
 
 The DCP planners that write and read fragments, and the DCP pitfalls they avoid, are in
-:mod:`shardfusion.checkpoint.planners`.
+:mod:`shardfusion.checkpoint.planners`; what the model holds in these terms (fragments, optimizer state kinds,
+gathered over the ranks) is in :mod:`shardfusion.checkpoint.inventory`.
 """
 
 from __future__ import annotations
@@ -68,134 +69,17 @@ import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from shardfusion.checkpoint.folder import prepare, publish
-from shardfusion.checkpoint.planners import FragmentLoadPlanner, FragmentSavePlanner
-from shardfusion.checkpoint.read import failure_text, open_checkpoint, read_error, read_plain
-from shardfusion.comm import call_on_rank0
-from shardfusion._runtime.state import sharded_state
 from shardfusion._runtime.local_state_dict import persistent_buffers
+from shardfusion.checkpoint.folder import prepare, publish
+from shardfusion.checkpoint.inventory import (NUMBER_DTYPES, global_rank, mismatch, model_info, named_fragments,
+                                              param_names, scalar_tensor, state_kind)
+from shardfusion.checkpoint.planners import FragmentLoadPlanner, FragmentSavePlanner
+from shardfusion.checkpoint.read import failure_text, open_checkpoint, read_error
+from shardfusion.comm import call_on_rank0
 
 __all__ = ["FORMAT_VERSION", "save", "load", "save_checkpoint", "load_full_state"]
 
 FORMAT_VERSION = 2
-
-
-# ---- model / optimizer walk ----------------------------------------------------------------------------------------
-def _fragment_table(model: nn.Module) -> dict[int, tuple[str, int, int, bool, tuple]]:
-    """``id(fragment) -> (name, offset in the flattened parameter, global numel, writes, shape)`` for every
-    fragment this rank holds (empty ones included)."""
-    state = sharded_state(model)
-    out = {}
-    for unit in state.units:
-        for g in unit.groups:
-            count = g.layout.shard_count
-            index = 0 if count == 1 or g.shard_group is None else dist.get_rank(g.shard_group)
-            for param, frag in zip(g.fragments, g.layout.fragments(index)):
-                out[id(param)] = (frag.slot.name, frag.param_offset, frag.slot.numel, bool(g.counts_in_norm),
-                                  tuple(frag.slot.shape))
-    return out
-
-
-def _named_fragments(model: nn.Module):
-    table = _fragment_table(model)
-    for name, p in model.named_parameters():
-        slot_name, offset, total, writes, shape = table[id(p)]
-        yield name, p, offset, total, writes, shape
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _state_kind(p: torch.Tensor, value: Any) -> Optional[str]:
-    """The kind of the optimizer state entry ``value`` of fragment ``p`` (see the module docstring), ``None`` for a
-    ``None`` entry (not saved).
-
-    Raises:
-        ValueError: any other entry (a tensor of another shape, a list, ...).
-    """
-    if value is None:
-        return None
-    if torch.is_tensor(value):
-        if value.dim() == 0:
-            return "tensor"
-        if value.shape == p.shape:
-            return "element"
-    elif isinstance(value, (bool, int, float)):
-        return type(value).__name__
-    what = f"a tensor of shape {tuple(value.shape)}" if torch.is_tensor(value) else f"a {type(value).__name__}"
-    raise ValueError(f"is {what}; only tensors of the fragment's shape {tuple(p.shape)} (per-element state), 0-d "
-                     f"tensors and Python numbers can be saved")
-
-
-_NUMBER_DTYPES = {"int": torch.int64, "float": torch.float64, "bool": torch.bool}
-
-
-def _scalar_tensor(value: Any) -> torch.Tensor:
-    """A scalar state entry as the 0-d tensor it is stored as."""
-    if torch.is_tensor(value):
-        return value.detach()
-    return torch.tensor(value, dtype=_NUMBER_DTYPES[type(value).__name__])
-
-
-def _model_info(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-                rank_state: Optional[dict] = None, unreadable: Optional[str] = None) -> dict:
-    """What every rank holds, gathered (collective: one ``all_gather_object``): the union over ranks of parameter
-    shapes, buffer shapes and optimizer state kinds (expert names differ across ep ranks), and the problems found on
-    any rank (unsupported optimizer state, tensor-parallel parameters, non-tensor ``rank_state`` values) as
-    ``"rank <r>: ..."`` strings, so that every rank can raise the same error; ``unreadable``: why this rank could
-    not read the checkpoint (gathered under ``"unreadable"``)."""
-    rank, mp_rank = _rank(), sharded_state(model).topology.mp_rank
-    mine: dict[str, Any] = {"shapes": {}, "buffer_shapes": {}, "optim_state": {}, "problems": [],
-                            "unreadable": [f"rank {rank}: {unreadable}"] if unreadable else []}
-    opt_state = optimizer.state if optimizer is not None else {}
-    tensor_parallel = []
-    for name, p, _offset, _total, writes, shape in _named_fragments(model):
-        mine["shapes"][name] = shape
-        if writes and mp_rank != 0:  # counts_in_norm on mp rank > 0: a tensor-parallel parameter (fully_shard.py)
-            tensor_parallel.append(name)
-        kinds = {}
-        for key, value in opt_state.get(p, {}).items():
-            try:
-                kind = _state_kind(p, value)
-            except ValueError as error:
-                mine["problems"].append(f"rank {rank}: optimizer state {key!r} of {name!r} {error}")
-                continue
-            if kind is not None:
-                kinds[key] = kind
-        if kinds:
-            mine["optim_state"][name] = kinds
-    if tensor_parallel:
-        mine["problems"].append(f"rank {rank}: tensor-parallel parameters (tensor_model_parallel=True, mp > 1) "
-                                f"{tensor_parallel} are not handled by checkpoints (one key per name, equal on "
-                                f"every mp rank)")
-    for name, buf in persistent_buffers(model):
-        mine["buffer_shapes"][name] = tuple(buf.shape)
-    mine["nonpersistent"] = sorted({n for n, _ in model.named_buffers()} - set(mine["buffer_shapes"]))
-    for key, value in (rank_state or {}).items():
-        if not isinstance(key, str) or not torch.is_tensor(value):
-            mine["problems"].append(f"rank {rank}: rank_state[{key!r}] must be a tensor under a str key, got "
-                                    f"{type(value).__name__}")
-    every = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-    out: dict[str, Any] = {"shapes": {}, "buffer_shapes": {}, "optim_state": {}, "problems": [], "unreadable": [],
-                           "nonpersistent": set()}
-    for part in every:
-        for field in ("shapes", "buffer_shapes"):
-            out[field].update(part[field])
-        out["nonpersistent"].update(part["nonpersistent"])
-        for name, kinds in part["optim_state"].items():
-            out["optim_state"].setdefault(name, {}).update(kinds)
-        out["problems"] += part["problems"]
-        out["unreadable"] += part["unreadable"]
-    return out
-
-
-def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
 # ---- public API ----------------------------------------------------------------------------------------------------
@@ -216,15 +100,15 @@ def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
             its rank); after the write, on every rank: a rank could not write its files (disk full, not writable:
             ``checkpoint <path> cannot be written: rank r: ...``), and the folder is then incomplete.
     """
-    info = _model_info(model, optimizer, rank_state)
+    info = model_info(model, optimizer, rank_state)
     if info["problems"]:
         raise ValueError(f"cannot save checkpoint {path!r}: " + "; ".join(info["problems"]))
     sd: dict[str, Any] = {}
     fragments: dict[str, tuple[int, int]] = {}
     opt_state = optimizer.state if optimizer is not None else {}
-    for name, p, offset, total, writes, _shape in _named_fragments(model):
+    for name, p, offset, total, writes, _shape in named_fragments(model):
         st = opt_state.get(p, {})
-        kinds = {k: _state_kind(p, v) for k, v in st.items()}
+        kinds = {k: state_kind(p, v) for k, v in st.items()}
         if writes and p.numel() > 0:
             sd[f"model/{name}"] = p.detach()
             fragments[f"model/{name}"] = (offset, total)
@@ -234,16 +118,16 @@ def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
                     fragments[f"optim/{name}/{k}"] = (offset, total)
         for k, kind in kinds.items():  # every rank holding the parameter (empty fragments too); DCP keeps one
             if kind not in (None, "element"):
-                sd[f"optim/{name}/{k}"] = _scalar_tensor(st[k])
+                sd[f"optim/{name}/{k}"] = scalar_tensor(st[k])
     # dense and expert ones (global names), persistent ones only (as state_dict); DCP keeps one copy per name
     for name, buf in persistent_buffers(model):
         sd[f"model_buffer/{name}"] = buf.detach()
     for key, value in (rank_state or {}).items():
-        sd[f"rank/{_rank()}/{key}"] = value.detach()
-    if _rank() == 0:
+        sd[f"rank/{global_rank()}/{key}"] = value.detach()
+    if global_rank() == 0:
         groups = []
         if optimizer is not None:
-            for g, names in zip(optimizer.param_groups, _param_names(model, optimizer)):
+            for g, names in zip(optimizer.param_groups, param_names(model, optimizer)):
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "param_names": names})
         sd["meta"] = {"version": FORMAT_VERSION,
                       "world_size": dist.get_world_size() if dist.is_initialized() else 1,
@@ -260,16 +144,16 @@ def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
 
 def _check_keys(info: dict, meta: dict, path: str) -> None:
     """Format version, missing or extra parameters and buffers, shape mismatches and unsupported parameters, from
-    the files and the gathered ``info`` (:func:`_model_info`) of every rank: the same decision on every rank.
+    the files and the gathered ``info`` (:func:`model_info`) of every rank: the same decision on every rank.
     ``meta`` is None where this rank could not read the checkpoint (``info`` then holds why)."""
     if info["unreadable"]:
         raise ValueError("; ".join(info["unreadable"]))
     if meta.get("version") != FORMAT_VERSION:
         raise ValueError(f"checkpoint {path!r} has format version {meta.get('version')}; load reads version "
                          f"{FORMAT_VERSION} (read_all / load_full read any version)")
-    problems = [_mismatch(info["shapes"], meta["shapes"], "checkpoint", "missing from the checkpoint",
+    problems = [mismatch(info["shapes"], meta["shapes"], "checkpoint", "missing from the checkpoint",
                           "in the checkpoint but not in the model"),
-                _mismatch(info["buffer_shapes"], meta["buffer_shapes"], "checkpoint",
+                mismatch(info["buffer_shapes"], meta["buffer_shapes"], "checkpoint",
                           "buffers missing from the checkpoint", "buffers in the checkpoint but not in the model",
                           also_allowed=info["nonpersistent"])]  # written by older versions: not read
     problems = [p for p in problems if p] + info["problems"]
@@ -277,29 +161,12 @@ def _check_keys(info: dict, meta: dict, path: str) -> None:
         raise ValueError(f"checkpoint {path!r} does not match the model: {'; '.join(problems)}")
 
 
-def _mismatch(mine: dict, other: dict, other_name: str, missing_label: str, extra_label: str,
-              also_allowed: frozenset | set = frozenset()) -> str:
-    """What differs between the model's parameter shapes ``mine`` (every rank's) and ``other``'s: the parameters
-    missing from ``other``, the names of ``other`` that are no parameter (nor in ``also_allowed``), the shapes that
-    differ; ``""`` when nothing does."""
-    mine = {n: tuple(shape) for n, shape in mine.items()}
-    other = {n: tuple(shape) for n, shape in other.items()}
-    missing = sorted(set(mine) - set(other))
-    extra = sorted(set(other) - set(mine) - set(also_allowed))
-    wrong = sorted(n for n in set(mine) & set(other) if mine[n] != other[n])
-    parts = [f"{missing_label}: {missing}"] if missing else []
-    parts += [f"{extra_label}: {extra}"] if extra else []
-    if wrong:
-        parts.append("shape mismatch: " + ", ".join(f"{n} model {mine[n]} vs {other_name} {other[n]}" for n in wrong))
-    return "; ".join(parts)
-
-
 def _plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, kinds_by_name: dict, stored: dict,
                     sd: dict, fragments: dict, optional: set) -> None:
     """Make each parameter's optimizer state hold exactly the checkpoint's keys (existing tensors of the right shape
     and dtype are reused, others are created as zeros of the stored dtype; keys not in the checkpoint are dropped,
     a parameter without saved state loses its state) and add them to ``sd`` for DCP to fill."""
-    table = {id(p): (name, offset) for name, p, offset, *_ in _named_fragments(model)}
+    table = {id(p): (name, offset) for name, p, offset, *_ in named_fragments(model)}
     for group in optimizer.param_groups:
         # 0-d tensors on the CPU unless capturable / fused, where torch's optimizers create them (step, mu_product)
         scalar_device = "param" if group.get("capturable", False) or group.get("fused", False) else "cpu"
@@ -363,12 +230,12 @@ def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
         unreadable = None
     except ValueError as error:  # maybe on some ranks only (a file system not shared by every node)
         reader, meta, unreadable = None, None, str(error)
-    _check_keys(_model_info(model, None, rank_state, unreadable), meta, path)
+    _check_keys(model_info(model, None, rank_state, unreadable), meta, path)
     stored = reader.read_metadata().state_dict_metadata
     sd: dict[str, Any] = {"meta": None}
     fragments: dict[str, int] = {}
     optional: set[str] = set()
-    for name, p, offset, _total, _writes, _shape in _named_fragments(model):
+    for name, p, offset, _total, _writes, _shape in named_fragments(model):
         sd[f"model/{name}"] = p.detach()
         fragments[f"model/{name}"] = offset
         if p.numel() == 0:  # a parameter of 0 elements is never written
@@ -379,7 +246,7 @@ def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
         sd[f"model_buffer/{name}"] = buf.detach()
     replaced: dict[str, torch.Tensor] = {}  # rank_state keys whose stored shape or dtype differs: loaded anew
     for key in list(rank_state or {}):
-        fqn, value = f"rank/{_rank()}/{key}", rank_state[key]
+        fqn, value = f"rank/{global_rank()}/{key}", rank_state[key]
         if fqn not in stored:
             del rank_state[key]
             continue
@@ -412,7 +279,7 @@ def _restore_numbers(model: nn.Module, optimizer: torch.optim.Optimizer, kinds_b
     names = {id(p): n for n, p in model.named_parameters()}
     for p, st in optimizer.state.items():
         for k, kind in kinds_by_name.get(names.get(id(p)), {}).items():
-            if kind in _NUMBER_DTYPES:
+            if kind in NUMBER_DTYPES:
                 st[k] = {"int": int, "float": float, "bool": bool}[kind](st[k].item())
 
 
@@ -457,18 +324,18 @@ def load_full_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> No
         ValueError: on every rank: a parameter of the model missing from ``state_dict``, a key that is no parameter
             or buffer of the model on any rank, or a shape that differs (each named).
     """
-    shapes = _model_info(model)["shapes"]
+    shapes = model_info(model)["shapes"]
     buffers = dict(persistent_buffers(model))
     nonpersistent = {n for n, _ in model.named_buffers()} - set(buffers)  # ignored if given (older exports)
     first = {id(p): n for n, p in model.named_parameters()}  # tied parameters: their first name
     aliases = {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
     given = {aliases.get(k, k): v for k, v in state_dict.items()}
-    problems = _mismatch(shapes, {n: t.shape for n, t in given.items()}, "given", "missing", "unexpected",
+    problems = mismatch(shapes, {n: t.shape for n, t in given.items()}, "given", "missing", "unexpected",
                          also_allowed=set(buffers) | nonpersistent)
     if problems:
         raise ValueError(f"state dict does not match the model: {problems}")
     with torch.no_grad():
-        for name, p, offset, _total, _writes, _shape in _named_fragments(model):
+        for name, p, offset, _total, _writes, _shape in named_fragments(model):
             p.copy_(given[name].reshape(-1)[offset:offset + p.numel()])
         for name, buf in buffers.items():
             if name in given:

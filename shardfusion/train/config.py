@@ -21,6 +21,7 @@ from typing import NoReturn
 
 from shardfusion.train.data import corpus_size, min_corpus_bytes, split_sizes
 from shardfusion.models.gpt import PRESETS, GPTConfig
+from shardfusion.policies import EXPERT_POLICIES, RESHARD_POLICIES
 from shardfusion.topology import Degrees
 
 
@@ -190,15 +191,15 @@ class TrainConfig:
             raise ValueError(f"--ranks-per-node must be >= 1, got {self.ranks_per_node}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
-        if self.expert_policy not in ("replicate", "shard"):
-            raise ValueError(f"--expert-policy must be replicate or shard, got {self.expert_policy!r}")
+        if self.expert_policy not in EXPERT_POLICIES:
+            raise ValueError(f"--expert-policy must be {' or '.join(EXPERT_POLICIES)}, got {self.expert_policy!r}")
         for flag, value in (("--param-dtype", self.param_dtype), ("--grad-comm-dtype", self.grad_comm_dtype)):
             if value is not None and value not in DTYPES:
                 raise ValueError(f"{flag} must be one of {', '.join(DTYPES)}, got {value!r}")
         if self.prefetch < 0:
             raise ValueError(f"--prefetch must be >= 0, got {self.prefetch}")
-        if self.reshard_policy not in ("after_forward", "after_backward"):
-            raise ValueError(f"--reshard-policy must be after_forward or after_backward, got {self.reshard_policy!r}")
+        if self.reshard_policy not in RESHARD_POLICIES:
+            raise ValueError(f"--reshard-policy must be {' or '.join(RESHARD_POLICIES)}, got {self.reshard_policy!r}")
 
 
 def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:

@@ -161,9 +161,10 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     torch.manual_seed(config.seed)
     model = GPT(model_config, ep_group=topo.get_group("ep")).to(device)
     num_params, num_active = model.num_parameters(), model.num_parameters(active=True)
+    mp_policy = sf.MixedPrecisionPolicy(param_dtype=_dtype(config.param_dtype),
+                                        grad_comm_dtype=_dtype(config.grad_comm_dtype))
     model = sf.fully_shard(model, topo, units=(Block,), reshard_policy=config.reshard_policy,
-                           expert_policy=config.expert_policy, prefetch=config.prefetch,
-                           param_dtype=_dtype(config.param_dtype), grad_comm_dtype=_dtype(config.grad_comm_dtype))
+                           expert_policy=config.expert_policy, prefetch=config.prefetch, mp_policy=mp_policy)
     optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=ADAM_BETAS)
     start, elapsed_before, notes = 0, 0.0, []
     resume_from = train_state.latest(config.out)

@@ -1,0 +1,58 @@
+"""The values :func:`shardfusion.fully_shard`'s policy options take, defined once.
+
+``fully_shard`` validates its options against these, and so does anything that maps its own settings onto them (the
+training job's flags), so the accepted values are never repeated elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+RESHARD_POLICIES = ("after_forward", "after_backward")
+"""``reshard_policy``: free a unit's gathered parameters after its forward (ZeRO-3), or keep them until its backward."""
+
+RESHARD_FILTERS = ("all", "none")
+"""The named ``reshard_filter`` values (a callable ``(qualified_name, module) -> bool`` is accepted too)."""
+
+EXPERT_POLICIES = ("replicate", "shard")
+"""``expert_policy``: expert buffers sharded over the expert inner group and all-reduced over the outer group, or
+sharded over the whole moe_sharding group."""
+
+MIXED_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes a :class:`MixedPrecisionPolicy` field may name (or ``None``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedPrecisionPolicy:
+    """Mixed precision of a sharded model, as FSDP2's ``MixedPrecisionPolicy``: ``fully_shard(model, topology,
+    mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, grad_comm_dtype=torch.float32))``.
+
+    The default, ``MixedPrecisionPolicy()``, is off: everything runs in the parameters' own dtype. Shards, the
+    gradients the optimizer reads and so the optimizer state always stay in the parameters' own dtype (fp32).
+    Only floating-point parameters are cast.
+
+    Raises:
+        ValueError: a field that is neither ``None`` nor one of ``torch.float32``, ``torch.bfloat16``,
+            ``torch.float16`` (the message names the field and the value).
+    """
+
+    param_dtype: Optional[torch.dtype] = None
+    """The dtype of the all-gathered full buffers and so of the forward and backward compute (``None``: the
+    parameters' own dtype). Each all-gather sends the shard cast to it. Floating-point tensors passed to the model's
+    forward are cast to it (FSDP2's ``cast_forward_inputs``). Gradients accumulated over micro-batches with gradient
+    sync off are summed in the parameters' dtype (fp32), never in ``param_dtype``."""
+
+    grad_comm_dtype: Optional[torch.dtype] = None
+    """The dtype of the reduce-scatter and of the replicate all-reduce (``None``: ``param_dtype`` if given, else the
+    parameters' dtype). Reduced gradients are added into the fp32 sharded gradient; below 32 bits they are divided
+    by ``dp * sharding`` before the reduction (no overflow in fp16)."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "grad_comm_dtype"):
+            value = getattr(self, name)
+            if value is not None and not any(value is d for d in MIXED_PRECISION_DTYPES):
+                raise ValueError(f"MixedPrecisionPolicy: {name} must be None, torch.float32, torch.bfloat16 or "
+                                 f"torch.float16, got {value!r}")
