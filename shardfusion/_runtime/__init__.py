@@ -1,0 +1,12 @@
+"""The private runtime behind :func:`shardfusion.fully_shard` (not public API; names may change).
+
+- ``layout``: pure layout math of a flat buffer (offsets, padding, each rank's fragments).
+- ``flat_buffer``: :class:`FlatBuffer`, one flat buffer of a unit: its tensors, their lifetimes, its collectives.
+- ``unit``: :class:`Unit`, the parameters gathered and reduced together, and its state machine.
+- ``scheduler``: :class:`Scheduler`, the hooks and when units all-gather, reshard, reduce-scatter and all-reduce.
+- ``wrap``: what ``fully_shard`` builds: units, parameter placement, the groups of each buffer, the checks.
+- ``nested``: absorbing the units of earlier ``fully_shard`` calls on submodules (FSDP2's idiom).
+- ``local_state_dict``: ``model.state_dict()`` / ``load_state_dict`` conventions of a sharded model.
+- ``optimizer_hook``: the optimizer step pre-hook (gradient sync, refusals).
+- ``state``: the one accessor for a sharded model's runtime state.
+"""
