@@ -7,9 +7,17 @@ after clipping (assembled from fragments); the parameters after every step. max_
 (asserted on the reference); max_norm=1e6 leaves the gradients unscaled, so only the norm is under test.
 Non-finite gradients: the norm is non-finite on every rank, and error_if_nonfinite=True raises on every rank.
 Communication: clipping adds exactly one all-reduce of one scalar over the world per step.
-torch's own torch.nn.utils.clip_grad_norm_ (p = 2, inf, 1; foreach None/True/False) and clip_grad_value_ on
-model.parameters() at W=4 (I, O) = (2, 2) equal the same calls on the single-process reference (norm and parameters);
-a mix of fragments and plain parameters raises ValueError on every rank.
+
+The field cases F1 and F2 (docs/field-cases.md), in a W=4 job of their own under TORCH_DISTRIBUTED_DEBUG=DETAIL:
+the HSDP norm does not grow with O (the MLP in (I, O) = (4, 1), (2, 2), (1, 4), 2- and inf-norm, max_norm huge and
+0.1), and a parameter kept whole on every rank (replicate_filter) counts once.
+
+Steps whose gradients are not finite (one rank's loss times inf or nan), skipped by the user: the norm is non-finite
+on every rank in those steps and finite again after them, and the run equals the reference that skips the same
+steps (W=4 HSDP (2, 2), and W=2 FSDP under DETAIL). A norm measured after zero_grad(set_to_none=True) and no
+backward is 0, not the last one.
+
+torch's own clip_grad_norm_ / clip_grad_value_ on the fragments are in tests/distributed/test_torch_clip.py.
 """
 
 from __future__ import annotations
@@ -18,13 +26,19 @@ import math
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from harness import run_distributed
-from reference import Case, case_results, check_clipped_run, get_topology, run_cases
+from models import build_model
+from reference import (Case, CaseJobs, assert_close_dicts, case_results, check_clipped_run, get_topology, rank_randn,
+                       run_cases, seeded, state_snapshot)
 
 JOB_TIMEOUT_S = 240
+FIELD_JOB_TIMEOUT_S = 300
 SMALL, HUGE = 0.05, 1e6
 INF = float("inf")
+DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
 
 _C = Case(name="", model="transformer", optim="sgd", lr=0.1, steps=3, record_grads=True)
 
@@ -73,13 +87,15 @@ def nonfinite_check(case: Case) -> dict:
 
 def clip_job(cases: list[Case]) -> tuple:
     nonfinite = nonfinite_check(Case(name="nonfinite", model="mlp", sharding=4, outer=2))
-    return run_cases(cases), nonfinite
+    skipped = skipped_nonfinite_steps(get_topology(Case(name="", sharding=4, outer=2)))
+    return run_cases(cases), nonfinite, skipped
 
 
 @pytest.fixture(scope="module")
 def w4_results():
+    """(per-rank case results, per-rank non-finite check, per-rank skipped non-finite steps) of the W=4 job."""
     per_rank = run_distributed(clip_job, 4, W4_CASES, timeout=JOB_TIMEOUT_S)
-    return [r[0] for r in per_rank], [r[1] for r in per_rank]
+    return [r[0] for r in per_rank], [r[1] for r in per_rank], [r[2] for r in per_rank]
 
 
 @pytest.fixture(scope="module")
@@ -146,93 +162,222 @@ def test_nonfinite_norm(w4_results):
             f"rank {rank}: error_if_nonfinite=True should raise RuntimeError on every rank, got {out[True]!r}")
 
 
-# --- torch's own clip_grad_norm_ / clip_grad_value_ on a sharded model's parameters ---------------------------------
-# (I, O) = (2, 2) at W=4: each variant trains 2 SGD steps, clipping with torch.nn.utils every step, against the same
-# calls on the single-process reference: the returned norm (bitwise the same on every rank) and the parameters.
-TORCH_CLIP_VARIANTS = [("norm", 2.0, None), ("norm", 2.0, True), ("norm", 2.0, False), ("norm", INF, None),
-                       ("norm", 1.0, False), ("value", None, None), ("value", None, False)]
-TORCH_CLIP_MAX, TORCH_CLIP_VALUE, TORCH_CLIP_STEPS = 0.1, 0.01, 2
+# --- F1, F2 (docs/field-cases.md): under DETAIL -----------------------------------------------------------------------
 
 
-def _variant_id(v: tuple) -> str:
-    kind, norm_type, foreach = v
-    return f"{kind}-p{norm_type:g}-foreach{foreach}" if kind == "norm" else f"{kind}-foreach{foreach}"
+def _lay(inner: int, outer: int) -> dict:
+    return {"sharding": inner * outer, "outer": outer}
 
 
-def _torch_clip_train(model, chunk, variant: tuple) -> list:
-    """TORCH_CLIP_STEPS SGD steps of the mlp, clipped by torch.nn.utils; returns the norms (empty for value), or
-    the RuntimeError that a clipping call raised (on some ranks only, for torch's own inf norm of an empty
-    fragment: the step goes on, so that every rank issues the same collectives)."""
-    import torch.nn.functional as F
-
-    kind, norm_type, foreach = variant
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    norms = []
-    for step in range(TORCH_CLIP_STEPS):
-        g = torch.Generator().manual_seed(200 + step)
-        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
-        F.mse_loss(model(chunk(x)), chunk(y)).backward()
-        try:
-            if kind == "norm":
-                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), TORCH_CLIP_MAX,
-                                                            norm_type=norm_type, foreach=foreach).item())
-            else:
-                torch.nn.utils.clip_grad_value_(model.parameters(), TORCH_CLIP_VALUE, foreach=foreach)
-        except RuntimeError as e:
-            norms.append(f"RuntimeError: {e}")
-        opt.step()
-        opt.zero_grad()
-    return norms
+# F1: HSDP norm must not grow with O
+F1 = [Case(name=f"F1-I{i}O{o}-norm{'inf' if nt == INF else 2}-max{mx:g}", model="mlp", optim="sgd", lr=0.1,
+           steps=2, clip=(mx, nt), record_grads=True, **_lay(i, o))
+      for i, o in ((4, 1), (2, 2), (1, 4)) for nt in (2.0, INF) for mx in (HUGE, 0.1)]
+# F2: a parameter kept whole on every rank is counted once
+F2 = [Case(name="F2-I2O2-replicated-scale", model="scaled_mlp", optim="sgd", lr=0.1, steps=2, clip=(HUGE, 2.0),
+           record_grads=True, replicate=("scale",), **_lay(2, 2)),
+      Case(name="F2-I2O2-replicated-scale-clip", model="scaled_mlp", optim="sgd", lr=0.1, steps=2,
+           clip=(0.1, 2.0), record_grads=True, replicate=("scale",), **_lay(2, 2))]
+FIELD_CASES = {4: [*F1, *F2]}
 
 
-def torch_clip_job() -> dict:
-    """Worker: every variant on a fresh sharded mlp (I=2, O=2); then a mix of fragments and a plain parameter."""
+def f2_scale_check(case: Case) -> dict:
+    """Worker (F2): scale only the whole-kept parameter's gradient by 10; norm^2 must grow by 99 * ||g||^2."""
     import torch.distributed as dist
-    import torch.nn as nn
     import shardfusion as sf
-    from models import build_model
+    from models import loss_fn
+    from reference import DATA_SEED, draw_batch, wrap_kwargs
 
-    topo, out = sf.Topology(sharding=-1, fsdp_outer_degree=2), {}
-    rank = topo.data_parallel_rank
-    for v in TORCH_CLIP_VARIANTS:
-        model = sf.fully_shard(build_model("mlp"), topo, units=(nn.Linear,))
-        norms = _torch_clip_train(model, lambda t: t.chunk(dist.get_world_size())[rank], v)
-        out[_variant_id(v)] = {"norms": norms, "full": sf.full_state_dict(model)}
-    try:
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()) + [nn.Parameter(torch.ones(2))], 1.0)
-        out["mixed"] = "no error"
-    except ValueError as e:
-        out["mixed"] = f"ValueError: {e}"
-    return out
+    topo = get_topology(case)
+    model = sf.fully_shard(build_model(case.model), topo, **wrap_kwargs(case))
+    gen = torch.Generator().manual_seed(DATA_SEED + topo.data_parallel_rank + 1)
+    loss_fn(case.model, model, draw_batch(case, gen)).backward()
+    sf.finish_grad_sync(model)
+    scale = dict(model.named_parameters())["scale"]
+    g2 = scale.grad.double().pow(2).sum().item()
+    n1 = sf.clip_grad_norm_(model, HUGE).item()
+    scale.grad.mul_(10)
+    n2 = sf.clip_grad_norm_(model, HUGE).item()
+    return {"rank": dist.get_rank(), "n1": n1, "n2": n2, "g2": g2, "scale_numel": scale.numel()}
+
+
+def field_cases_job(cases: list[Case]) -> dict:
+    """Worker: F2's scaling check, then every case; {case name: result, "_f2_scale": the check's result}."""
+    f2 = f2_scale_check(F2[0])
+    return {**run_cases(cases), "_f2_scale": f2}
 
 
 @pytest.fixture(scope="module")
-def torch_clip_results():
-    return run_distributed(torch_clip_job, 4, timeout=JOB_TIMEOUT_S)
+def field_jobs():
+    return CaseJobs(FIELD_CASES, env={4: DETAIL}, worker=field_cases_job, timeout=FIELD_JOB_TIMEOUT_S)
 
 
-@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
-@pytest.mark.parametrize("variant", TORCH_CLIP_VARIANTS, ids=_variant_id)
-def test_torch_clip_on_fragments_matches_single_process(torch_clip_results, variant):
-    from models import build_model
-
-    ref = build_model("mlp")
-    ref_norms = _torch_clip_train(ref, lambda t: t, variant)
-    for rank, r in enumerate(torch_clip_results):
-        got = r[_variant_id(variant)]
-        assert not [n for n in got["norms"] if isinstance(n, str)], f"rank {rank}: {got['norms']}"
-        assert got["norms"] == torch_clip_results[0][_variant_id(variant)]["norms"], f"rank {rank}: norms differ"
-        for n, rn in zip(got["norms"], ref_norms):
-            assert math.isclose(n, rn, rel_tol=1e-5), f"rank {rank}: norm {n} vs single process {rn}"
-        for name, p in ref.state_dict().items():
-            torch.testing.assert_close(got["full"][name], p, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank}, {name}: {m}")
-    if variant[0] == "norm":
-        assert ref_norms[0] > TORCH_CLIP_MAX, "clipping must act in this test"
+@pytest.mark.timeout(FIELD_JOB_TIMEOUT_S + 60)
+@pytest.mark.parametrize("name", [c.name for c in F1])
+def test_f1_hsdp_norm(field_jobs, name):
+    case = field_jobs.case(name)
+    check_clipped_run(field_jobs.results(case), case, small=0.1)
 
 
-@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
-def test_torch_clip_norm_refuses_fragments_mixed_with_plain_parameters(torch_clip_results):
-    for rank, r in enumerate(torch_clip_results):
-        assert r["mixed"].startswith("ValueError") and "4 shardfusion fragments and 1 tensors" in r["mixed"], (
-            f"rank {rank}: {r['mixed']}")
+@pytest.mark.timeout(FIELD_JOB_TIMEOUT_S + 60)
+def test_f1_norm_independent_of_layout(field_jobs):
+    for suffix in ("norm2-max1e+06", "norminf-max1e+06"):
+        norms = {n: field_jobs.results(field_jobs.case(n))[0]["norms"] for n in field_jobs.names("F1-")
+                 if n.endswith(suffix)}
+        assert len(norms) == 3, norms
+        first = next(iter(norms.values()))
+        for n, v in norms.items():
+            assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(v, first)), f"{suffix}: {norms}"
+
+
+@pytest.mark.timeout(FIELD_JOB_TIMEOUT_S + 60)
+@pytest.mark.parametrize("name", [c.name for c in F2])
+def test_f2_whole_parameter_counted_once(field_jobs, name):
+    case = field_jobs.case(name)
+    rs = field_jobs.results(case)
+    for r in rs:  # the parameter really is kept whole on every rank
+        assert r["params"][0]["scale"].numel() == 4, f"rank {r['coords']['rank']}: scale fragment is not whole"
+    check_clipped_run(rs, case, small=0.1)
+
+
+@pytest.mark.timeout(FIELD_JOB_TIMEOUT_S + 60)
+def test_f2_scaling_whole_parameter_grad(field_jobs):
+    for r in field_jobs.get(4):
+        out = r["_f2_scale"]
+        assert out["scale_numel"] == 4
+        diff, want = out["n2"] ** 2 - out["n1"] ** 2, 99 * out["g2"]
+        assert want > 1e-3 * out["n2"] ** 2, f"the scale gradient is too small to tell: {out}"
+        assert math.isclose(diff, want, rel_tol=1e-4, abs_tol=1e-5 * out["n2"] ** 2), (
+            f"rank {out['rank']}: norm^2 grew by {diff}, expected 99 * ||g||^2 = {want} "
+            f"(ratio {diff / want:.3f}: the whole-kept parameter is counted {diff / want:.2f} times)")
+
+
+@pytest.mark.timeout(FIELD_JOB_TIMEOUT_S + 60)
+@pytest.mark.parametrize("world", sorted(FIELD_CASES))
+def test_collectives_checked_by_c10d_detail_mode(field_jobs, world):
+    """Invariant 1 (docs/design.md) is only enforced if the job really ran under TORCH_DISTRIBUTED_DEBUG=DETAIL."""
+    field_jobs.assert_under_detail(world)
+
+
+# --- steps with non-finite gradients skipped by the user; the norm after zero_grad ------------------------------------
+
+NONFINITE_TAG, NONFINITE_STEPS, NONFINITE_MAX_NORM, NONFINITE_LR = 7, 6, 1.0, 0.1
+BAD_STEPS = {1: (0, math.inf), 3: (-1, math.nan)}  # step -> (rank whose loss is multiplied, factor); -1: the last rank
+
+
+def odd_mlp() -> nn.Sequential:
+    """Odd sizes: the flat buffers of Linear(5, 3) and Linear(3, 1) have alignment gaps and padding."""
+    return nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 1))
+
+
+def skipped_nonfinite_steps(topo) -> dict:
+    """Worker: steps whose gradients are not finite (one rank's loss times inf or nan) are skipped by the user, then
+    zero_grad(set_to_none=False). Then, on a fresh model: the norm after zero_grad(set_to_none=True) and no
+    backward."""
+    import torch.distributed as dist
+    import shardfusion as sf
+
+    world, dp_rank = dist.get_world_size(), topo.data_parallel_rank
+    bad = {s: (r % world, f) for s, (r, f) in BAD_STEPS.items()}
+    model = sf.fully_shard(seeded(odd_mlp), topo, units=(nn.Linear,))
+    opt = torch.optim.SGD(model.parameters(), lr=NONFINITE_LR)
+    norms, stepped = [], []
+    for step in range(NONFINITE_STEPS):
+        x, y = rank_randn(NONFINITE_TAG, step, dp_rank, 4, 5), rank_randn(NONFINITE_TAG, 50 + step, dp_rank, 4, 1)
+        loss = F.mse_loss(model(x), y)
+        if step in bad and bad[step][0] == dp_rank:
+            loss = loss * bad[step][1]
+        loss.backward()
+        norm = sf.clip_grad_norm_(model, NONFINITE_MAX_NORM)
+        norms.append(norm.item())
+        stepped.append(bool(torch.isfinite(norm)))
+        if torch.isfinite(norm):
+            opt.step()
+        opt.zero_grad(set_to_none=False)
+    full = sf.full_state_dict(model)
+
+    model = sf.fully_shard(seeded(odd_mlp), topo, units=(nn.Linear,))
+    opt = torch.optim.SGD(model.parameters(), lr=NONFINITE_LR)
+    x, y = rank_randn(NONFINITE_TAG, 90, dp_rank, 4, 5), rank_randn(NONFINITE_TAG, 91, dp_rank, 4, 1)
+    F.mse_loss(model(x), y).backward()
+    norm_after_backward = sf.clip_grad_norm_(model, 1e9).item()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    norm_no_grads = sf.clip_grad_norm_(model, 1e9).item()
+    grads_none = all(p.grad is None for p in model.parameters())
+    return {"norms": norms, "stepped": stepped, "full": full, "norm_after_backward": norm_after_backward,
+            "norm_without_grads": norm_no_grads, "grads_none": grads_none}
+
+
+def skipped_nonfinite_job() -> dict:
+    """Worker of the W=2 plain-FSDP job (under DETAIL)."""
+    return skipped_nonfinite_steps(get_topology(Case(name="", world=2, sharding=2, outer=1)))
+
+
+@pytest.fixture(scope="module")
+def w2_detail_skipped():
+    return run_distributed(skipped_nonfinite_job, 2, timeout=JOB_TIMEOUT_S, env=DETAIL)
+
+
+def _skipped_results(world: int, w4_results, w2_detail_skipped) -> list[dict]:
+    return w4_results[2] if world == 4 else w2_detail_skipped
+
+
+def skipped_nonfinite_reference(world: int) -> dict:
+    """One process: the global loss is the mean of the ranks' losses (inf or nan on a bad step), clipped by torch."""
+    model = seeded(odd_mlp)
+    bad = {s: (r % world, f) for s, (r, f) in BAD_STEPS.items()}
+    norms = []
+    for step in range(NONFINITE_STEPS):
+        total = 0.0
+        for r in range(world):
+            loss = F.mse_loss(model(rank_randn(NONFINITE_TAG, step, r, 4, 5)),
+                              rank_randn(NONFINITE_TAG, 50 + step, r, 4, 1))
+            if step in bad and bad[step][0] == r:
+                loss = loss * bad[step][1]
+            total = total + loss
+        (total / world).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), NONFINITE_MAX_NORM)
+        norms.append(norm.item())
+        if torch.isfinite(norm):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= NONFINITE_LR * p.grad
+        model.zero_grad(set_to_none=False)
+    return {"norms": norms, "final": state_snapshot(model)}
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S + 60)
+@pytest.mark.parametrize("world", (4, 2))
+def test_norm_recovers_after_skipped_nonfinite_step(w4_results, w2_detail_skipped, world):
+    """W=4 is HSDP (2, 2); W=2 is plain FSDP under DETAIL."""
+    rs = _skipped_results(world, w4_results, w2_detail_skipped)
+    ref = skipped_nonfinite_reference(world)
+    for step, ref_norm in enumerate(ref["norms"]):
+        bad = step in BAD_STEPS
+        assert math.isfinite(ref_norm) != bad, f"reference step {step}: norm {ref_norm} (bad step: {bad})"
+    for rank, r in enumerate(rs):
+        assert r["norms"] == rs[0]["norms"] or all(
+            (math.isnan(a) and math.isnan(b)) or a == b for a, b in zip(r["norms"], rs[0]["norms"])), (
+            f"norms differ across ranks: rank 0 {rs[0]['norms']} vs rank {rank} {r['norms']}")
+        for step, (got, want) in enumerate(zip(r["norms"], ref["norms"])):
+            if step in BAD_STEPS:
+                assert not math.isfinite(got), f"W={world} rank {rank} step {step}: norm {got} should not be finite"
+            else:
+                assert math.isfinite(got), (f"W={world} rank {rank} step {step}: norm {got} after a skipped "
+                                            f"non-finite step (all norms: {r['norms']})")
+                assert math.isclose(got, want, rel_tol=1e-5), (
+                    f"W={world} rank {rank} step {step}: norm {got} != reference {want}")
+        assert r["stepped"] == [s not in BAD_STEPS for s in range(NONFINITE_STEPS)]
+        assert_close_dicts(r["full"], ref["final"], f"W={world} rank {rank} after {NONFINITE_STEPS} steps")
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S + 60)
+@pytest.mark.parametrize("world", (4, 2))
+def test_norm_is_zero_after_zero_grad_set_to_none(w4_results, w2_detail_skipped, world):
+    for rank, r in enumerate(_skipped_results(world, w4_results, w2_detail_skipped)):
+        assert r["norm_after_backward"] > 0, f"rank {rank}: the step before had no gradient to forget"
+        assert r["grads_none"], f"rank {rank}: zero_grad(set_to_none=True) left gradients"
+        assert r["norm_without_grads"] == 0.0, (
+            f"W={world} rank {rank}: clip_grad_norm_ with no gradients returned {r['norm_without_grads']} "
+            f"(the previous norm was {r['norm_after_backward']})")
