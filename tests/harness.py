@@ -15,7 +15,15 @@ Failure is loud and bounded:
   that did not finish. A test never hangs.
 
 Tests pay process start-up (about a second of CPU per rank) once per job, so a grid of configurations runs as
-sub-cases of one job: `fn` loops over the cases and returns a result per case (STYLE.md item 8).
+sub-cases of one job: `fn` loops over the cases and returns a result per case (docs/design.md, "Conventions").
+
+The integration tests run whole commands instead (`python -m shardfusion.train`, torchrun, scripts):
+
+    result = run_command([sys.executable, "-m", "shardfusion.train", *flags], timeout=150)   # CompletedProcess
+    result = run_train(flags)                                                                  # the same
+
+in a session of their own (a hung command is killed with its children), with `clean_env()`, from the repository
+root `REPO`.
 """
 
 from __future__ import annotations
@@ -25,11 +33,18 @@ import os
 import pickle
 import queue
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+"""The repository root: the working folder of the integration tests' commands."""
 
 # Environment of every worker. Set in the parent around process start so that it is in place before the child
 # imports torch (OpenMP reads OMP_NUM_THREADS once, at load).
@@ -196,3 +211,40 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             f"and were killed; ranks {sorted(results)} finished. A collective is probably mismatched across ranks.")
     return [results[r] for r in range(world_size)]
 
+
+# --- whole commands (integration tests) -------------------------------------------------------------------------
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without torchrun's variables, and one thread per process."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def run_command(command: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `command` from `REPO` with `env` (default `clean_env()`), its output captured as text.
+
+    It runs in a session of its own, so that a command that runs past `timeout` seconds is killed with every process
+    it started (workers included), and the test fails with the end of its output."""
+    with subprocess.Popen(command, cwd=REPO, env=clean_env() if env is None else env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            raise AssertionError(f"{command} ran over {timeout} s:\n{stdout[-3000:]}\n{stderr[-3000:]}") from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+TRAIN_TIMEOUT_S = 150
+"""Seconds a whole run of the training job in the integration tests may take (a tiny model, a few steps)."""
+
+
+def run_train(args: list[str], *, launcher: list[str] | None = None,
+              timeout: float = TRAIN_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """`python -m shardfusion.train ARGS` (or `LAUNCHER shardfusion.train ARGS`, e.g. torchrun ... -m) through
+    `run_command`."""
+    return run_command((launcher or [sys.executable, "-m"]) + ["shardfusion.train", *args], timeout)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 MODEL_SEED = 42
 
-# --- MLP (F1, F6, F11, parity) --------------------------------------------------------------------------------------
+# --- MLP (F1, F6, F11, parity) ----------------------------------------------------------------------------------------
 
 
 class MLP(nn.Module):
@@ -31,7 +31,7 @@ class MLP(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))  # (B, d_out)
 
 
-# --- tiny transformer-ish model (parity, comm counts, units) -------------------------------------------------------
+# --- tiny transformer-ish model (parity, comm counts, units) ----------------------------------------------------------
 
 VOCAB, WIDTH, SEQ = 16, 8, 6
 
@@ -73,7 +73,7 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(x))  # (B, T, V)
 
 
-# --- F2: sharded Linears plus one parameter kept whole ---------------------------------------------------------------
+# --- F2: sharded Linears plus one parameter kept whole ----------------------------------------------------------------
 
 
 class ScaledMLP(nn.Module):
@@ -89,7 +89,7 @@ class ScaledMLP(nn.Module):
         return self.fc2(torch.tanh(self.fc1(x))) * self.scale
 
 
-# --- F4: a layer that runs only on some steps, frozen layers --------------------------------------------------------
+# --- F4: a layer that runs only on some steps, frozen layers ----------------------------------------------------------
 
 
 class HalfFrozenLinear(nn.Module):
@@ -179,7 +179,25 @@ class ZeroSizeModel(nn.Module):
         return h.sum(-1) / 24 + self.lin(x[:, :4]).sum(-1) + self.empty.sum()
 
 
-# --- MoE (issue 3: parity over ep and expert policies, F3) -----------------------------------------------------------
+# --- checkpoints: an uneven first dimension, a 1-element parameter ----------------------------------------------------
+
+
+class UnevenNet(nn.Module):
+    """a (6 -> 5), b (5 -> 7), c (7 -> 3, no bias), times `scale`: a.weight is (5, 6), a first dim of 5 that
+    splits unevenly; `scale` (1 element) leaves empty fragments on most ranks (checkpoints)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 5)
+        self.b = nn.Linear(5, 7)
+        self.c = nn.Linear(7, 3, bias=False)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x))))) * self.scale
+
+
+# --- MoE (parity over ep and expert policies, F3) ---------------------------------------------------------------------
 
 MOE_EXPERTS, MOE_TOP_K, AUX_COEF = 4, 2, 0.01
 

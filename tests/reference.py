@@ -13,9 +13,13 @@ A `Case` describes one training configuration. Two loops run it, written side by
   is reported through an all-reduce (mean over the world; every data-parallel rank appears `mp` times).
 
 Both return plain dicts (per-step losses, gradients, norms, parameters) that the tests compare in the parent with
-`assert_close_dicts` (fp32: rtol 1e-5, atol 1e-6, CASES.md). A sharded run reports *fragments* (the local 1-D
-pieces that `model.named_parameters()` yields); `assemble` turns the fragments of one inner group back into full
-tensors, and `assert_replicas_identical` checks that ranks holding the same shard hold bitwise the same values.
+`assert_close_dicts` (fp32: rtol 1e-5, atol 1e-6, as in docs/field-cases.md). A sharded run reports *fragments* (the
+local 1-D pieces that `model.named_parameters()` yields); `assemble` turns the fragments of one inner group back into
+full tensors, and `assert_replicas_identical` checks that ranks holding the same shard hold bitwise the same values.
+
+`CaseJobs` runs a grid of cases as one spawned job per world size (start-up is paid once per job, docs/design.md
+"Conventions"); the small helpers at the end (`rank_randn`, `global_randn`, `sgd_step`) serve the hand-written
+scenarios that do not fit a `Case`.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any, Optional
 
 import torch
 
+from harness import run_distributed
 from models import MODEL_SEED, UNIT_CLASSES, build_model, concat_batches, expert_unit_classes, loss_fn, make_batch
 
 DATA_SEED = 42
@@ -54,7 +59,7 @@ class Case:
     no_sync: bool = False  # set_requires_gradient_sync(False) for the first K-1 micro-batches
     steps: int = 5
     batch: int = 4  # samples per data-parallel rank per micro-batch
-    optim: str = "adamw"  # "adamw" | "adamw_groups" (no weight decay on biases and norms) | "sgd"
+    optim: str = "adamw"  # "adamw" | "adamw_groups" (weight decay by name: the training job's no_decay) | "sgd"
     lr: float = 1e-2
     clip: Optional[tuple] = None  # (max_norm, norm_type)
     replicate: tuple = ()  # names kept whole through replicate_filter
@@ -87,13 +92,13 @@ class Case:
 # --- pieces shared by both loops ----------------------------------------------------------------------------------
 
 
-def no_decay(name: str) -> bool:
-    """Parameters without weight decay in the two-group AdamW: biases and norm parameters (chosen by name)."""
-    leaf = name.rsplit(".", 1)[-1]
-    return leaf == "bias" or ".ln." in f".{name}" or name.startswith("norm.") or ".norm." in f".{name}"
-
-
 def make_optimizer(case: Case, named_params) -> torch.optim.Optimizer:
+    """The optimizer of `case` over `named_params` ((name, parameter) pairs, fragments in a sharded run).
+
+    "adamw_groups" splits the parameters by name with the training job's rule (`shardfusion.train.job.no_decay`:
+    biases, norms and embeddings are exempt), so the tests and the job use one rule."""
+    from shardfusion.train.job import no_decay
+
     named = list(named_params)
     if case.optim == "sgd":
         return torch.optim.SGD([p for _, p in named], lr=case.lr)
@@ -298,6 +303,52 @@ def run_cases(cases: list[Case], fn_name: str = "sharded_train") -> dict[str, An
     return results
 
 
+class CaseJobs:
+    """Each world size's cases as one spawned job, run lazily (at the first test that needs it) and once.
+
+        jobs = CaseJobs({2: w2_cases, 4: w4_cases}, env={2: DETAIL, 4: DETAIL})   # in a module-scoped fixture
+        jobs.results(case)    # per-rank results of `case` (fails with the rank's traceback if the case raised)
+        jobs.get(4)           # the per-rank dicts of the W=4 job: {case name: result, ...} plus what `worker` adds
+
+    `worker(cases)` is the body of every rank (a top-level function: it is pickled by name); it returns
+    {case name: result} and may add entries of its own under names no case has. A job that failed fails every test
+    that needs it, without running again.
+    """
+
+    def __init__(self, cases: dict[int, list[Case]], env: Optional[dict[int, dict]] = None, worker=None,
+                 timeout: float = 300) -> None:
+        self.cases, self.env, self.worker, self.timeout = cases, env or {}, worker or run_cases, timeout
+        self._done: dict[int, Any] = {}
+
+    def get(self, world: int) -> list[dict]:
+        if world not in self._done:
+            try:
+                self._done[world] = run_distributed(self.worker, world, self.cases[world], timeout=self.timeout,
+                                                    env=self.env.get(world))
+            except Exception as e:  # noqa: BLE001 - kept, and raised again for every test that needs this job
+                self._done[world] = e
+        if isinstance(self._done[world], Exception):
+            raise self._done[world]
+        return self._done[world]
+
+    def results(self, case: Case) -> list[dict]:
+        return case_results(self.get(case.world), case.name)
+
+    def case(self, name: str) -> Case:
+        """The case called `name`, whatever its world size."""
+        return next(c for cases in self.cases.values() for c in cases if c.name == name)
+
+    def names(self, prefix: str) -> list[str]:
+        """Names of the cases that start with `prefix`, in the order given."""
+        return [c.name for cases in self.cases.values() for c in cases if c.name.startswith(prefix)]
+
+    def assert_under_detail(self, world: int) -> None:
+        """Every rank of the W=`world` job ran under TORCH_DISTRIBUTED_DEBUG=DETAIL (else invariant 1 of
+        docs/design.md is not checked by c10d)."""
+        for r in self.results(self.cases[world][0]):
+            assert r["coords"]["debug_level"] == "DebugLevel.DETAIL", r["coords"]
+
+
 # --- comparing --------------------------------------------------------------------------------------------------
 
 
@@ -453,3 +504,45 @@ def check_clipped_run(rs: list[dict], case: Case, ref: Optional[dict] = None, sm
             assert_close_dicts(got, ref["clipped"][step], f"{case.name}: clipped gradient, step {step}")
     check_parity(rs, ref, case.name)
     return ref
+
+
+def assert_bitwise(a: dict, b: dict, what: str) -> None:
+    """The same keys, and every tensor of the same shape, dtype and values (bitwise)."""
+    assert a.keys() == b.keys(), f"{what}: keys differ: {sorted(a.keys() ^ b.keys())}"
+    for k in a:
+        assert a[k].shape == b[k].shape and a[k].dtype == b[k].dtype, f"{what}: {k} {a[k].shape} vs {b[k].shape}"
+        assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
+
+
+# --- hand-written scenarios: per-rank data, SGD by hand -------------------------------------------------------------
+
+
+def rank_randn(tag: int, step: int, rank: int, *shape: int) -> torch.Tensor:
+    """Data of data-parallel rank `rank` at `step` for scenario `tag` (the same in a worker and in the reference)."""
+    g = torch.Generator().manual_seed(100_000 * tag + 100 * step + rank)
+    return torch.randn(*shape, generator=g)
+
+
+def global_randn(tag: int, step: int, world: int, *shape: int) -> torch.Tensor:
+    """The reference's batch: every data-parallel rank's `rank_randn`, concatenated in rank order."""
+    return torch.cat([rank_randn(tag, step, r, *shape) for r in range(world)])
+
+
+def sgd_step(model: torch.nn.Module, lr: float) -> None:
+    """p -= lr * p.grad for every parameter with a gradient, then zero_grad(set_to_none=True)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+    model.zero_grad(set_to_none=True)
+
+
+def seeded(factory, seed: int = 0) -> torch.nn.Module:
+    """`factory()` under torch.manual_seed(seed)."""
+    torch.manual_seed(seed)
+    return factory()
+
+
+def state_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of model.state_dict()."""
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}

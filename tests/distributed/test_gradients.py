@@ -11,6 +11,11 @@ Double backward: a WGAN-GP-style gradient penalty (``autograd.grad(..., create_g
 under after_forward, after_backward and root-only wrapping, and with set_is_last_backward; every unit is resharded
 after the second backward. ``loss.backward(create_graph=True)`` still gives the first-order gradients.
 
+A loss term used on some ranks only (an auxiliary head whose loss only some ranks add, different ranks in different
+steps): no rank hangs and the parameters equal the reference, whose loss is the mean of the ranks' losses; at W=4
+HSDP (2, 2) under both reshard policies, and at W=2 plain FSDP under TORCH_DISTRIBUTED_DEBUG=DETAIL with
+"after_backward" (see AUX_DETAIL_POLICIES).
+
 W=4; the configurations of each kind are sub-cases of one spawned job; each is its own test.
 """
 
@@ -25,6 +30,7 @@ import torch.nn.functional as F
 
 from harness import run_distributed
 from models import build_model
+from reference import assert_close_dicts, rank_randn, seeded, sgd_step, state_snapshot
 
 JOB_TIMEOUT_S = 240
 WORLD, STEPS, BATCH, WD = 4, 3, 16, 0.05
@@ -113,9 +119,10 @@ def _wrap_kwargs(case: GradCase) -> dict:
     return kw
 
 
-def sharded_job(cases: list[GradCase], autograd_grad: bool = False) -> dict:
+def sharded_job(cases: list[GradCase], autograd_grad: bool = False, aux_policies: tuple = ()) -> dict:
     """Worker: train every case with shardfusion on this rank; the full parameters and fragments after training.
-    With ``autograd_grad``, also what ``torch.autograd.grad`` of an L2 term over the fragments gives."""
+    With ``autograd_grad``, also what ``torch.autograd.grad`` of an L2 term over the fragments gives; with
+    ``aux_policies``, the rank-dependent auxiliary loss under each of those reshard policies (outer degree 2)."""
     import torch.distributed as dist
     import shardfusion as sf
 
@@ -136,6 +143,8 @@ def sharded_job(cases: list[GradCase], autograd_grad: bool = False) -> dict:
         }
     if autograd_grad:
         out["autograd_grad"] = _autograd_grad_on_fragments(sf, topologies[2])
+    if aux_policies:
+        out["aux_loss_some_ranks"] = aux_loss_on_some_ranks(topologies[2], aux_policies)
     return out
 
 
@@ -185,7 +194,8 @@ DOUBLE_BACKWARD_CASES = [
 
 @pytest.fixture(scope="module")
 def direct_results():
-    return run_distributed(sharded_job, WORLD, DIRECT_CASES, autograd_grad=True, timeout=JOB_TIMEOUT_S)
+    return run_distributed(sharded_job, WORLD, DIRECT_CASES, autograd_grad=True, aux_policies=AUX_POLICIES,
+                           timeout=JOB_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +236,123 @@ def test_double_backward_gradient_penalty(double_backward_results, case):
 def test_autograd_grad_of_parameter_term_leaves_grad_alone(direct_results):
     for rank, r in enumerate(direct_results):
         assert r["autograd_grad"] == {"is_2p": True, "grad_kept": True}, f"rank {rank}: {r['autograd_grad']}"
+
+
+# --- a loss term on some ranks only ---------------------------------------------------------------------------------
+
+AUX_TAG, AUX_STEPS, AUX_LR = 4, 3, 0.1
+AUX_POLICIES = ("after_forward", "after_backward")
+# Under TORCH_DISTRIBUTED_DEBUG=DETAIL, "after_forward" hangs in the first backward: the rank that used the auxiliary
+# head issues that unit's reduce-scatter (on the reduce group) before the body's backward all-gather (on the shard
+# group), the other rank the all-gather first. Without DETAIL the two groups progress independently (by design);
+# DETAIL's ProcessGroupWrapper checks each collective synchronously when it is issued, so each rank waits in a
+# different group for the other (docs/design.md, invariant 1). So only "after_backward" (no backward all-gathers)
+# runs under DETAIL.
+AUX_DETAIL_POLICIES = ("after_backward",)
+
+
+class AuxBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class AuxNet(nn.Module):
+    """Body of two units, an auxiliary head of two units (AuxBlock), and an output Linear in the root unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(AuxBlock(), AuxBlock())
+        self.aux = nn.Sequential(AuxBlock(), AuxBlock())
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x):  # (B, 8) -> (B, 4), (B, 8)
+        h = self.body(x)
+        return self.out(h), self.aux(h)
+
+
+def aux_ranks(world: int) -> list[set]:
+    """Ranks that add the auxiliary loss, per step (the last W=2 step: none)."""
+    return [{0}, {1, 2}, {3}] if world == 4 else [{0}, {1}, set()]
+
+
+def aux_loss_on_some_ranks(topo, policies: tuple) -> dict:
+    """Worker: AuxNet, the auxiliary head's loss added on some ranks only; 3 SGD steps per reshard policy."""
+    import torch.distributed as dist
+    import shardfusion as sf
+
+    dp_rank, adding = topo.data_parallel_rank, aux_ranks(dist.get_world_size())
+    out = {}
+    for policy in policies:
+        model = sf.fully_shard(seeded(AuxNet), topo, units=(AuxBlock,), reshard_policy=policy)
+        opt = torch.optim.SGD(model.parameters(), lr=AUX_LR)
+        done = 0
+        for step in range(AUX_STEPS):
+            x, y = rank_randn(AUX_TAG, step, dp_rank, 4, 8), rank_randn(AUX_TAG, 50 + step, dp_rank, 4, 4)
+            o, a = model(x)
+            loss = F.mse_loss(o, y)
+            if dp_rank in adding[step]:
+                loss = loss + a.pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            done += 1
+        out[policy] = {"steps_done": done, "full": sf.full_state_dict(model)}
+    return out
+
+
+def aux_loss_detail_job() -> dict:
+    """Worker of the W=2 plain-FSDP job (under DETAIL)."""
+    import shardfusion as sf
+
+    return aux_loss_on_some_ranks(sf.Topology(sharding=-1, fsdp_outer_degree=1), AUX_DETAIL_POLICIES)
+
+
+@pytest.fixture(scope="module")
+def aux_detail_results():
+    return run_distributed(aux_loss_detail_job, 2, timeout=JOB_TIMEOUT_S, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+
+
+def aux_loss_reference(world: int) -> dict:
+    """Each rank's loss computed on its own batch; global loss = their mean over the ranks."""
+    model = seeded(AuxNet)
+    adding = aux_ranks(world)
+    for step in range(AUX_STEPS):
+        total = 0.0
+        for r in range(world):
+            o, a = model(rank_randn(AUX_TAG, step, r, 4, 8))
+            loss = F.mse_loss(o, rank_randn(AUX_TAG, 50 + step, r, 4, 4))
+            if r in adding[step]:
+                loss = loss + a.pow(2).mean()
+            total = total + loss
+        (total / world).backward()
+        sgd_step(model, AUX_LR)
+    return state_snapshot(model)
+
+
+def _check_aux_loss(rs: list[dict], world: int, policies: tuple, label: str) -> None:
+    ref = aux_loss_reference(world)
+    init = state_snapshot(seeded(AuxNet))
+    for rank, r in enumerate(rs):
+        assert set(r) == set(policies), f"{label}, rank {rank}: ran {sorted(r)}"
+        for policy in policies:
+            got = r[policy]
+            assert got["steps_done"] == AUX_STEPS, f"{label} {policy}, rank {rank}: {got['steps_done']} steps"
+            assert_close_dicts(got["full"], ref, f"{label} {policy}, rank {rank}")
+            # The auxiliary head did train (its loss was used on some rank in some step).
+            assert not torch.equal(got["full"]["aux.1.lin.weight"], init["aux.1.lin.weight"])
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+def test_loss_term_on_some_ranks_only_hsdp(direct_results):
+    """Both reshard policies, W=4 HSDP 2x2: no hang (the job's timeout), parameters equal the reference."""
+    _check_aux_loss([r["aux_loss_some_ranks"] for r in direct_results], WORLD, AUX_POLICIES, "W=4 HSDP 2x2")
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+def test_loss_term_on_some_ranks_only_fsdp_detail(aux_detail_results):
+    """W=2 FSDP under TORCH_DISTRIBUTED_DEBUG=DETAIL; "after_backward" only (AUX_DETAIL_POLICIES)."""
+    _check_aux_loss(aux_detail_results, 2, AUX_DETAIL_POLICIES, "W=2 FSDP (DETAIL)")

@@ -1,4 +1,4 @@
-"""Overlap (issue 4): prefetch depth, the replicate all-reduce overlapped with the last backward, the in-flight guard.
+"""Overlap: prefetch depth, the replicate all-reduce overlapped with the last backward, the in-flight guard.
 
 * The overlapped path (`set_is_last_backward` on the last micro-batch) and the synchronous one (all-reduce at the
   step boundary) give bitwise-equal fp32 parameters, for prefetch 0, 1 and 2, K = 1 and 3 micro-batches, on the tiny

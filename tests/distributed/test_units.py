@@ -1,20 +1,31 @@
-"""Wrapping: which unit each parameter lands in, what `named_parameters()` yields afterwards, zero-size and frozen
-parameters, the unit state around forward and backward, and argument errors.
+"""Wrapping: which unit each parameter lands in (by class, by comm_unit_size, tied and shared parameters at their
+lowest common ancestor), the fragments that `named_parameters()` yields afterwards (names kept, tiling each
+parameter over the inner group), and fully_shard's argument errors (raised on every rank).
+
+comm_unit_size packs the children of an nn.ModuleList (never the list itself) and trains as one process does;
+container classes as unit classes are refused.
 
 Everything runs in one W=4 job on (I, O) = (2, 2) (sep/cp errors use their own topology); each check is a test.
+Zero-size and frozen parameters, unit states around forward and backward, and what `parameters()` is after a
+forward are in tests/distributed/test_fragments.py.
 """
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from harness import run_distributed
-from models import MLP, Block, HalfFrozenLinear, TinyTransformer, build_model, loss_fn, make_batch
+from models import MLP, Block, TinyTransformer
+from reference import assert_close_dicts, global_randn, rank_randn, seeded, sgd_step, state_snapshot
 
 JOB_TIMEOUT_S = 180
 WORLD, INNER, OUTER = 4, 2, 2
+LR = 0.1
 
 
 class Pair(nn.Module):
@@ -52,13 +63,6 @@ def _describe(model, sf) -> dict:
     }
 
 
-def _attribute(module, dotted: str):
-    """``module.a.b.weight`` for ``"a.b.weight"``: attribute lookup, as forward code does it."""
-    for part in dotted.split("."):
-        module = getattr(module, part)
-    return module
-
-
 def _error(fn) -> tuple:
     try:
         fn()
@@ -67,8 +71,70 @@ def _error(fn) -> tuple:
     return None, None
 
 
+class ListNet(nn.Module):
+    """inp (72 elements) -> 3 Linears held by an nn.ModuleList (216) -> out (36). The list itself is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x):  # (B, 8) -> (B, 4)
+        h = self.inp(x)
+        for b in self.blocks:
+            h = torch.tanh(b(h))
+        return self.out(h)
+
+
+MODULELIST_TAG = 1
+MODULELIST_SIZES = (50, 72, 100, 144, 216, 288, 10_000)  # 72 per Linear(8, 8): one per unit, two, three, the list...
+MODULELIST_STEPS = 2
+
+
+def _scenario(fn, *args):
+    """fn(*args), or {"error": traceback} if it raised (on every rank alike: the job goes on with the next check)."""
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001 - reported by the test
+        return {"error": traceback.format_exc()}
+
+
+def modulelist_by_size(topo) -> dict:
+    """Worker: ListNet wrapped with each comm_unit_size, 2 SGD steps on per-rank data; units and full state."""
+    import shardfusion as sf
+
+    dp_rank, out = topo.data_parallel_rank, {}
+    for size in MODULELIST_SIZES:
+        try:  # an error here is the same on every rank (a bad unit fails in its forward): go on with the next size
+            model = sf.fully_shard(seeded(ListNet), topo, comm_unit_size=size)
+            units = [(u.name, [type(m).__name__ for m in u.modules]) for u in sf.get_units(model)]
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+            for step in range(MODULELIST_STEPS):
+                x = rank_randn(MODULELIST_TAG, step, dp_rank, 4, 8)
+                y = rank_randn(MODULELIST_TAG, 50 + step, dp_rank, 4, 4)
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            out[size] = {"units": units, "full": sf.full_state_dict(model)}
+        except Exception:  # noqa: BLE001 - reported by the test
+            out[size] = {"error": traceback.format_exc()}
+    return out
+
+
+def modulelist_reference(world: int) -> dict:
+    """ListNet trained in one process on the global batch (the mean loss over every rank's batch)."""
+    model = seeded(ListNet)
+    for step in range(MODULELIST_STEPS):
+        x = global_randn(MODULELIST_TAG, step, world, 4, 8)
+        y = global_randn(MODULELIST_TAG, 50 + step, world, 4, 4)
+        F.mse_loss(model(x), y).backward()
+        sgd_step(model, LR)
+    return state_snapshot(model)
+
+
 def units_job() -> dict:
-    """Worker: wrap several models and report their units, fragments and errors."""
+    """Worker: wrap several models and report their units, fragments and argument errors."""
     import torch.distributed as dist
     import shardfusion as sf
 
@@ -95,63 +161,8 @@ def units_job() -> dict:
     torch.manual_seed(0)
     out["no_units"] = wrap(MLP())
 
-    # zero-size parameters: wrap, forward, backward, step, full_state_dict
-    model = build_model("zero_size")
-    names, desc = wrap(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loss_fn("zero_size", model, make_batch("zero_size", torch.Generator().manual_seed(1))).backward()
-    opt.step()
-    out["zero_size"] = (names, desc, {n: tuple(t.shape) for n, t in sf.full_state_dict(model).items()})
-
-    # frozen parameters: a frozen unit and a unit with a frozen weight next to a trainable bias
-    model = build_model("skip_frozen_a")
-    model.b = HalfFrozenLinear(8, 8)
-    full_before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    names, desc = wrap(model, units=(nn.Linear, HalfFrozenLinear))
-    frag_before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
-    for _ in range(2):
-        loss_fn("skip", model, make_batch("skip", torch.Generator().manual_seed(2))).backward()
-        sf.finish_grad_sync(model)
-        grads = {n: p.grad is not None for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-    out["frozen"] = {
-        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
-        "has_grad": grads,
-        "unchanged": {n: torch.equal(p.detach(), frag_before[n]) for n, p in model.named_parameters()},
-        "full": {n: torch.equal(t, full_before[n]) for n, t in sf.full_state_dict(model).items() if n in full_before},
-    }
-
-    # unit states around forward and backward
-    states = {}
-    for policy in ("after_forward", "after_backward"):
-        torch.manual_seed(0)
-        model = sf.fully_shard(TinyTransformer(), topo, units=(Block,), reshard_policy=policy)
-        units = sf.get_units(model)
-        seen = {}
-
-        def during_block1(mod, args, units=units, seen=seen):  # runs after the runtime's own pre-forward hook
-            # What forward code sees: the attributes (module.weight) are full-shape views of one gathered buffer,
-            # while named_parameters() keeps yielding the 1-D fragments the optimizer holds.
-            seen["in_block1"] = {u.name: u.is_unsharded for u in units}
-            attrs = {n: _attribute(mod, n) for n, _ in mod.named_parameters()}
-            seen["storages"] = len({t.untyped_storage().data_ptr() for t in attrs.values()})
-            seen["shapes"] = {n: tuple(t.shape) for n, t in attrs.items()}
-            seen["registered_dims"] = {p.dim() for p in mod.parameters()}
-
-        model.blocks[1].register_forward_pre_hook(during_block1)
-        st = {"after_wrap": {u.name: u.is_unsharded for u in units},
-              "fragment_storages": len({p.untyped_storage().data_ptr() for p in model.blocks[1].parameters()})}
-        loss = loss_fn("transformer", model, make_batch("transformer", torch.Generator().manual_seed(3)))
-        st["in_block1"] = seen["in_block1"]
-        st["full_storages"], st["full_shapes"] = seen["storages"], seen["shapes"]
-        st["registered_dims"] = seen["registered_dims"]
-        st["after_forward"] = {u.name: u.is_unsharded for u in units}
-        loss.backward()
-        st["after_backward"] = {u.name: u.is_unsharded for u in units}
-        states[policy] = st
-    out["states"] = states
+    out["modulelist_by_size"] = _scenario(modulelist_by_size, topo)
+    out["container_units"] = _error(lambda: sf.fully_shard(seeded(ListNet), topo, units=(nn.ModuleList,)))
 
     # argument errors (raised before any collective, so every rank raises alike)
     def bad(**kw):
@@ -164,6 +175,9 @@ def units_job() -> dict:
         "units=class": bad(units=nn.Linear),
         "units=instance": bad(units=(nn.Linear(2, 2),)),
         "units=str": bad(units=("Linear",)),
+        "replicate_filter": bad(replicate_filter="yes"),
+        "topology": _error(lambda: sf.fully_shard(MLP(), 4)),
+        "units+comm_unit_size": bad(units=(nn.Linear,), comm_unit_size=10),
     }
     for kind, degrees in (("sep", {"sep": 2}), ("cp", {"cp": 2})):
         sub = sf.Topology(sharding=WORLD // 2, **degrees)
@@ -245,47 +259,6 @@ def test_fragments_keep_names_and_tile_parameters(job, key, model):
             assert sum(sizes) == want, f"{key}: {n}: fragments {sizes} over the inner group, numel {want}"
 
 
-def test_zero_size_parameters(job):
-    for r in job:
-        names, desc, full_shapes = r["zero_size"]
-        assert desc["names"] == names
-        for n in ("empty", "lin.weight", "lin.bias"):
-            assert desc["fragments"][n][0] == 0, f"rank {r['rank']}: {n} fragment {desc['fragments'][n]}"
-        assert full_shapes["empty"] == (0,) and full_shapes["lin.weight"] == (0, 4) and full_shapes["lin.bias"] == (0,)
-        assert full_shapes["a"] == (8,) and full_shapes["b"] == (24,)
-
-
-def test_frozen_parameters(job):
-    frozen = {"a.weight", "a.bias", "b.weight"}
-    for r in job:
-        f = r["frozen"]
-        for n, rg in f["requires_grad"].items():
-            assert rg == (n not in frozen), f"rank {r['rank']}: {n}.requires_grad is {rg}"
-        for n in frozen:
-            assert not f["has_grad"][n], f"rank {r['rank']}: frozen {n} has a gradient"
-            assert f["unchanged"][n], f"rank {r['rank']}: frozen {n} changed"
-            assert f["full"][n], f"rank {r['rank']}: frozen {n} in full_state_dict differs from its initial value"
-        for n in ("b.bias", "head.weight", "head.bias"):
-            assert f["has_grad"][n], f"rank {r['rank']}: trainable {n} has no gradient"
-        assert not all(f["unchanged"][n] for n in ("b.bias", "head.weight", "head.bias")), (
-            f"rank {r['rank']}: trainable parameters did not move")
-
-
-def test_unit_states_around_forward_and_backward(job):
-    for r in job:
-        for policy, st in r["states"].items():
-            where = f"rank {r['rank']}, {policy}"
-            assert not any(st["after_wrap"].values()), f"{where}: unsharded right after wrapping: {st['after_wrap']}"
-            assert st["in_block1"]["blocks.1"], f"{where}: blocks.1 not unsharded during its forward"
-            blocks_after_fwd = {n: v for n, v in st["after_forward"].items() if n}
-            if policy == "after_forward":
-                assert not any(blocks_after_fwd.values()), f"{where}: blocks still unsharded: {st['after_forward']}"
-            else:
-                assert all(blocks_after_fwd.values()), (
-                    f"{where}: blocks resharded before backward: {st['after_forward']}")
-            assert not any(st["after_backward"].values()), f"{where}: unsharded after backward: {st['after_backward']}"
-
-
 @pytest.mark.parametrize("key,exc,word", [
     ("reshard_policy", "ValueError", "reshard_policy"),
     ("comm_unit_size=0", "ValueError", "comm_unit_size"),
@@ -295,24 +268,40 @@ def test_unit_states_around_forward_and_backward(job):
     ("units=str", "ValueError", "units"),
     ("sep", "NotImplementedError", "sep"),
     ("cp", "NotImplementedError", "cp"),
+    ("replicate_filter", "ValueError", "replicate_filter"),
+    ("topology", "ValueError", "topology"),
+    ("units+comm_unit_size", "ValueError", "units+comm_unit_size"),
 ])
 def test_bad_arguments(job, key, exc, word):
+    """`word`: what the message must name ("a+b": both)."""
     for r in job:
         got_type, msg = r["errors"][key]
         assert got_type == exc, f"rank {r['rank']}: {key}: expected {exc}, got {got_type}: {msg}"
-        assert word in msg, f"rank {r['rank']}: {key}: the message should name {word!r}: {msg}"
+        for w in word.split("+"):
+            assert w in msg, f"rank {r['rank']}: {key}: the message should name {w!r}: {msg}"
 
 
-def test_unit_parameters_are_views_of_one_buffer(job):
-    """Invariant 5: a unit's fragments are views of one shard, and during forward its full-shape parameters are
-    views of one gathered buffer (no per-parameter tensors)."""
-    torch.manual_seed(0)
-    shapes = {n: tuple(p.shape) for n, p in Block().named_parameters()}
+def test_comm_unit_size_with_modulelist_matches_reference(job):
+    rs = [r["modulelist_by_size"] for r in job]
+    for rank, r in enumerate(rs):
+        assert "error" not in r, f"rank {rank} raised:\n{r['error']}"
+    ref = modulelist_reference(WORLD)
+    for size in MODULELIST_SIZES:
+        for rank, r in enumerate(rs):
+            got = r[size]
+            assert "error" not in got, f"comm_unit_size={size}, rank {rank} raised:\n{got['error']}"
+            for unit_name, module_types in got["units"]:
+                assert not any(t in ("ModuleList", "ModuleDict") for t in module_types), (
+                    f"comm_unit_size={size}: unit {unit_name!r} is a container: {got['units']}")
+            assert_close_dicts(got["full"], ref, f"comm_unit_size={size}, rank {rank}")
+    # The sizes really pack the list's Linears in different ways (one, several or all three in a unit).
+    packings = {tuple(tuple(m) for _, m in rs[0][s]["units"]) for s in MODULELIST_SIZES}
+    assert len(packings) >= 3, f"the sizes give too few distinct packings: {packings}"
+
+
+def test_container_as_unit_class_raises(job):
     for r in job:
-        for policy, st in r["states"].items():
-            where = f"rank {r['rank']}, {policy}"
-            assert st["fragment_storages"] == 1, (
-                f"{where}: blocks.1's fragments span {st['fragment_storages']} storages")
-            assert st["full_storages"] == 1, f"{where}: blocks.1's parameters span {st['full_storages']} storages"
-            assert st["full_shapes"] == shapes, f"{where}: shapes during forward {st['full_shapes']}"
-            assert st["registered_dims"] == {1}, f"{where}: parameters() must yield 1-D fragments during forward"
+        kind, msg = r["container_units"]
+        assert kind is not None, f"rank {r['rank']}: units=(nn.ModuleList,) did not raise"
+        assert kind == "ValueError", f"rank {r['rank']}: {kind}: {msg}"
+        assert "ModuleList" in msg and "container" in msg, f"rank {r['rank']}: message does not name containers: {msg}"

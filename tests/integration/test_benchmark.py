@@ -8,11 +8,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from harness import REPO
 
 
 @pytest.mark.timeout(120)

@@ -1,11 +1,13 @@
-"""Checkpoints of the training job (issue 5): exact resume and a killed worker, as whole runs of
-`python -m shardfusion.train` (4 gloo workers: GPT-MoE at ep 2, HSDP outer 2; dropout on, 2 micro-batches).
+"""Checkpoints of the training job: exact resume and a killed worker, as whole runs of `python -m shardfusion.train`
+(4 gloo workers: GPT-MoE at ep 2, HSDP outer 2; dropout on, 2 micro-batches).
 
 Reference: one uninterrupted run of 30 steps saving every 5. Exact resume: the same flags with --stop-after 15, then
 the same command again, which resumes from step 15 by itself; its step-30 checkpoint (parameters, AdamW state) and
 its metrics must equal the reference bitwise. Killed worker: the same flags with --max-restarts 2; once the first
 checkpoint is published the test SIGKILLs one worker; the elastic launcher restarts all workers, which resume from
-the latest checkpoint, and the run must end equal to the reference bitwise.
+the latest checkpoint, and the run must end equal to the reference bitwise. The checkpoint flags, the metrics log and
+config.json of a resumed run are tested in one process in tests/unit/test_train_config.py and
+tests/unit/test_train_outputs.py.
 """
 
 from __future__ import annotations
@@ -22,17 +24,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from harness import REPO, clean_env, run_train
 from shardfusion.checkpoint import latest_checkpoint, read_all, read_meta
 from shardfusion.checkpoint.export import export
-from shardfusion.train.metrics import MetricsLog, read_metrics
 from shardfusion.models.gpt import GPT, GPTConfig
-from shardfusion.train.outputs import open_outputs, write_config
-from test_train import REPO, clean_env, moe_flag_error, run
+from shardfusion.train.metrics import read_metrics
 
 STEPS, SAVE_EVERY, KEEP, EVAL_EVERY = 30, 5, 2, 10
 FLAGS = ["--preset", "tiny", "--nproc", "4", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
-         "--keep", str(KEEP), "--warmup", "3", "--eval-every", str(EVAL_EVERY), "--eval-batches", "4", "--batch-size", "4",
-         "--seq-len", "32", "--grad-accum", "2", "--dropout", "0.1", "--data-bytes", "300000",
+         "--keep", str(KEEP), "--warmup", "3", "--eval-every", str(EVAL_EVERY), "--eval-batches", "4",
+         "--batch-size", "4", "--seq-len", "32", "--grad-accum", "2", "--dropout", "0.1", "--data-bytes", "300000",
          "--sample-tokens", "0", "--no-progress"]
 KILL_TIMEOUT_S = 240
 
@@ -45,7 +46,7 @@ def _ok(result: subprocess.CompletedProcess) -> str:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("reference")
-    _ok(run([*FLAGS, "--out", str(out)]))
+    _ok(run_train([*FLAGS, "--out", str(out)]))
     return out
 
 
@@ -74,10 +75,10 @@ def _assert_same_run(out: Path, reference: Path, from_step: int, stopped_at: int
 @pytest.mark.timeout(3 * 150 + 60)
 def test_exact_resume_after_stop(reference: Path, tmp_path: Path) -> None:
     half = STEPS // 2
-    first = _ok(run([*FLAGS, "--stop-after", str(half), "--out", str(tmp_path)]))
+    first = _ok(run_train([*FLAGS, "--stop-after", str(half), "--out", str(tmp_path)]))
     assert "resuming" not in first
     assert latest_checkpoint(str(tmp_path / "checkpoints")).endswith(f"step-{half}")
-    second = _ok(run([*FLAGS, "--out", str(tmp_path)]))
+    second = _ok(run_train([*FLAGS, "--out", str(tmp_path)]))
     assert f"resuming at step {half} from" in second and "not an exact resume" not in second
     _assert_same_run(tmp_path, reference, from_step=half, stopped_at=half)
     published = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-"))
@@ -97,29 +98,30 @@ def test_resume_with_other_flags(tmp_path: Path) -> None:
     nothing left to train says so and leaves the outputs alone; --stop-after saves without --save-every."""
     flags = [f for f in FLAGS if f not in ("--save-every", str(SAVE_EVERY))]
     assert "--save-every" not in flags
-    _ok(run([*flags, "--stop-after", "2", "--out", str(tmp_path)]))
+    _ok(run_train([*flags, "--stop-after", "2", "--out", str(tmp_path)]))
     assert latest_checkpoint(str(tmp_path / "checkpoints")).endswith("step-2")  # saved by --stop-after alone
     # a model with other shapes is refused before any worker starts, in one line
-    other = run([*flags, "--stop-after", "4", "--d-model", "96", "--out", str(tmp_path)])
+    other = run_train([*flags, "--stop-after", "4", "--d-model", "96", "--out", str(tmp_path)])
     errors = [line for line in other.stderr.splitlines() if line.startswith("shardfusion-train: error: ")]
     assert other.returncode == 2 and "Traceback" not in other.stdout + other.stderr, other.stderr[-3000:]
     assert len(errors) == 1 and "holds a checkpoint of another model" in errors[0], other.stderr[-3000:]
     assert "wte.weight (256, 64) -> (256, 96)" in errors[0] and "d_model=64" in errors[0]
-    second = _ok(run([*flags, "--stop-after", "4", "--weight-decay", "0", "--n-head", "2", "--out", str(tmp_path)]))
+    again = [*flags, "--stop-after", "4", "--weight-decay", "0", "--n-head", "2", "--out", str(tmp_path)]
+    second = _ok(run_train(again))
     assert "--weight-decay was 0.1, now 0.0" in second and "model field n_head was 4, now 2" in second, second
     groups = read_meta(str(tmp_path / "checkpoints" / "step-4"))["param_groups"]
     assert [g["weight_decay"] for g in groups] == [0.0, 0.0]  # this run's flag, not the saved 0.1
     assert json.loads((tmp_path / "config.step-2.json").read_text())["weight_decay"] == 0.1  # kept
     summary = (tmp_path / "summary.json").read_text()
-    third = _ok(run([*flags, "--stop-after", "4", "--weight-decay", "0", "--n-head", "2", "--out", str(tmp_path)]))
+    third = _ok(run_train(again))
     assert "nothing to train" in third and (tmp_path / "summary.json").read_text() == summary
     assert "to go on, run again with a larger --stop-after, or without it" in third
     # without --stop-after and --save-every, a resumed run still saves at its end: a rerun knows it is finished
     shorter = [*flags, "--weight-decay", "0", "--n-head", "2", "--out", str(tmp_path)]
     shorter[shorter.index("--steps") + 1] = "6"
-    _ok(run(shorter))
+    _ok(run_train(shorter))
     assert latest_checkpoint(str(tmp_path / "checkpoints")).endswith("step-6")
-    last = _ok(run(shorter))
+    last = _ok(run_train(shorter))
     assert "nothing to train" in last and "to go on" not in last
 
 
@@ -208,77 +210,7 @@ def test_killed_worker_restarts_from_latest_checkpoint(reference: Path, tmp_path
 def test_torchrun_restarts_need_an_unshared_store(tmp_path: Path) -> None:
     # without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 a restart cannot work (launch.restart_problem): refused up front
     nproc = FLAGS.index("--nproc")
-    result = run([*FLAGS[:nproc], *FLAGS[nproc + 2:], "--out", str(tmp_path)], launcher=[*TORCHRUN[:-1]])
+    result = run_train([*FLAGS[:nproc], *FLAGS[nproc + 2:], "--out", str(tmp_path)], launcher=[*TORCHRUN[:-1]])
     assert result.returncode != 0
     assert "torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in result.stdout + result.stderr
     assert not (tmp_path / "checkpoints").exists()
-
-
-# ---- in one process: flags, the metrics log and config.json of a resumed run ----------------------------------------
-def test_checkpoint_flags_rejected(capsys: pytest.CaptureFixture) -> None:
-    assert moe_flag_error(capsys, ["--keep", "0"]) == (
-        "--keep must be >= 1 (the latest checkpoint is always kept), got 0")
-    assert moe_flag_error(capsys, ["--save-every", "-1"]) == "--save-every must be >= 0, got -1"
-    assert moe_flag_error(capsys, ["--max-restarts", "-2"]) == "--max-restarts must be >= 0, got -2"
-    assert moe_flag_error(capsys, ["--steps", "10", "--stop-after", "11"]) == (
-        "--stop-after must be between 1 and --steps 10, got 11")
-    assert moe_flag_error(capsys, ["--stop-after", "0"]).startswith("--stop-after must be between 1 and --steps")
-
-
-def test_metrics_log_resume_keeps_records_up_to_the_checkpoint(tmp_path: Path) -> None:
-    log = MetricsLog(tmp_path)
-    log.log_val(step=0, val_loss=5.0, elapsed_s=0.0)
-    for step in range(1, 9):
-        log.log_train(step=step, loss=1.0 / step, grad_norm=1.0, lr=0.1, tokens_per_s=1.0, elapsed_s=step)
-    log.log_val(step=4, val_loss=4.0, elapsed_s=4.0)
-    log.log_val(step=8, val_loss=3.0, elapsed_s=8.0)
-
-    resumed = MetricsLog(tmp_path, resume_step=5)  # a checkpoint at step 5; steps 6..8 will run again
-    assert [r["step"] for r in resumed.train] == [1, 2, 3, 4, 5] and [r["step"] for r in resumed.val] == [0, 4]
-    assert resumed.dropped == 4
-    train, val = read_metrics(tmp_path / "metrics.jsonl")
-    assert train == resumed.train and val == resumed.val
-    dropped_train, dropped_val = read_metrics(tmp_path / "metrics.dropped.jsonl")  # moved, not deleted
-    assert [r["step"] for r in dropped_train] == [6, 7, 8] and [r["step"] for r in dropped_val] == [8]
-    resumed.log_train(step=6, loss=0.5, grad_norm=1.0, lr=0.1, tokens_per_s=1.0, elapsed_s=6.0)
-    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")[0]] == [1, 2, 3, 4, 5, 6]
-    assert MetricsLog(tmp_path).train == [] and (tmp_path / "metrics.jsonl").read_text() == ""  # a new run
-
-
-def test_config_of_a_resumed_run(tmp_path: Path) -> None:
-    first = {"lr": 0.1, "stop_after": 5, "steps": 10}
-    write_config(tmp_path, first, resumed=None)
-    resumed = {"checkpoint": "x/step-5", "step": 5, "notes": []}
-    write_config(tmp_path, {**first, "stop_after": None}, resumed=resumed)  # only run control differs
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
-    assert json.loads((tmp_path / "config.json").read_text())["resumed"] == resumed
-    write_config(tmp_path, {**first, "lr": 0.2}, resumed={**resumed, "step": 7})  # other settings: keep the old
-    assert json.loads((tmp_path / "config.step-7.json").read_text())["lr"] == 0.1
-    assert json.loads((tmp_path / "config.json").read_text())["lr"] == 0.2
-
-
-def test_a_new_run_moves_the_files_of_an_earlier_one_aside(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
-    (tmp_path / "config.json").write_text('{"lr": 1}\n')
-    opened: list = []
-    assert open_outputs(tmp_path, {"lr": 2}, None, opened) == str(tmp_path / "earlier-1")
-    assert (tmp_path / "earlier-1" / "metrics.jsonl").read_text() == '{"step": 1}\n'
-    assert (tmp_path / "earlier-1" / "config.json").read_text() == '{"lr": 1}\n'
-    assert json.loads((tmp_path / "config.json").read_text()) == {"lr": 2} and opened[0].train == []
-    assert open_outputs(tmp_path, {"lr": 3}, None, []) == str(tmp_path / "earlier-2")  # never over earlier-1
-    assert json.loads((tmp_path / "earlier-2" / "config.json").read_text()) == {"lr": 2}
-    # a resume keeps the files (and archives an unreadable config.json as it is)
-    (tmp_path / "config.json").write_text('{"lr": ')
-    assert open_outputs(tmp_path, {"lr": 3}, {"checkpoint": "c", "step": 0, "notes": []}, []) is None
-    assert (tmp_path / "config.step-0.json").read_text() == '{"lr": '
-    assert moe_flag_error(capsys, ["--max-restarts", "1"]).startswith("--max-restarts 1 needs --save-every > 0")
-
-
-def test_metrics_log_drops_a_torn_line(tmp_path: Path) -> None:
-    log = MetricsLog(tmp_path)
-    log.log_train(step=1, loss=1.0, grad_norm=1.0, lr=0.1, tokens_per_s=1.0, elapsed_s=1.0)
-    with (tmp_path / "metrics.jsonl").open("a") as f:
-        f.write('{"step": 2, "loss": 4.5, "grad_n')  # a crash in the middle of a write
-    resumed = MetricsLog(tmp_path, resume_step=1)
-    assert [r["step"] for r in resumed.train] == [1] and resumed.dropped == 1
-    assert (tmp_path / "metrics.dropped.jsonl").read_text() == '{"step": 2, "loss": 4.5, "grad_n\n'

@@ -1,5 +1,6 @@
 """The reference GPT on its own, one process: shapes, tied weights, initial loss, generation; the GPT-MoE's shapes,
-auxiliary outputs and initialisation, and (on 2 ranks) that an ep = 2 GPT-MoE is the ep = 1 one split in two."""
+auxiliary outputs and initialisation. That an ep = 2 GPT-MoE is the ep = 1 one split in two (2 ranks) is in
+tests/distributed/test_moe.py."""
 
 import dataclasses
 import math
@@ -7,7 +8,6 @@ import math
 import pytest
 import torch
 
-from harness import run_distributed
 from shardfusion.models import GPT, PRESETS, VOCAB_SIZE, Block, GPTConfig
 from shardfusion.moe import MoE, is_expert
 
@@ -156,41 +156,3 @@ def test_moe_init_is_reproducible_and_experts_skip_the_global_rng() -> None:
     assert not torch.equal(a.blocks[0].mlp.router.weight, dense["blocks.0.mlp.router.weight"])
     proj = a.blocks[0].mlp.experts["1"].proj.weight
     assert proj.std().item() == pytest.approx(0.02 / math.sqrt(2 * TINY_MOE.n_layer), rel=0.1)
-
-
-def ep_job(config: GPTConfig, seed: int) -> dict:
-    """One rank of an ep = 2 GPT-MoE: its parameters, and its outputs on a rank-dependent batch."""
-    import torch.distributed as dist
-
-    import shardfusion as sf
-
-    topo = sf.Topology(ep=2)
-    torch.manual_seed(seed)
-    model = GPT(config, ep_group=topo.get_group("ep"))
-    idx = torch.randint(0, VOCAB_SIZE, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
-    logits, _ = model(idx)
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "idx": idx,
-            "logits": logits.detach(), "aux": model.aux_loss().detach(), "tokens": model.tokens_per_expert(),
-            "num_params": model.num_parameters()}
-
-
-@pytest.mark.timeout(120)
-def test_ep2_model_is_the_ep1_model_split() -> None:
-    # The same seed gives the same dense parameters and the same experts at ep = 1 and ep = 2, ep rank j holding
-    # experts 2j and 2j + 1 under their global names; and the ep = 2 forward computes what the ep = 1 one does.
-    ranks = run_distributed(ep_job, 2, TINY_MOE, 42, timeout=90)
-    torch.manual_seed(42)
-    full = GPT(TINY_MOE)
-    params = dict(full.named_parameters())
-    for j, rank in enumerate(ranks):
-        held = sorted({n.split(".")[4] for n in rank["params"] if ".experts." in n})
-        assert held == [str(2 * j), str(2 * j + 1)]
-        assert set(rank["params"]) <= set(params)
-        for name, value in rank["params"].items():
-            assert torch.equal(value, params[name]), name
-        assert rank["num_params"] == full.num_parameters()
-        logits, _ = full(rank["idx"])
-        torch.testing.assert_close(rank["logits"], logits, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(rank["aux"], full.aux_loss())
-        assert torch.equal(rank["tokens"], full.tokens_per_expert())
-    assert set().union(*(r["params"] for r in ranks)) == set(params)

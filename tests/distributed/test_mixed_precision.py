@@ -1,13 +1,17 @@
-"""Mixed precision (issue 4): bf16 compute with fp32 shards, gradients and optimizer state.
+"""Mixed precision: bf16 or fp16 compute with fp32 shards, gradients and optimizer state; fp16 gradient communication.
 
-* F8 (shared/cases/CASES.md), W=2 (2,1) and W=4 (2,2): bf16 parameters for compute, fp32 gradient reduction, 2
-  micro-batches; parameter P is used only in the second micro-batch and Q never. Run with gradient sync on every
+* F8 (docs/field-cases.md), W=2 (2,1) and W=4 (2,2), under TORCH_DISTRIBUTED_DEBUG=DETAIL: bf16 parameters for
+  compute, fp32 gradient reduction, 2 micro-batches; parameter P is used only in the second micro-batch and Q never. Run with gradient sync on every
   micro-batch and with sync off on the first (gradients then accumulate in fp32 across micro-batches). Asserts: no
   error; every gradient the optimizer reads is fp32 (the documented dtype), Q's is zero; P's gradient (and fc's)
   equals the fp32 reference within 1e-2 relative (in norm: bf16 keeps 8 bits of mantissa, so single small elements
   can be off by more); the compute really is bf16.
 * bf16 training of the tiny transformer at W=4 (2,2) tracks the fp32 single-process reference loss within 1%
   relative at each of 20 AdamW steps, with fp32 and with bf16 gradient communication.
+* fp16 gradient communication divides by the number of data-parallel ranks *before* the cast to fp16, so a
+  per-rank gradient (or a sum of micro-batches accumulated in fp32 under no_sync) above fp16's 65504 does not
+  overflow when its mean fits: W=2, one case with fp32 parameters and fp16 communication, one with fp16 parameters
+  and 2 micro-batches under no_sync, in one job.
 """
 
 from __future__ import annotations
@@ -129,3 +133,50 @@ def test_bf16_tracks_fp32_reference(bf16_results, case):
     assert got[-1] < 0.8 * got[0], f"{case.name}: bf16 run did not train: {got.tolist()}"
     for r in rs:  # what the optimizer sees stays fp32
         assert all(t.dtype == torch.float32 for t in r["params"][-1].values())
+
+
+# --- fp16 communication: the division by the data-parallel size comes before the cast --------------------------------
+
+FP16_CASES = ("fp32_params_fp16_comm", "fp16_params_nosync_accum")
+FP16_JOB_TIMEOUT_S = 120
+
+
+def _fp16_overflow_job() -> dict:
+    """Worker: {case: the gradient of every parameter after the step's reduction}, for each of FP16_CASES."""
+    import shardfusion as sf
+
+    topo = sf.Topology(sharding=2, fsdp_outer_degree=1, timeout=30)
+    out = {}
+    for case in FP16_CASES:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4, bias=False))
+        if case == "fp32_params_fp16_comm":  # one backward; rank 0's gradient is 1e5 per element, rank 1's zero
+            sf.fully_shard(model, topo, units=(nn.Linear,),
+                           mp_policy=sf.MixedPrecisionPolicy(grad_comm_dtype=torch.float16))
+            micro, value = 1, 1e5
+        else:  # fp16 compute and comm; 2 micro-batches of 6e4 (fits fp16) summed in fp32 under no_sync: 1.2e5
+            sf.fully_shard(model, topo, units=(nn.Linear,), mp_policy=sf.MixedPrecisionPolicy(param_dtype=torch.float16))
+            micro, value = 2, 6e4
+        for m in range(micro):
+            sf.set_requires_gradient_sync(model, m == micro - 1)
+            x = torch.full((1, 4), value if topo.rank == 0 else 0.0)
+            model(x).float().sum().backward()  # d/dW[i, j] = x[j]
+        sf.finish_grad_sync(model)
+        out[case] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp16_results():
+    return run_distributed(_fp16_overflow_job, 2, timeout=FP16_JOB_TIMEOUT_S)
+
+
+@pytest.mark.timeout(FP16_JOB_TIMEOUT_S + 30)
+@pytest.mark.parametrize("case", FP16_CASES)
+def test_fp16_predivide_does_not_overflow(fp16_results, case):
+    """The mean gradient (what is reduced after the division by 2) is 5e4 / 6e4 per element, below fp16's 65504;
+    casting the undivided 1e5 / 1.2e5 to fp16 first would give inf."""
+    for rank, r in enumerate(fp16_results):
+        g = r[case]["0.weight"]
+        assert torch.isfinite(g).all(), (
+            f"rank {rank} {case}: gradient overflowed to inf in fp16 communication although its mean fits: {g}")

@@ -1,18 +1,19 @@
-"""Defects found in a review of the MoE support (issue 3). Each test fails on the code it was written against.
+"""fully_shard on MoE models (shardfusion.moe), W=2 with sharding 2 and ep 2, all scenarios in one job:
 
-1. The router is read as ``router.weight`` inside ``MoE.forward`` instead of being called, so when the router is a
-   unit of its own (``units=(nn.Linear,)``, or ``comm_unit_size`` smaller than a MoE layer) its forward hooks never
-   fire, it is never gathered, and the forward runs on the 1-D shard fragment.
-2. ``full_state_dict`` issues one ``all_gather_object`` over ep per expert flat buffer: when ep ranks hold different
-   numbers of expert buffers (one expert frozen: a frozen buffer on that ep rank only) the ranks fall out of step.
-3. ``full_state_dict`` merges the ep ranks' experts by name: experts marked with ``sf.mark_expert`` under rank-local
-   names (Megatron's ``local_experts.0`` convention) silently lose every ep rank's experts but the last.
-4. ``fully_shard`` accepts a MoE whose ep group is not the topology's (here: none, under ep = 2): experts then
-   differ across ep ranks that hold the same names and get a gradient summed over only part of the batch.
-5. Buffers of expert modules are broadcast over the whole data-parallel group at wrap time (and every training
-   forward), positionally: ep rank 1's experts get ep rank 0's buffer values; ``full_state_dict`` lacks the others.
-6. A MoE whose input requires grad on some ranks only builds different graphs: the backward all-to-all of the
-   dispatch runs on some ranks only, and the ranks hang.
+1. A router that is a unit of its own (``units=(nn.Linear,)``, or a ``comm_unit_size`` smaller than a MoE layer) is
+   gathered for its forward: the wrapped model computes what the unwrapped one does.
+2. ``full_state_dict`` returns every expert when the ep ranks hold different numbers of expert flat buffers (one
+   expert frozen: a frozen buffer on that ep rank only).
+3. Experts marked with ``sf.mark_expert`` under rank-local names (Megatron's ``local_experts.0``) cannot all be in a
+   {name: tensor} dict: full_state_dict or fully_shard raises ValueError naming them.
+4. ``fully_shard`` refuses a MoE whose ep group is not the topology's (here: none, under ep = 2).
+5. Buffers of expert modules stay with their experts (at wrap time and at every training forward), and
+   ``full_state_dict`` holds every expert's.
+6. A MoE whose input requires grad on some ranks only finishes its backward on every rank with the gradients of the
+   all-ranks reference.
+
+Each scenario's topology has a 10-second process-group timeout, so a mismatched collective fails the scenario in
+seconds (and the scenarios after it, whose ranks are then out of step) instead of hanging.
 """
 
 from __future__ import annotations
@@ -22,12 +23,11 @@ import traceback
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from harness import run_distributed
 
 PG_TIMEOUT_S = 10  # Topology timeout: a mismatched collective fails in seconds instead of hanging
-JOB_TIMEOUT_S = 90
+JOB_TIMEOUT_S = 180
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
@@ -35,8 +35,34 @@ def _error() -> str:
     return traceback.format_exc()[-1500:]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# 1. a router in a unit of its own
+def _scenario(per_rank: list[dict], name: str) -> list[dict]:
+    """The per-rank results of scenario `name`; fails with the first rank's traceback if it raised outside its own
+    checks."""
+    rs = [r[name] for r in per_rank]
+    for rank, r in enumerate(rs):
+        if "scenario_error" in r:
+            raise AssertionError(f"scenario {name!r} raised on rank {rank}:\n{r['scenario_error']}")
+    return rs
+
+
+def moe_wrap_job() -> dict:
+    """Worker: every scenario in order; {name: result, or {"scenario_error": traceback}}."""
+    scenarios = {"router_unit": _router_unit_job, "frozen_expert": _frozen_expert_job,
+                 "local_names": _local_names_job, "no_ep_group": _no_ep_group_job,
+                 "expert_buffers": _expert_buffer_job, "input_grad": _input_grad_job}
+    out = {}
+    for name, fn in scenarios.items():
+        try:
+            out[name] = fn()
+        except Exception:  # noqa: BLE001 - reported by the test
+            out[name] = {"scenario_error": _error()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_wrap_results():
+    return run_distributed(moe_wrap_job, 2, timeout=JOB_TIMEOUT_S)
+
 
 
 def _router_unit_job() -> dict:
@@ -64,10 +90,11 @@ def _router_unit_job() -> dict:
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 30)
-def test_router_in_its_own_unit_is_gathered():
+def test_router_in_its_own_unit_is_gathered(moe_wrap_results):
     """units=(nn.Linear,) or a comm_unit_size below one MoE layer make the router a unit of its own: the wrapped
-    model must compute what the unwrapped one does (it raises 'size mismatch' on the router's 1-D fragment)."""
-    results = run_distributed(_router_unit_job, 2, timeout=JOB_TIMEOUT_S)
+    model computes what the unwrapped one does (a router read as ``router.weight`` instead of called would never be
+    gathered, and its forward would fail on the 1-D fragment)."""
+    results = _scenario(moe_wrap_results, "router_unit")
     for rank, per_variant in enumerate(results):
         for variant, r in per_variant.items():
             assert r["router_units"], f"{variant}: the router is not a unit of its own; the test proves nothing"
@@ -75,9 +102,6 @@ def test_router_in_its_own_unit_is_gathered():
             torch.testing.assert_close(r["got"], r["expected"], **TOL,
                                        msg=lambda m: f"rank {rank}, {variant}: logits differ: {m}")
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# 2. full_state_dict with one expert frozen
 
 D, HIDDEN, EXPERTS = 8, 16, 4
 
@@ -107,11 +131,11 @@ def _frozen_expert_job() -> dict:
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 30)
-def test_full_state_dict_with_one_frozen_expert():
-    """Freezing expert 0 gives ep rank 0 one more expert flat buffer than ep rank 1; full_state_dict must still
-    return every expert (it times out: the per-buffer all_gather_object calls over ep no longer pair up)."""
+def test_full_state_dict_with_one_frozen_expert(moe_wrap_results):
+    """Freezing expert 0 gives ep rank 0 one more expert flat buffer than ep rank 1; full_state_dict still returns
+    every expert (per-buffer collectives over ep would no longer pair up, and time out)."""
     expected = dict(_build_moe().named_parameters())  # ep = 1: every expert, same values (ep-independent init)
-    results = run_distributed(_frozen_expert_job, 2, timeout=JOB_TIMEOUT_S)
+    results = _scenario(moe_wrap_results, "frozen_expert")
     for rank, r in enumerate(results):
         assert "error" not in r, f"rank {rank}: full_state_dict failed:\n{r['error']}"
         assert sorted(r["full"]) == sorted(expected), f"rank {rank}: names {sorted(r['full'])}"
@@ -119,9 +143,6 @@ def test_full_state_dict_with_one_frozen_expert():
         for name, value in expected.items():
             torch.testing.assert_close(r["full"][name], value.detach(), **TOL)
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# 3. user-marked experts under rank-local names
 
 
 class _LocalExperts(nn.Module):
@@ -160,10 +181,10 @@ def _local_names_job() -> dict:
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 30)
-def test_expert_names_shared_across_ep_ranks_are_an_error():
+def test_expert_names_shared_across_ep_ranks_are_an_error(moe_wrap_results):
     """Experts that carry the same names on every ep rank cannot all be in a {name: tensor} dict: full_state_dict
-    (or fully_shard) must raise ValueError naming them, not silently keep one ep rank's experts."""
-    results = run_distributed(_local_names_job, 2, timeout=JOB_TIMEOUT_S)
+    (or fully_shard) raises ValueError naming them, instead of silently keeping one ep rank's experts."""
+    results = _scenario(moe_wrap_results, "local_names")
     for rank, r in enumerate(results):
         if "raised" in r:
             assert "local_experts.0.weight" in r["raised"], r["raised"]
@@ -173,9 +194,6 @@ def test_expert_names_shared_across_ep_ranks_are_an_error():
         pytest.fail(f"rank {rank}: full_state_dict returned {sorted(r['full'])} without an error, and the experts "
                     f"of ep rank(s) {lost} are not in it (silently overwritten by another ep rank's)")
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# 4. a MoE whose ep group is not the topology's
 
 
 def _no_ep_group_job() -> dict:
@@ -194,11 +212,11 @@ def _no_ep_group_job() -> dict:
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 30)
-def test_moe_ep_group_must_match_the_topology():
-    """Topology(ep=2) with a MoE built without its ep group: fully_shard must raise ValueError (the layer's ep 1
-    != the topology's ep 2). It accepts it, and the two ep ranks then hold the same expert names with different
-    gradients (each summed over half of the batch): replicas of the same expert drift apart."""
-    results = run_distributed(_no_ep_group_job, 2, timeout=JOB_TIMEOUT_S)
+def test_moe_ep_group_must_match_the_topology(moe_wrap_results):
+    """Topology(ep=2) with a MoE built without its ep group: fully_shard raises ValueError (the layer's ep 1 != the
+    topology's ep 2). Accepted, the two ep ranks would hold the same expert names with different gradients (each
+    summed over half of the batch), and replicas of the same expert would drift apart."""
+    results = _scenario(moe_wrap_results, "no_ep_group")
     if all("raised" in r for r in results):
         return
     g0, g1 = results[0]["grads"], results[1]["grads"]
@@ -206,9 +224,6 @@ def test_moe_ep_group_must_match_the_topology():
     pytest.fail(f"fully_shard accepted a MoE with ep 1 under Topology(ep=2); the gradients of {len(differ)} expert "
                 f"parameters differ between the two copies, e.g. {differ[:3]}")
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# 5. buffers held by experts
 
 
 def _expert_buffer_job() -> dict:
@@ -227,11 +242,10 @@ def _expert_buffer_job() -> dict:
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 30)
-def test_expert_buffers_stay_with_their_experts():
-    """Expert g's buffer holds g + 1. After wrapping and a training forward every expert keeps its own value, and
-    full_state_dict holds all four (ep rank 1's experts 2 and 3 get ep rank 0's values 1 and 2 instead, and the
-    full state of rank 0 has no experts.2.scale / experts.3.scale)."""
-    results = run_distributed(_expert_buffer_job, 2, timeout=JOB_TIMEOUT_S)
+def test_expert_buffers_stay_with_their_experts(moe_wrap_results):
+    """Expert g's buffer holds g + 1. After wrapping and a training forward every expert keeps its own value (not
+    the value of the expert at the same position on ep rank 0), and full_state_dict holds all four."""
+    results = _scenario(moe_wrap_results, "expert_buffers")
     expected = {f"experts.{g}.scale": torch.tensor([float(g + 1)]) for g in range(EXPERTS)}
     for rank, r in enumerate(results):
         for when in ("after_wrap", "after_forward"):
@@ -243,9 +257,6 @@ def test_expert_buffers_stay_with_their_experts():
         for name, value in r["full"].items():
             assert torch.equal(value, expected[name]), f"rank {rank}: full_state_dict {name} = {value.item()}"
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# 6. an input that requires grad on some ranks only
 
 
 def _input_grad_job() -> dict:
@@ -265,11 +276,11 @@ def _input_grad_job() -> dict:
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 30)
-def test_input_requiring_grad_on_some_ranks_only():
-    """The expert gradients do not depend on whether the input requires grad; the step must finish on every rank
-    with the gradients of the all-ranks reference (rank 1 never issues the dispatch's backward all-to-all that rank
-    0 waits in: both time out)."""
-    results = run_distributed(_input_grad_job, 2, timeout=JOB_TIMEOUT_S)
+def test_input_requiring_grad_on_some_ranks_only(moe_wrap_results):
+    """The expert gradients do not depend on whether the input requires grad; the step finishes on every rank with
+    the gradients of the all-ranks reference (every rank issues the dispatch's backward all-to-all, also the rank
+    whose input needs no gradient)."""
+    results = _scenario(moe_wrap_results, "input_grad")
     for rank, r in enumerate(results):
         assert "error" not in r, f"rank {rank}: backward failed:\n{r['error']}"
     ref = _build_moe()

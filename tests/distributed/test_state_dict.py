@@ -249,7 +249,7 @@ def test_other_layout_state_dict_refused(runs):
     for rank, r in enumerate(runs):
         msg, unchanged = r["layout"]["other-layout"]
         assert unchanged and msg.startswith("raised ValueError: "), (rank, msg)
-        assert f"rank 0: 'net." in msg and "saved by rank 0 of 4" in msg, (rank, msg)
+        assert "rank 0: 'net." in msg and "saved by rank 0 of 4" in msg, (rank, msg)
         assert "keys refused per rank {0: " in msg and "3: " in msg, msg  # every rank's fragments are refused
 
 

@@ -1,5 +1,5 @@
-"""Checkpoint cases from the field (shared/cases/CASES.md F9, F10) and optimizer state beyond AdamW, each against the
-single-process reference.
+"""Optimizer state across a save and a resume: the field cases F9 and F10 (docs/field-cases.md) and optimizer state
+beyond AdamW, each against the single-process reference.
 
 F10: W=4 (I, O) = (2, 2), AdamW lr 1e-2, weight decay 0.1, the MLP, different data per rank. (a) The first update
 from fresh state and the step count equal the reference. (b) 3 steps, save, load into fresh models at (2, 2) and
@@ -27,9 +27,8 @@ import torch
 
 from harness import run_distributed
 from models import MODEL_SEED, build_model, concat_batches, loss_fn
-from reference import (DATA_SEED, RTOL, Case, assert_close_dicts, draw_batch, get_topology, make_optimizer,
-                       reference_train, wrap_kwargs)
-from test_checkpoint import _assert_bitwise
+from reference import (DATA_SEED, RTOL, Case, assert_bitwise, assert_close_dicts, draw_batch, get_topology,
+                       make_optimizer, reference_train, wrap_kwargs)
 
 JOB_TIMEOUT_S = 240
 FIRST_STEP_RTOL, FIRST_STEP_ATOL = 1e-6, 1e-7  # F10 (a), fp32
@@ -245,7 +244,7 @@ def test_reference_loop_matches_shared_reference():
     for case in (F10, F9[2], F9[4]):
         ours, shared = _reference(case), reference_train(case)
         for step, params in enumerate(shared["params"]):
-            _assert_bitwise({k[6:]: t for k, t in ours[step]["keys"].items() if k.startswith("model/")}, params,
+            assert_bitwise({k[6:]: t for k, t in ours[step]["keys"].items() if k.startswith("model/")}, params,
                             f"{case.name} step {step}")
         assert [s["norm"] for s in ours] == (shared["norms"] or [None] * case.steps)
 
@@ -282,7 +281,7 @@ def test_resume_equals_uninterrupted(runs, name):
     for inner, outer in LOAD_LAYOUTS:
         resumed = _read(root, f"{name}-resumed-I{inner}O{outer}")
         if (inner, outer) == (2, 2):
-            _assert_bitwise(resumed, whole, f"{name}: resumed at (2, 2) vs uninterrupted")
+            assert_bitwise(resumed, whole, f"{name}: resumed at (2, 2) vs uninterrupted")
         assert set(resumed) == set(whole)
         _assert_close_scaled(resumed, whole, f"{name}: resumed at ({inner}, {outer}) vs uninterrupted")
         _assert_close_scaled(resumed, ref, f"{name}: resumed at ({inner}, {outer}) vs reference")
@@ -297,7 +296,7 @@ def test_state_round_trips_bitwise(runs, name):
     state keys (momentum_buffer, max_exp_avg_sq, ...) are the ones stored."""
     root = runs[0]
     saved = _read(root, f"{name}-at{SAVE_AT}")
-    _assert_bitwise(_read(root, f"{name}-resaved-I4O1"), saved, f"{name}: re-saved at (4, 1)")
+    assert_bitwise(_read(root, f"{name}-resaved-I4O1"), saved, f"{name}: re-saved at (4, 1)")
     keys = {k.rsplit("/", 1)[1] for k in saved if k.startswith("optim/")}
     assert keys == {"adamw": {"step", "exp_avg", "exp_avg_sq"}, "sgd_momentum": {"momentum_buffer"},
                     "adamw_amsgrad": {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}}[name], keys
@@ -325,7 +324,7 @@ def test_f9_zero_element_params_save_and_load(runs, world):
     _assert_close_scaled(stored, ref["keys"], f"{case.name} checkpoint vs reference")
     assert tuple(stored["optim/lin.weight/exp_avg"].shape) == (0, 4) and float(stored["optim/empty/step"]) == 1.0
     for rank, r in enumerate(loaded_by):
-        _assert_bitwise(r["loaded"], full, f"{case.name} loaded at W={6 - world}, rank {rank}")
+        assert_bitwise(r["loaded"], full, f"{case.name} loaded at W={6 - world}, rank {rank}")
         for n, st in r["loaded_state"].items():
             assert st["step"] == 1.0 and set(st) == {"step", "exp_avg", "exp_avg_sq"}, (rank, n, st)
         assert r["norm_after_load"] is not None and r["norm_after_load"] == loaded_by[0]["norm_after_load"]

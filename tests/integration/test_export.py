@@ -1,8 +1,8 @@
-"""Export (issue 5, part): `python -m shardfusion.export CKPT OUT` writes safetensors that a plain single-process
-model loads (no shardfusion needed) with outputs equal to the sharded model's; a full state dict (that export) loads
-back into a sharded model of another layout; a missing key raises on every rank. The command line refuses (exit 2,
-one line on stderr) an unreadable checkpoint, a truncated data file, and an OUT holding model.safetensors or
-config.json already (unless --overwrite).
+"""Export: `python -m shardfusion.export CKPT OUT` writes safetensors that a plain single-process model loads (no
+shardfusion needed) with outputs equal to the sharded model's; a full state dict (that export) loads back into a
+sharded model of another layout; a missing key raises on every rank. The command line refuses (exit 2, one line on
+stderr) an unreadable checkpoint, a truncated data file, and an OUT holding model.safetensors or config.json already
+(unless --overwrite).
 """
 
 from __future__ import annotations
@@ -11,16 +11,12 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from harness import run_distributed
+from harness import REPO, run_distributed
 from models import Block, TinyTransformer, make_batch
-
-REPO = Path(__file__).resolve().parent.parent
-
 
 def _assert_equal(a: dict, b: dict) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sorted(a.keys() ^ b.keys())

@@ -1,0 +1,264 @@
+"""What a sharded model's parameters are: zero-size parameters (wrap, step, full_state_dict), frozen ones (no gradient,
+unchanged), the unit states around forward and backward under both reshard policies, fragments and full-shape
+parameters as views of one buffer (invariant 5 of docs/design.md), and `model.parameters()` after a forward without
+backward or between forward and backward: still the fragments of wrap time, and an optimizer built then trains as
+one process does.
+
+Everything runs in one W=4 job on (I, O) = (2, 2); each check is a test. Which unit each parameter lands in is in
+tests/distributed/test_units.py.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from harness import run_distributed
+from models import Block, HalfFrozenLinear, TinyTransformer, build_model, loss_fn, make_batch
+from reference import assert_close_dicts, global_randn, rank_randn, seeded, sgd_step, state_snapshot
+
+JOB_TIMEOUT_S = 180
+WORLD, INNER, OUTER = 4, 2, 2
+LR = 0.1
+POLICIES = ("after_forward", "after_backward")
+
+
+def _describe(model, sf) -> dict:
+    return {
+        "units": [(u.name, list(u.param_names)) for u in sf.get_units(model)],
+        "names": [n for n, _ in model.named_parameters()],
+        "fragments": {n: (p.numel(), p.dim(), p.requires_grad) for n, p in model.named_parameters()},
+    }
+
+
+def _attribute(module, dotted: str):
+    """``module.a.b.weight`` for ``"a.b.weight"``: attribute lookup, as forward code does it."""
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def seq2() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+
+
+AFTER_FORWARD_TAG, AFTER_FORWARD_STEPS = 3, 2
+
+
+def _scenario(fn, *args):
+    """fn(*args), or {"error": traceback} if it raised (on every rank alike: the job goes on with the next check)."""
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001 - reported by the test
+        return {"error": traceback.format_exc()}
+
+
+def _params_view(model) -> tuple[list, list]:
+    named = list(model.named_parameters())
+    return [(n, id(p)) for n, p in named], [(n, tuple(p.shape), isinstance(p, nn.Parameter)) for n, p in named]
+
+
+def parameters_after_forward(topo) -> dict:
+    """Worker: model.parameters() after a forward without backward and between forward and backward; an optimizer
+    built after a warm-up forward (whose graph is still alive) trains 2 SGD steps."""
+    import shardfusion as sf
+
+    dp_rank, out = topo.data_parallel_rank, {}
+    for policy in POLICIES:
+        for units_name, units in (("root-only", None), ("linear-units", (nn.Linear,))):
+            model = sf.fully_shard(seeded(seq2), topo, units=units, reshard_policy=policy)
+            at_wrap, _ = _params_view(model)
+            warm = model(rank_randn(AFTER_FORWARD_TAG, 99, dp_rank, 2, 8))  # grad enabled, no backward
+            ids_warm, shapes_warm = _params_view(model)
+            opt = torch.optim.SGD(model.parameters(), lr=LR)  # built while `warm`'s graph is alive
+            del warm
+            between = []
+            for step in range(AFTER_FORWARD_STEPS):
+                x = rank_randn(AFTER_FORWARD_TAG, step, dp_rank, 4, 8)
+                y = rank_randn(AFTER_FORWARD_TAG, 50 + step, dp_rank, 4, 4)
+                loss = F.mse_loss(model(x), y)
+                ids, shapes = _params_view(model)
+                between.append((ids == at_wrap, shapes))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            out[f"{policy}/{units_name}"] = {"after_warm_same": ids_warm == at_wrap, "shapes_warm": shapes_warm,
+                                             "between": between, "full": sf.full_state_dict(model)}
+    return out
+
+
+def parameters_after_forward_reference(world: int) -> dict:
+    model = seeded(seq2)
+    for step in range(AFTER_FORWARD_STEPS):
+        x = global_randn(AFTER_FORWARD_TAG, step, world, 4, 8)
+        y = global_randn(AFTER_FORWARD_TAG, 50 + step, world, 4, 4)
+        F.mse_loss(model(x), y).backward()
+        sgd_step(model, LR)
+    return state_snapshot(model)
+
+
+def fragments_job() -> dict:
+    """Worker: zero-size and frozen parameters, unit states and views around forward and backward, parameters() after
+    a forward."""
+    import torch.distributed as dist
+    import shardfusion as sf
+
+    topo = sf.Topology(sharding=INNER * OUTER, fsdp_outer_degree=OUTER)
+    out: dict = {"rank": dist.get_rank(), "inner_rank": topo.inner_rank}
+
+    def wrap(model, **kw):
+        names = [n for n, _ in model.named_parameters()]
+        sf.fully_shard(model, topo, **kw)
+        return names, _describe(model, sf)
+
+    # zero-size parameters: wrap, forward, backward, step, full_state_dict
+    model = build_model("zero_size")
+    names, desc = wrap(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn("zero_size", model, make_batch("zero_size", torch.Generator().manual_seed(1))).backward()
+    opt.step()
+    out["zero_size"] = (names, desc, {n: tuple(t.shape) for n, t in sf.full_state_dict(model).items()})
+
+    # frozen parameters: a frozen unit and a unit with a frozen weight next to a trainable bias
+    model = build_model("skip_frozen_a")
+    model.b = HalfFrozenLinear(8, 8)
+    full_before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    names, desc = wrap(model, units=(nn.Linear, HalfFrozenLinear))
+    frag_before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    for _ in range(2):
+        loss_fn("skip", model, make_batch("skip", torch.Generator().manual_seed(2))).backward()
+        sf.finish_grad_sync(model)
+        grads = {n: p.grad is not None for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    out["frozen"] = {
+        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+        "has_grad": grads,
+        "unchanged": {n: torch.equal(p.detach(), frag_before[n]) for n, p in model.named_parameters()},
+        "full": {n: torch.equal(t, full_before[n]) for n, t in sf.full_state_dict(model).items() if n in full_before},
+    }
+
+    # unit states around forward and backward
+    states = {}
+    for policy in ("after_forward", "after_backward"):
+        torch.manual_seed(0)
+        model = sf.fully_shard(TinyTransformer(), topo, units=(Block,), reshard_policy=policy)
+        units = sf.get_units(model)
+        seen = {}
+
+        def during_block1(mod, args, units=units, seen=seen):  # runs after the runtime's own pre-forward hook
+            # What forward code sees: the attributes (module.weight) are full-shape views of one gathered buffer,
+            # while named_parameters() keeps yielding the 1-D fragments the optimizer holds.
+            seen["in_block1"] = {u.name: u.is_unsharded for u in units}
+            attrs = {n: _attribute(mod, n) for n, _ in mod.named_parameters()}
+            seen["storages"] = len({t.untyped_storage().data_ptr() for t in attrs.values()})
+            seen["shapes"] = {n: tuple(t.shape) for n, t in attrs.items()}
+            seen["registered_dims"] = {p.dim() for p in mod.parameters()}
+
+        model.blocks[1].register_forward_pre_hook(during_block1)
+        st = {"after_wrap": {u.name: u.is_unsharded for u in units},
+              "fragment_storages": len({p.untyped_storage().data_ptr() for p in model.blocks[1].parameters()})}
+        loss = loss_fn("transformer", model, make_batch("transformer", torch.Generator().manual_seed(3)))
+        st["in_block1"] = seen["in_block1"]
+        st["full_storages"], st["full_shapes"] = seen["storages"], seen["shapes"]
+        st["registered_dims"] = seen["registered_dims"]
+        st["after_forward"] = {u.name: u.is_unsharded for u in units}
+        loss.backward()
+        st["after_backward"] = {u.name: u.is_unsharded for u in units}
+        states[policy] = st
+    out["states"] = states
+
+    out["after_forward"] = _scenario(parameters_after_forward, topo)
+    return out
+
+
+@pytest.fixture(scope="module")
+def job():
+    return run_distributed(fragments_job, WORLD, timeout=JOB_TIMEOUT_S)
+
+
+pytestmark = pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+
+
+def test_zero_size_parameters(job):
+    for r in job:
+        names, desc, full_shapes = r["zero_size"]
+        assert desc["names"] == names
+        for n in ("empty", "lin.weight", "lin.bias"):
+            assert desc["fragments"][n][0] == 0, f"rank {r['rank']}: {n} fragment {desc['fragments'][n]}"
+        assert full_shapes["empty"] == (0,) and full_shapes["lin.weight"] == (0, 4) and full_shapes["lin.bias"] == (0,)
+        assert full_shapes["a"] == (8,) and full_shapes["b"] == (24,)
+
+
+def test_frozen_parameters(job):
+    frozen = {"a.weight", "a.bias", "b.weight"}
+    for r in job:
+        f = r["frozen"]
+        for n, rg in f["requires_grad"].items():
+            assert rg == (n not in frozen), f"rank {r['rank']}: {n}.requires_grad is {rg}"
+        for n in frozen:
+            assert not f["has_grad"][n], f"rank {r['rank']}: frozen {n} has a gradient"
+            assert f["unchanged"][n], f"rank {r['rank']}: frozen {n} changed"
+            assert f["full"][n], f"rank {r['rank']}: frozen {n} in full_state_dict differs from its initial value"
+        for n in ("b.bias", "head.weight", "head.bias"):
+            assert f["has_grad"][n], f"rank {r['rank']}: trainable {n} has no gradient"
+        assert not all(f["unchanged"][n] for n in ("b.bias", "head.weight", "head.bias")), (
+            f"rank {r['rank']}: trainable parameters did not move")
+
+
+def test_unit_states_around_forward_and_backward(job):
+    for r in job:
+        for policy, st in r["states"].items():
+            where = f"rank {r['rank']}, {policy}"
+            assert not any(st["after_wrap"].values()), f"{where}: unsharded right after wrapping: {st['after_wrap']}"
+            assert st["in_block1"]["blocks.1"], f"{where}: blocks.1 not unsharded during its forward"
+            blocks_after_fwd = {n: v for n, v in st["after_forward"].items() if n}
+            if policy == "after_forward":
+                assert not any(blocks_after_fwd.values()), f"{where}: blocks still unsharded: {st['after_forward']}"
+            else:
+                assert all(blocks_after_fwd.values()), (
+                    f"{where}: blocks resharded before backward: {st['after_forward']}")
+            assert not any(st["after_backward"].values()), f"{where}: unsharded after backward: {st['after_backward']}"
+
+
+def test_unit_parameters_are_views_of_one_buffer(job):
+    """Invariant 5: a unit's fragments are views of one shard, and during forward its full-shape parameters are
+    views of one gathered buffer (no per-parameter tensors)."""
+    torch.manual_seed(0)
+    shapes = {n: tuple(p.shape) for n, p in Block().named_parameters()}
+    for r in job:
+        for policy, st in r["states"].items():
+            where = f"rank {r['rank']}, {policy}"
+            assert st["fragment_storages"] == 1, (
+                f"{where}: blocks.1's fragments span {st['fragment_storages']} storages")
+            assert st["full_storages"] == 1, f"{where}: blocks.1's parameters span {st['full_storages']} storages"
+            assert st["full_shapes"] == shapes, f"{where}: shapes during forward {st['full_shapes']}"
+            assert st["registered_dims"] == {1}, f"{where}: parameters() must yield 1-D fragments during forward"
+
+
+def test_parameters_are_fragments_after_forward_and_train(job):
+    rs = [r["after_forward"] for r in job]
+    ref = parameters_after_forward_reference(WORLD)
+    full_shapes = {n: tuple(t.shape) for n, t in ref.items()}
+    for rank, r in enumerate(rs):
+        assert "error" not in r, f"rank {rank} raised:\n{r['error']}"
+        assert set(r) == {f"{p}/{u}" for p in POLICIES for u in ("root-only", "linear-units")}
+        for key, got in r.items():
+            what = f"{key}, rank {rank}"
+            assert got["after_warm_same"], f"{what}: parameters() after a forward without backward are not the " \
+                                           f"fragments of wrap time: {got['shapes_warm']}"
+            for n, shape, is_param in got["shapes_warm"]:
+                assert len(shape) == 1 and is_param, f"{what}: {n} has shape {shape} after a forward"
+            local = sum(shape[0] for _, shape, _ in got["shapes_warm"])
+            assert local < sum(math.prod(s) for s in full_shapes.values()), (
+                f"{what}: the parameters hold {local} elements, the whole model (not a shard): {got['shapes_warm']}")
+            for step, (same, shapes) in enumerate(got["between"]):
+                assert same, f"{what}, step {step}: parameters() between forward and backward changed: {shapes}"
+                assert all(len(s) == 1 for _, s, _ in shapes), f"{what}, step {step}: {shapes}"
+            assert_close_dicts(got["full"], ref, what)

@@ -1,0 +1,174 @@
+"""The training job's configuration in one process: the flags generated from TrainConfig, their checks (including
+those against the world size and the file system, `check_run`), the ep / outer defaults, the learning-rate schedule
+and the weight-decay rule by parameter name (`no_decay`, which tests/reference.py uses too). Whole runs are in
+tests/integration/test_train.py."""
+
+from pathlib import Path
+
+import pytest
+
+from shardfusion.train.config import TrainConfig, build_parser, check_run, lr_at, parse_args, resolve
+from shardfusion.train.data import min_corpus_bytes
+from shardfusion.train.job import no_decay
+
+
+def flag_error(capsys: pytest.CaptureFixture, args: list[str]) -> str:
+    """The one error line that parse_args prints for args, after checking that it exits with status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(args)
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("shardfusion-train: error: ")]
+    assert len(errors) == 1
+    return errors[0].removeprefix("shardfusion-train: error: ")
+
+
+def test_check_run_messages(tmp_path: Path) -> None:
+    need = min_corpus_bytes(64)  # tiny: seq_len 64
+    (tmp_path / "corpus.txt").write_bytes(b"x" * need)
+    (tmp_path / "short.txt").write_bytes(b"x" * (need - 1))
+
+    def check(world_size: int = 4, **fields) -> None:
+        fields = {"data": str(tmp_path / "corpus.txt"), "out": str(tmp_path / "run"), **fields}
+        config = resolve(TrainConfig(preset="tiny", **fields), device="cpu", world_size=world_size)
+        check_run(config, world_size=world_size, world=f"--nproc {world_size}")
+
+    check()
+    check(world_size=8, fsdp_outer_degree=4)
+    with pytest.raises(ValueError, match=r"--fsdp-outer-degree 3 does not fit 4 ranks \(--nproc 4\).*"
+                                         r"fsdp_outer_degree\(3\)"):
+        check(fsdp_outer_degree=3)
+    with pytest.raises(ValueError, match=r"fsdp_outer_degree\(0\) must be >= 1"):
+        check(fsdp_outer_degree=0)
+    with pytest.raises(ValueError, match=rf"--data-bytes {need - 1} is too small.*--data-bytes >= {need}"):
+        check(data_bytes=need - 1)
+    with pytest.raises(ValueError, match="--data-bytes 1000 is too small: it splits into 950 train / 50 val"):
+        check(data_bytes=1000)
+    with pytest.raises(ValueError, match=rf"--data .*short.txt holds only {need - 1} bytes.*"
+                                         rf"split into {need - 1 - 64} train / 64 val"):
+        check(data=str(tmp_path / "short.txt"))
+    with pytest.raises(ValueError, match="^--data .* is neither a file nor a folder$"):
+        check(data=str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="^--data .*empty holds no bytes; pass --data with a non-empty"):
+        check(data=str(tmp_path / "empty"))
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match="^--data .*empty.txt holds no bytes"):
+        check(data=str(tmp_path / "empty.txt"))
+    with pytest.raises(ValueError, match="--out .* is not a folder"):
+        check(out=str(tmp_path / "corpus.txt" / "run"))
+
+    # Expert parallelism: ep must divide the sharding degree, and ep * fsdp_outer_degree must divide it too.
+    check(world_size=8, experts=8, ep=4)
+    check(world_size=8, experts=4, ep=2, fsdp_outer_degree=4)
+    with pytest.raises(ValueError, match=r"^--ep 8 with --fsdp-outer-degree 2 does not fit 4 ranks \(--nproc 4\): "
+                                         r"sharding\(4\) % ep\(8\)"):
+        check(experts=8, ep=8, fsdp_outer_degree=2)
+    with pytest.raises(ValueError, match=r"^--ep 4 with --fsdp-outer-degree 2 does not fit 4 ranks \(--nproc 4\): "
+                                         r"moe_sharding\(1\) .* % fsdp_outer_degree\(2\)"):
+        check(experts=4, ep=4, fsdp_outer_degree=2)
+
+
+def test_resolve_ep_and_outer_defaults() -> None:
+    def resolved(world_size: int, **fields) -> tuple[int, int]:
+        config = resolve(TrainConfig(**fields), device="cpu", world_size=world_size)
+        return config.ep, config.fsdp_outer_degree
+
+    assert resolved(4) == (2, 2)  # the default job: ep 2, HSDP outer 2
+    assert resolved(2) == (2, 1)
+    assert resolved(1) == (1, 1)
+    assert resolved(8) == (2, 2)
+    assert resolved(4, experts=0) == (1, 2)
+    assert resolved(4, experts=3) == (1, 2)
+    assert resolved(4, ep=4) == (4, 1)  # moe_sharding 1: no room for 2 replicas
+    assert resolved(6) == (2, 1)  # moe_sharding 3 is odd
+    assert resolved(4, ep=3, experts=3) == (3, 2)  # ep does not fit; check_run says so, not resolve
+
+
+def test_moe_flags_rejected(capsys: pytest.CaptureFixture) -> None:
+    assert flag_error(capsys, ["--experts", "2", "--top-k", "3"]) == "--top-k 3 must be between 1 and --experts 2"
+    assert flag_error(capsys, ["--experts", "4", "--top-k", "0"]) == "--top-k 0 must be between 1 and --experts 4"
+    assert flag_error(capsys, ["--experts", "6", "--ep", "4"]).startswith("--ep 4 must divide --experts 6")
+    assert flag_error(capsys, ["--experts", "0", "--ep", "2"]).startswith("--ep 2 needs experts")
+    assert flag_error(capsys, ["--experts", "-1"]) == "--experts must be >= 0, got -1"
+    assert flag_error(capsys, ["--ep", "0"]) == "--ep must be >= 1, got 0"
+    assert flag_error(capsys, ["--expert-policy", "all"]).startswith("--expert-policy must be replicate or shard")
+    assert flag_error(capsys, ["--aux-loss-coef", "-0.1"]) == "--aux-loss-coef must be >= 0, got -0.1"
+
+
+@pytest.mark.parametrize("flag", ["--weight-decay", "--aux-loss-coef", "--clip", "--lr", "--min-lr", "--dropout"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_non_finite_float_flags_rejected(flag: str, value: str, capsys: pytest.CaptureFixture) -> None:
+    # nan would train a NaN run with exit status 0 (or, for --clip, silently turn clipping off)
+    assert flag_error(capsys, [flag, value]) == f"argument {flag}: expected a finite number, got {value!r}"
+
+
+def test_config_refuses_non_finite_floats() -> None:
+    with pytest.raises(ValueError, match="^--clip must be a finite number, got nan$"):
+        TrainConfig(clip=float("nan")).validate()
+
+
+def test_abbreviated_flags_and_zero_steps_rejected(capsys: pytest.CaptureFixture) -> None:
+    assert flag_error(capsys, ["--step", "2"]) == "unrecognized arguments: --step 2"
+    assert flag_error(capsys, ["--steps", "0"]) == "--steps must be >= 1, got 0"
+
+
+def test_ranks_per_node_flag(capsys: pytest.CaptureFixture) -> None:
+    assert parse_args(["--ranks-per-node", "8"]).ranks_per_node == 8
+    assert parse_args([]).ranks_per_node is None  # LOCAL_WORLD_SIZE at run time
+    assert flag_error(capsys, ["--ranks-per-node", "0"]) == "--ranks-per-node must be >= 1, got 0"
+
+
+def test_cli_is_generated_from_the_dataclass() -> None:
+    parser = build_parser()
+    help_text = parser.format_help()
+    for flag in ("--preset", "--n-layer", "--d-model", "--n-head", "--seq-len", "--batch-size", "--grad-accum",
+                 "--steps", "--lr", "--min-lr", "--warmup", "--weight-decay", "--clip", "--seed",
+                 "--fsdp-outer-degree", "--reshard-policy", "--eval-every", "--eval-batches", "--nproc", "--data",
+                 "--out", "--sample-tokens", "--device", "--experts", "--top-k", "--ep", "--expert-hidden",
+                 "--aux-loss-coef", "--expert-policy", "--ranks-per-node"):
+        assert flag in help_text
+    assert "Max global gradient norm" in help_text  # field docstrings become the help
+    config = parse_args(["--steps", "7", "--lr", "0.01", "--min-lr", "0.001", "--no-progress"])
+    assert (config.steps, config.lr, config.progress) == (7, 0.01, False)
+    assert parse_args([]) == TrainConfig()
+    assert config.model_config().n_layer == 4
+    default = TrainConfig().model_config()  # the default job is a GPT-MoE
+    assert (default.n_experts, default.top_k, default.expert_hidden_size) == (4, 2, 256)
+    dense = parse_args(["--experts", "0"]).model_config()
+    assert dense.n_experts == 0
+    moe = parse_args(["--preset", "tiny", "--experts", "8", "--top-k", "1", "--expert-hidden", "32"]).model_config()
+    assert (moe.n_experts, moe.top_k, moe.expert_hidden_size, moe.d_model) == (8, 1, 32, 64)
+    assert parse_args(["--preset", "tiny", "--n-layer", "3"]).model_config().n_layer == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--preset", "nonexistent"])
+    with pytest.raises(SystemExit):
+        parse_args(["--lr", "0.001", "--min-lr", "0.01"])
+
+
+def test_lr_schedule() -> None:
+    config = TrainConfig(steps=100, warmup=10, lr=1.0, min_lr=0.1)
+    lrs = [lr_at(config, s) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+def test_checkpoint_flags_rejected(capsys: pytest.CaptureFixture) -> None:
+    assert flag_error(capsys, ["--keep", "0"]) == (
+        "--keep must be >= 1 (the latest checkpoint is always kept), got 0")
+    assert flag_error(capsys, ["--save-every", "-1"]) == "--save-every must be >= 0, got -1"
+    assert flag_error(capsys, ["--max-restarts", "-2"]) == "--max-restarts must be >= 0, got -2"
+    assert flag_error(capsys, ["--steps", "10", "--stop-after", "11"]) == (
+        "--stop-after must be between 1 and --steps 10, got 11")
+    assert flag_error(capsys, ["--stop-after", "0"]).startswith("--stop-after must be between 1 and --steps")
+    assert flag_error(capsys, ["--max-restarts", "1"]).startswith("--max-restarts 1 needs --save-every > 0")
+
+
+@pytest.mark.parametrize("name, exempt", [
+    ("wte.weight", True), ("wpe.weight", True), ("ln_f.weight", True), ("blocks.0.ln_1.bias", True),
+    ("blocks.0.attn.qkv.bias", True), ("blocks.3.mlp.fc.weight", False), ("blocks.0.attn.proj.weight", False),
+    ("encoder.layernorm.weight", True), ("lm_head.weight", False), ("blocks.0.mlp.router.weight", False),
+    ("blocks.1.mlp.experts.3.fc.weight", False), ("blocks.1.mlp.experts.3.proj.bias", True),
+])
+def test_weight_decay_groups_by_name(name: str, exempt: bool) -> None:
+    assert no_decay(name) is exempt
