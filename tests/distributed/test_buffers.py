@@ -1,4 +1,4 @@
-"""Module buffers of a sharded model: broadcast from the first data-parallel rank (schedule.Scheduler.sync_buffers).
+"""Module buffers of a sharded model: broadcast from the first data-parallel rank (Scheduler.sync_buffers).
 
 One W=4 job at (I, O) = (2, 2). BatchNorm: three SGD steps on per-rank data move each rank's running statistics
 apart; the eval forward that follows broadcasts them (as DDP does), so the eval output for one probe is the same on
