@@ -215,6 +215,16 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
 # --- whole commands (integration tests) -------------------------------------------------------------------------
 
 
+def raised(fn: Callable[[], Any]) -> tuple:
+    """``(type name, message)`` of the exception ``fn()`` raises, or ``(None, None)``: for a rank to report an
+    expected error back to the test, which asserts its type and words."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test asserts the type and the message
+        return type(e).__name__, str(e)
+    return None, None
+
+
 def clean_env() -> dict[str, str]:
     """This environment without torchrun's variables, and one thread per process."""
     env = {k: v for k, v in os.environ.items()

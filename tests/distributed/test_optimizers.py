@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from harness import run_distributed
+from harness import run_distributed, raised
 
 JOB_TIMEOUT_S = 240
 WORLD = 4
@@ -71,14 +71,6 @@ def reference(name: str) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _error(fn) -> tuple:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test asserts the type and the message
-        return type(e).__name__, str(e)
-    return None, None
-
-
 def _local_loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
     x, y = batch(step)
     return F.mse_loss(model(x.chunk(WORLD)[rank]), y.chunk(WORLD)[rank])
@@ -91,7 +83,7 @@ def _refused_step(model: nn.Module, opt, rank: int, sf) -> dict:
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     closure = lambda: _local_loss(model, 0, rank)  # noqa: E731 - LBFGS needs one
     with sf.comm.CommCounter() as counter:
-        error = _error(lambda: opt.step(closure))
+        error = raised(lambda: opt.step(closure))
     return {"error": error, "collectives": len(counter.records), "state": len(opt.state),
             "unchanged": all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())}
 
@@ -128,7 +120,7 @@ def optimizers_job() -> dict:
     out["refused"]["between-nested"] = _refused_step(model, opt, rank, sf)
 
     model = sf.fully_shard(build(), topo, units=(nn.Linear,))
-    out["muon"] = _error(lambda: torch.optim.Muon(model.parameters(), lr=1e-2))
+    out["muon"] = raised(lambda: torch.optim.Muon(model.parameters(), lr=1e-2))
     return out
 
 

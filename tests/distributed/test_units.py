@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from harness import run_distributed
+from harness import run_distributed, raised
 from models import MLP, Block, TinyTransformer
 from reference import assert_close_dicts, global_randn, rank_randn, seeded, sgd_step, state_snapshot
 
@@ -61,14 +61,6 @@ def _describe(model, sf) -> dict:
         "names": [n for n, _ in model.named_parameters()],
         "fragments": {n: (p.numel(), p.dim(), p.requires_grad) for n, p in model.named_parameters()},
     }
-
-
-def _error(fn) -> tuple:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test asserts the type and the message
-        return type(e).__name__, str(e)
-    return None, None
 
 
 class ListNet(nn.Module):
@@ -162,11 +154,11 @@ def units_job() -> dict:
     out["no_units"] = wrap(MLP())
 
     out["modulelist_by_size"] = _scenario(modulelist_by_size, topo)
-    out["container_units"] = _error(lambda: sf.fully_shard(seeded(ListNet), topo, units=(nn.ModuleList,)))
+    out["container_units"] = raised(lambda: sf.fully_shard(seeded(ListNet), topo, units=(nn.ModuleList,)))
 
     # argument errors (raised before any collective, so every rank raises alike)
     def bad(**kw):
-        return _error(lambda: sf.fully_shard(MLP(), topo, **kw))
+        return raised(lambda: sf.fully_shard(MLP(), topo, **kw))
 
     out["errors"] = {
         "reshard_policy": bad(reshard_policy="after_step"),
@@ -176,12 +168,12 @@ def units_job() -> dict:
         "units=instance": bad(units=(nn.Linear(2, 2),)),
         "units=str": bad(units=("Linear",)),
         "replicate_filter": bad(replicate_filter="yes"),
-        "topology": _error(lambda: sf.fully_shard(MLP(), 4)),
+        "topology": raised(lambda: sf.fully_shard(MLP(), 4)),
         "units+comm_unit_size": bad(units=(nn.Linear,), comm_unit_size=10),
     }
     for kind, degrees in (("sep", {"sep": 2}), ("cp", {"cp": 2})):
         sub = sf.Topology(sharding=WORLD // 2, **degrees)
-        out["errors"][kind] = _error(lambda: sf.fully_shard(MLP(), sub))
+        out["errors"][kind] = raised(lambda: sf.fully_shard(MLP(), sub))
     return out
 
 

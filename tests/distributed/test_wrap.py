@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from harness import run_distributed
+from harness import run_distributed, raised
 
 JOB_TIMEOUT_S = 240
 WORLD = 4
@@ -167,14 +167,6 @@ def reference(key: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}  # tied: once, first name
 
 
-def _error(fn) -> tuple:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test asserts the type and the message
-        return type(e).__name__, str(e)
-    return None, None
-
-
 def wrap_job(keys: tuple = tuple(MODELS), refusals: bool = True) -> dict:
     """Worker: train the cases ``keys`` on both layouts, then (with ``refusals``) try what fully_shard refuses."""
     import torch.distributed as dist
@@ -203,26 +195,26 @@ def _refusals(topo, sf) -> dict:
         model = build("linears-bias")
         sf.fully_shard(model[0], inner_topo, **inner_kw)
         sf.fully_shard(model[2], topo)
-        return _error(lambda: sf.fully_shard(model, topo))
+        return raised(lambda: sf.fully_shard(model, topo))
 
     errors["mismatch-param_dtype"] = mismatch(topo, mp_policy=sf.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     errors["mismatch-prefetch"] = mismatch(topo, prefetch=0)
     errors["mismatch-topology"] = mismatch(sf.Topology(sharding=WORLD // 2, dp=2))
 
     model = sf.fully_shard(build("linears-bias"), topo)
-    errors["inside-sharded"] = _error(lambda: sf.fully_shard(model[0], topo))
+    errors["inside-sharded"] = raised(lambda: sf.fully_shard(model[0], topo))
 
     with torch.device("meta"):
         meta = _stack(True)
-    errors["meta"] = _error(lambda: sf.fully_shard(meta, topo))
-    errors["unmatched-units"] = _error(lambda: sf.fully_shard(build("three-levels"), topo, units=(nn.Conv1d, nn.GRU)))
+    errors["meta"] = raised(lambda: sf.fully_shard(meta, topo))
+    errors["unmatched-units"] = raised(lambda: sf.fully_shard(build("three-levels"), topo, units=(nn.Conv1d, nn.GRU)))
 
     casts = {"double": lambda m: m.double(), "half": lambda m: m.half(),
              "to_float64": lambda m: m.to(torch.float64), "to_meta": lambda m: m.to("meta")}
     for name, cast in casts.items():
         model = sf.fully_shard(build("three-levels"), topo, units=(Block,))
         cast(model)
-        errors[f"cast-{name}"] = _error(lambda: model(torch.randn(2, D)))
+        errors[f"cast-{name}"] = raised(lambda: model(torch.randn(2, D)))
     return errors
 
 
