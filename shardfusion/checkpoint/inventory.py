@@ -118,6 +118,12 @@ def model_info(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
 
 
 def param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """For each of ``optimizer``'s parameter groups, the names (``model.named_parameters()``; a tied parameter: its
+    first name) of its parameters, in the group's order. Recorded in a checkpoint for information only.
+
+    Raises:
+        KeyError: the optimizer holds a parameter that is not one of ``model``'s.
+    """
     names = {id(p): n for n, p in model.named_parameters()}
     return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
