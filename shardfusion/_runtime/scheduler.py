@@ -28,7 +28,7 @@ and ``finish_grad_sync`` only waits. A gradient arriving for a buffer whose all-
 ``torch.compile``: every hook is excluded from tracing (``torch.compiler.disable``). They resize storages, issue
 collectives and keep Python state, which Inductor cannot lower (its ``resize_storage_bytes_`` lowering needs static
 sizes). Dynamo breaks the graph at each hook, so the compute of each unit between two hooks is one compiled graph
-and the hooks run eagerly, as without compile (``tests/test_compile.py``).
+and the hooks run eagerly, as without compile (``tests/distributed/test_compile.py``).
 
 The step boundary's optimizer step pre-hook, and the optimizers it refuses, are in ``optimizer_hook.py``.
 
