@@ -10,11 +10,12 @@ that absorbs earlier ones), ``flat_buffer.py`` (the tensors a buffer owns: [Note
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, Union
 
+import torch
 import torch.nn as nn
 
-from shardfusion._runtime import nested, wrap
+from shardfusion._runtime import materialize, nested, wrap
 from shardfusion._runtime.local_state_dict import LocalStateDict
 from shardfusion._runtime.scheduler import Scheduler
 from shardfusion._runtime.state import attach, sharded_state
@@ -39,6 +40,8 @@ def fully_shard(
     expert_filter: Optional[Callable[[str, nn.Parameter], bool]] = None,
     expert_policy: str = "replicate",
     prefetch: int = 1,
+    device: Optional[Union[torch.device, str]] = None,
+    init_fn: Optional[Callable[[nn.Module], None]] = None,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP (``fsdp_outer_degree == 1``) or HSDP (``> 1``) and return it.
 
@@ -81,11 +84,23 @@ def fully_shard(
     ``model.load_state_dict()`` is collective and takes full-shape tensors or this rank's own fragments (see
     :func:`shardfusion.full_state_dict`).
 
+    Meta-device models: a model built (all or partly) under ``with torch.device("meta")`` is materialized here,
+    module by module in ``model.modules()`` order: a module's own meta parameters are allocated full on ``device``,
+    initialized by ``init_fn(module)`` or else the module's ``reset_parameters()``, broadcast from the first rank
+    holding them, copied into this rank's shard and freed (peak: the shards plus one module's parameters). For layers
+    that draw their values in ``reset_parameters`` (``torch.nn`` layers, :class:`shardfusion.models.gpt.GPT`,
+    :class:`shardfusion.moe.MoE`) the result equals eager construction under the same seed, bitwise; docs/design.md
+    ("Models larger than one rank") says when that holds and what to do otherwise. An eager model's original
+    parameters are freed unit by unit during the wrap (peak: the model plus one unit's flat buffer).
+
     Args:
-        model: the module to shard (on its target device, materialized: not on the meta device; parameters of any
-            float dtype). It may contain modules sharded by earlier calls (see nested calls above).
+        model: the module to shard (parameters of any float dtype; on the meta device, all or partly, or with
+            values). It may contain modules sharded by earlier calls (see nested calls above).
         topology: a :class:`shardfusion.Topology`.
-        units: module classes that each form a unit (e.g. ``(Block,)``); at least one must match a module.
+        units: module classes that each form a unit (e.g. ``(Block,)``); at least one must match a module. ``None``
+            with no ``comm_unit_size``: the classes named in the model's ``_no_split_modules`` (a Hugging Face
+            ``PreTrainedModel``'s decoder layers, as accelerate's FSDP integration uses them), else only the root
+            unit.
         comm_unit_size: with no ``units``: the largest unit, in elements (> 0).
         reshard_policy: ``"after_forward"`` (free full buffers after each unit's forward, gather again for backward;
             ZeRO-3) or ``"after_backward"`` (keep them from forward until the unit's backward is done).
@@ -118,6 +133,13 @@ def fully_shard(
             backward (the running unit, the prefetched ones, and the previous one until its last gradient lands);
             units that are not resharded after forward keep theirs until their backward.
 
+        device: where the shards (and every runtime buffer) live. ``None``: each tensor's own device, and for meta
+            tensors ``cuda:LOCAL_RANK`` under NCCL, ``cpu`` under gloo. Given: tensors elsewhere are copied to it
+            (shard by shard, so an eager CPU model can be sharded onto GPUs).
+        init_fn: ``init_fn(module)``, called under ``torch.no_grad()`` for each module with parameters or buffers of
+            its own on the meta device, once their storage is allocated (values uninitialized), instead of its
+            ``reset_parameters()``; e.g. ``model._init_weights`` for a transformers model.
+
     Returns:
         ``model``, changed in place.
 
@@ -125,8 +147,11 @@ def fully_shard(
         ValueError: bad ``units`` (also: none of its classes matches a module), ``comm_unit_size``,
             ``reshard_policy`` (not in :data:`RESHARD_POLICIES`), ``reshard_filter``, ``mp_policy``,
             ``replicate_filter``, ``expert_filter``, ``expert_policy`` (not in :data:`EXPERT_POLICIES`) or
-            ``prefetch``; a model that is already sharded, or that is inside a sharded module; a parameter or buffer
-            on the meta device; a module with an ``ep_group`` attribute (an expert-parallel layer such as
+            ``prefetch``, ``device`` (not a device, or ``"meta"``), ``init_fn`` (not callable); a model that is
+            already sharded, or that is inside a sharded module; a module with meta tensors of its own and no
+            ``reset_parameters()`` when no ``init_fn`` is given, or ranks that disagree on which tensors are on
+            meta (after one small all-reduce, so on every rank); an ``init_fn`` that leaves a tensor on meta or
+            changes its shape; a module with an ``ep_group`` attribute (an expert-parallel layer such as
             :class:`shardfusion.moe.MoE`) whose group is not the topology's ep group; a sharded submodule whose call
             used other options (the message names the option). All before any collective, so on every rank.
         NotImplementedError: ``sep * cp > 1``.
@@ -135,13 +160,18 @@ def fully_shard(
                                replicate_filter, broadcast_buffers, expert_filter, expert_policy, prefetch,
                                reshard_policy, reshard_filter)
     wrap.check_args(model, options, units, comm_unit_size)
+    device = materialize.check_device_args(device, init_fn)
+    if units is None and comm_unit_size is None:
+        units = wrap.default_units(model)
     wrap.check_model(model, topology, units)
     inner = nested.sharded_submodules(model)
     nested.check_nested_options(model, inner, options)
+    materialize.check_initializable(model, init_fn)  # the first collective: the same error on every rank
     absorbed = [spec for name, sub in inner for spec in nested.absorb(name, sub)]  # collective: full parameters back
+    needs_init = materialize.place_buffers(model, device)  # before buffer identities are read
     expert_buffers = wrap.expert_buffers(model, expert_filter or wrap.marked_expert)  # before they become fragments
     specs = wrap.unit_specs(model, options, units, comm_unit_size, absorbed, [sub for _, sub in inner])
-    built = wrap.build_units(model, specs, options)
+    built = wrap.build_units(model, specs, options, device, init_fn, needs_init)
     state = Scheduler(model, built, topology, broadcast_buffers, expert_buffers, options.mp_policy.param_dtype,
                       prefetch, wrap_options=options)
     state.sync_buffers()  # e.g. BatchNorm statistics start equal too

@@ -57,17 +57,83 @@ def is_expert(param: torch.Tensor) -> bool:
     return bool(getattr(param, EXPERT_ATTR, False))
 
 
+DEFAULT_EXPERT_STD = 0.02
+"""Standard deviation of the routed experts' weights when none is given."""
+
+
+class _SeedBox:
+    """The expert seed of one :class:`MoE`, drawn by its router's first ``reset_parameters`` and read by its
+    experts' layers. A plain object shared by reference, so ``copy.deepcopy`` of the layer keeps it shared."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: Optional[int] = None
+
+
+class ExpertLinear(nn.Linear):
+    """An ``nn.Linear`` whose ``reset_parameters`` draws the weight from ``N(0, init_std)`` and zeroes the bias.
+
+    With a seed (``seed_box``, ``expert``): from a CPU generator seeded ``seed_box.value + expert``, after drawing
+    ``skip_shape`` normals from it (so an expert's second layer continues the stream of its first), never from the
+    global generator (``init_std=None``: 0.02); without one: from the global generator (a dense layer, e.g. a shared
+    expert), or with ``init_std=None`` torch's default ``nn.Linear`` initialization. Drawing in
+    ``reset_parameters`` makes construction and meta-device initialization (``fully_shard`` on a model built on the
+    meta device) give the same values.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, init_std: Optional[float] = None,
+                 seed_box: Optional[_SeedBox] = None, expert: int = 0, skip_shape: Optional[tuple] = None,
+                 device=None, dtype=None) -> None:
+        self.init_std, self.seed_box, self.expert, self.skip_shape = init_std, seed_box, expert, skip_shape
+        super().__init__(in_features, out_features, device=device, dtype=dtype)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Redraw the weight (see the class), zero the bias. No-op on the meta device.
+
+        Raises:
+            RuntimeError: a seeded layer whose seed was not drawn yet (its router was never initialized).
+        """
+        if self.weight.is_meta:
+            return
+        if self.seed_box is None:
+            if self.init_std is None:
+                super().reset_parameters()
+                return
+            nn.init.normal_(self.weight, 0.0, self.init_std)
+        else:
+            if self.seed_box.value is None:
+                raise RuntimeError("expert layer initialized before its MoE router drew the expert seed: initialize "
+                                   "the router first (reset_parameters in module order)")
+            gen = torch.Generator().manual_seed(self.seed_box.value + self.expert)
+            if self.skip_shape is not None:
+                torch.empty(self.skip_shape).normal_(0.0, 1.0, generator=gen)
+            std = DEFAULT_EXPERT_STD if self.init_std is None else self.init_std
+            self.weight.copy_(torch.empty(self.weight.shape).normal_(0.0, std, generator=gen))
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
 class Expert(nn.Module):
     """A two-layer GELU MLP: ``Expert(d_model, d_hidden)`` maps (N, C) -> (N, C), N == 0 included.
 
-    Not marked expert by itself: :class:`MoE` marks its routed experts, a shared expert stays dense.
+    Its layers are :class:`ExpertLinear` (``fc`` with ``N(0, std)``, ``proj`` with ``N(0, proj_std or std)``), drawn
+    from the seed of ``seed_box`` and ``expert`` when given, else from the global generator (``std=None``: see
+    :class:`ExpertLinear`). Not marked expert by
+    itself: :class:`MoE` marks its routed experts, a shared expert stays dense.
     """
 
-    def __init__(self, d_model: int, d_hidden: int, *, device=None, dtype=None) -> None:
+    def __init__(self, d_model: int, d_hidden: int, *, std: Optional[float] = None, proj_std: Optional[float] = None,
+                 seed_box: Optional[_SeedBox] = None, expert: int = 0, device=None, dtype=None) -> None:
         super().__init__()
-        self.fc = nn.Linear(d_model, d_hidden, device=device, dtype=dtype)
+        self.fc = ExpertLinear(d_model, d_hidden, init_std=std, seed_box=seed_box, expert=expert,
+                               device=device, dtype=dtype)
         self.act = nn.GELU()
-        self.proj = nn.Linear(d_hidden, d_model, device=device, dtype=dtype)
+        self.proj = ExpertLinear(d_hidden, d_model, init_std=std if proj_std is None else proj_std,
+                                 seed_box=seed_box, expert=expert,
+                                 skip_shape=None if seed_box is None else (d_hidden, d_model), device=device,
+                                 dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(N, C) -> (N, C), N == 0 included."""
@@ -77,9 +143,32 @@ class Expert(nn.Module):
 class Router(nn.Linear):
     """The dense router ``Router(C, E)``: (T, C) -> fp32 logits (T, E), computed in fp32.
 
+    ``reset_parameters`` draws the weight from ``N(0, init_std)`` (``None``: torch's default ``nn.Linear``
+    initialization), from the global generator, and then, the first time only, the expert seed of its MoE into
+    ``seed_box`` (one draw of the global generator).
+
     Called as a module, never through ``router.weight`` from outside, so that a unit holding only the router (e.g.
     ``fully_shard(..., units=(nn.Linear,))`` or a small ``comm_unit_size``) is gathered by its forward hooks.
     """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, init_std: Optional[float] = None,
+                 seed_box: Optional[_SeedBox] = None, device=None, dtype=None) -> None:
+        self.init_std, self.seed_box = init_std, seed_box
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Redraw the weight, zero the bias; draw the expert seed if it is not drawn yet. No-op on meta."""
+        if self.weight.is_meta:
+            return
+        if self.init_std is None:
+            super().reset_parameters()
+        else:
+            nn.init.normal_(self.weight, 0.0, self.init_std)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
+        if self.seed_box is not None and self.seed_box.value is None:
+            self.seed_box.value = int(torch.randint(0, 2**62, (1,), device="cpu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, C) any float dtype -> fp32 logits (T, E)."""
@@ -158,16 +247,24 @@ class MoE(nn.Module):
         experts: ``nn.ModuleDict`` of this rank's E_local experts only, keyed by their global index (``"5"``), so
             parameter names are global (``experts.5.fc.weight``); every parameter is marked :data:`EXPERT_ATTR`.
         shared_expert: the dense shared :class:`Expert`, or ``None``.
-        expert_seed: the one seed drawn from the global RNG in ``__init__`` (see :meth:`reset_expert_parameters`).
+        expert_seed: the one seed of the experts, drawn from the global RNG by the router's first
+            ``reset_parameters`` (see :meth:`reset_expert_parameters`).
         aux_loss: after a forward, the load-balancing loss over this rank's tokens, a 0-dim fp32 tensor
             ``E * sum_e f_e * P_e`` (f_e: fraction of the N assignments routed to e, no gradient; P_e: mean router
             probability of e over the T tokens, differentiable); 0 when T == 0. Not added to anything: the caller
             adds ``coef * aux_loss`` to its loss (Switch Transformer, GShard).
         tokens_per_expert: after a forward, (E,) int64, this rank's assignments per global expert (detached).
 
-    Initialization does not depend on ep: ``__init__`` draws exactly one seed from the global RNG (after the router,
-    before the shared expert), whatever ep is, and each expert g is drawn from its own generator seeded
-    ``expert_seed + g``; so expert g, and any parameter created later, has the same values at every ep.
+        init_std: standard deviation of the normal initialization of the router, the shared expert and the
+            experts' first layers; ``None`` (default): torch's default ``nn.Linear`` initialization for the router
+            and the shared expert, 0.02 for the experts. proj_init_std: of the experts' (and the shared expert's)
+            output layers (default: as ``init_std``). Routed experts' biases start at 0.
+
+    Initialization does not depend on ep: the global RNG gives the router's weight and then exactly one seed (in
+    the router's ``reset_parameters``), whatever ep is, and each expert g is drawn from its own generator seeded
+    ``expert_seed + g``; so expert g, and any parameter created later, has the same values at every ep. Every draw
+    happens in a ``reset_parameters``, in module order, so a MoE built on the meta device and initialized by
+    ``fully_shard`` gets the values of eager construction.
 
     Raises:
         ValueError: a dim < 1 (``shared_expert_hidden`` < 0), ``top_k`` not in [1, E], ``num_experts % ep != 0``.
@@ -175,7 +272,8 @@ class MoE(nn.Module):
 
     def __init__(self, d_model: int, d_hidden: int, num_experts: int, top_k: int = 2, *,
                  ep_group: Optional[ProcessGroup] = None, shared_expert_hidden: int = 0,
-                 normalize_top_k: bool = True) -> None:
+                 normalize_top_k: bool = True, init_std: Optional[float] = None,
+                 proj_init_std: Optional[float] = None) -> None:
         super().__init__()
         for name, value, low in (("d_model", d_model, 1), ("d_hidden", d_hidden, 1), ("num_experts", num_experts, 1),
                                  ("shared_expert_hidden", shared_expert_hidden, 0)):
@@ -191,30 +289,39 @@ class MoE(nn.Module):
         self._ep_size, self._ep_rank = ep, (0 if ep == 1 else dist.get_rank(ep_group))
         self._num_experts, self._top_k, self.normalize_top_k = num_experts, top_k, normalize_top_k
 
-        self.router = Router(d_model, num_experts, bias=False)
-        self.expert_seed = int(torch.randint(0, 2**62, (1,), device="cpu"))
-        # Built on "meta" so that no global RNG draw depends on E_local; filled by reset_expert_parameters.
-        device, dtype = self.router.weight.device, self.router.weight.dtype
+        self._seed_box = _SeedBox()
+        self.router = Router(d_model, num_experts, bias=False, init_std=init_std, seed_box=self._seed_box)
         e_local = self.num_local_experts
         first = self._ep_rank * e_local
         self.experts = nn.ModuleDict({
-            str(g): mark_expert(Expert(d_model, d_hidden, device="meta", dtype=dtype).to_empty(device=device))
+            str(g): mark_expert(Expert(d_model, d_hidden, std=init_std, proj_std=proj_init_std,
+                                       seed_box=self._seed_box, expert=g))
             for g in range(first, first + e_local)
         })
-        self.reset_expert_parameters()
-        self.shared_expert = Expert(d_model, shared_expert_hidden) if shared_expert_hidden > 0 else None
+        self.shared_expert = (Expert(d_model, shared_expert_hidden, std=init_std, proj_std=proj_init_std)
+                              if shared_expert_hidden > 0 else None)
         self.aux_loss: Optional[torch.Tensor] = None
         self.tokens_per_expert: Optional[torch.Tensor] = None
 
+    @property
+    def expert_seed(self) -> Optional[int]:
+        """The seed of the experts, drawn by the router's first ``reset_parameters`` (``None`` until then, e.g. on
+        the meta device)."""
+        return self._seed_box.value
+
     @torch.no_grad()
-    def reset_expert_parameters(self, std: float = 0.02, proj_std: Optional[float] = None) -> None:
+    def reset_expert_parameters(self, std: Optional[float] = None, proj_std: Optional[float] = None) -> None:
         """(Re)initialize this rank's experts: ``fc.weight ~ N(0, std)``, ``proj.weight ~ N(0, proj_std or std)``,
-        biases 0, each expert g from a CPU generator seeded ``expert_seed + g`` (the same values on every call)."""
-        for name, expert in self.experts.items():
-            gen = torch.Generator().manual_seed(self.expert_seed + int(name))
-            for linear, s in ((expert.fc, std), (expert.proj, std if proj_std is None else proj_std)):
-                linear.weight.copy_(torch.empty(linear.weight.shape).normal_(0.0, s, generator=gen))
-                linear.bias.zero_()
+        biases 0, each expert g from a CPU generator seeded ``expert_seed + g`` (the same values on every call).
+        ``None``: the standard deviations given at construction (``init_std``, ``proj_init_std``)."""
+        for expert in self.experts.values():
+            if std is not None:
+                expert.fc.init_std = std
+                expert.proj.init_std = std if proj_std is None else proj_std
+            elif proj_std is not None:
+                expert.proj.init_std = proj_std
+            expert.fc.reset_parameters()
+            expert.proj.reset_parameters()
 
     @property
     def num_experts(self) -> int:

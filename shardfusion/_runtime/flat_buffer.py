@@ -67,9 +67,15 @@ def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Ten
 class FlatBuffer:
     """One flat buffer of a unit. See [Note: flat buffer tensors] at the top of this file.
 
+    The shard starts as zeros (padding stays zero): the values come from :meth:`fill_from_params` (parameters
+    with values, broadcast from the first data-parallel rank) or :meth:`fill_slot` (one parameter at a time, as
+    meta-device initialization materializes it), before any forward.
+
     Args:
         layout: the pure layout (offsets, padding, shard count).
-        params: the original parameters in layout order (their data is copied into the shard).
+        params: the original parameters in layout order (dtype, ``requires_grad`` and attributes are read; they may
+            be on the meta device).
+        device: where the shard and every tensor of the note live.
         shard_index: this rank's shard index (its rank in ``shard_group``; 0 when kept whole).
         shard_group: group the buffer is sharded over (all-gather, reduce-scatter); ``None`` or size 1 = kept whole.
         reduce_group: a second group over the same ranks as ``shard_group`` for reduce-scatters, so that their
@@ -101,6 +107,7 @@ class FlatBuffer:
         layout: FlatLayout,
         params: list[nn.Parameter],
         *,
+        device: torch.device,
         shard_index: int,
         shard_group: Optional[ProcessGroup],
         reduce_group: Optional[ProcessGroup],
@@ -124,28 +131,23 @@ class FlatBuffer:
         self.unit_name = unit_name
         self.originals = [weakref.ref(p) for p in params]
         self.param_attrs = [dict(vars(p)) for p in params]
-        dtype, device = params[0].dtype, params[0].device
+        dtype = params[0].dtype
         self.param_dtype = param_dtype or dtype
         self.grad_comm_dtype = grad_comm_dtype or self.param_dtype
         P, S = layout.padded_numel, layout.shard_numel
         if P == 0:  # only zero-element parameters: nothing to communicate, on every rank alike
             self.shard_group = self.reduce_group = self.replicate_group = None
+            data_parallel_group = None
+        self.data_parallel_group = data_parallel_group
         self.shard_index = shard_index if P else 0
-
-        # Initial values: every data-parallel replica starts from the first rank's parameters (docs/field-cases.md,
-        # F7: replicas started from different weights).
-        with torch.no_grad():
-            flat = torch.zeros(P, dtype=dtype, device=device)  # (P,)
-            for slot, p in zip(layout.slots, params):
-                flat[slot.offset:slot.end].copy_(p.detach().reshape(-1))
-            comm.broadcast(flat, data_parallel_group if P else None)
-            self.shard = flat[shard_index * S:(shard_index + 1) * S].clone()  # (S,)
-        del flat
+        self.shard = torch.zeros(S, dtype=dtype, device=device)  # (S,) filled by fill_from_params / fill_slot
 
         self.fragments: list[nn.Parameter] = []
         self._frag_ranges: list[tuple[int, int]] = []  # (offset in shard, numel) per fragment
+        self._frag_param_offsets: list[int] = []  # start of each fragment in its flattened parameter
         for frag in layout.fragments(shard_index):
             self._frag_ranges.append((frag.shard_offset, frag.numel))
+            self._frag_param_offsets.append(frag.param_offset)
             view = self.shard[frag.shard_offset:frag.shard_offset + frag.numel]
             self.fragments.append(nn.Parameter(view, requires_grad=self.requires_grad))
             if self.is_expert:
@@ -155,11 +157,12 @@ class FlatBuffer:
             self.full = self.shard
         else:
             self.full = torch.empty(P, dtype=self.param_dtype, device=device)  # (P,)
-            self.full.untyped_storage().resize_(0)
         self.full_views: list[nn.Parameter] = [
             nn.Parameter(_alias(self.full, s.offset, s.shape), requires_grad=self.requires_grad)
             for s in layout.slots
         ]
+        if self.full is not self.shard:  # freed after the views exist: making a view would grow it back
+            self.full.untyped_storage().resize_(0)
         self._gather_work = None
         self._gather_input: Optional[torch.Tensor] = None  # (S,) the shard cast to param_dtype, while gathering
         self.is_unsharded = self.full is self.shard
@@ -177,6 +180,38 @@ class FlatBuffer:
         self._reduce_work = None
         self.direct_grad: Optional[torch.Tensor] = None
         self._stashed_grads: dict[int, Optional[torch.Tensor]] = {}  # fragment index -> its .grad before autograd
+
+    # ---- initial values ----------------------------------------------------------------------------------------
+    def fill_from_params(self, params: list[Optional[torch.Tensor]]) -> None:
+        """Copy this rank's slice of each given parameter (``None``: leave its slot as it is) into the shard, with
+        the values of the first rank of ``data_parallel_group`` (one broadcast of a temporary ``(P,)`` buffer), so
+        every replica starts from the same weights (docs/field-cases.md, F7). Collective over that group when any
+        rank of it passes a parameter; every rank must pass ``None`` for the same slots."""
+        P = self.layout.padded_numel
+        if P == 0 or all(p is None for p in params):
+            return
+        with torch.no_grad():
+            flat = torch.zeros(P, dtype=self.shard.dtype, device=self.shard.device)  # (P,)
+            for slot, p in zip(self.layout.slots, params):
+                if p is not None:
+                    flat[slot.offset:slot.end].copy_(p.detach().reshape(-1))
+            comm.broadcast(flat, self.data_parallel_group)
+            S = self.layout.shard_numel
+            mine = flat[self.shard_index * S:(self.shard_index + 1) * S]
+            for (off, n), p in zip(self._frag_ranges, params):
+                if p is not None and n:
+                    self.shard[off:off + n].copy_(mine[off:off + n])
+        del flat
+
+    def fill_slot(self, index: int, value: torch.Tensor) -> None:
+        """Copy this rank's fragment of parameter ``index`` (``layout.slots[index]``) out of ``value``, its full
+        tensor (any shape with the slot's number of elements, any device and float dtype; converted). Local: the
+        caller makes ``value`` equal on every replica."""
+        off, n = self._frag_ranges[index]
+        if n:
+            start = self._frag_param_offsets[index]
+            with torch.no_grad():
+                self.shard[off:off + n].copy_(value.detach().reshape(-1)[start:start + n])
 
     def _collective(self, op: str) -> str:
         """``op`` and whose buffer it moves, for error messages: ``"all_gather of unit 'blocks.1' (...)"``."""

@@ -77,7 +77,7 @@ def _restore_parameters(unit: Unit, prefix: str) -> None:
                                                        buffer.originals, buffer.param_attrs):
             value = full[slot.offset:slot.end].view(slot.shape)
             param = original()
-            if param is None:
+            if param is None or param.is_meta:  # freed, or the meta placeholder of a meta-device build
                 param = nn.Parameter(value.clone(), requires_grad=frag.requires_grad)
                 param.__dict__.update(attrs)
             else:  # still alive: e.g. tied to a module outside ``sub``, which must keep sharing it

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardfusion import comm
+from shardfusion._runtime import materialize
 from shardfusion._runtime.flat_buffer import FlatBuffer
 from shardfusion._runtime.layout import build_layout
 from shardfusion._runtime.optimizer_hook import REPLACED_PARAMS
@@ -107,9 +108,9 @@ def _check_units(units, comm_unit_size) -> None:
 
 
 def check_model(model: nn.Module, topology, units: Optional[Sequence[type]]) -> None:
-    """The model itself: its expert-parallel layers, no meta tensors, unit classes that match a module."""
+    """The model itself: its expert-parallel layers, unit classes that match a module (meta tensors: see
+    ``materialize.check_initializable``)."""
     _check_expert_parallel_layers(model, topology)
-    _check_materialized(model)
     _check_unit_classes(model, units)
 
 
@@ -128,17 +129,6 @@ def _check_expert_parallel_layers(model: nn.Module, topology) -> None:
                              "ep_group=topology.get_group('ep')")
 
 
-def _check_materialized(model: nn.Module) -> None:
-    """No parameter or buffer on the meta device: its values are what every rank starts from."""
-    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, t in named:
-            if t.is_meta:
-                raise ValueError(
-                    f"{kind} {name!r} of {type(model).__name__} is on the meta device: materialize the model first "
-                    "(model.to_empty(device=...), then reset_parameters() on its modules); meta-device "
-                    "initialization is not supported yet")
-
-
 def _check_unit_classes(model: nn.Module, units: Optional[Sequence[type]]) -> None:
     """Some class in ``units`` matches a module of ``model``: with none (a class of the same name from another
     module, a wrong import), the whole model would silently be one unit, gathered whole. A tuple shared by several
@@ -153,6 +143,18 @@ def _check_unit_classes(model: nn.Module, units: Optional[Sequence[type]]) -> No
 
 
 # ---- units -----------------------------------------------------------------------------------------------------------
+def default_units(model: nn.Module) -> Optional[tuple[type, ...]]:
+    """The unit classes of a model that names its own: a Hugging Face ``PreTrainedModel`` lists in
+    ``_no_split_modules`` the class names of the layers that must not be split across devices (its decoder layers),
+    as accelerate's FSDP integration reads them; those classes become units. ``None`` for other models."""
+    names = getattr(model, "_no_split_modules", None)
+    if not names or isinstance(names, str):
+        return None
+    names = set(names)
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    return tuple(sorted(classes, key=lambda c: c.__name__)) or None
+
+
 def reshards_after_forward(options: WrapOptions, name: str, module: nn.Module) -> bool:
     """Whether the unit ``name`` (first module ``module``) frees its full buffers after forward under ``options``."""
     if options.reshard_policy != "after_forward":
@@ -227,14 +229,42 @@ def _pack(parent: nn.Module, prefix: str, comm_unit_size: int, inside: set, spec
     close()
 
 
-def build_units(model: nn.Module, specs: list[tuple[str, list, bool]], options: WrapOptions) -> list[Unit]:
+def build_units(model: nn.Module, specs: list[tuple[str, list, bool]], options: WrapOptions,
+                device: Optional[torch.device] = None, init_fn: Optional[materialize.InitFn] = None,
+                needs_init: frozenset | set = frozenset()) -> list[Unit]:
     """One :class:`Unit` per spec, each holding the flat buffers of the parameters it owns (fragments registered in
-    the modules in place of the parameters). Collective: each buffer broadcasts its initial values."""
+    the modules in place of the parameters). Collective: initial values are broadcast from the first rank holding
+    them.
+
+    Every buffer is laid out first (shards of zeros); meta parameters are then materialized module by module
+    (``materialize.initialize``; ``needs_init``: modules whose buffers were on meta); last, unit by unit, the
+    parameters with values are copied in and the fragments registered, so each unit's original parameters are freed
+    before the next unit's are copied (peak: the model plus one unit's flat buffer)."""
     built = [Unit(name, modules, reshard) for name, modules, reshard in specs]
-    plan = _GroupPlan(options)
-    for unit, params in zip(built, _assign_params(model, _owning_unit(model, specs), len(specs))):
-        _add_flat_buffers(unit, params, plan)
+    plan = _GroupPlan(options, device)
+    # Per unit: [(kind, members, FlatBuffer or None)]; buffers holding a meta parameter are made now (initialize fills
+    # them), the others just before they are filled, so their shards do not coexist with every original parameter.
+    pending = [[(kind, members, _flat_buffer(unit, kind, members, plan) if any(p.is_meta for _, p, _ in members)
+                 else None) for kind, members in _kinds(params, plan)]
+               for unit, params in zip(built, _assign_params(model, _owning_unit(model, specs), len(specs)))]
+    if any(b is not None for groups in pending for _, _, b in groups) or needs_init:
+        slot_of = {id(p): (buffer, i) for groups in pending for _, members, buffer in groups if buffer is not None
+                   for i, (_, p, _) in enumerate(members)}
+        materialize.initialize(model, slot_of, set(needs_init), device, init_fn)
+        del slot_of
+    for i, unit in enumerate(built):
+        groups, pending[i] = pending[i], None  # the last references to this unit's original parameters
+        _fill_and_register(unit, groups, plan)
+        del groups  # freed here, before the next unit's are copied
     return built
+
+
+def _fill_and_register(unit: Unit, groups: list, plan: "_GroupPlan") -> None:
+    for kind, members, buffer in groups:
+        if buffer is None:
+            buffer = _flat_buffer(unit, kind, members, plan)
+        buffer.fill_from_params([None if p.is_meta else p for _, p, _ in members])
+        unit.add_group(buffer, [regs for _, _, regs in members])
 
 
 def _owning_unit(model: nn.Module, specs: list[tuple[str, list, bool]]) -> dict[str, int]:
@@ -313,8 +343,9 @@ def expert_buffers(model: nn.Module, expert_filter) -> frozenset:
 class _GroupPlan:
     """Which groups a flat buffer of each kind uses (see ``fully_shard``'s ``replicate_filter``, ``expert_policy``)."""
 
-    def __init__(self, options: WrapOptions) -> None:
+    def __init__(self, options: WrapOptions, device: Optional[torch.device] = None) -> None:
         self.topology = options.topology
+        self.device = device
         self.mp_policy = options.mp_policy
         self.replicate_filter = options.replicate_filter
         self.expert_filter = options.expert_filter or marked_expert
@@ -324,7 +355,8 @@ class _GroupPlan:
         """The key of the flat buffer ``p`` goes into: (dtype, device, trainable, whole, tensor parallel, expert)."""
         whole = bool(self.replicate_filter(name, p)) if self.replicate_filter is not None else False
         tp = bool(getattr(p, "tensor_model_parallel", False))
-        return (p.dtype, p.device, p.requires_grad, whole, tp, bool(self.expert_filter(name, p)))
+        return (p.dtype, materialize.target_device(p, self.device), p.requires_grad, whole, tp,
+                bool(self.expert_filter(name, p)))
 
     def groups(self, whole: bool, expert: bool) -> tuple:
         """``(shard_group, reduce_group, replicate_group, broadcast_group)`` for a buffer of this kind."""
@@ -340,26 +372,31 @@ class _GroupPlan:
                 t.get_replicate_group(), holders)
 
 
-def _add_flat_buffers(unit: Unit, params: list, plan: _GroupPlan) -> None:
-    """Group a unit's parameters by kind and build one :class:`FlatBuffer` per kind, in first-seen order."""
+def _kinds(params: list, plan: _GroupPlan) -> list[tuple[tuple, list]]:
+    """A unit's ``[(name, param, registrations)]`` grouped by the kind of flat buffer, in first-seen order."""
     kinds: dict[tuple, list] = {}
     for name, p, regs in params:
         kinds.setdefault(plan.kind(name, p), []).append((name, p, regs))
+    return list(kinds.items())
+
+
+def _flat_buffer(unit: Unit, kind: tuple, members: list, plan: _GroupPlan) -> FlatBuffer:
+    """The :class:`FlatBuffer` of one kind of a unit's parameters, laid out (a shard of zeros), not yet filled."""
+    dtype, device, _rg, whole, tp, expert = kind
     topology = plan.topology
-    for (dtype, _device, _rg, whole, tp, expert), members in kinds.items():
-        shard_group, reduce_group, replicate_group, holders = plan.groups(whole, expert)
-        shard_count = comm.group_size(shard_group)
-        align = max(1, ALIGN_BYTES // torch.tensor([], dtype=dtype).element_size())
-        layout = build_layout([n for n, _, _ in members], [tuple(p.shape) for _, p, _ in members], shard_count,
-                              align)
-        cast = dtype.is_floating_point
-        buffer = FlatBuffer(
-            layout, [p for _, p, _ in members], shard_index=0 if shard_group is None else dist.get_rank(shard_group),
-            shard_group=shard_group, reduce_group=reduce_group, replicate_group=replicate_group,
-            grad_divisor=topology.dp * topology.sharding, data_parallel_group=holders, is_expert=expert,
-            is_primary=dist.get_rank(replicate_group) == 0 and (tp or topology.mp_rank == 0), unit_name=unit.name,
-            param_dtype=plan.mp_policy.param_dtype if cast else None,
-            grad_comm_dtype=plan.mp_policy.grad_comm_dtype if cast else None)
-        for name, p, _ in members:
-            REPLACED_PARAMS[p] = name
-        unit.add_group(buffer, [regs for _, _, regs in members])
+    shard_group, reduce_group, replicate_group, holders = plan.groups(whole, expert)
+    align = max(1, ALIGN_BYTES // torch.tensor([], dtype=dtype).element_size())
+    layout = build_layout([n for n, _, _ in members], [tuple(p.shape) for _, p, _ in members],
+                          comm.group_size(shard_group), align)
+    cast = dtype.is_floating_point
+    buffer = FlatBuffer(
+        layout, [p for _, p, _ in members], device=device,
+        shard_index=0 if shard_group is None else dist.get_rank(shard_group),
+        shard_group=shard_group, reduce_group=reduce_group, replicate_group=replicate_group,
+        grad_divisor=topology.dp * topology.sharding, data_parallel_group=holders, is_expert=expert,
+        is_primary=dist.get_rank(replicate_group) == 0 and (tp or topology.mp_rank == 0), unit_name=unit.name,
+        param_dtype=plan.mp_policy.param_dtype if cast else None,
+        grad_comm_dtype=plan.mp_policy.grad_comm_dtype if cast else None)
+    for name, p, _ in members:
+        REPLACED_PARAMS[p] = name
+    return buffer

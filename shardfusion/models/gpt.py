@@ -14,7 +14,9 @@ a `shardfusion.moe.MoE`: a dense router and the experts of this expert-parallel 
 expert buffers and a `GPT(config)` without an ep group holds every expert (e.g. to load a `full_state_dict`).
 
 Initialisation does not depend on ep: the same seed gives the same dense parameters and the same experts whether a
-rank holds all experts or some (see `GPT.reset_parameters`).
+rank holds all experts or some (see `GPT.reset_parameters`). Every random draw happens in some module's
+`reset_parameters`, in module order, so a GPT built under `with torch.device("meta")` and materialized by
+`fully_shard` equals one built eagerly under the same seed, bitwise.
 """
 
 from __future__ import annotations
@@ -104,6 +106,40 @@ PRESETS: dict[str, GPTConfig] = {
 """Named model shapes; `--preset` picks one and `--n-layer` etc. override single fields."""
 
 
+class NormalLinear(nn.Linear):
+    """``nn.Linear`` whose ``reset_parameters`` draws the weight from ``N(0, init_std)`` and zeroes the bias (GPT-2's
+    initialization). Every draw happens in ``reset_parameters``, in module order, so a GPT built on the meta device
+    and initialized by ``fully_shard`` equals one built eagerly under the same seed (docs/design.md, "Models larger
+    than one rank")."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, init_std: float = INIT_STD,
+                 device=None, dtype=None) -> None:
+        self.init_std = init_std
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Weight ~ N(0, init_std), bias 0."""
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class NormalEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose ``reset_parameters`` draws the table from ``N(0, INIT_STD)``."""
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Weight ~ N(0, INIT_STD)."""
+        nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
+
+
+def _resid_std(config: "GPTConfig") -> float:
+    """The residual output projections' std: INIT_STD / sqrt(2 * n_layer), so the residual stream's variance does
+    not grow with depth (GPT-2)."""
+    return INIT_STD / math.sqrt(2 * config.n_layer)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head attention in which position t sees positions <= t only."""
 
@@ -111,8 +147,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.dropout = config.dropout
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
-        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.qkv = NormalLinear(config.d_model, 3 * config.d_model)
+        self.proj = NormalLinear(config.d_model, config.d_model, init_std=_resid_std(config))
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,9 +171,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.d_model, 4 * config.d_model)
+        self.fc = NormalLinear(config.d_model, 4 * config.d_model)
         self.act = nn.GELU()
-        self.proj = nn.Linear(4 * config.d_model, config.d_model)
+        self.proj = NormalLinear(4 * config.d_model, config.d_model, init_std=_resid_std(config))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (B, T, C) float -> (B, T, C)."""
@@ -157,7 +193,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.d_model)
         if config.n_experts:
             self.mlp: nn.Module = MoE(config.d_model, config.expert_hidden_size, config.n_experts, config.top_k,
-                                      ep_group=ep_group, shared_expert_hidden=config.shared_expert_hidden)
+                                      ep_group=ep_group, shared_expert_hidden=config.shared_expert_hidden,
+                                      init_std=INIT_STD, proj_init_std=_resid_std(config))
         else:
             self.mlp = MLP(config)
         self.mlp_drop = nn.Dropout(config.dropout)
@@ -179,42 +216,36 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, ep_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(VOCAB_SIZE, config.d_model)
-        self.wpe = nn.Embedding(config.seq_len, config.d_model)
+        self.wte = NormalEmbedding(VOCAB_SIZE, config.d_model)
+        self.wpe = NormalEmbedding(config.seq_len, config.d_model)
         self.drop = nn.Dropout(config.dropout)
         # A MoE draws the same amount from the global RNG at any ep (one seed for its experts; see `MoE`).
         self.blocks = nn.ModuleList(Block(config, ep_group) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model)
-        self.lm_head = nn.Linear(config.d_model, VOCAB_SIZE, bias=False)
-        self.reset_parameters()
+        self.lm_head = NormalLinear(config.d_model, VOCAB_SIZE, bias=False)
         if config.tie_embeddings:
             # One Parameter registered in two modules: named_parameters() yields it once, as "wte.weight".
             self.lm_head.weight = self.wte.weight
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Normal(0, INIT_STD) weights, zero biases, unit LayerNorm gains; the residual output projections are
-        scaled down by sqrt(2 * n_layer) so the residual stream's variance does not grow with depth.
+        """Redraw every parameter as construction does: each module's own ``reset_parameters``, in module order
+        (normal(0, INIT_STD) weights, zero biases, unit LayerNorm gains; the residual output projections scaled down
+        by sqrt(2 * n_layer) so the residual stream's variance does not grow with depth).
 
         Dense parameters (the MoE routers included) are drawn from the global RNG; experts are not, since a rank holds
-        only some: each MoE re-initializes its own from per-expert generators (`MoE.reset_expert_parameters`), so the
-        same seed gives the same model at any ep."""
-        resid_std = INIT_STD / math.sqrt(2 * self.config.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, MoE):
-                module.reset_expert_parameters(INIT_STD, resid_std)
-            elif isinstance(module, nn.Linear):
-                if is_expert(module.weight):
-                    continue
-                std = resid_std if name.endswith(".proj") else INIT_STD
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+        only some: each expert is drawn from a generator of its own, seeded from the seed its MoE drew once
+        (`shardfusion.moe.MoE`), so the same seed gives the same model at any ep. The tied lm head draws into a
+        scratch tensor, as at construction, where its draw is replaced by the embedding."""
+        for module in self.modules():
+            if module is self or not hasattr(module, "reset_parameters"):
+                continue
+            if module is self.lm_head and self.config.tie_embeddings:
+                scratch = NormalLinear(self.config.d_model, VOCAB_SIZE, bias=False, device="meta")
+                scratch.weight = nn.Parameter(torch.empty_like(self.lm_head.weight))
+                scratch.reset_parameters()
+                continue
+            module.reset_parameters()
 
     def moe_layers(self) -> list[MoE]:
         """The MoE layers, in block order (empty for a dense GPT)."""

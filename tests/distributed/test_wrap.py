@@ -1,5 +1,5 @@
 """Wrapping habits: sharding the children and then the root (nested fully_shard), a module shared by two units, and
-what fully_shard refuses (meta-device models, unit classes that match nothing, casting or moving after wrapping).
+what fully_shard refuses (unit classes that match nothing, casting or moving after wrapping).
 
 Training cases run 3 SGD steps at W=4 on a global batch of 16 rows (4 per rank) and are compared with single-process
 training of the same model (same seed) on the whole batch: the global mean loss of every step and every parameter
@@ -204,9 +204,6 @@ def _refusals(topo, sf) -> dict:
     model = sf.fully_shard(build("linears-bias"), topo)
     errors["inside-sharded"] = raised(lambda: sf.fully_shard(model[0], topo))
 
-    with torch.device("meta"):
-        meta = _stack(True)
-    errors["meta"] = raised(lambda: sf.fully_shard(meta, topo))
     errors["unmatched-units"] = raised(lambda: sf.fully_shard(build("three-levels"), topo, units=(nn.Conv1d, nn.GRU)))
 
     casts = {"double": lambda m: m.double(), "half": lambda m: m.half(),
@@ -291,10 +288,6 @@ def test_nested_call_with_other_options_is_refused(job, option):
 
 def test_wrapping_inside_a_sharded_module_is_refused(job):
     _assert_error(job, "inside-sharded", "'0'", "already sharded", "submodules first")
-
-
-def test_meta_device_model_is_refused(job):
-    _assert_error(job, "meta", "meta device", "to_empty", "reset_parameters", "not supported yet")
 
 
 def test_unit_classes_matching_no_module_are_refused(job):

@@ -1,0 +1,258 @@
+"""Meta-device initialization (shardfusion/_runtime/materialize.py): a model built under ``torch.device("meta")``
+and materialized by ``fully_shard`` equals the same model built eagerly under the same seed, bitwise; what cannot be
+initialized is refused at wrap time on every rank.
+
+The reference is the plain model built eagerly in the same process under the same seed (every expert held: no ep
+group), compared with ``full_state_dict`` of the sharded one. One W=4 job runs every layout and case; each check is
+a test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from harness import raised, run_distributed
+
+JOB_TIMEOUT_S = 240
+WORLD = 4
+SEED = 11
+LAYOUTS = {  # name -> (Topology kwargs, GPT-MoE experts or 0)
+    "fsdp": (dict(sharding=4), 0),
+    "hsdp": (dict(sharding=4, fsdp_outer_degree=2), 0),
+    "moe-ep1": (dict(sharding=4, fsdp_outer_degree=2), 4),
+    "moe-ep2": (dict(sharding=4, ep=2), 4),
+    "moe-ep2-hsdp": (dict(sharding=4, ep=2, fsdp_outer_degree=2), 4),
+}
+
+
+class Rotary(nn.Module):
+    """A non-persistent buffer computed in ``__init__`` (a rotary ``inv_freq``) and recomputed by reset_parameters."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.dim = dim
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        return 1.0 / (10000 ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
+
+    def reset_parameters(self) -> None:
+        self.inv_freq.copy_(self._inv_freq())
+
+
+class Scale(nn.Module):
+    """A parameter of its own and no reset_parameters: on meta it cannot be initialized without an init_fn."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(dim))
+
+
+class Net(nn.Module):
+    def __init__(self, with_scale: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.rot = Rotary()
+        self.scale = Scale() if with_scale else None
+        self.out = nn.Linear(8, 8)
+
+
+def _gpt(experts: int, ep_group=None):
+    from shardfusion.models.gpt import GPT, GPTConfig
+
+    config = GPTConfig(n_layer=2, n_head=2, d_model=16, seq_len=16, n_experts=experts, top_k=2)
+    return GPT(config, ep_group=ep_group)
+
+
+def _reference(model: nn.Module) -> dict:
+    """What ``full_state_dict`` holds for ``model``: its state dict without the second names of tied parameters."""
+    aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(dict(model.named_parameters()))
+    return {k: v.clone() for k, v in model.state_dict().items() if k not in aliases}
+
+
+def _equal(full: dict, ref: dict) -> list[str]:
+    """Names whose tensors differ (or are missing or extra) between the sharded model's full state and the
+    reference."""
+    return sorted({k for k, v in ref.items() if k not in full or not torch.equal(full[k], v)} | (set(full) - set(ref)))
+
+
+def _layouts() -> dict:
+    import shardfusion as sf
+    from shardfusion.models.gpt import Block
+
+    out = {}
+    for name, (kwargs, experts) in LAYOUTS.items():
+        topo = sf.Topology(**kwargs)
+        torch.manual_seed(SEED)
+        ref = _reference(_gpt(experts))
+        rng_after_eager = torch.get_rng_state()
+        torch.manual_seed(SEED)
+        with torch.device("meta"):
+            model = _gpt(experts, topo.get_group("ep"))
+        model = sf.fully_shard(model, topo, units=(Block,))
+        full = sf.full_state_dict(model)
+        out[name] = {"diff": _equal(full, ref), "n": len(ref),
+                     "rng_equal": torch.equal(torch.get_rng_state(), rng_after_eager)}
+    return out
+
+
+def _seeds_differ() -> dict:
+    """Every rank seeded differently: the meta wrap gives rank 0's model everywhere, as the eager wrap does."""
+    import torch.distributed as dist
+
+    import shardfusion as sf
+    from shardfusion.models.gpt import Block
+
+    topo = sf.Topology(sharding=4, fsdp_outer_degree=2)
+    torch.manual_seed(SEED)
+    ref = _reference(_gpt(0))
+    torch.manual_seed(SEED + 100 * dist.get_rank())  # rank 0: SEED
+    with torch.device("meta"):
+        model = _gpt(0)
+    full = sf.full_state_dict(sf.fully_shard(model, topo, units=(Block,)))
+    return {"diff": _equal(full, ref)}
+
+
+def _train_meta_vs_eager() -> dict:
+    """Two AdamW steps on a meta-built and an eager-built GPT-MoE (ep 2, HSDP): the same losses, bitwise."""
+    import shardfusion as sf
+    from shardfusion.models.gpt import Block
+
+    losses = {}
+    for build in ("eager", "meta"):
+        topo = sf.Topology(sharding=4, ep=2, fsdp_outer_degree=2)
+        torch.manual_seed(SEED)
+        if build == "meta":
+            with torch.device("meta"):
+                model = _gpt(4, topo.get_group("ep"))
+        else:
+            model = _gpt(4, topo.get_group("ep"))
+        model = sf.fully_shard(model, topo, units=(Block,))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(5)
+        seen = []
+        for _ in range(2):
+            idx = torch.randint(0, 256, (2, 16), generator=g)
+            _, loss = model(idx, idx.roll(-1, dims=1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            seen.append(loss.item())
+        losses[build] = seen
+    return losses
+
+
+def _buffers_and_partial() -> dict:
+    """A module's buffer computed in __init__ comes out right; in a partly-meta model the tensors with values keep
+    them."""
+    import shardfusion as sf
+
+    topo = sf.Topology(sharding=4)
+    torch.manual_seed(SEED)
+    eager = Net()
+    ref = _reference(eager)
+    torch.manual_seed(SEED)
+    inp = nn.Linear(8, 8)  # with values, kept
+    with torch.device("meta"):
+        model = Net()
+    model.inp = inp
+    torch.manual_seed(SEED)
+    nn.Linear(8, 8)  # the draws inp made, so that out draws what eager construction drew
+    model = sf.fully_shard(model, topo)
+    full = sf.full_state_dict(model)
+    return {"diff": _equal(full, ref), "inv_freq": torch.equal(model.rot.inv_freq, Rotary().inv_freq)}
+
+
+def _refusals() -> dict:
+    import torch.distributed as dist
+
+    import shardfusion as sf
+
+    topo = sf.Topology(sharding=4)
+    errors = {}
+    with torch.device("meta"):
+        model = Net(with_scale=True)
+    errors["no-reset"] = raised(lambda: sf.fully_shard(model, topo))
+
+    def init_fn(m: nn.Module) -> None:  # the user's own init for every module with meta tensors
+        if isinstance(m, Scale):
+            m.gain.fill_(2.0)
+        elif hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+
+    with torch.device("meta"):
+        model = Net(with_scale=True)
+    model = sf.fully_shard(model, topo, init_fn=init_fn)
+    errors["init-fn-gain"] = sf.full_state_dict(model)["scale.gain"].tolist()
+
+    if dist.get_rank() == 0:
+        mixed = Net()
+    else:
+        with torch.device("meta"):
+            mixed = Net()
+    errors["ranks-disagree"] = raised(lambda: sf.fully_shard(mixed, topo))
+    errors["bad-device"] = raised(lambda: sf.fully_shard(Net(), topo, device="meta"))
+    errors["bad-init-fn"] = raised(lambda: sf.fully_shard(Net(), topo, init_fn=3))
+    return errors
+
+
+def _job() -> dict:
+    import torch.distributed as dist
+
+    return {"rank": dist.get_rank(), "layouts": _layouts(), "seeds": _seeds_differ(), "train": _train_meta_vs_eager(),
+            "buffers": _buffers_and_partial(), "refusals": _refusals()}
+
+
+@pytest.fixture(scope="module")
+def job():
+    return run_distributed(_job, WORLD, timeout=JOB_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_meta_init_equals_eager_construction_bitwise(job, layout):
+    for r in job:
+        got = r["layouts"][layout]
+        assert got["n"] > 0 and got["diff"] == [], f"rank {r['rank']}: {layout}: differ from eager: {got['diff']}"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_meta_init_leaves_the_generator_where_eager_construction_does(job, layout):
+    assert all(r["layouts"][layout]["rng_equal"] for r in job)
+
+
+def test_differently_seeded_ranks_all_get_rank0s_model(job):
+    assert all(r["seeds"]["diff"] == [] for r in job), [r["seeds"]["diff"] for r in job]
+
+
+def test_a_meta_built_model_trains_like_an_eager_built_one(job):
+    for r in job:
+        assert r["train"]["meta"] == r["train"]["eager"], r["train"]
+        assert all(math.isfinite(x) for x in r["train"]["meta"])
+
+
+def test_buffers_computed_in_init_and_partly_meta_models(job):
+    for r in job:
+        assert r["buffers"]["diff"] == [] and r["buffers"]["inv_freq"], r["buffers"]
+
+
+def test_a_module_that_cannot_be_initialized_is_refused_at_wrap(job):
+    for r in job:
+        kind, msg = r["refusals"]["no-reset"]
+        assert kind == "ValueError" and "'scale'" in msg and "Scale" in msg and "'gain'" in msg, msg
+        assert "init_fn" in msg and "reset_parameters" in msg, msg
+
+
+def test_init_fn_initializes_what_reset_parameters_cannot(job):
+    assert all(r["refusals"]["init-fn-gain"] == [2.0] * 8 for r in job)
+
+
+@pytest.mark.parametrize("case,words", [("ranks-disagree", ["disagree", "meta"]), ("bad-device", ["device='meta'"]),
+                                        ("bad-init-fn", ["init_fn", "3"])])
+def test_bad_meta_input_is_refused_on_every_rank(job, case, words):
+    for r in job:
+        kind, msg = r["refusals"][case]
+        assert kind == "ValueError" and all(w in msg for w in words), (r["rank"], kind, msg)
