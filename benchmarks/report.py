@@ -1,5 +1,6 @@
 """Turn the raw measurements of `benchmarks/compare.py` into a summary (medians, ratios, theory, targets) and a
-markdown report. Pure functions of the raw JSON, so a report can be rebuilt from a saved run:
+markdown report, and those of `benchmarks/memory.py` likewise (`memory_summary`, `memory_markdown`, at the end).
+Pure functions of the raw JSON, so a report can be rebuilt from a saved run:
 
     python -m benchmarks.report benchmarks/results/cpu-fp32.json     # rewrites cpu-fp32.md
 
@@ -301,15 +302,175 @@ def markdown(raw: dict, summary: dict) -> str:
 def write(raw: dict, out_dir: Path) -> tuple[Path, Path]:
     """Write ``<name>.json`` (raw and summary) and ``<name>.md`` under ``out_dir``; returns both paths."""
     summary = summarize(raw)
+    return _write_files(raw, summary, markdown(raw, summary), out_dir)
+
+
+def _write_files(raw: dict, summary: dict, text: str, out_dir: Path) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     js, md = out_dir / f"{raw['name']}.json", out_dir / f"{raw['name']}.md"
     js.write_text(json.dumps({**raw, "summary": summary}, indent=1))
-    md.write_text(markdown(raw, summary))
+    md.write_text(text)
     return js, md
+
+
+# ---- benchmarks/memory.py -----------------------------------------------------------------------------------------
+MEMORY_PHASES = ("build", "wrap", "steps")
+"""The phases reported, each against the ``baseline`` sample (after imports and process groups)."""
+
+
+def memory_theory(build: str, P: int, U: int, inner: int, b: int = 4) -> dict[str, dict[str, float]]:
+    """Per phase, bytes per rank: ``peak`` (the least the phase must hold at once), ``hwm`` (the largest ``peak`` so
+    far: VmHWM never goes down) and ``live`` (tensors alive at the phase's sample), for ``P`` parameters in ``b``
+    bytes each, ``U`` the largest unit's, over ``inner`` shards.
+
+    build: eager ``4P`` (the model), meta 0. wrap: eager ``4P + 4U`` (the model plus one unit's full buffer being
+    sharded), meta ``4P/I + 4U`` (the shards plus one unit's full buffer); alive afterwards: the shards ``4P/I``.
+    steps: ``16P/I`` (fp32 parameter, gradient and AdamW's two moments, sharded) plus one unit's full parameters and
+    full gradient ``8U`` while it runs; alive after ``optimizer.step()``: ``16P/I``."""
+    peak = {"build": b * P if build == "eager" else 0.0,
+            "wrap": (b * P if build == "eager" else b * P / inner) + b * U,
+            "steps": 4 * b * P / inner + 2 * b * U}
+    live = {"build": peak["build"], "wrap": b * P / inner, "steps": 4 * b * P / inner}
+    out, hwm = {}, 0.0
+    for phase in MEMORY_PHASES:
+        hwm = max(hwm, peak[phase])
+        out[phase] = {"peak": peak[phase], "hwm": hwm, "live": live[phase]}
+    return out
+
+
+def _rank_growth(ranks: list[dict], phase: str, key: str, base_key: str | None = None) -> int | None:
+    """Largest over ranks of ``phases[phase][key] - phases["baseline"][base_key or key]`` (None: not sampled)."""
+    got = [r["phases"][phase][key] - r["phases"]["baseline"][base_key or key] for r in ranks
+           if phase in r["phases"] and key in r["phases"][phase]]
+    return max(got) if got else None
+
+
+def memory_summary(raw: dict) -> dict:
+    """Per variant and phase (see ``memory_theory``): the medians over repeats of the largest rank's growth of VmHWM
+    and VmRSS over its baseline, its live tensor bytes, its CUDA peak over the baseline's allocated bytes; the
+    ratios to the model size ``4P``, to theory and (shardfusion) to FSDP2's same build."""
+    cfg = raw["config"]
+    root, blocks = raw["unit_numel"]["root"], raw["unit_numel"]["blocks"]
+    P, U = root + sum(blocks), max([root, *blocks])
+    model_bytes = 4 * P
+    rows: dict[str, dict] = {}
+    for v, runs in raw["runs"].items():
+        library, build = v.split("-")
+        theory = memory_theory(build, P, U, cfg["inner"])
+        ok = [run["ranks"] for run in runs if "ranks" in run]
+        row: dict = {"library": library, "build": build, "failed": sum("ranks" not in run for run in runs),
+                     "error": next((r["error"] for ranks in ok for r in ranks if r.get("error")), None),
+                     "wall_s": [run["wall_s"] for run in runs],
+                     "losses": ok[0][0]["losses"] if ok else [],
+                     "baseline": {k: max(r["phases"]["baseline"][k] for ranks in ok for r in ranks) if ok else None
+                                  for k in ("hwm_bytes", "rss_bytes")},
+                     "phases": {}}
+        for phase in MEMORY_PHASES:
+            if not ok or any(phase not in r["phases"] for ranks in ok for r in ranks):
+                continue
+            ph: dict = {}
+            for key, got in (("hwm_growth_bytes", [_rank_growth(ranks, phase, "hwm_bytes") for ranks in ok]),
+                             ("rss_growth_bytes", [_rank_growth(ranks, phase, "rss_bytes") for ranks in ok]),
+                             ("live_bytes", [max(r["phases"][phase]["live"]["total"] for r in ranks) for ranks in ok]),
+                             ("cuda_peak_growth_bytes", [_rank_growth(ranks, phase, "cuda_peak_bytes",
+                                                                      "cuda_allocated_bytes") for ranks in ok])):
+                got = [g for g in got if g is not None]
+                ph[key] = _median(got)
+            ph["live_by_group"] = max((r["phases"][phase]["live"] for ranks in ok for r in ranks),
+                                      key=lambda d: d.get("total", 0))
+            previous = MEMORY_PHASES[MEMORY_PHASES.index(phase) - 1] if phase != MEMORY_PHASES[0] else "baseline"
+            ph["seconds"] = _median([max(r["phases"][phase]["time_s"] - r["phases"][previous]["time_s"]
+                                         for r in ranks) for ranks in ok])
+            th = theory[phase]
+            ph.update({"theory_peak_bytes": th["peak"], "theory_hwm_bytes": th["hwm"], "theory_live_bytes": th["live"],
+                       "x_model": ph["hwm_growth_bytes"] / model_bytes,
+                       "x_theory": ph["hwm_growth_bytes"] / th["hwm"] if th["hwm"] else None,
+                       "live_x_theory": ph["live_bytes"] / th["live"] if th["live"] else None})
+            row["phases"][phase] = ph
+        rows[v] = row
+    for v, row in rows.items():  # shardfusion against FSDP2 with the same build
+        peer = rows.get(f"fsdp2-{row['build']}") if row["library"] != "fsdp2" else None
+        for phase, ph in row["phases"].items():
+            theirs = (peer or {}).get("phases", {}).get(phase, {}).get("hwm_growth_bytes")
+            ph["x_fsdp2"] = ph["hwm_growth_bytes"] / theirs if theirs else None
+    return {"params": P, "model_bytes": model_bytes, "largest_unit_numel": U, "variants": rows}
+
+
+_MEMORY_COLUMNS = ("variant", "phase", "peak RSS growth MB (VmHWM)", "x model (4P)", "x FSDP2 (same build)",
+                   "theory MB", "x theory", "RSS growth MB (VmRSS)", "live tensors MB (x theory)")
+
+
+def memory_markdown(raw: dict, summary: dict) -> str:
+    """The memory report: the setup, one table (variant x phase), the theory and the caveats."""
+    cfg, env, shape = raw["config"], raw["env"], raw["shape"]
+    P, U, I = summary["params"], summary["largest_unit_numel"], cfg["inner"]
+    cuda = any("cuda_peak_growth_bytes" in ph and ph["cuda_peak_growth_bytes"] is not None
+               for row in summary["variants"].values() for ph in row["phases"].values())
+    columns = _MEMORY_COLUMNS + (("CUDA peak MB",) if cuda else ())
+    backend = "NCCL" if cfg["device"] == "cuda" else "gloo"
+    lines = [f"# Memory: shardfusion vs FSDP2: {raw['name']}", "",
+             f"{cfg['world_size']} ranks ({cfg['device']}, {backend}), inner {I} x outer {cfg['outer']}; GPT "
+             f"{shape['n_layer']} layers, d {shape['d_model']}, {shape['n_head']} heads, seq_len {shape['seq_len']}: "
+             f"P = {P / 1e6:.2f}M parameters, model 4P = {_mb(4 * P)} MB in fp32, largest unit {_mb(4 * U)} MB. "
+             f"{cfg['steps']} AdamW steps (clip 1.0) of batch {cfg['batch']} x seq {cfg['seq']} per rank. Every "
+             f"variant in {cfg['world_size']} fresh processes; {cfg['repeats']} repeat(s), variants interleaved. "
+             f"{cfg['threads']} thread(s) per worker.", "",
+             f"Machine: {env['cpu_count']} CPUs, torch {env['torch']}; load average before {env['load_before']}, "
+             f"after {env['load_after']}; wall {env.get('wall_s', 0):.0f} s ("
+             + ", ".join(f"{v} {sum(row['wall_s']):.0f} s" for v, row in summary["variants"].items())
+             + "); workers' MALLOC_MMAP_THRESHOLD_: "
+             + (f"{env['MALLOC_MMAP_THRESHOLD_']} bytes" if env.get("MALLOC_MMAP_THRESHOLD_") else
+                "unset (glibc's dynamic threshold)") + ".", "",
+             "Each figure: the largest rank's, over its own baseline (after imports and process groups), the median "
+             "over repeats. MB = 2^20 bytes.", "",
+             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for v, row in summary["variants"].items():
+        for phase in MEMORY_PHASES:
+            ph = row["phases"].get(phase)
+            if ph is None:
+                if row["error"] and phase == row["error"]["phase"]:
+                    text = row["error"]["text"].replace("|", "\\|").replace("\n", " ")
+                    lines.append(f"| {v} | {phase} | error: {text} |" + " |" * (len(columns) - 3))
+                elif row["failed"] and phase == MEMORY_PHASES[0]:
+                    lines.append(f"| {v} | - | a worker failed in {row['failed']} repeat(s) |" +
+                                 " |" * (len(columns) - 3))
+                continue
+            cells = [v, phase, _mb(ph["hwm_growth_bytes"]), _f(ph["x_model"], ".2f"), _f(ph["x_fsdp2"], ".2f"),
+                     _mb(ph["theory_hwm_bytes"]), _f(ph["x_theory"], ".2f"), _mb(ph["rss_growth_bytes"]),
+                     f"{_mb(ph['live_bytes'])} ({_f(ph['live_x_theory'], '.2f')})"]
+            if cuda:
+                cells.append(_mb(ph["cuda_peak_growth_bytes"]))
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Theory, bytes per rank (P parameters, U the largest unit's, I the inner degree, fp32):", "",
+              "| phase | eager build | meta build | alive at the sample |", "|---|---|---|---|",
+              "| build | 4P (the model) | 0 | the same |",
+              "| wrap | 4P + 4U (the model and one unit's full buffer) | 4P/I + 4U (the shards and one unit's full "
+              "buffer) | 4P/I |",
+              "| steps | 16P/I + 8U | 16P/I + 8U | 16P/I (after `optimizer.step()`) |", "",
+              "16P/I: the fp32 parameter, gradient and AdamW's two moments, sharded; 8U: one unit's full parameters "
+              "and full gradient while it runs. The theory column is the largest of the phases so far, since VmHWM "
+              "never goes down: the peak of an eager build stays in every later row. Activations, the allocator's "
+              "and the libraries' bookkeeping are not in the theory.", "",
+              "Caveats: VmHWM is the process's peak resident set since it started and cannot be reset, so a phase "
+              "shows only what rises above all earlier phases; VmRSS shows what is resident at the sample, freed "
+              "memory that the C allocator keeps included (less of it with a fixed MALLOC_MMAP_THRESHOLD_); the "
+              "live tensor bytes are the storages' sizes (allocated, whether touched or not) of the tensors "
+              "reachable from the model, its optimizer and the library's buffers, at the sample only.", ""]
+    baselines = [(v, row["baseline"]) for v, row in summary["variants"].items() if row["baseline"]["hwm_bytes"]]
+    if baselines:
+        lines += ["Baselines (largest rank): " + "; ".join(
+            f"{v} VmHWM {_mb(b['hwm_bytes'])} MB, VmRSS {_mb(b['rss_bytes'])} MB" for v, b in baselines) + ".", ""]
+    return "\n".join(lines)
+
+
+def write_memory(raw: dict, out_dir: Path) -> tuple[Path, Path]:
+    """Write a memory run's ``<name>.json`` (raw and summary) and ``<name>.md`` under ``out_dir``."""
+    summary = memory_summary(raw)
+    return _write_files(raw, summary, memory_markdown(raw, summary), out_dir)
 
 
 if __name__ == "__main__":
     path = Path(sys.argv[1])
     data = json.loads(path.read_text())
     data.pop("summary", None)
-    print(write(data, path.parent)[1].read_text())
+    print((write_memory if data.get("benchmark") == "memory" else write)(data, path.parent)[1].read_text())

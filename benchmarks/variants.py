@@ -1,4 +1,5 @@
-"""The three data-parallel variants `benchmarks/compare.py` runs, built the same way from the same GPT.
+"""The three data-parallel variants `benchmarks/compare.py` runs, built the same way from the same GPT
+(`benchmarks/memory.py` wraps its models with :func:`wrap` and counts their tensors with :func:`live`).
 
 - ``shardfusion``: ``sf.fully_shard(model, Topology(fsdp_outer_degree=O), units=(Block,))``, one flat buffer per
   block and one for the root (embeddings, final norm, tied head), ``after_forward`` (or ``ctx.reshard_policy``);
@@ -60,8 +61,10 @@ class Built:
 
 
 def unit_sizes(config: GPTConfig) -> tuple[int, list[int]]:
-    """Parameter elements of the root unit and of each block (unpadded; a tied weight counts once)."""
-    model = GPT(config)
+    """Parameter elements of the root unit and of each block (unpadded; a tied weight counts once); counted on a
+    model built on the meta device, so nothing is allocated."""
+    with torch.device("meta"):
+        model = GPT(config)
     blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
     total = sum(p.numel() for p in model.parameters())
     return total - sum(blocks), blocks
@@ -74,9 +77,21 @@ def build(name: str, config: GPTConfig, ctx: Context) -> Built:
         NotImplementedError: the variant cannot run the requested precision policy (the caller skips it).
     """
     torch.manual_seed(ctx.seed)
-    model = GPT(config).to(ctx.device)
+    return wrap(name, GPT(config).to(ctx.device), ctx)
+
+
+def wrap(name: str, model: GPT, ctx: Context, **fully_shard_kwargs) -> Built:
+    """``model`` wrapped as variant ``name``, with its optimizer; ``fully_shard_kwargs`` go to shardfusion's
+    ``fully_shard`` (the ``shardfusion`` variant only).
+
+    Raises:
+        NotImplementedError: the variant cannot run the requested precision policy (the caller skips it).
+        ValueError: an unknown ``name``, or ``fully_shard_kwargs`` for another variant than ``shardfusion``.
+    """
     if name == "shardfusion":
-        return _build_shardfusion(model, ctx)
+        return _build_shardfusion(model, ctx, **fully_shard_kwargs)
+    if fully_shard_kwargs:
+        raise ValueError(f"variant {name!r} takes no fully_shard keywords, got {sorted(fully_shard_kwargs)}")
     if name == "fsdp2":
         return _build_fsdp2(model, ctx)
     if name == "ddp":
@@ -88,12 +103,12 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR)
 
 
-def _build_shardfusion(model: GPT, ctx: Context) -> Built:
+def _build_shardfusion(model: GPT, ctx: Context, **fully_shard_kwargs) -> Built:
     mp_policy = sf.MixedPrecisionPolicy()
     if ctx.param_dtype is not None:  # as FSDP2's MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32) below
         mp_policy = sf.MixedPrecisionPolicy(param_dtype=ctx.param_dtype, grad_comm_dtype=torch.float32)
     sf.fully_shard(model, ctx.topo, units=(Block,), reshard_policy=ctx.reshard_policy, mp_policy=mp_policy,
-                   prefetch=ctx.prefetch)
+                   prefetch=ctx.prefetch, **fully_shard_kwargs)
     # Every backward ends its step: overlap the outer all-reduce with it, as FSDP2 does by default.
     sf.set_is_last_backward(model, True)
     note = "set_is_last_backward(model, True): outer all-reduce overlapped with backward, as in FSDP2"
@@ -125,13 +140,18 @@ def _build_fsdp2(model: GPT, ctx: Context) -> Built:
     for block in model.blocks:
         fully_shard(block, mesh=ctx.mesh, reshard_after_forward=ctx.reshard_policy == "after_forward", mp_policy=mp)
     fully_shard(model, mesh=ctx.mesh, mp_policy=mp)  # root: default, i.e. kept unsharded from forward to backward
-    groups = [(m is model, pg) for m in [model, *model.blocks]
-              if (pg := getattr(m._get_fsdp_state(), "_fsdp_param_group", None)) is not None]
+    groups = _fsdp2_groups(model)
     return Built("fsdp2", model, _adamw(model),
                  lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM),
                  sample_transient=lambda: _fsdp2_transient(groups),
                  note="transient full buffers read from FSDP2 internals (all-gather outputs, unsharded parameters "
                       "and their gradients, reduce-scatter input); best effort")
+
+
+def _fsdp2_groups(model: nn.Module) -> list[tuple[bool, object]]:
+    """``(is the root, FSDPParamGroup)`` of the root and of each block wrapped by FSDP2's ``fully_shard``."""
+    return [(m is model, pg) for m in [model, *model.blocks]
+            if (pg := getattr(m._get_fsdp_state(), "_fsdp_param_group", None)) is not None]
 
 
 def _fsdp2_transient(groups) -> dict[str, int]:
@@ -199,11 +219,55 @@ def step(b: Built, x: torch.Tensor, y: torch.Tensor, after_optimizer: Optional[C
 
 def persistent(b: Built) -> dict[str, int]:
     """Bytes this rank keeps across steps: parameters (shards), gradients, optimizer state (distinct storages)."""
+    return _storage_bytes(b)
+
+
+# The tensors of a shardfusion FlatBuffer (see [Note: flat buffer tensors] in shardfusion/_runtime/flat_buffer.py)
+# and of an FSDP2 FSDPParam / FSDPParamGroup that may hold memory; private attributes, read with getattr (a missing
+# one counts as nothing).
+_SF_BUFFER_ATTRS = ("shard", "full", "grad_full", "grad_acc", "grad_shard", "step_grad", "direct_grad",
+                    "_gather_input", "_reduce_in", "_reduce_out", "_sync_buf")
+_FSDP2_PARAM_ATTRS = ("_sharded_param_data", "_sharded_post_forward_param_data", "_unsharded_param",
+                      "unsharded_accumulated_grad")
+
+
+def library_tensors(b: Built) -> list[torch.Tensor]:
+    """The wrapping library's own tensors besides the parameters: shardfusion's flat buffers (shards, full buffers,
+    gradient buffers), FSDP2's padded shards, unsharded parameters and their gradients, all-gather outputs and
+    reduce-scatter inputs; none for DDP. A resharded full buffer has a storage of 0 bytes."""
+    out: list = []
+    if b.name == "shardfusion":
+        from shardfusion._runtime.state import flat_buffers
+
+        for fb in flat_buffers(b.model):
+            out += [getattr(fb, a, None) for a in _SF_BUFFER_ATTRS]
+    elif b.name == "fsdp2":
+        for _, pg in _fsdp2_groups(b.model):
+            out.append(getattr(getattr(pg, "_all_gather_result", None), "all_gather_output", None))
+            out.append(getattr(pg, "_partial_reduce_output", None))
+            ctx = getattr(pg, "comm_ctx", None)
+            state = getattr(ctx, "all_gather_state", None)
+            out.append(getattr(getattr(state, "all_gather_result", None), "all_gather_output", None))
+            out += [getattr(s, "reduce_scatter_input", None) for s in getattr(ctx, "reduce_scatter_states", [])]
+            for fp in getattr(pg, "fsdp_params", []):
+                out += [getattr(fp, a, None) for a in _FSDP2_PARAM_ATTRS]
+                out += list(getattr(fp, "all_gather_outputs", []))
+                out.append(getattr(getattr(fp, "_unsharded_param", None), "grad", None))
+    return [t for t in out if isinstance(t, torch.Tensor)]
+
+
+def live(b: Built) -> dict[str, int]:
+    """Bytes of the distinct storages alive now: :func:`persistent`'s groups plus the library's own tensors
+    (:func:`library_tensors`), each storage counted once, in the first group that holds it."""
+    return _storage_bytes(b, library_tensors(b))
+
+
+def _storage_bytes(b: Built, library: Optional[list[torch.Tensor]] = None) -> dict[str, int]:
+    """Bytes of distinct storages: parameters, gradients, optimizer state (and ``library`` when given); "total"."""
     params = list(b.model.parameters())
-    out = persistent_bytes({
-        "params": params,
-        "grads": [p.grad for p in params],
-        "optimizer": optimizer_state_tensors(b.optimizer),
-    })
+    groups = {"params": params, "grads": [p.grad for p in params], "optimizer": optimizer_state_tensors(b.optimizer)}
+    if library is not None:
+        groups["library"] = library
+    out = persistent_bytes(groups)
     out["total"] = sum(out.values())
     return out
