@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import os
 import sys
 import time
@@ -153,11 +152,9 @@ def _model_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 
 def shardfusion_meta_kwargs(device: torch.device) -> dict:
-    """Keywords for ``sf.fully_shard`` on a meta-device model: ``device=`` once ``fully_shard`` takes it (meta-device
-    initialization; its ``init_fn`` is left at its default), none before (the call then raises ``ValueError``)."""
-    import shardfusion as sf
-
-    return {"device": device} if "device" in inspect.signature(sf.fully_shard).parameters else {}
+    """Keywords for ``sf.fully_shard`` on a meta-device model: the device to materialize it on (each module's own
+    ``reset_parameters`` initializes it, as eager construction does)."""
+    return {"device": device}
 
 
 def wrap_variant(library: str, build: str, model, ctx):
