@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 LIBRARY = REPO / "shardfusion"
 # Modules of the package that are not the library: the training job, and the export (needs safetensors).
 NOT_LIBRARY = ("train/", "checkpoint/export.py", "export.py")
-EXTRAS = {"numpy", "tqdm", "matplotlib", "safetensors"}
+EXTRAS = {"numpy", "tqdm", "matplotlib", "safetensors", "transformers"}
 # Files that were kept outside the repository once; nothing may cite them (the names are split so that this file
 # does not cite them either).
 OUTSIDE = ["DESIGN" + ".md", "STYLE" + ".md", "CASES" + ".md", "shared" + "/cases", "../" + "shared"]
@@ -46,7 +46,16 @@ def test_library_imports_torch_alone() -> None:
 
 def test_import_shardfusion_loads_no_job_module() -> None:
     code = ("import sys, shardfusion, shardfusion.checkpoint; "
-            "print([m for m in sys.modules if m.startswith('shardfusion.train')])")
+            "print([m for m in sys.modules if m.startswith(('shardfusion.train', 'transformers'))])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_job_loads_transformers_only_for_hf_models() -> None:
+    # transformers is an optional extra: the job's modules (and the GPT path) import it only when an HF model is built
+    code = ("import sys, shardfusion.train.job, shardfusion.train.job_model, shardfusion.train.hf_models; "
+            "from shardfusion.train.config import parse_args; parse_args(['--hf-model', 'llama']); "
+            "print([m for m in sys.modules if m.startswith('transformers')])")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
