@@ -13,10 +13,11 @@ with its own ``config.json``). Loading the export needs only ``safetensors`` and
 A full state dict like that export loads into a sharded model too: see :func:`shardfusion.checkpoint.load_full_state`.
 
 A checkpoint of a Hugging Face model (its ``extra`` holds ``hf_config``: ``shardfusion.train --hf-model`` or
-``--init-from``) exports as a Hugging Face folder instead, which ``transformers.AutoModelForCausalLM.from_pretrained(OUT)``
-loads: ``OUT/config.json`` is the model's HF config (``architectures`` included) and ``OUT/model.safetensors``
-holds the parameters under their HF names (the names of the sharded module, which is the HF module itself), a tied
-weight once, with the metadata ``{"format": "pt"}`` that HF expects (and ``source``).
+``--init-from``) exports as a Hugging Face folder instead, which
+``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads: ``OUT/config.json`` is the model's HF config
+(``architectures`` included) and ``OUT/model.safetensors`` holds the parameters under their HF names (the names of
+the sharded module, which is the HF module itself), a tied weight once, with the metadata ``{"format": "pt"}`` that
+HF expects (and ``source``).
 """
 
 from __future__ import annotations

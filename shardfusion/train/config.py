@@ -332,8 +332,9 @@ def lr_at(config: TrainConfig, step: int) -> float:
 def resolve(config: TrainConfig, *, device: str, world_size: int) -> TrainConfig:
     """Fill the run-time defaults: device, ep, fsdp_outer_degree and out.
 
-    ep: 1 for a Hugging Face model; else 2 when --experts and the world size are even, else 1. fsdp_outer_degree: 2 when the world size is >= 4 and
-    2 divides the expert sharding degree world_size / ep, else 1 (for ep 1: when the world size is even)."""
+    ep: 1 for a Hugging Face model; else 2 when --experts and the world size are even, else 1. fsdp_outer_degree: 2
+    when the world size is >= 4 and 2 divides the expert sharding degree world_size / ep, else 1 (for ep 1: when the
+    world size is even)."""
     ep = config.ep
     if config.hf_model is not None or config.init_from is not None:
         ep = 1  # Hugging Face models hold every expert (see TrainConfig.hf_model)

@@ -137,20 +137,24 @@ def config_from_dict(fields: dict[str, Any]) -> Any:
 
 def config_dict(config: Any) -> dict[str, Any]:
     """The config as the plain dict HF writes to config.json (`to_dict`), `architectures` included, with the dtype
-    of the job's parameters (float32: shards and checkpoints stay fp32 whatever --param-dtype) where it is unset."""
+    of the job's parameters: float32 (shards and checkpoints stay fp32 whatever --param-dtype, also when
+    --init-from's weights were stored in another dtype)."""
     fields = config.to_dict()
     for key in ("dtype", "torch_dtype"):  # transformers >= 5 / < 5
-        if key in fields and fields[key] is None:
+        if key in fields:
             fields[key] = "float32"
     return fields
 
 
 def build_model(config: Any) -> nn.Module:
     """`AutoModelForCausalLM.from_config(config)` with `ATTN_IMPLEMENTATION` attention and `EXPERTS_IMPLEMENTATION`
-    experts, initialized from torch's global RNG (seed it first). Works under `torch.device("meta")`."""
+    experts, initialized from torch's global RNG (seed it first), in float32 (the job's parameters are fp32; a
+    pretrained config may name another dtype, which from_config would build in). Works under
+    `torch.device("meta")`."""
     transformers = import_transformers()
     config._experts_implementation = EXPERTS_IMPLEMENTATION  # a plain attribute where transformers has no such choice
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
+    return model.float()
 
 
 def unit_classes(model: nn.Module) -> tuple[type, ...]:

@@ -213,8 +213,8 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     if is_main:
         experts = (f" ({job.n_experts} experts per layer, top-{job.top_k}: {num_active:,} active per token)" if moe
                    else "")
-        print(f"shardfusion: {job.name}; {topo.describe()}; {num_params:,} parameters{experts}; {len(train_data):,} train / "
-              f"{len(val_data):,} val bytes; output in {out}", flush=True)
+        print(f"shardfusion: {job.name}; {topo.describe()}; {num_params:,} parameters{experts}; "
+              f"{len(train_data):,} train / {len(val_data):,} val bytes; output in {out}", flush=True)
         if archived:
             print(f"shardfusion: {out} held the outputs of a run without a checkpoint: moved to {archived}",
                   flush=True)

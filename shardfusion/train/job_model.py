@@ -50,8 +50,6 @@ class JobModel:
     """Experts per MoE layer (0: a dense model)."""
     top_k: int
     """Experts per token."""
-    ep: int
-    """Expert-parallel degree the model is built for (HF models: 1)."""
     losses: Losses
     """One micro-batch's loss terms on the sharded model (every rank calls it: a forward is collective)."""
     plain: Callable[[], nn.Module]
@@ -176,8 +174,7 @@ def _build_gpt(config: TrainConfig, ep_group: Optional[dist.ProcessGroup], devic
               else f"{config.preset} GPT"),
         extra={"model": dataclasses.asdict(shape)}, num_params=model.num_parameters(),
         num_active=model.num_parameters(active=True), n_moe_layers=shape.n_layer if moe else 0,
-        n_experts=shape.n_experts, top_k=shape.top_k if moe else 0,
-        ep=dist.get_world_size(ep_group) if ep_group is not None else 1, losses=_gpt_losses,
+        n_experts=shape.n_experts, top_k=shape.top_k if moe else 0, losses=_gpt_losses,
         plain=lambda: GPT(shape), tied=frozenset({"lm_head.weight"} if shape.tie_embeddings else ()),
         generate=_gpt_generate)
 
@@ -208,5 +205,5 @@ def _build_hf(config: TrainConfig, device: torch.device) -> JobModel:
         module=model, units=hf_models.unit_classes(model), seq_len=seq_len,
         name=f"{type(model).__name__} ({source}{moe_text})", extra={"hf_config": hf_models.config_dict(hf)},
         num_params=hf_models.num_parameters(model, hf), num_active=hf_models.num_parameters(model, hf, active=True),
-        n_moe_layers=n_moe, n_experts=experts, top_k=top_k, ep=1, losses=losses, plain=plain,
+        n_moe_layers=n_moe, n_experts=experts, top_k=top_k, losses=losses, plain=plain,
         tied=frozenset(tied), generate=generate)

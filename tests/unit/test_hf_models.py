@@ -109,13 +109,17 @@ def test_job_model_of_an_hf_run() -> None:
     job = build(TrainConfig(hf_model="llama", preset="tiny", seed=3), None, torch.device("cpu"))
     again = build(TrainConfig(hf_model="llama", preset="tiny", seed=3), None, torch.device("cpu"))
     assert all(torch.equal(a, b) for a, b in zip(job.module.parameters(), again.module.parameters()))  # --seed
-    assert job.tied == {"lm_head.weight"} and job.ep == 1 and not job.moe and job.seq_len == 64
+    assert job.tied == {"lm_head.weight"} and not job.moe and job.seq_len == 64
     fields = job.extra["hf_config"]
     assert fields["model_type"] == "llama" and fields["architectures"] == ["LlamaForCausalLM"]
     assert fields["dtype"] == "float32"
     rebuilt = hf_models.config_from_dict(json.loads(json.dumps(fields)))  # through a checkpoint's extra
     assert hf_models.config_dict(rebuilt) == fields
     assert hf_models.config_dict(hf_models.preset_config("llama", **{**SHAPE, "seq_len": 64})) == fields
+    stored_bf16 = hf_models.preset_config("llama", **SHAPE)
+    stored_bf16.dtype = torch.bfloat16  # a pretrained config may name the dtype its weights were saved in
+    assert {p.dtype for p in hf_models.build_model(stored_bf16).parameters()} == {torch.float32}
+    assert hf_models.config_dict(stored_bf16)["dtype"] == "float32"
     moe = build(TrainConfig(hf_model="mixtral", preset="tiny"), None, torch.device("cpu"))
     assert (moe.n_moe_layers, moe.n_experts, moe.top_k, moe.tied) == (2, 4, 2, frozenset())
     assert 0 < moe.num_active < moe.num_params
@@ -155,7 +159,8 @@ def test_init_from_folder_checks(tmp_path: Path) -> None:
     check(tmp_path, hf_model="llama")
     with pytest.raises(ValueError, match="holds a llama model, not --hf-model mixtral; drop --hf-model"):
         check(tmp_path, hf_model="mixtral")
-    with pytest.raises(ValueError, match="--seq-len 128 is longer than its max_position_embeddings 64; use --seq-len 64"):
+    with pytest.raises(ValueError, match="--seq-len 128 is longer than its max_position_embeddings 64; use "
+                                         "--seq-len 64"):
         check(tmp_path, seq_len=128)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 100}))
     with pytest.raises(ValueError, match="its vocab_size is 100, but the job's tokens are the 256 byte values"):

@@ -125,7 +125,7 @@ def test_cli_is_generated_from_the_dataclass() -> None:
                  "--steps", "--lr", "--min-lr", "--warmup", "--weight-decay", "--clip", "--seed",
                  "--fsdp-outer-degree", "--reshard-policy", "--eval-every", "--eval-batches", "--nproc", "--data",
                  "--out", "--sample-tokens", "--device", "--experts", "--top-k", "--ep", "--expert-hidden",
-                 "--aux-loss-coef", "--expert-policy", "--ranks-per-node"):
+                 "--aux-loss-coef", "--expert-policy", "--ranks-per-node", "--hf-model", "--init-from"):
         assert flag in help_text
     assert "Max global gradient norm" in help_text  # field docstrings become the help
     config = parse_args(["--steps", "7", "--lr", "0.01", "--min-lr", "0.001", "--no-progress"])
