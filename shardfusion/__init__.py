@@ -7,10 +7,12 @@ Public API (v0; the design: docs/design.md)::
     model = sf.fully_shard(model, topo, units=(Block,))
     norm = sf.clip_grad_norm_(model, max_norm=1.0)
     full = sf.full_state_dict(model)
+    sf.load_safetensors(model, "path/to/hf_model_folder")   # pretrained weights, each rank reads its fragments
 """
 
 from shardfusion import checkpoint, comm, topology
 from shardfusion import moe
+from shardfusion.checkpoint.streaming import load_safetensors
 from shardfusion.clip import clip_grad_norm_, install_torch_clip_wrappers
 from shardfusion.fully_shard import (
     MixedPrecisionPolicy,
@@ -39,6 +41,7 @@ __all__ = [
     "fully_shard",
     "get_units",
     "is_expert",
+    "load_safetensors",
     "mark_expert",
     "moe",
     "no_sync",

@@ -12,6 +12,9 @@ The package, one module per concern:
   :func:`latest_checkpoint`, :func:`checkpoint_bytes`.
 - :mod:`~shardfusion.checkpoint.read`: single-process readers, no process group: :func:`read_meta`,
   :func:`read_all`, :func:`load_full`.
+- :mod:`~shardfusion.checkpoint.streaming`: :func:`load_safetensors`, pretrained weights from safetensors files
+  (Hugging Face's sharded layout too) into a sharded model, each rank reading only its fragments' rows (needs the
+  ``safetensors`` package, imported when called).
 - :mod:`~shardfusion.checkpoint.export`: ``python -m shardfusion.export``, a checkpoint as safetensors (needs the
   ``safetensors`` package, not imported here).
 
@@ -21,6 +24,7 @@ See ``docs/checkpoints.md``.
 from shardfusion.checkpoint.folder import checkpoint_bytes, latest_checkpoint
 from shardfusion.checkpoint.read import load_full, read_all, read_meta
 from shardfusion.checkpoint.save_load import FORMAT_VERSION, load, load_full_state, save, save_checkpoint
+from shardfusion.checkpoint.streaming import LoadResult, load_safetensors
 
-__all__ = ["FORMAT_VERSION", "checkpoint_bytes", "latest_checkpoint", "load", "load_full", "load_full_state",
-           "read_all", "read_meta", "save", "save_checkpoint"]
+__all__ = ["FORMAT_VERSION", "LoadResult", "checkpoint_bytes", "latest_checkpoint", "load", "load_full",
+           "load_full_state", "load_safetensors", "read_all", "read_meta", "save", "save_checkpoint"]

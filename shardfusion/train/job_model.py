@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import shardfusion as sf
 from shardfusion.models.gpt import GPT, Block
 from shardfusion.train.config import TrainConfig
 
@@ -134,13 +135,6 @@ def load_pretrained(model: nn.Module, folder: str) -> None:
     Raises:
         ValueError: on every rank: parameters missing from the folder, unexpected ones, or other shapes.
     """
-    import shardfusion as sf
-
-    if not hasattr(sf, "load_safetensors"):  # TEMPORARY, until branch stream (sf.load_safetensors) is merged
-        from safetensors.torch import load_file
-        from shardfusion import checkpoint as ckpt
-        ckpt.load_full_state(model, load_file(f"{folder}/model.safetensors"))
-        return
     sf.load_safetensors(model, folder)
 
 

@@ -144,14 +144,16 @@ def test_qwen3_moe_trains_under_hsdp(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(TRAIN_TIMEOUT_S + 60)
 def test_init_from_pretrained_folder(tmp_path: Path) -> None:
-    # a pretrained folder as save_pretrained writes it: a model of another shape than the preset's, untied, eager
+    # a pretrained folder as save_pretrained writes it: a model of another shape than the preset's, untied, eager,
+    # its weights in several files under model.safetensors.index.json
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                       initializer_range=0.2, tie_word_embeddings=False)
     torch.manual_seed(7)  # not the job's seed: the job's own initialisation would give other weights
     pretrained = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     folder = tmp_path / "pretrained"
-    pretrained.save_pretrained(str(folder))
+    pretrained.save_pretrained(str(folder), max_shard_size="100KB")
+    assert (folder / "model.safetensors.index.json").is_file() and len(list(folder.glob("*.safetensors"))) > 1
     out = tmp_path / "run"
     result = run_train([*COMMON, "--init-from", str(folder), "--nproc", "2", "--steps", "1", "--eval-every", "1",
                         "--sample-tokens", "0", "--out", str(out)])
