@@ -1,8 +1,9 @@
 # make train: the default training run (a GPT-MoE, 4 gloo workers, HSDP 2x2, ep 2, 200 steps) on this machine.
 # make test:  the test suite.
 # Both create .venv on first use: torch==2.13.0 is installed first, pinned (any other resolution can pull gigabytes
-# of wheels), then this package in editable mode with its train and test extras. Extra pip flags for torch (e.g. a wheel
-# index): make TORCH_PIP_ARGS='--index-url ...'. Extra flags for the job or pytest: make train ARGS='--steps 50'.
+# of wheels), then this package in editable mode with its train and test extras (test includes hf: transformers).
+# Extra pip flags for torch (e.g. a wheel index): make TORCH_PIP_ARGS='--index-url ...'. Extra flags for the job or
+# pytest: make train ARGS='--steps 50'.
 
 PYTHON ?= python3
 VENV := .venv

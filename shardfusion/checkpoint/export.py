@@ -11,6 +11,13 @@ with its own ``config.json``). Loading the export needs only ``safetensors`` and
     model.load_state_dict(load_file("OUT/model.safetensors"), strict=False)   # tied weights appear once
 
 A full state dict like that export loads into a sharded model too: see :func:`shardfusion.checkpoint.load_full_state`.
+
+A checkpoint of a Hugging Face model (its ``extra`` holds ``hf_config``: ``shardfusion.train --hf-model`` or
+``--init-from``) exports as a Hugging Face folder instead, which
+``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads: ``OUT/config.json`` is the model's HF config
+(``architectures`` included) and ``OUT/model.safetensors`` holds the parameters under their HF names (the names of
+the sharded module, which is the HF module itself), a tied weight once, with the metadata ``{"format": "pt"}`` that
+HF expects (and ``source``).
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ def export(ckpt: str, out: str, overwrite: bool = False) -> str:
 
     ``config.json`` holds ``source`` (the checkpoint folder), ``extra`` (the checkpoint's ``extra``: for a checkpoint
     of shardfusion.train: the model config under 'model', the step, the schedule settings) and ``shapes`` (the
-    parameter shapes). Without ``overwrite``, nothing is written when either file exists already.
+    parameter shapes); for a checkpoint whose ``extra`` holds ``hf_config`` (a Hugging Face model), it is that HF
+    config, and ``model.safetensors`` carries HF's metadata ``{"format": "pt"}``. Without ``overwrite``, nothing is
+    written when either file exists already.
 
     Raises:
         ValueError: ``out/model.safetensors`` or ``out/config.json`` exists and not ``overwrite`` (names the file);
@@ -50,9 +59,15 @@ def export(ckpt: str, out: str, overwrite: bool = False) -> str:
                                  f"(--overwrite)")
     tensors = {name: t.contiguous() for name, t in checkpoint.load_full(path).items()}
     os.makedirs(out, exist_ok=True)
-    save_file(tensors, target, metadata={"source": os.path.abspath(path), "format": "shardfusion export v1"})
-    config = {"source": os.path.abspath(path), "extra": meta.get("extra"),
-              "shapes": {n: list(s) for n, s in meta["shapes"].items()}}
+    extra = meta.get("extra")
+    hf_config = extra.get("hf_config") if isinstance(extra, dict) else None
+    if hf_config is not None:  # a Hugging Face model: HF's own folder layout
+        save_file(tensors, target, metadata={"format": "pt", "source": os.path.abspath(path)})
+        config = dict(hf_config)
+    else:
+        save_file(tensors, target, metadata={"source": os.path.abspath(path), "format": "shardfusion export v1"})
+        config = {"source": os.path.abspath(path), "extra": extra,
+                  "shapes": {n: list(s) for n, s in meta["shapes"].items()}}
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2, default=str)
     return target

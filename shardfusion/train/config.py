@@ -10,6 +10,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import json
 import math
 import os
 import textwrap
@@ -22,6 +23,7 @@ from typing import NoReturn
 from shardfusion.train.data import corpus_size, min_corpus_bytes, split_sizes
 from shardfusion.models.gpt import PRESETS, GPTConfig
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_POLICIES
+from shardfusion.train.hf_models import HF_MODELS
 from shardfusion.topology import Degrees
 
 
@@ -35,6 +37,14 @@ class TrainConfig:
 
     preset: str = "small"
     """Model shape from shardfusion.models.PRESETS (default small); --n-layer etc. override single fields."""
+    hf_model: str | None = None
+    """Train a Hugging Face transformers model instead of the GPT: llama, qwen3_moe or mixtral, built over the
+    byte vocabulary with the shape flags (--preset, --n-layer, --n-head, --d-model, --seq-len; --experts, --top-k
+    and --expert-hidden for the MoE ones); needs pip install 'shardfusion[hf]'; --ep must be 1 (default: the GPT)."""
+    init_from: str | None = None
+    """Start from a pretrained Hugging Face folder (config.json, model.safetensors or a sharded index): the model is
+    built from its config.json and loaded with its weights; the shape flags other than --seq-len do not apply
+    (default: none, a fresh model)."""
     n_layer: int | None = None
     """Transformer blocks (default: from the preset)."""
     n_head: int | None = None
@@ -141,6 +151,21 @@ class TrainConfig:
         return dataclasses.replace(PRESETS[self.preset], dropout=self.dropout, n_experts=self.experts,
                                    top_k=self.top_k, **overrides)
 
+    def _validate_hf(self) -> None:
+        """The flags that a Hugging Face model (--hf-model, --init-from) refuses."""
+        what = f"--hf-model {self.hf_model}" if self.init_from is None else f"--init-from {self.init_from}"
+        if self.ep is not None and self.ep != 1:
+            raise ValueError(f"--ep {self.ep} does not apply to {what}: a Hugging Face model's experts run in its "
+                             f"own modules on every rank, so ep must be 1; drop --ep")
+        if self.init_from is not None:
+            for name in ("n_layer", "n_head", "d_model", "expert_hidden"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"--{name.replace('_', '-')} does not apply to --init-from {self.init_from}: "
+                                     f"the model's shape comes from its config.json; drop the flag")
+        elif self.hf_model != "llama" and self.experts < 1:
+            raise ValueError(f"--hf-model {self.hf_model} is a mixture of experts: it needs --experts >= 1, got "
+                             f"{self.experts} (--hf-model llama is the dense model)")
+
     def validate(self) -> None:
         """Raise ValueError naming the flag to change.
 
@@ -149,6 +174,10 @@ class TrainConfig:
             value = getattr(self, field.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"--{field.name.replace('_', '-')} must be a finite number, got {value}")
+        if self.hf_model is not None and self.hf_model not in HF_MODELS:
+            raise ValueError(f"--hf-model must be one of {', '.join(HF_MODELS)}, got {self.hf_model!r}")
+        if self.hf_model is not None or self.init_from is not None:
+            self._validate_hf()
         if self.experts < 0:
             raise ValueError(f"--experts must be >= 0, got {self.experts}")
         if self.experts and not 1 <= self.top_k <= self.experts:
@@ -238,6 +267,8 @@ def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
         if not os.access(existing, os.W_OK | os.X_OK):
             raise ValueError(f"--out {config.out}: the folder {existing} is not writable")
 
+    if config.init_from is not None:
+        check_pretrained(config)
     where = "the standard library" if config.data is None else f"--data {config.data}"
     try:
         size = corpus_size(config.data, min(config.data_bytes, need))
@@ -253,6 +284,42 @@ def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
                          f"smaller --seq-len")
 
 
+PRETRAINED_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+"""The weight files a --init-from folder holds (one of them): one safetensors file, or the index of several."""
+
+
+def check_pretrained(config: TrainConfig) -> None:
+    """The checks of `--init-from DIR` that need no transformers: DIR holds a readable config.json with a
+    model_type (the --hf-model one, if given), a vocabulary of at least the 256 bytes, room for --seq-len positions,
+    and safetensors weights (`PRETRAINED_WEIGHTS`).
+
+    Raises:
+        ValueError: one line naming --init-from and what is wrong there.
+    """
+    folder = Path(config.init_from)
+    flag = f"--init-from {config.init_from}"
+    try:
+        fields = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{flag}: cannot read a Hugging Face config.json there: {error}") from None
+    model_type = fields.get("model_type") if isinstance(fields, dict) else None
+    if not model_type:
+        raise ValueError(f"{flag}: its config.json names no model_type; it is not a Hugging Face model folder")
+    if config.hf_model is not None and config.hf_model != model_type:
+        raise ValueError(f"{flag} holds a {model_type} model, not --hf-model {config.hf_model}; drop --hf-model (the "
+                         f"folder's config.json decides the model) or make them agree")
+    vocab = fields.get("vocab_size")
+    if isinstance(vocab, int) and vocab < 256:
+        raise ValueError(f"{flag}: its vocab_size is {vocab}, but the job's tokens are the 256 byte values")
+    positions = fields.get("max_position_embeddings")
+    seq_len = config.model_config().seq_len
+    if isinstance(positions, int) and seq_len > positions:
+        raise ValueError(f"{flag}: --seq-len {seq_len} is longer than its max_position_embeddings {positions}; use "
+                         f"--seq-len {positions} or less")
+    if not any((folder / name).is_file() for name in PRETRAINED_WEIGHTS):
+        raise ValueError(f"{flag} holds no weights: neither {' nor '.join(PRETRAINED_WEIGHTS)}")
+
+
 def lr_at(config: TrainConfig, step: int) -> float:
     """Learning rate for optimizer step `step` (0-based): linear warm-up to lr, then cosine down to min_lr."""
     if step < config.warmup:
@@ -265,10 +332,13 @@ def lr_at(config: TrainConfig, step: int) -> float:
 def resolve(config: TrainConfig, *, device: str, world_size: int) -> TrainConfig:
     """Fill the run-time defaults: device, ep, fsdp_outer_degree and out.
 
-    ep: 2 when --experts and the world size are even, else 1. fsdp_outer_degree: 2 when the world size is >= 4 and
-    2 divides the expert sharding degree world_size / ep, else 1 (for ep 1: when the world size is even)."""
+    ep: 1 for a Hugging Face model; else 2 when --experts and the world size are even, else 1. fsdp_outer_degree: 2
+    when the world size is >= 4 and 2 divides the expert sharding degree world_size / ep, else 1 (for ep 1: when the
+    world size is even)."""
     ep = config.ep
-    if ep is None:
+    if config.hf_model is not None or config.init_from is not None:
+        ep = 1  # Hugging Face models hold every expert (see TrainConfig.hf_model)
+    elif ep is None:
         ep = 2 if config.experts and config.experts % 2 == 0 and world_size % 2 == 0 else 1
     outer = config.fsdp_outer_degree
     if outer is None:

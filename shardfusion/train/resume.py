@@ -4,9 +4,11 @@ A checkpoint of the job is a `shardfusion.checkpoint` folder `OUT/checkpoints/st
 last `--keep` kept) holding the model, the AdamW state and:
 
 - `extra` (written once, by rank 0): `step` (optimizer steps done), `elapsed_s` (training seconds so far), the
-  world size, `layout` (`Topology.describe()`), `model` (the `GPTConfig` fields: what a plain `GPT` needs to load
-  an export of the checkpoint, see `shardfusion.export`) and `config`: the `RESUME_FIELDS` of the run's
-  `TrainConfig`, the settings that decide the learning rate schedule and the data order;
+  world size, `layout` (`Topology.describe()`), the model's record (`JobModel.extra`: `model`, the `GPTConfig`
+  fields, what a plain `GPT` needs to load an export of the checkpoint; or for a Hugging Face model `hf_config`,
+  its config dict, which `shardfusion.export` writes as the export's config.json) and `config`: the
+  `RESUME_FIELDS` of the run's `TrainConfig`, the settings that decide the learning rate schedule and the data
+  order;
 - per-rank state (`rank/<rank>/...`): this rank's torch RNG states (CPU, and CUDA on a GPU run), which dropout
   draws from.
 
@@ -24,9 +26,8 @@ fields that keep every shape (e.g. `n_head`, `top_k`), which no shape check can 
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,14 +35,13 @@ import torch.nn as nn
 
 from shardfusion import checkpoint as ckpt
 from shardfusion.comm import call_on_rank0
-from shardfusion.models.gpt import GPT
 
 CHECKPOINT_DIR = "checkpoints"
 """Folder under --out holding the job's checkpoints (`step-N`, `latest`)."""
 
 RESUME_FIELDS = ("seed", "steps", "lr", "min_lr", "warmup", "weight_decay", "clip", "batch_size", "grad_accum",
                  "aux_loss_coef", "data", "data_bytes", "dropout", "param_dtype", "grad_comm_dtype", "expert_policy",
-                 "device")
+                 "device", "hf_model", "init_from")
 """TrainConfig fields that decide the learning rate schedule, the data order, the loss or the arithmetic (dtypes,
 device, where expert gradients are summed): a resume with other values continues, but not as the saved run would
 have."""
@@ -75,10 +75,17 @@ def latest(out: str) -> Optional[str]:
                          f"cannot look for a checkpoint in {out}/{CHECKPOINT_DIR}")
 
 
-def check_resume(out: str, model_config: Any) -> None:
+SHOWN_FIELDS = ("n_layer", "d_model", "seq_len", "n_experts", "expert_hidden",  # GPTConfig
+                 "model_type", "num_hidden_layers", "hidden_size", "max_position_embeddings", "num_experts",
+                 "num_local_experts")  # a Hugging Face config
+"""The saved model's fields that a refused resume names."""
+
+
+def check_resume(out: str, meta_model: Callable[[], nn.Module]) -> None:
     """Refuse, before any worker starts, a resume whose model has other parameters than the checkpoint in ``out``:
-    the model is built on the meta device (no memory, no process group) and its parameter names and shapes are
-    compared with the latest checkpoint's (read by this process alone). No checkpoint: nothing to check.
+    ``meta_model()`` builds the model on the meta device (no memory, no process group; see
+    `shardfusion.train.job_model.meta_model`) and its parameter names and shapes are compared with the latest
+    checkpoint's (read by this process alone). No checkpoint: nothing to check, nothing built.
 
     Raises:
         ValueError: one line naming the checkpoint, the differing parameters (at most 3) and how to go on.
@@ -87,16 +94,15 @@ def check_resume(out: str, model_config: Any) -> None:
     if path is None:
         return
     meta = ckpt.read_meta(path)
-    with torch.device("meta"):
-        model = GPT(model_config)
+    model = meta_model()
     mine = {name: tuple(p.shape) for name, p in model.named_parameters()}
     saved = {name: tuple(shape) for name, shape in meta["shapes"].items()}
     differ = [f"{n} {saved[n]} -> {mine[n]}" for n in mine if n in saved and saved[n] != mine[n]]
     differ += [f"{n} is new" for n in mine if n not in saved] + [f"{n} is gone" for n in saved if n not in mine]
     if differ:
-        fields = (meta.get("extra") or {}).get("model") or {}
-        was = ", ".join(f"{k}={fields[k]}" for k in ("n_layer", "d_model", "seq_len", "n_experts", "expert_hidden")
-                        if k in fields)
+        extra = meta.get("extra") or {}
+        fields = extra.get("model") or extra.get("hf_config") or {}
+        was = ", ".join(f"{k}={fields[k]}" for k in SHOWN_FIELDS if k in fields)
         more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
         raise ValueError(f"--out {out} holds a checkpoint of another model ({path}: {was}): "
                          f"{'; '.join(differ[:3])}{more}; resume with the model flags of the saved run, use another "
@@ -104,25 +110,25 @@ def check_resume(out: str, model_config: Any) -> None:
 
 
 def save(model: nn.Module, optimizer: torch.optim.Optimizer, out: str, *, step: int, keep: int, config: Any,
-         model_config: Any, layout: str, elapsed_s: float, device: torch.device) -> str:
+         model_extra: dict[str, dict[str, Any]], layout: str, elapsed_s: float, device: torch.device) -> str:
     """Publish ``out/checkpoints/step-<step>`` (see `shardfusion.checkpoint.save_checkpoint`); returns its path.
-    Collective.
+    Collective. ``model_extra``: the model's record (`JobModel.extra`), merged into the checkpoint's ``extra``.
 
     Raises:
         ValueError: on every rank: what `shardfusion.checkpoint.save_checkpoint` raises (a folder that cannot be
             written, a disk full).
     """
     extra = {"step": step, "elapsed_s": elapsed_s, "world_size": dist.get_world_size(), "layout": layout,
-             "model": dataclasses.asdict(model_config),
-             "config": {name: getattr(config, name) for name in RESUME_FIELDS}}
+             **model_extra, "config": {name: getattr(config, name) for name in RESUME_FIELDS}}
     return ckpt.save_checkpoint(model, optimizer, os.path.join(out, CHECKPOINT_DIR), step, keep=keep, extra=extra,
                                 rank_state=rng_state(device))
 
 
-def restore(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, *, config: Any, model_config: Any,
-            layout: str, device: torch.device) -> tuple[int, float, list[str]]:
+def restore(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, *, config: Any,
+            model_extra: dict[str, dict[str, Any]], layout: str, device: torch.device) -> tuple[int, float, list[str]]:
     """Load the checkpoint at `path` into `model` and `optimizer` (any layout) and this rank's RNG states.
     Collective. The optimizer's hyperparameters are the saved ones afterwards: the caller re-applies its own.
+    ``model_extra``: this run's model record (`JobModel.extra`), compared field by field with the saved one.
 
     Returns (steps done, training seconds so far, notes): the notes name every way in which the continuation will
     differ from the saved run (changed `RESUME_FIELDS` or model fields, another world size or layout), empty for an
@@ -145,9 +151,9 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, *, co
     notes = [f"--{name.replace('_', '-')} was {old!r}, now {getattr(config, name)!r}"
              for name, old in extra.get("config", {}).items()
              if name in RESUME_FIELDS and getattr(config, name) != old]
-    model_now = dataclasses.asdict(model_config)
-    notes += [f"model field {name} was {old!r}, now {model_now.get(name)!r}"
-              for name, old in extra.get("model", {}).items() if model_now.get(name) != old]
+    for key, model_now in model_extra.items():
+        notes += [f"model field {name} was {old!r}, now {model_now.get(name)!r}"
+                  for name, old in (extra.get(key) or {}).items() if model_now.get(name) != old]
     if extra.get("world_size") != dist.get_world_size():
         notes.append(f"world size was {extra.get('world_size')}, now {dist.get_world_size()}: other data order, "
                      f"fresh RNG states on new ranks")

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 LIBRARY = REPO / "shardfusion"
 # Modules of the package that are not the library: the training job, and the export (needs safetensors).
 NOT_LIBRARY = ("train/", "checkpoint/export.py", "export.py")
-EXTRAS = {"numpy", "tqdm", "matplotlib", "safetensors"}
+EXTRAS = {"numpy", "tqdm", "matplotlib", "safetensors", "transformers"}
 # Library modules that may import an extra inside a function (an optional feature that raises ImportError naming the
 # package when called), never at module level: {module: extras}.
 LAZY_EXTRAS = {"checkpoint/streaming.py": {"safetensors"}}
@@ -64,7 +64,17 @@ def test_import_shardfusion_loads_no_job_module() -> None:
     # torch itself may import numpy or tqdm when they are installed; the lazily imported extras must stay unloaded
     lazy = sorted(set().union(*LAZY_EXTRAS.values()))
     code = ("import sys, shardfusion, shardfusion.checkpoint; "
-            f"print([m for m in sys.modules if m.startswith('shardfusion.train') or m.split('.')[0] in {lazy!r}])")
+            f"print([m for m in sys.modules if m.startswith(('shardfusion.train', 'transformers')) "
+            f"or m.split('.')[0] in {lazy!r}])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_job_loads_transformers_only_for_hf_models() -> None:
+    # transformers is an optional extra: the job's modules (and the GPT path) import it only when an HF model is built
+    code = ("import sys, shardfusion.train.job, shardfusion.train.job_model, shardfusion.train.hf_models; "
+            "from shardfusion.train.config import parse_args; parse_args(['--hf-model', 'llama']); "
+            "print([m for m in sys.modules if m.startswith('transformers')])")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 

@@ -125,7 +125,7 @@ def test_cli_is_generated_from_the_dataclass() -> None:
                  "--steps", "--lr", "--min-lr", "--warmup", "--weight-decay", "--clip", "--seed",
                  "--fsdp-outer-degree", "--reshard-policy", "--eval-every", "--eval-batches", "--nproc", "--data",
                  "--out", "--sample-tokens", "--device", "--experts", "--top-k", "--ep", "--expert-hidden",
-                 "--aux-loss-coef", "--expert-policy", "--ranks-per-node"):
+                 "--aux-loss-coef", "--expert-policy", "--ranks-per-node", "--hf-model", "--init-from"):
         assert flag in help_text
     assert "Max global gradient norm" in help_text  # field docstrings become the help
     config = parse_args(["--steps", "7", "--lr", "0.01", "--min-lr", "0.001", "--no-progress"])
@@ -169,6 +169,13 @@ def test_checkpoint_flags_rejected(capsys: pytest.CaptureFixture) -> None:
     ("blocks.0.attn.qkv.bias", True), ("blocks.3.mlp.fc.weight", False), ("blocks.0.attn.proj.weight", False),
     ("encoder.layernorm.weight", True), ("lm_head.weight", False), ("blocks.0.mlp.router.weight", False),
     ("blocks.1.mlp.experts.3.fc.weight", False), ("blocks.1.mlp.experts.3.proj.bias", True),
+    # Hugging Face names (--hf-model): norms, embeddings and biases are exempt; matrices, routers, fused experts and
+    # an untied head decay
+    ("model.embed_tokens.weight", True), ("model.norm.weight", True), ("model.layers.0.input_layernorm.weight", True),
+    ("model.layers.1.post_attention_layernorm.weight", True), ("model.layers.0.self_attn.q_norm.weight", True),
+    ("model.layers.0.self_attn.q_proj.bias", True), ("model.layers.0.self_attn.o_proj.weight", False),
+    ("model.layers.0.mlp.gate_proj.weight", False), ("model.layers.0.mlp.gate.weight", False),
+    ("model.layers.0.mlp.experts.gate_up_proj", False), ("model.layers.0.mlp.experts.down_proj", False),
 ])
 def test_weight_decay_groups_by_name(name: str, exempt: bool) -> None:
     assert no_decay(name) is exempt

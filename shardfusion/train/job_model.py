@@ -1,0 +1,203 @@
+"""The model a run of `shardfusion.train` trains, behind the one interface the training loop uses: the byte-level
+GPT (GPT-MoE) of `shardfusion.models.gpt`, or a Hugging Face causal LM (`--hf-model`, `--init-from`; see
+`shardfusion.train.hf_models`, which alone imports transformers).
+
+The loop, the checkpoints, the resume checks, the metrics and the sample are the same for both; what differs is
+here: how the model is built and split into units, its loss terms per micro-batch, what a checkpoint records
+about it, and how a plain copy of it samples text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import shardfusion as sf
+from shardfusion.models.gpt import GPT, Block
+from shardfusion.train.config import TrainConfig
+
+Losses = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
+"""(model, x, y) -> (cross-entropy, load-balancing loss, (L, E) expert assignments or None): one micro-batch."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobModel:
+    """One run's model, before `fully_shard`, and what the loop needs to know about it."""
+
+    module: nn.Module
+    """The model to shard, on the run's device."""
+    units: tuple[type, ...]
+    """The module classes that each form a unit (`fully_shard(units=...)`)."""
+    name: str
+    """How the summary, the plot and the messages name the model."""
+    seq_len: int
+    """Bytes per training sequence."""
+    extra: dict[str, dict[str, Any]]
+    """What a checkpoint's `extra` records about the model: {"model": GPTConfig fields} for the GPT (what
+    `GPT(GPTConfig(**fields))` needs), {"hf_config": the HF config dict} for an HF model (what
+    `python -m shardfusion.export` writes as config.json, and what builds the model again)."""
+    num_params: int
+    """Distinct parameter elements (a tied weight counts once; every expert counts)."""
+    num_active: int
+    """Parameter elements one token uses (top_k of the experts of each MoE layer)."""
+    n_moe_layers: int
+    """Layers that route tokens to experts (0: a dense model)."""
+    n_experts: int
+    """Experts per MoE layer (0: a dense model)."""
+    top_k: int
+    """Experts per token."""
+    losses: Losses
+    """One micro-batch's loss terms on the sharded model (every rank calls it: a forward is collective)."""
+    plain: Callable[[], nn.Module]
+    """A fresh, unsharded copy of the architecture on the CPU with every expert (it loads a `full_state_dict`)."""
+    tied: frozenset[str]
+    """Parameter names that a `full_state_dict` leaves out because they are tied to another one."""
+    generate: Callable[[nn.Module, torch.Tensor, int, float, int, torch.Generator], torch.Tensor]
+    """(plain model, prompt (1, T), new bytes, temperature, top_k, generator) -> (1, T + new)."""
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
+
+
+def is_hf(config: TrainConfig) -> bool:
+    """Whether the run trains a Hugging Face model (`--hf-model` or `--init-from`)."""
+    return config.hf_model is not None or config.init_from is not None
+
+
+def hf_config(config: TrainConfig) -> Any:
+    """The HF config of an HF run: `--init-from DIR`'s config.json, or the `--hf-model` preset built from the shape
+    flags (`hf_models.preset_config`). `--dropout` sets its attention_dropout either way.
+
+    Raises:
+        ValueError: transformers is missing (the message names `pip install 'shardfusion[hf]'`).
+    """
+    from shardfusion.train import hf_models
+
+    if config.init_from is not None:
+        hf = hf_models.load_config(config.init_from)
+        if hasattr(hf, "attention_dropout"):
+            hf.attention_dropout = config.dropout
+        return hf
+    shape = config.model_config()
+    return hf_models.preset_config(config.hf_model, n_layer=shape.n_layer, n_head=shape.n_head, d_model=shape.d_model,
+                                   seq_len=shape.seq_len, n_experts=shape.n_experts, top_k=shape.top_k,
+                                   expert_hidden=shape.expert_hidden, dropout=config.dropout,
+                                   aux_loss_coef=config.aux_loss_coef)
+
+
+def meta_model(config: TrainConfig) -> nn.Module:
+    """The run's model on the meta device (no memory, no process group): its parameter names and shapes, for the
+    resume check before any worker starts."""
+    if is_hf(config):
+        from shardfusion.train import hf_models
+
+        hf = hf_config(config)
+        with torch.device("meta"):
+            return hf_models.build_model(hf)
+    with torch.device("meta"):
+        return GPT(config.model_config())
+
+
+def checked_meta_model(config: TrainConfig) -> nn.Module:
+    """`meta_model` of an HF run, with the failures of transformers, of DIR's config and of the model's units as
+    one-line errors naming the flag: run before any worker starts.
+
+    Raises:
+        ValueError: transformers is missing (naming `pip install 'shardfusion[hf]'`), `--init-from DIR`'s config is
+            not one this transformers can build as a causal LM, or the model has no units.
+    """
+    from shardfusion.train import hf_models
+
+    flag = f"--init-from {config.init_from}" if config.init_from is not None else f"--hf-model {config.hf_model}"
+    hf_models.import_transformers(what=flag)
+    try:
+        model = meta_model(config)
+    except (KeyError, OSError, TypeError, ValueError) as error:
+        text = " ".join(str(error).split())  # one line, whatever transformers said
+        raise ValueError(f"{flag}: cannot build the model: {text}") from None
+    try:
+        hf_models.unit_classes(model)
+    except ValueError as error:
+        raise ValueError(f"{flag}: {error}") from None
+    return model
+
+
+def load_pretrained(model: nn.Module, folder: str) -> None:
+    """Load `--init-from`'s safetensors weights (model.safetensors or a sharded index) into the sharded `model`,
+    each rank reading its own slices: `sf.load_safetensors`. Collective.
+
+    Raises:
+        ValueError: on every rank: parameters missing from the folder, unexpected ones, or other shapes.
+    """
+    sf.load_safetensors(model, folder)
+
+
+def build(config: TrainConfig, ep_group: Optional[dist.ProcessGroup], device: torch.device) -> JobModel:
+    """The run's model, initialized from `--seed` (the same on every rank), on `device`.
+
+    ep_group: the topology's ep group; a GPT-MoE holds this ep rank's experts (HF models hold all of theirs)."""
+    torch.manual_seed(config.seed)
+    return _build_hf(config, device) if is_hf(config) else _build_gpt(config, ep_group, device)
+
+
+def _gpt_losses(model: nn.Module, x: torch.Tensor,
+                y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    _, loss = model(x, y)
+    tokens = model.tokens_per_expert()  # (L, E); (0, 0) for a dense GPT
+    return loss, model.aux_loss(), tokens if tokens.numel() else None
+
+
+def _gpt_generate(model: nn.Module, idx: torch.Tensor, new: int, temperature: float, top_k: int,
+                  generator: torch.Generator) -> torch.Tensor:
+    return model.generate(idx, new, temperature=temperature, top_k=top_k, generator=generator)
+
+
+def _build_gpt(config: TrainConfig, ep_group: Optional[dist.ProcessGroup], device: torch.device) -> JobModel:
+    shape = config.model_config()
+    model = GPT(shape, ep_group=ep_group).to(device)
+    moe = shape.n_experts > 0
+    return JobModel(
+        module=model, units=(Block,), seq_len=shape.seq_len,
+        name=(f"{config.preset} GPT-MoE ({shape.n_experts} experts, top-{shape.top_k})" if moe
+              else f"{config.preset} GPT"),
+        extra={"model": dataclasses.asdict(shape)}, num_params=model.num_parameters(),
+        num_active=model.num_parameters(active=True), n_moe_layers=shape.n_layer if moe else 0,
+        n_experts=shape.n_experts, top_k=shape.top_k if moe else 0, losses=_gpt_losses,
+        plain=lambda: GPT(shape), tied=frozenset({"lm_head.weight"} if shape.tie_embeddings else ()),
+        generate=_gpt_generate)
+
+
+def _build_hf(config: TrainConfig, device: torch.device) -> JobModel:
+    from shardfusion.train import hf_models
+
+    hf = hf_config(config)
+    model = hf_models.build_model(hf).to(device)
+    experts, top_k = hf_models.moe_shape(hf) if hf_models.is_moe(hf) else (0, 0)
+    seq_len = config.model_config().seq_len
+
+    def losses(m: nn.Module, x: torch.Tensor, y: torch.Tensor):
+        return hf_models.losses(m, hf, x, y)
+
+    def generate(m: nn.Module, idx: torch.Tensor, new: int, temperature: float, k: int, generator: torch.Generator):
+        return hf_models.generate(m, idx, new, seq_len, temperature=temperature, top_k=k, generator=generator)
+
+    def plain() -> nn.Module:
+        return hf_models.build_model(hf)
+
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {
+        name for name, _ in model.named_parameters()}
+    source = f"from {config.init_from}" if config.init_from else f"--hf-model {config.hf_model}"
+    moe_text = f", {experts} experts, top-{top_k}" if experts else ""
+    n_moe = sum(1 for name, _ in model.named_modules() if name.endswith(".experts")) if experts else 0
+    return JobModel(
+        module=model, units=hf_models.unit_classes(model), seq_len=seq_len,
+        name=f"{type(model).__name__} ({source}{moe_text})", extra={"hf_config": hf_models.config_dict(hf)},
+        num_params=hf_models.num_parameters(model, hf), num_active=hf_models.num_parameters(model, hf, active=True),
+        n_moe_layers=n_moe, n_experts=experts, top_k=top_k, losses=losses, plain=plain,
+        tied=frozenset(tied), generate=generate)
