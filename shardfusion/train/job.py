@@ -2,9 +2,10 @@
 FSDP/HSDP and expert parallelism, or a Hugging Face causal LM (`--hf-model`, `--init-from`).
 
 Run without torchrun, it starts `--nproc` local workers itself (elastic launcher, c10d rendezvous, free port);
-under torchrun every process is a worker. Each worker builds the same model from `--seed` (`job_model.build`: the
-GPT, with `--experts > 0` a GPT-MoE holding this ep rank's experts, or the HF model), shards it with
-`sf.fully_shard(model, topo, units=...)` (the GPT's `Block`s; an HF model's `_no_split_modules` classes), with
+under torchrun every process is a worker. Each worker builds the same model on the meta device (`job_model.build`:
+the GPT, with `--experts > 0` a GPT-MoE holding this ep rank's experts, or the HF model), shards and initializes it
+from `--seed` with `sf.fully_shard(model, topo, units=..., device=..., init_fn=...)` (the GPT's `Block`s; an HF
+model's `_no_split_modules` classes), with
 `--init-from` loads the pretrained weights into the shards, and trains it with AdamW (name-based weight-decay
 groups), a warm-up + cosine learning rate, gradient accumulation and global-norm clipping; the loss is the
 cross-entropy plus `--aux-loss-coef` times the MoE load-balancing loss. Rank 0 shows
@@ -172,7 +173,8 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     mp_policy = sf.MixedPrecisionPolicy(param_dtype=_dtype(config.param_dtype),
                                         grad_comm_dtype=_dtype(config.grad_comm_dtype))
     model = sf.fully_shard(job.module, topo, units=job.units, reshard_policy=config.reshard_policy,
-                           expert_policy=config.expert_policy, prefetch=config.prefetch, mp_policy=mp_policy)
+                           expert_policy=config.expert_policy, prefetch=config.prefetch, mp_policy=mp_policy,
+                           device=device, init_fn=job.init_fn)  # built on meta: materialized module by module
     resume_from = train_state.latest(config.out)
     if config.init_from is not None and resume_from is None:  # a resumed run takes its weights from the checkpoint
         job_model.load_pretrained(model, config.init_from)

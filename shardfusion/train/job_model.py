@@ -30,7 +30,11 @@ class JobModel:
     """One run's model, before `fully_shard`, and what the loop needs to know about it."""
 
     module: nn.Module
-    """The model to shard, on the run's device."""
+    """The model to shard, built on the meta device: `fully_shard(..., device=, init_fn=)` materializes it module by
+    module, so no rank ever holds it whole."""
+    init_fn: Optional[Callable[[nn.Module], None]]
+    """`fully_shard`'s `init_fn`: None for the GPT (its modules' own `reset_parameters`, bitwise its eager init),
+    the HF model's `_init_weights` for an HF model (its initializer_range; it also recomputes the rotary buffers)."""
     units: tuple[type, ...]
     """The module classes that each form a unit (`fully_shard(units=...)`)."""
     name: str
@@ -139,11 +143,13 @@ def load_pretrained(model: nn.Module, folder: str) -> None:
 
 
 def build(config: TrainConfig, ep_group: Optional[dist.ProcessGroup], device: torch.device) -> JobModel:
-    """The run's model, initialized from `--seed` (the same on every rank), on `device`.
+    """The run's model on the meta device, to be initialized from `--seed` (the same on every rank) by
+    `fully_shard(job.module, ..., device=device, init_fn=job.init_fn)`.
 
     ep_group: the topology's ep group; a GPT-MoE holds this ep rank's experts (HF models hold all of theirs)."""
     torch.manual_seed(config.seed)
-    return _build_hf(config, device) if is_hf(config) else _build_gpt(config, ep_group, device)
+    with torch.device("meta"):
+        return _build_hf(config) if is_hf(config) else _build_gpt(config, ep_group)
 
 
 def _gpt_losses(model: nn.Module, x: torch.Tensor,
@@ -158,12 +164,12 @@ def _gpt_generate(model: nn.Module, idx: torch.Tensor, new: int, temperature: fl
     return model.generate(idx, new, temperature=temperature, top_k=top_k, generator=generator)
 
 
-def _build_gpt(config: TrainConfig, ep_group: Optional[dist.ProcessGroup], device: torch.device) -> JobModel:
+def _build_gpt(config: TrainConfig, ep_group: Optional[dist.ProcessGroup]) -> JobModel:
     shape = config.model_config()
-    model = GPT(shape, ep_group=ep_group).to(device)
+    model = GPT(shape, ep_group=ep_group)
     moe = shape.n_experts > 0
     return JobModel(
-        module=model, units=(Block,), seq_len=shape.seq_len,
+        module=model, init_fn=None, units=(Block,), seq_len=shape.seq_len,
         name=(f"{config.preset} GPT-MoE ({shape.n_experts} experts, top-{shape.top_k})" if moe
               else f"{config.preset} GPT"),
         extra={"model": dataclasses.asdict(shape)}, num_params=model.num_parameters(),
@@ -173,11 +179,11 @@ def _build_gpt(config: TrainConfig, ep_group: Optional[dist.ProcessGroup], devic
         generate=_gpt_generate)
 
 
-def _build_hf(config: TrainConfig, device: torch.device) -> JobModel:
+def _build_hf(config: TrainConfig) -> JobModel:
     from shardfusion.train import hf_models
 
     hf = hf_config(config)
-    model = hf_models.build_model(hf).to(device)
+    model = hf_models.build_model(hf)
     experts, top_k = hf_models.moe_shape(hf) if hf_models.is_moe(hf) else (0, 0)
     seq_len = config.model_config().seq_len
 
@@ -188,7 +194,8 @@ def _build_hf(config: TrainConfig, device: torch.device) -> JobModel:
         return hf_models.generate(m, idx, new, seq_len, temperature=temperature, top_k=k, generator=generator)
 
     def plain() -> nn.Module:
-        return hf_models.build_model(hf)
+        with torch.device("cpu"):  # build() runs under the meta device; the copy needs storage
+            return hf_models.build_model(hf)
 
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {
         name for name, _ in model.named_parameters()}
@@ -196,7 +203,7 @@ def _build_hf(config: TrainConfig, device: torch.device) -> JobModel:
     moe_text = f", {experts} experts, top-{top_k}" if experts else ""
     n_moe = sum(1 for name, _ in model.named_modules() if name.endswith(".experts")) if experts else 0
     return JobModel(
-        module=model, units=hf_models.unit_classes(model), seq_len=seq_len,
+        module=model, init_fn=model._init_weights, units=hf_models.unit_classes(model), seq_len=seq_len,
         name=f"{type(model).__name__} ({source}{moe_text})", extra={"hf_config": hf_models.config_dict(hf)},
         num_params=hf_models.num_parameters(model, hf), num_active=hf_models.num_parameters(model, hf, active=True),
         n_moe_layers=n_moe, n_experts=experts, top_k=top_k, losses=losses, plain=plain,
