@@ -14,6 +14,10 @@ memory at the end of each phase:
 - ``build``: ``GPT(config)`` under ``torch.device(<device>)`` (eager) or ``torch.device("meta")`` (meta);
 - ``wrap``: the library's ``fully_shard`` (and for FSDP2's meta build its recipe: ``model.to_empty(device=...)``,
   then ``reset_parameters()`` of each module that has one) and the AdamW optimizer;
+- ``load``: pretrained weights streamed into the shards from one ``model.safetensors`` that the parent wrote before
+  the workers started (an eager GPT under ``--seed + 1``): ``sf.load_safetensors(model, folder)`` for shardfusion;
+  for FSDP2 ``torch.distributed.checkpoint.load`` of its sharded state dict with ``HuggingFaceStorageReader``
+  (torch's own reader of Hugging Face safetensors folders);
 - ``steps``: ``--steps`` training steps (forward, backward, clip to norm 1.0, ``optimizer.step()``, ``zero_grad``).
 
 A sample holds VmHWM (peak resident set size since the process started; it cannot be reset) and VmRSS from
@@ -30,8 +34,7 @@ step whatever the library. The workers therefore run with ``MALLOC_MMAP_THRESHOL
 ``--malloc-mmap-threshold``; 0 keeps glibc's behaviour): tensors of 64 KiB and more are then mapped and unmapped
 one by one, and the resident set follows the live tensors much more closely.
 
-A variant whose wrap raises (today ``shardfusion-meta``: ``fully_shard`` refuses a model on the meta device) keeps
-the error text as its result, and the run goes on with the next variant.
+A variant whose wrap raises keeps the error text as its result, and the run goes on with the next variant.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import argparse
 import gc
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -182,6 +186,34 @@ def wrap_variant(library: str, build: str, model, ctx):
     return b
 
 
+def load_weights(library: str, model, folder: str) -> None:
+    """Stream ``folder/model.safetensors`` into the sharded ``model``: each rank reads what its shards need."""
+    if library == "shardfusion":
+        import shardfusion as sf
+
+        sf.load_safetensors(model, folder)
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(model)  # DTensors over the model's own storage: loaded in place
+    state.pop("lm_head.weight", None)  # tied to wte.weight, which the file holds once
+    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(folder))
+
+
+def write_weights(shape: dict, seed: int, folder: Path) -> str:
+    """The pretrained weights every variant loads: an eager GPT under ``seed``, a tied weight once."""
+    from safetensors.torch import save_file
+    from shardfusion.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**shape))
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in model.named_parameters()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    return str(folder)
+
+
 def _context(library: str, device: torch.device, opts: dict):
     """The process groups ``library`` needs, in a ``benchmarks.variants.Context``."""
     import shardfusion as sf
@@ -228,6 +260,8 @@ def worker(variant: str, opts: dict) -> dict:
     else:
         del model
         phases["wrap"] = sample(device, live(b))
+        load_weights(library, b.model, opts["weights"])
+        phases["load"] = sample(device, live(b))
         regime = Regime(batch=opts["batch"], seq=opts["seq"], n_layer=shape["n_layer"], d_model=shape["d_model"],
                         n_head=shape["n_head"])
         batches = _batches(regime, opts["steps"], opts["seed"], rank, device)
@@ -248,7 +282,7 @@ def main(argv=None) -> int:
     from benchmarks.memory import worker as entry  # pickled by module name for the spawned workers
     from benchmarks.spawn import run_workers, under_torchrun
     from benchmarks.variants import unit_sizes
-    from shardfusion.models.gpt import GPTConfig
+    from shardfusion.models.gpt import GPT, GPTConfig
 
     args = parse_args(argv)
     if under_torchrun():
@@ -263,8 +297,10 @@ def main(argv=None) -> int:
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
     name = args.name or f"memory-{device}-{args.model_size}"
     variants = args.variants.split(",")
+    weights = tempfile.TemporaryDirectory(prefix="sf-memory-")
     opts = {"shape": args.shape, "batch": args.batch, "seq": args.seq, "steps": args.steps, "device": device,
-            "outer": args.outer, "seed": args.seed}
+            "outer": args.outer, "seed": args.seed,
+            "weights": write_weights(args.shape, args.seed + 1, Path(weights.name))}
     root, blocks = unit_sizes(GPTConfig(**args.shape))
     env = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
            "load_before": [round(x, 2) for x in os.getloadavg()]}
@@ -288,12 +324,15 @@ def main(argv=None) -> int:
             err = (run.get("ranks") or [{}])[0].get("error") or {}
             print(f"repeat {r} {v}: {run['wall_s']:.1f} s" + (f" ({err['phase']}: {err['text']})" if err else "")
                   + (f" ({run['failed']})" if "failed" in run else ""), flush=True)
+    weights.cleanup()
     env["wall_s"] = time.time() - t0
     env["load_after"] = [round(x, 2) for x in os.getloadavg()]
     cfg = {**{k: v for k, v in vars(args).items() if k not in ("shape", "out_dir", "name")}, "device": device,
            "world_size": world, "inner": world // args.outer, "threads": threads, "variants": variants}
+    with torch.device("meta"):
+        largest = max(p.numel() for p in GPT(GPTConfig(**args.shape)).parameters())
     raw = {"benchmark": "memory", "name": name, "config": cfg, "shape": args.shape, "env": env,
-           "unit_numel": {"root": root, "blocks": blocks}, "runs": runs}
+           "unit_numel": {"root": root, "blocks": blocks}, "largest_tensor_numel": largest, "runs": runs}
     js, md = report.write_memory(raw, Path(args.out_dir))
     print(md.read_text())
     print(f"wrote {js} and {md}")

@@ -314,23 +314,25 @@ def _write_files(raw: dict, summary: dict, text: str, out_dir: Path) -> tuple[Pa
 
 
 # ---- benchmarks/memory.py -----------------------------------------------------------------------------------------
-MEMORY_PHASES = ("build", "wrap", "steps")
+MEMORY_PHASES = ("build", "wrap", "load", "steps")
 """The phases reported, each against the ``baseline`` sample (after imports and process groups)."""
 
 
-def memory_theory(build: str, P: int, U: int, inner: int, b: int = 4) -> dict[str, dict[str, float]]:
+def memory_theory(build: str, P: int, U: int, inner: int, b: int = 4, T: int = 0) -> dict[str, dict[str, float]]:
     """Per phase, bytes per rank: ``peak`` (the least the phase must hold at once), ``hwm`` (the largest ``peak`` so
     far: VmHWM never goes down) and ``live`` (tensors alive at the phase's sample), for ``P`` parameters in ``b``
-    bytes each, ``U`` the largest unit's, over ``inner`` shards.
+    bytes each, ``U`` the largest unit's, ``T`` the largest tensor's, over ``inner`` shards.
 
     build: eager ``4P`` (the model), meta 0. wrap: eager ``4P + 4U`` (the model plus one unit's full buffer being
     sharded), meta ``4P/I + 4U`` (the shards plus one unit's full buffer); alive afterwards: the shards ``4P/I``.
+    load: the shards plus one tensor's slab read from the file, ``4P/I + 4T``; alive afterwards: the shards.
     steps: ``16P/I`` (fp32 parameter, gradient and AdamW's two moments, sharded) plus one unit's full parameters and
     full gradient ``8U`` while it runs; alive after ``optimizer.step()``: ``16P/I``."""
     peak = {"build": b * P if build == "eager" else 0.0,
             "wrap": (b * P if build == "eager" else b * P / inner) + b * U,
+            "load": b * P / inner + b * T,
             "steps": 4 * b * P / inner + 2 * b * U}
-    live = {"build": peak["build"], "wrap": b * P / inner, "steps": 4 * b * P / inner}
+    live = {"build": peak["build"], "wrap": b * P / inner, "load": b * P / inner, "steps": 4 * b * P / inner}
     out, hwm = {}, 0.0
     for phase in MEMORY_PHASES:
         hwm = max(hwm, peak[phase])
@@ -352,11 +354,12 @@ def memory_summary(raw: dict) -> dict:
     cfg = raw["config"]
     root, blocks = raw["unit_numel"]["root"], raw["unit_numel"]["blocks"]
     P, U = root + sum(blocks), max([root, *blocks])
+    T = raw.get("largest_tensor_numel", 0)
     model_bytes = 4 * P
     rows: dict[str, dict] = {}
     for v, runs in raw["runs"].items():
         library, build = v.split("-")
-        theory = memory_theory(build, P, U, cfg["inner"])
+        theory = memory_theory(build, P, U, cfg["inner"], T=T)
         ok = [run["ranks"] for run in runs if "ranks" in run]
         row: dict = {"library": library, "build": build, "failed": sum("ranks" not in run for run in runs),
                      "error": next((r["error"] for ranks in ok for r in ranks if r.get("error")), None),
@@ -441,11 +444,13 @@ def memory_markdown(raw: dict, summary: dict) -> str:
             if cuda:
                 cells.append(_mb(ph["cuda_peak_growth_bytes"]))
             lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Theory, bytes per rank (P parameters, U the largest unit's, I the inner degree, fp32):", "",
+    lines += ["", "Theory, bytes per rank (P parameters, U the largest unit's, T the largest tensor's, I the inner "
+              "degree, fp32):", "",
               "| phase | eager build | meta build | alive at the sample |", "|---|---|---|---|",
               "| build | 4P (the model) | 0 | the same |",
               "| wrap | 4P + 4U (the model and one unit's full buffer) | 4P/I + 4U (the shards and one unit's full "
               "buffer) | 4P/I |",
+              "| load | 4P/I + 4T (the shards and one tensor's slab read from the file) | the same | 4P/I |",
               "| steps | 16P/I + 8U | 16P/I + 8U | 16P/I (after `optimizer.step()`) |", "",
               "16P/I: the fp32 parameter, gradient and AdamW's two moments, sharded; 8U: one unit's full parameters "
               "and full gradient while it runs. The theory column is the largest of the phases so far, since VmHWM "

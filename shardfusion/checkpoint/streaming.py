@@ -352,8 +352,13 @@ def _read_range(e: _Entry, offset: int, numel: int) -> torch.Tensor:
     as the rows (first-dim range) that cover them."""
     if len(e.shape) == 0:
         return e.handle.get_tensor(e.stored).reshape(1)
+    from safetensors import safe_open
+
     row = math.prod(e.shape[1:])  # elements per row; > 0, since numel > 0
     r0, r1 = offset // row, -(-(offset + numel) // row)
-    slab = e.handle.get_slice(e.stored)[r0:r1]  # (r1 - r0, *shape[1:])
+    # A handle of its own per read: the file's pages this read touched are unmapped when it closes, so they do not
+    # add up in the resident set over the whole load (a handle kept open keeps every page it touched mapped).
+    with safe_open(e.file, framework="pt", device="cpu") as handle:
+        slab = handle.get_slice(e.stored)[r0:r1]  # (r1 - r0, *shape[1:]), a copy out of the mapping
     start = offset - r0 * row
     return slab.reshape(-1)[start:start + numel]
