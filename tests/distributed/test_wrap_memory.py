@@ -48,7 +48,7 @@ def _wrap(build: str) -> dict:
     from shardfusion.models.gpt import GPT, Block, GPTConfig
 
     topo = sf.Topology(sharding=WORLD)
-    config = GPTConfig(n_layer=6, n_head=4, d_model=384, seq_len=64)  # 10.8M parameters, 43 MB in fp32
+    config = GPTConfig(n_layer=4, n_head=4, d_model=256, seq_len=64)  # 3.2M parameters, 12.6 MB in fp32
     with torch.device("meta"):
         warm = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8))
     sf.fully_shard(warm, topo, units=(Block,))  # group and allocator set-up, outside the measurement

@@ -108,7 +108,13 @@ def test_model_units_loss_and_sample(name: str, layer: str) -> None:
 def test_job_model_of_an_hf_run() -> None:
     job = build(TrainConfig(hf_model="llama", preset="tiny", seed=3), None, torch.device("cpu"))
     again = build(TrainConfig(hf_model="llama", preset="tiny", seed=3), None, torch.device("cpu"))
-    assert all(torch.equal(a, b) for a, b in zip(job.module.parameters(), again.module.parameters()))  # --seed
+    assert all(p.is_meta for p in job.module.parameters())  # fully_shard materializes it with job.init_fn
+    for j in (job, again):  # what fully_shard's meta-device init does, in one process: the same values from --seed
+        torch.manual_seed(3)
+        j.module.to_empty(device="cpu")
+        for m in j.module.modules():
+            j.init_fn(m)
+    assert all(torch.equal(a, b) for a, b in zip(job.module.parameters(), again.module.parameters()))
     assert job.tied == {"lm_head.weight"} and not job.moe and job.seq_len == 64
     fields = job.extra["hf_config"]
     assert fields["model_type"] == "llama" and fields["architectures"] == ["LlamaForCausalLM"]
