@@ -9,14 +9,15 @@ parameters or buffers of its own on the meta device:
 1. its own meta parameters are allocated full on ``device`` (``torch.empty``) and put in the module for the moment;
    its meta buffers are allocated for good (done first, for the whole model, so buffer identities are fixed before
    the wrap reads them);
-2. ``init_fn(module)`` runs if given, else ``module.reset_parameters()``, under ``torch.no_grad()``. Parameters of
-   the module that were not on meta keep their values (saved and put back);
+2. ``init_fn(module)`` runs if given, else ``module.reset_parameters()``, under ``torch.no_grad()``. Parameters and
+   buffers of the module that were not on meta keep their values (saved and put back);
 3. each parameter seen here first is broadcast from the first rank of the ranks that hold it (the data-parallel
    group; for experts the ranks with the same experts), as the eager wrap broadcasts its parameters, so replicas
    start equal even from differently seeded generators (docs/field-cases.md, F7); this rank copies its fragment into
    the shard and the full tensor is freed. A parameter seen again (a tied weight, at its second module) is
-   initialized on a scratch copy that is thrown away: the first module's values stay and the random generator draws
-   what eager construction draws;
+   initialized on a scratch copy that is thrown away: the first module's values stay, and the random generator
+   draws what eager construction draws (whose values are those of the module that created the parameter: the same
+   when a later module is tied to an earlier one's parameter);
 4. the module gets its meta parameter back; ``fully_shard`` then registers the fragments in its place.
 
 Peak memory is the shards plus one module's parameters (plus one broadcast buffer per module), never one unit's full
@@ -115,10 +116,11 @@ def check_initializable(model: nn.Module, init_fn: Optional[InitFn]) -> None:
                          "(docs/design.md, 'Models larger than one rank')")
 
 
-def place_buffers(model: nn.Module, device: Optional[torch.device]) -> set[int]:
+def place_buffers(model: nn.Module, device: Optional[torch.device]) -> dict[int, set[str]]:
     """Allocate meta buffers on their target device (uninitialized until their module's init) and move the others to
-    ``device`` if given. Returns the ids of the modules that had meta buffers (they need their init)."""
-    needs_init: set[int] = set()
+    ``device`` if given. Returns ``{id(module): names of its buffers that were on meta}`` for the modules that had
+    some (they need their init; their other buffers keep their values through it)."""
+    needs_init: dict[int, set[str]] = {}
     for m in model.modules():
         for name, b in list(m._buffers.items()):
             if b is None:
@@ -126,19 +128,19 @@ def place_buffers(model: nn.Module, device: Optional[torch.device]) -> set[int]:
             dev = target_device(b, device)
             if b.is_meta:
                 m._buffers[name] = torch.empty_like(b, device=dev)
-                needs_init.add(id(m))
+                needs_init.setdefault(id(m), set()).add(name)
             elif b.device != dev:
                 m._buffers[name] = b.to(dev)
     return needs_init
 
 
-def initialize(model: nn.Module, slot_of: dict, needs_init: set[int], device: Optional[torch.device],
+def initialize(model: nn.Module, slot_of: dict, needs_init: dict[int, set[str]], device: Optional[torch.device],
                init_fn: Optional[InitFn]) -> None:
     """Materialize the meta parameters module by module and fill their fragments (see the note above).
 
     Args:
         slot_of: ``id(original parameter) -> (FlatBuffer, slot index)`` for every parameter of the model.
-        needs_init: ids of modules whose buffers were on meta (from :func:`place_buffers`).
+        needs_init: the modules whose buffers were on meta, and those buffers' names (from :func:`place_buffers`).
 
     Raises:
         ValueError: ``init_fn`` or ``reset_parameters`` left a tensor on meta or changed a parameter's shape.
@@ -150,6 +152,8 @@ def initialize(model: nn.Module, slot_of: dict, needs_init: set[int], device: Op
             continue
         originals = dict(m._parameters)
         kept = {a: p.detach().clone() for a, p in originals.items() if p is not None and not p.is_meta}
+        were_meta = needs_init.get(id(m), set())
+        kept_buffers = {b: t.clone() for b, t in m._buffers.items() if t is not None and b not in were_meta}
         for a in metas:
             p = originals[a]
             real = nn.Parameter(torch.empty_like(p, device=target_device(p, device)), requires_grad=p.requires_grad)
@@ -158,6 +162,8 @@ def initialize(model: nn.Module, slot_of: dict, needs_init: set[int], device: Op
             (init_fn or type(m).reset_parameters)(m)
             for a, value in kept.items():
                 m._parameters[a].copy_(value)
+            for b, value in kept_buffers.items():
+                m._buffers[b].copy_(value)
         fresh = []
         for a in metas:
             p, value = originals[a], m._parameters[a]

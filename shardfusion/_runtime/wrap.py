@@ -231,7 +231,7 @@ def _pack(parent: nn.Module, prefix: str, comm_unit_size: int, inside: set, spec
 
 def build_units(model: nn.Module, specs: list[tuple[str, list, bool]], options: WrapOptions,
                 device: Optional[torch.device] = None, init_fn: Optional[materialize.InitFn] = None,
-                needs_init: frozenset | set = frozenset()) -> list[Unit]:
+                needs_init: Optional[dict] = None) -> list[Unit]:
     """One :class:`Unit` per spec, each holding the flat buffers of the parameters it owns (fragments registered in
     the modules in place of the parameters). Collective: initial values are broadcast from the first rank holding
     them.
@@ -250,7 +250,7 @@ def build_units(model: nn.Module, specs: list[tuple[str, list, bool]], options: 
     if any(b is not None for groups in pending for _, _, b in groups) or needs_init:
         slot_of = {id(p): (buffer, i) for groups in pending for _, members, buffer in groups if buffer is not None
                    for i, (_, p, _) in enumerate(members)}
-        materialize.initialize(model, slot_of, set(needs_init), device, init_fn)
+        materialize.initialize(model, slot_of, needs_init or {}, device, init_fn)
         del slot_of
     for i, unit in enumerate(built):
         groups, pending[i] = pending[i], None  # the last references to this unit's original parameters

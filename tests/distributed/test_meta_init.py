@@ -164,7 +164,19 @@ def _buffers_and_partial() -> dict:
     nn.Linear(8, 8)  # the draws inp made, so that out draws what eager construction drew
     model = sf.fully_shard(model, topo)
     full = sf.full_state_dict(model)
-    return {"diff": _equal(full, ref), "inv_freq": torch.equal(model.rot.inv_freq, Rotary().inv_freq)}
+    out = {"diff": _equal(full, ref), "inv_freq": torch.equal(model.rot.inv_freq, Rotary().inv_freq)}
+
+    norm = nn.BatchNorm1d(8)  # statistics with values, parameters on meta: reset_parameters must not zero them
+    with torch.no_grad():
+        norm.running_mean.fill_(5.0)
+        norm.num_batches_tracked.fill_(7)
+    norm.weight = nn.Parameter(torch.empty(8, device="meta"))
+    norm.bias = nn.Parameter(torch.empty(8, device="meta"))
+    norm = sf.fully_shard(nn.Sequential(norm), topo)
+    full = sf.full_state_dict(norm)
+    out["batchnorm"] = [full["0.running_mean"].tolist(), int(full["0.num_batches_tracked"]),
+                        full["0.weight"].tolist(), full["0.bias"].tolist()]
+    return out
 
 
 def _refusals() -> dict:
@@ -237,6 +249,11 @@ def test_a_meta_built_model_trains_like_an_eager_built_one(job):
 def test_buffers_computed_in_init_and_partly_meta_models(job):
     for r in job:
         assert r["buffers"]["diff"] == [] and r["buffers"]["inv_freq"], r["buffers"]
+
+
+def test_tensors_with_values_keep_them_through_their_modules_init(job):
+    for r in job:  # BatchNorm's reset_parameters resets its statistics too; they had values, so they are kept
+        assert r["buffers"]["batchnorm"] == [[5.0] * 8, 7, [1.0] * 8, [0.0] * 8], r["buffers"]["batchnorm"]
 
 
 def test_a_module_that_cannot_be_initialized_is_refused_at_wrap(job):
