@@ -311,15 +311,19 @@ class GPT(nn.Module):
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.seq_len:]  # (B, <= seq_len)
             logits, _ = self(context)
-            logits = logits[:, -1, :]  # (B, V)
-            if temperature <= 0:
-                next_idx = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-            else:
-                logits = logits / temperature
-                if top_k is not None and top_k < VOCAB_SIZE:
-                    kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = F.softmax(logits, dim=-1)  # (B, V)
-                next_idx = torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+            next_idx = sample_next(logits[:, -1, :], temperature, top_k, generator)  # (B, 1)
             idx = torch.cat([idx, next_idx], dim=1)  # (B, T + 1)
         return idx
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """One sampled token per row of ``logits`` (B, V) float: (B, 1) int64. temperature <= 0 is greedy decoding;
+    top_k keeps only the k most likely tokens before sampling."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)  # (B, 1)

@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardfusion.models.gpt import sample_next
+
 HF_MODELS = ("llama", "qwen3_moe", "mixtral")
 """The `--hf-model` presets; each is also the HF `model_type` of the model it builds."""
 
@@ -226,13 +228,5 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, seq_len: 
     <= 0 is greedy decoding, top_k keeps the k most likely bytes."""
     for _ in range(max_new_tokens):
         logits = model(input_ids=idx[:, -seq_len:], use_cache=False).logits[:, -1, :VOCAB_SIZE].float()  # (B, 256)
-        if temperature <= 0:
-            next_idx = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-        else:
-            logits = logits / temperature
-            if top_k is not None and top_k < VOCAB_SIZE:
-                kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_idx = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)  # (B, 1)
-        idx = torch.cat([idx, next_idx], dim=1)  # (B, T + 1)
+        idx = torch.cat([idx, sample_next(logits, temperature, top_k, generator)], dim=1)  # (B, T + 1)
     return idx

@@ -66,6 +66,7 @@ class JobModel:
 
     @property
     def moe(self) -> bool:
+        """Whether the model routes tokens to experts (``n_experts > 0``)."""
         return self.n_experts > 0
 
 
