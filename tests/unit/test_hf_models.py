@@ -17,18 +17,10 @@ transformers = pytest.importorskip("transformers")
 from shardfusion.train import hf_models  # noqa: E402
 from shardfusion.train.config import TrainConfig, check_pretrained, parse_args, resolve  # noqa: E402
 from shardfusion.train.job_model import build, hf_config  # noqa: E402
+from test_train_config import flag_error  # noqa: E402  (the one error line of a bad flag)
 
 SHAPE = dict(n_layer=2, n_head=4, d_model=64, seq_len=32, n_experts=4, top_k=2, expert_hidden=None, dropout=0.0,
              aux_loss_coef=0.01)
-
-
-def flag_error(capsys: pytest.CaptureFixture, args: list[str]) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        parse_args(args)
-    assert exit_info.value.code == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("shardfusion-train: error: ")]
-    assert len(errors) == 1
-    return errors[0].removeprefix("shardfusion-train: error: ")
 
 
 @pytest.mark.timeout(60)
