@@ -209,17 +209,21 @@ def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -
     sharded_state(model).requires_gradient_sync = bool(requires_gradient_sync)
 
 
-def set_is_last_backward(model: nn.Module, is_last_backward: bool) -> None:
+def set_is_last_backward(model: nn.Module, is_last_backward: Optional[bool]) -> None:
     """Say whether the following backwards are the last of their optimizer step (FSDP2's convention; its
-    ``set_requires_all_reduce`` for HSDP maps to the same thing here).
+    ``set_requires_all_reduce`` for HSDP maps to the same thing here); ``None`` (the default): predicted.
 
-    When true, each unit's replicate (outer) all-reduce is issued as soon as its reduce-scatter is done, overlapped
-    with the rest of the backward, instead of at the step boundary. With K micro-batches per step, set it to
-    ``micro == K - 1`` before each backward. A gradient that reaches a buffer whose all-reduce is already in flight
-    (another backward before the optimizer step) raises ``RuntimeError``: never a silent race. Results are bitwise
-    the same as with the default (all-reduce at the step boundary).
+    The last backward of a step issues each unit's replicate (outer) all-reduce as soon as its reduce-scatter is
+    done, overlapped with the rest of the backward; ``finish_grad_sync`` then only waits. By default the last
+    backward is predicted from the number of reducing backwards of the previous step (a constant number of
+    micro-batches: exactly one all-reduce per buffer per step, overlapped; before the first optimizer step none is
+    predicted and they run at the step boundary). True marks the following backwards as last; False runs the
+    all-reduces at the step boundary. A wrong prediction or setting (another backward after the one taken for the
+    last) is correct: the later gradients of a buffer whose all-reduce was issued are all-reduced by themselves at
+    the step boundary (one more all-reduce of that buffer). Results are bitwise those of the step-boundary path when
+    the last backward is the one taken; after a wrong one, the sum of two all-reduces may round differently.
     """
-    sharded_state(model).is_last_backward = bool(is_last_backward)
+    sharded_state(model).is_last_backward = None if is_last_backward is None else bool(is_last_backward)
 
 
 @contextlib.contextmanager

@@ -26,6 +26,9 @@ sharded or kept whole, dense or expert). ``P`` is the padded flat length (``layo
                   #       per optimizer step (``sync_replicas``; issued early by ``start_sync_replicas`` when the
                   #       last backward of the step is known), then dropped. Nothing may be added to it while that
                   #       all-reduce is in flight (``sync_in_flight``).
+- ``late_grad``   # (S,)  alive from the first gradient reduced into this buffer while its replicate all-reduce
+                  #       is in flight (a backward after the one taken for the step's last) until the step
+                  #       boundary, where it is all-reduced by itself and added (``sync_replicas``).
 - ``direct_grad`` # (S,)  alive from the first *direct* gradient until the end of the next reducing backward (or the
                   #       replicate all-reduce): gradients autograd accumulated into the fragments themselves (a loss
                   #       term computed from ``model.parameters()``, e.g. an explicit L2 penalty), in the shard's
@@ -179,6 +182,7 @@ class FlatBuffer:
         self._sync_started = False
         self._reduce_work = None
         self.direct_grad: Optional[torch.Tensor] = None
+        self.late_grad: Optional[torch.Tensor] = None
         self._stashed_grads: dict[int, Optional[torch.Tensor]] = {}  # fragment index -> its .grad before autograd
 
     # ---- initial values ----------------------------------------------------------------------------------------
@@ -344,8 +348,11 @@ class FlatBuffer:
         self.grad_full, self.grad_views = None, []
 
     def _step_grad_buffer(self) -> torch.Tensor:
-        """This step's accumulator: ``grad_shard`` if the user reset gradients, else a zeroed temporary."""
+        """This step's accumulator: ``grad_shard`` if the user reset gradients, else a zeroed temporary; while this
+        step's all-reduce is in flight, ``late_grad``."""
         self.discard_if_reset()
+        if self._sync_started:
+            return self._late_buffer()
         if self.step_grad is not None:
             return self.step_grad
         if self.grad_shard is None:
@@ -358,6 +365,11 @@ class FlatBuffer:
         else:
             self.step_grad = torch.zeros_like(self.shard)  # (S,)
         return self.step_grad
+
+    def _late_buffer(self) -> torch.Tensor:
+        if self.late_grad is None:
+            self.late_grad = torch.zeros_like(self.shard)  # (S,)
+        return self.late_grad
 
     def _grad_slice(self, i: int) -> torch.Tensor:
         off, n = self._frag_ranges[i]
@@ -392,7 +404,7 @@ class FlatBuffer:
         self._sync_work, self._sync_buf, self._sync_started = None, None, False
         with torch.no_grad():
             self.grad_shard.zero_()
-        self.step_grad = self.direct_grad = None
+        self.step_grad = self.direct_grad = self.late_grad = None
         return True
 
     # ---- direct gradients (autograd reached a fragment itself) ----------------------------------------------------
@@ -421,12 +433,13 @@ class FlatBuffer:
             self.direct_grad[off:off + n].add_(grad.detach())
 
     def fold_direct_grad(self) -> None:
-        """Add ``direct_grad`` / (replicate group size) into this step's gradient, if both exist and its replicate
-        all-reduce has not been issued (called at the end of each reducing backward and before the all-reduce)."""
-        if self.direct_grad is None or self.step_grad is None or self._sync_started:
+        """Add ``direct_grad`` / (replicate group size) into this step's gradient, if both exist (called at the end of
+        each reducing backward and before the all-reduce); into ``late_grad`` once the all-reduce is in flight."""
+        if self.direct_grad is None or self.step_grad is None:
             return
         with torch.no_grad():
-            self.step_grad.add_(self.direct_grad, alpha=1.0 / comm.group_size(self.replicate_group))
+            target = self._late_buffer() if self._sync_started else self.step_grad
+            target.add_(self.direct_grad, alpha=1.0 / comm.group_size(self.replicate_group))
         self.direct_grad = None
 
     def restore_fragment_grads(self) -> None:
@@ -478,5 +491,26 @@ class FlatBuffer:
             if self.step_grad is not self.grad_shard:
                 self.grad_shard.add_(self.step_grad)
         self._sync_work, self._sync_buf, self._sync_started = None, None, False
+        self._add_late_grad(dropped)
         self._attach_fragment_grads(skip=dropped)
         self.step_grad = None
+
+    def _add_late_grad(self, dropped: set) -> None:
+        """All-reduce ``late_grad`` (with the direct gradients that came after the all-reduce was issued) over the
+        replicate group, by itself and synchronously, and add it into ``grad_shard``, except for fragments whose
+        gradient the user dropped."""
+        if self.direct_grad is not None:  # direct gradients that came after the all-reduce was issued
+            self._late_buffer().add_(self.direct_grad, alpha=1.0 / comm.group_size(self.replicate_group))
+            self.direct_grad = None
+        late, self.late_grad = self.late_grad, None
+        if late is None:
+            return
+        with torch.no_grad():
+            buf = late if late.dtype == self.grad_comm_dtype else late.to(self.grad_comm_dtype)
+            work = comm.all_reduce(buf, self.replicate_group, async_op=True)
+            if work is not None:
+                comm.wait(work, self._collective("all_reduce"))
+            for i in dropped:
+                off, n = self._frag_ranges[i]
+                buf[off:off + n].zero_()
+            self.grad_shard.add_(buf)

@@ -19,11 +19,17 @@ Prefetch: ``prefetch`` units are all-gathered ahead of the running one, in forwa
 forward) and in backward (the backward order); 0 gathers each unit only when it runs. ``peak_unsharded_units``
 records the most non-root units holding a full buffer at once (sampled when a unit is gathered).
 
-Step boundary: the replicate-group all-reduce runs once per optimizer step in ``finish_grad_sync``, called by
-``clip_grad_norm_``, by a global optimizer step pre-hook, or by the user. When the user says that a backward is the
-last of its step (``set_is_last_backward``), it is overlapped with that backward instead: each time a reduce-scatter
-is issued, the previous unit's reduce-scatter is completed and its all-reduce issued (asynchronously, in reduce order),
-and ``finish_grad_sync`` only waits. A gradient arriving for a buffer whose all-reduce is in flight raises.
+Step boundary: the replicate-group all-reduce runs once per optimizer step, overlapped with the step's last
+backward: each time a reduce-scatter is issued, the previous unit's reduce-scatter is completed and its all-reduce
+issued (asynchronously, in reduce order), and ``finish_grad_sync`` (called by ``clip_grad_norm_``, by a global
+optimizer step pre-hook, or by the user) only waits. Which backward is the last is predicted: the one that brings
+this step's count of reducing backwards to the previous step's (a constant number of micro-batches, the normal
+case); before the first step boundary nothing is predicted and the all-reduces run at the boundary.
+``set_is_last_backward`` overrides the prediction (True: this one is the last; False: run them at the boundary).
+A misprediction stays correct: a gradient that reaches a buffer whose all-reduce was already issued goes to that
+buffer's late gradient (``FlatBuffer.late_grad``), all-reduced by itself at the step boundary: one more all-reduce
+for each such buffer in that step, and the sum of two all-reduces instead of one (rounding may differ in the last
+bits from the synchronous path; with a correct prediction the additions are the same, and so is every bit).
 
 ``torch.compile``: every hook is excluded from tracing (``torch.compiler.disable``). They resize storages, issue
 collectives and keep Python state, which Inductor cannot lower (its ``resize_storage_bytes_`` lowering needs static
@@ -73,7 +79,10 @@ class Scheduler:
         self.root = root
         self.wrap_options = wrap_options
         self.prefetch = prefetch  # units all-gathered ahead of the one running, in forward and in backward
-        self.is_last_backward = False  # set_is_last_backward: overlap the replicate all-reduce with this backward
+        self.is_last_backward: bool | None = None  # set_is_last_backward's override; None: predicted
+        self._backwards_this_step = 0  # reducing backwards since the last step boundary
+        self._backwards_last_step: int | None = None  # how many the previous step had (None before the first)
+        self._overlap = False  # this backward issues its replicate all-reduces (decided when it starts)
         self.peak_unsharded_units = 0  # most non-root units holding a full buffer at once (see _note_unsharded)
         self.param_dtype = param_dtype
         self.units = units
@@ -356,7 +365,7 @@ class Scheduler:
         gradient may still reach a fragment directly in this backward, no all-reduce is issued before its end (the
         direct gradients are part of what it reduces); then all are issued, in order."""
         order = self._reduce_order
-        overlap = self.is_last_backward and self.requires_gradient_sync and not self._creates_graph and (
+        overlap = self._overlap and self.requires_gradient_sync and not self._creates_graph and (
             block or not self._direct_grads_expected())
         if overlap:
             self._start_syncs(self._next_all_reduce)
@@ -381,7 +390,16 @@ class Scheduler:
         if not self._callback_queued and _in_backward():
             self._callback_queued = True
             self._creates_graph = torch.is_grad_enabled()  # create_graph=True: grad mode is on in its hooks
+            self._overlap = self._is_last_backward()
             torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
+
+    def _is_last_backward(self) -> bool:
+        """Whether the starting backward is the last of its step: the user's ``set_is_last_backward`` if given,
+        else predicted: the previous step had as many reducing backwards as this one will have counted with it
+        (a constant number of micro-batches). No prediction before the first step boundary."""
+        if self.is_last_backward is not None:
+            return self.is_last_backward
+        return self._backwards_last_step is not None and self._backwards_this_step + 1 == self._backwards_last_step
 
     @torch.compiler.disable
     def _post_backward(self) -> None:
@@ -409,6 +427,7 @@ class Scheduler:
                 self._next_reduce += 1
             self._complete_reduces(len(order), block=True)
         self._next_reduce = self._next_all_reduce = self._next_sync = 0
+        self._backwards_this_step += reduced
         for u in self.units:
             u.finish_backward(reduced=reduced)
         self._graph_kept, self._creates_graph, self._views_accumulated = creates_graph, False, False
@@ -430,22 +449,21 @@ class Scheduler:
             u.reshard()
 
     def finish_grad_sync(self) -> None:
-        """All-reduce this step's sharded gradients over their replicate groups (once per step; idempotent)."""
+        """All-reduce this step's sharded gradients over their replicate groups (once per step; idempotent), and
+        remember how many reducing backwards the step had (the prediction of the next step's last one)."""
         for u in self._reduce_order:
             for g in u.trainable_groups:
                 g.sync_replicas()
+        if self._backwards_this_step:
+            self._backwards_last_step, self._backwards_this_step = self._backwards_this_step, 0
 
 
 def _check_not_in_flight(group, index: int) -> None:
-    """Raise if a gradient arrives for ``group`` while its replicate all-reduce is in flight (and the user did not
-    reset the gradients since)."""
-    if group.sync_in_flight and not group.discard_if_reset():
-        name = group.layout.slots[index].name
-        raise RuntimeError(
-            f"a gradient for {name!r} arrived while the replicate all-reduce of its buffer is in flight: "
-            "set_is_last_backward(model, True) was in effect for an earlier backward of this step. Set it "
-            "only for the last micro-batch of a step (or leave it off: the all-reduce then runs at the step "
-            "boundary)")
+    """A gradient arrives for ``group`` while its replicate all-reduce is in flight (a backward after the one taken
+    for the step's last): if the user reset the gradients since, that pending step is dropped; else the new gradient
+    goes to the buffer's late gradient, all-reduced at the step boundary (``FlatBuffer.sync_replicas``)."""
+    if group.sync_in_flight:
+        group.discard_if_reset()
 
 
 def _in_backward() -> bool:

@@ -5,8 +5,11 @@
   transformer (its tied embedding is one parameter used by two modules) and on the tiny GPT-MoE (ep 2); and the
   overlapped run issues exactly one replicate all-reduce per trainable buffer per step, all of them during the last
   backward (the synchronous one: all at the step boundary).
-* The guard: a gradient that reaches a buffer whose all-reduce is in flight (a second backward under
-  `set_is_last_backward(True)` before the optimizer step) raises RuntimeError on every rank instead of racing.
+* By default (no `set_is_last_backward`) the last backward is predicted from the previous step's count: bitwise the
+  synchronous result, one replicate all-reduce per trainable buffer per step, overlapped from the second step on.
+* A wrong prediction (the number of micro-batches changes from step to step) or a wrong `set_is_last_backward(True)`
+  (on two backwards of a step) is correct: the later gradients are all-reduced by themselves at the step boundary,
+  one more all-reduce per buffer they reached; parameters equal the synchronous run to fp32 rounding.
 * The bound on live full buffers: with after_forward, at most prefetch + 1 non-root units hold a full buffer at once
   in forward and prefetch + 2 in backward; and prefetching really happens (the peak reaches prefetch + 1).
 All at W=4, inner 2 x outer 2.
@@ -36,7 +39,8 @@ def _train(kind: str, topo, prefetch: int, micro: int, overlap: bool) -> dict:
     for _ in range(STEPS):
         with sf.comm.CommCounter() as counter:
             for m in range(micro):
-                sf.set_is_last_backward(model, overlap and m == micro - 1)
+                if overlap is not None:  # None: the default, predicted
+                    sf.set_is_last_backward(model, overlap and m == micro - 1)
                 (loss_fn(kind, model, make_batch(kind, gen)) / micro).backward()
             in_backward = counter.count("all_reduce", replicate)  # issued before the step boundary
             sf.clip_grad_norm_(model, 1.0)
@@ -56,7 +60,7 @@ def _equality_job() -> dict:
     for kind, ep in (("transformer", 1), ("moe", 2)):
         for micro in (1, 3):
             for prefetch in (0, 1, 2):
-                for overlap in (False, True):
+                for overlap in (False, True, None):
                     out[(kind, micro, prefetch, overlap)] = _train(kind, topos[ep], prefetch, micro, overlap)
     return out
 
@@ -73,38 +77,76 @@ def test_overlapped_equals_synchronous_bitwise(equality_results, kind, micro):
     for r in equality_results:
         base = r[(kind, micro, 1, False)]["params"]
         for prefetch in (0, 1, 2):
-            for overlap in (False, True):
+            for overlap in (False, True, None):
                 run = r[(kind, micro, prefetch, overlap)]
                 for n, t in run["params"].items():
                     assert torch.equal(t, base[n]), f"{kind} K={micro} prefetch={prefetch} overlap={overlap}: {n}"
-                expected = (run["buffers"] if overlap else 0, run["buffers"])  # (during backward, in the step)
-                assert run["all_reduces"] == [expected] * STEPS, (
+                B = run["buffers"]
+                expected = [(B if overlap else 0, B)] * STEPS  # (during backward, in the step)
+                if overlap is None:  # predicted from the previous step: none in the first
+                    expected = [(0, B)] + [(B, B)] * (STEPS - 1)
+                assert run["all_reduces"] == expected, (
                     f"{kind} K={micro} prefetch={prefetch} overlap={overlap}: replicate all-reduces per step "
                     f"{run['all_reduces']}, buffers {run['buffers']}")
 
 
-def _guard_job() -> dict:
+SCHEDULE = (1, 2, 1, 3)  # micro-batches per step: the prediction is wrong in steps 1 and 3
+
+
+def _mispredict_train(topo, mode: str) -> dict:
+    """``mode``: "sync" (all-reduces at the step boundary), "predicted" (the default), "wrong" (set_is_last_backward
+    True on every backward)."""
+    import shardfusion as sf
+
+    model = sf.fully_shard(build_model("transformer"), topo, units=(Block,))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(3 + topo.data_parallel_rank)
+    replicate = tuple(sorted(torch.distributed.get_process_group_ranks(topo.get_replicate_group())))
+    counts = []
+    for micro in SCHEDULE:
+        with sf.comm.CommCounter() as counter:
+            for _ in range(micro):
+                if mode != "predicted":
+                    sf.set_is_last_backward(model, mode == "wrong")
+                (loss_fn("transformer", model, make_batch("transformer", gen)) / micro).backward()
+            in_backward = counter.count("all_reduce", replicate)
+            opt.step()
+            opt.zero_grad()
+        counts.append((in_backward, counter.count("all_reduce", replicate)))
+    buffers = sum(len(u.trainable_groups) for u in sf.get_units(model))
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "counts": counts,
+            "buffers": buffers}
+
+
+def _mispredict_job() -> dict:
     import shardfusion as sf
 
     topo = sf.Topology(sharding=4, fsdp_outer_degree=2, timeout=30)
-    model = sf.fully_shard(build_model("transformer"), topo, units=(Block,))
-    gen = torch.Generator().manual_seed(1)
-    sf.set_is_last_backward(model, True)
-    loss_fn("transformer", model, make_batch("transformer", gen)).backward()
-    try:
-        loss_fn("transformer", model, make_batch("transformer", gen)).backward()
-    except RuntimeError as e:
-        error = str(e)
-    else:
-        error = None
-    return {"error": error}
+    return {mode: _mispredict_train(topo, mode) for mode in ("sync", "predicted", "wrong")}
+
+
+@pytest.fixture(scope="module")
+def mispredicted():
+    return run_distributed(_mispredict_job, 4, timeout=JOB_TIMEOUT_S)
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
-def test_gradient_into_in_flight_all_reduce_raises():
-    results = run_distributed(_guard_job, 4, timeout=JOB_TIMEOUT_S)
-    for r in results:
-        assert r["error"] is not None and "in flight" in r["error"] and "set_is_last_backward" in r["error"], r
+@pytest.mark.parametrize("mode", ["predicted", "wrong"])
+def test_a_wrong_last_backward_is_correct(mispredicted, mode):
+    for r in mispredicted:
+        for n, t in r[mode]["params"].items():
+            torch.testing.assert_close(t, r["sync"]["params"][n], rtol=1e-5, atol=1e-7, msg=lambda m: f"{mode} {n}: {m}")
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+def test_a_wrong_prediction_costs_one_more_all_reduce_per_buffer(mispredicted):
+    for r in mispredicted:
+        B = r["predicted"]["buffers"]
+        # step 0: nothing to predict from; step 1 (K=2): the first backward taken for the last, the second late;
+        # step 2 (K=1): the previous step had 2, so none taken; step 3 (K=3): the first taken, the other two late
+        assert r["predicted"]["counts"] == [(0, B), (B, 2 * B), (0, B), (B, 2 * B)], r["predicted"]["counts"]
+        assert r["sync"]["counts"] == [(0, B)] * len(SCHEDULE), r["sync"]["counts"]
+        assert r["wrong"]["counts"] == [(B, B), (B, 2 * B), (B, B), (B, 2 * B)], r["wrong"]["counts"]
 
 
 def _bound_job() -> dict:
