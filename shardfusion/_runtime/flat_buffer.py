@@ -49,6 +49,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from shardfusion import comm
+from shardfusion._runtime.replicate_sync import OverlappedSync
 from shardfusion._runtime.layout import FlatLayout
 
 
@@ -99,6 +100,8 @@ class FlatBuffer:
         param_dtype: dtype of the full buffer, the compute and ``grad_full`` (``None``: the parameters' dtype).
         grad_comm_dtype: dtype of the reduce-scatter and the replicate all-reduce (``None``: ``full``'s dtype).
             Below fp32 the gradient is divided by ``grad_divisor`` before it is reduced (no overflow in fp16).
+        overlap_replicate: whether the replicate all-reduce may be overlapped with backward (``hand_off_sync``):
+            only when ``replicate_group`` carries no other collective (see ``replicate_sync.py``).
 
     Attributes (besides the tensors of the note): ``shard_index`` (0 for a buffer without elements), ``is_expert``,
     ``is_primary``, ``unit_name``, and, for a later ``fully_shard`` call that absorbs this one, ``originals`` (a weak
@@ -122,11 +125,13 @@ class FlatBuffer:
         unit_name: str = "",
         param_dtype: Optional[torch.dtype] = None,
         grad_comm_dtype: Optional[torch.dtype] = None,
+        overlap_replicate: bool = True,
     ) -> None:
         self.layout = layout
         self.shard_group = shard_group
         self.reduce_group = reduce_group if reduce_group is not None else shard_group
         self.replicate_group = replicate_group
+        self.overlap_replicate = bool(overlap_replicate)
         self.grad_divisor = grad_divisor
         self.requires_grad = params[0].requires_grad
         self.is_expert = bool(is_expert)
@@ -180,6 +185,7 @@ class FlatBuffer:
         self._sync_work = None  # the replicate all-reduce in flight, its buffer, and whether it was issued
         self._sync_buf: Optional[torch.Tensor] = None
         self._sync_started = False
+        self._overlapped: Optional[OverlappedSync] = None  # the overlapped all-reduce handed to a worker
         self._reduce_work = None
         self.direct_grad: Optional[torch.Tensor] = None
         self.late_grad: Optional[torch.Tensor] = None
@@ -399,6 +405,7 @@ class FlatBuffer:
         trainable = sum(1 for f in self.fragments if f.requires_grad)
         if len(self._user_cleared()) != trainable:
             return False
+        self._wait_overlapped()
         if self._sync_work is not None:
             comm.wait(self._sync_work, self._collective("all_reduce"))  # issued on every rank earlier: it completes
         self._sync_work, self._sync_buf, self._sync_started = None, None, False
@@ -463,19 +470,58 @@ class FlatBuffer:
         if self.step_grad is None or self._sync_started:
             return
         self.fold_direct_grad()  # averaged over the replicas by the all-reduce below
-        with torch.no_grad():
-            buf = self.step_grad
-            if buf.dtype != self.grad_comm_dtype and comm.group_size(self.replicate_group) > 1:
-                buf = buf.to(self.grad_comm_dtype)  # (S,)
-        self._sync_buf = buf
-        self._sync_work = comm.all_reduce(buf, self.replicate_group, async_op=True)
+        self._sync_buf = self._replicate_comm_buffer(self.step_grad)
+        self._sync_work = comm.all_reduce(self._sync_buf, self.replicate_group, async_op=True)
         self._sync_started = True
+
+    def _replicate_comm_buffer(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` ((S,), the shard's dtype) itself, or a copy in the communication dtype."""
+        if grad.dtype == self.grad_comm_dtype or comm.group_size(self.replicate_group) == 1:
+            return grad
+        with torch.no_grad():
+            return grad.to(self.grad_comm_dtype)  # (S,)
+
+    def all_reduce_replicas(self, grad: torch.Tensor) -> torch.Tensor:
+        """All-reduce ``grad`` ((S,), the shard's dtype) over the replicate group and wait; returns the result
+        (``grad`` itself, or a copy in the communication dtype)."""
+        buf = self._replicate_comm_buffer(grad)
+        work = comm.all_reduce(buf, self.replicate_group, async_op=True)
+        if work is not None:
+            comm.wait(work, self._collective("all_reduce"))
+        return buf
+
+    # ---- the replicate all-reduce overlapped with backward (see replicate_sync.py) ------------------------------
+    def hand_off_sync(self) -> Optional[OverlappedSync]:
+        """Take this step's replicate all-reduce out of the buffer, right after its reduce-scatter was issued (or
+        completed): this step's accumulator is chosen and the direct gradients folded into it here, on the calling
+        thread; the returned :class:`OverlappedSync` finishes the reduce-scatter and runs the all-reduce (on a
+        worker thread for CPU tensors). From here on the buffer counts as in flight (later gradients go to
+        ``late_grad``); ``grad_full`` is released (its storage lives on as the reduce-scatter's input until that
+        completes). None if nothing is pending or the all-reduce was already issued."""
+        if self._sync_started or (self._reduce_out is None and self.step_grad is None):
+            return None
+        target = self._step_grad_buffer()
+        self.fold_direct_grad()
+        job = OverlappedSync(self, target, self._reduce_work, self._reduce_out)
+        self._reduce_work = self._reduce_out = self._reduce_in = None
+        for view in self.full_views:
+            view.grad = None
+        self.grad_full, self.grad_views = None, []
+        self._overlapped, self._sync_started = job, True
+        return job
+
+    def _wait_overlapped(self) -> None:
+        """Wait for the handed-off all-reduce (if any) and take back its result as ``_sync_buf``."""
+        job, self._overlapped = self._overlapped, None
+        if job is not None:
+            self._sync_buf = job.result()
 
     def sync_replicas(self) -> None:
         """All-reduce this step's sharded gradient over the replicate group (waiting for it if already issued) and
         publish it in ``grad_shard``."""
         if self.step_grad is None:
             return
+        self._wait_overlapped()
         self.start_sync_replicas()
         if self._sync_work is not None:
             comm.wait(self._sync_work, self._collective("all_reduce"))
@@ -506,10 +552,7 @@ class FlatBuffer:
         if late is None:
             return
         with torch.no_grad():
-            buf = late if late.dtype == self.grad_comm_dtype else late.to(self.grad_comm_dtype)
-            work = comm.all_reduce(buf, self.replicate_group, async_op=True)
-            if work is not None:
-                comm.wait(work, self._collective("all_reduce"))
+            buf = self.all_reduce_replicas(late)
             for i in dropped:
                 off, n = self._frag_ranges[i]
                 buf[off:off + n].zero_()

@@ -20,9 +20,10 @@ forward) and in backward (the backward order); 0 gathers each unit only when it 
 records the most non-root units holding a full buffer at once (sampled when a unit is gathered).
 
 Step boundary: the replicate-group all-reduce runs once per optimizer step, overlapped with the step's last
-backward: each time a reduce-scatter is issued, the previous unit's reduce-scatter is completed and its all-reduce
-issued (asynchronously, in reduce order), and ``finish_grad_sync`` (called by ``clip_grad_norm_``, by a global
-optimizer step pre-hook, or by the user) only waits. Which backward is the last is predicted: the one that brings
+backward: each unit's all-reduce is handed off right after its reduce-scatter is issued, in reduce order, and runs
+as soon as that reduce-scatter completes, off the backward's thread for CPU tensors (see [Note: overlapped replicate
+all-reduce] in ``replicate_sync.py``: why the hand-off point must not depend on timing); ``finish_grad_sync``
+(called by ``clip_grad_norm_``, by a global optimizer step pre-hook, or by the user) only waits. Which backward is the last is predicted: the one that brings
 this step's count of reducing backwards to the previous step's (a constant number of micro-batches, the normal
 case); before the first step boundary nothing is predicted and the all-reduces run at the boundary.
 ``set_is_last_backward`` overrides the prediction (True: this one is the last; False: run them at the boundary).
@@ -60,6 +61,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from shardfusion import comm
 from shardfusion._runtime.local_state_dict import persistent_buffers
 from shardfusion._runtime.optimizer_hook import install_optimizer_hook
+from shardfusion._runtime.replicate_sync import ReplicateSyncQueue
 from shardfusion._runtime.unit import ReduceState, Unit
 
 
@@ -82,7 +84,9 @@ class Scheduler:
         self.is_last_backward: bool | None = None  # set_is_last_backward's override; None: predicted
         self._backwards_this_step = 0  # reducing backwards since the last step boundary
         self._backwards_last_step: int | None = None  # how many the previous step had (None before the first)
-        self._overlap = False  # this backward issues its replicate all-reduces (decided when it starts)
+        self._overlap = False  # this backward hands off its replicate all-reduces (decided when it starts)
+        self._sync_queue = ReplicateSyncQueue()
+        self.handed_off_syncs = 0  # replicate all-reduces handed off during a backward (overlapped), ever
         self.peak_unsharded_units = 0  # most non-root units holding a full buffer at once (see _note_unsharded)
         self.param_dtype = param_dtype
         self.units = units
@@ -354,21 +358,25 @@ class Scheduler:
         while self._next_reduce < len(order) and order[self._next_reduce].reduce_state is ReduceState.READY:
             order[self._next_reduce].reduce_scatter()
             self._next_reduce += 1
-            self._complete_reduces(self._next_reduce, block=False)
+            if self._overlapping(block=False):
+                self._hand_off_syncs(self._next_reduce)
+            else:
+                self._complete_reduces(self._next_reduce, block=False)
+
+    def _overlapping(self, block: bool) -> bool:
+        """Whether this backward hands off its replicate all-reduces now: it was taken for the step's last, and no
+        gradient may still reach a fragment directly in it (the direct gradients are part of what the all-reduce
+        sums; while they may come, the hand-offs wait for the end of the backward, ``block``)."""
+        return self._overlap and self.requires_gradient_sync and not self._creates_graph and (
+            block or not self._direct_grads_expected())
 
     def _complete_reduces(self, upto: int, block: bool) -> None:
         """For units ``[completed, upto)`` of the reduce order, in order: finish the reduce-scatter (add it into the
-        sharded gradient, free the full gradient buffer) and, with ``is_last_backward``, issue the replicate
-        all-reduce. With ``block=False`` (during backward) stop at the first reduce-scatter still running: a rank never
-        waits for others in the middle of its backward, which could deadlock when ranks' gradients differ. The
-        all-reduces go in the same order on every rank, on the replicate group, which carries nothing else. While a
-        gradient may still reach a fragment directly in this backward, no all-reduce is issued before its end (the
-        direct gradients are part of what it reduces); then all are issued, in order."""
+        sharded gradient, free the full gradient buffer). With ``block=False`` (during backward) stop at the first
+        reduce-scatter still running: a rank never waits for others in the middle of its backward, which could
+        deadlock when ranks' gradients differ. This issues no collective, so its timing-dependent progress does not
+        change the order of collectives."""
         order = self._reduce_order
-        overlap = self._overlap and self.requires_gradient_sync and not self._creates_graph and (
-            block or not self._direct_grads_expected())
-        if overlap:
-            self._start_syncs(self._next_all_reduce)
         while self._next_all_reduce < upto:
             groups = order[self._next_all_reduce].trainable_groups
             if not block and not all(g.reduce_done() for g in groups):
@@ -376,15 +384,20 @@ class Scheduler:
             for g in groups:
                 g.finish_reduce_scatter()
             self._next_all_reduce += 1
-            if overlap:
-                self._start_syncs(self._next_all_reduce)
 
-    def _start_syncs(self, upto: int) -> None:
-        """Issue the replicate all-reduces of units ``[issued, upto)`` of the reduce order, in that order."""
+    def _hand_off_syncs(self, upto: int) -> None:
+        """Hand the replicate all-reduces of units ``[handed off, upto)`` of the reduce order to the sync queue, in
+        that order, each right after its reduce-scatter was issued: a point fixed by the program on every rank (see
+        [Note: overlapped replicate all-reduce] in ``replicate_sync.py``). Buffers whose replicate group carries other
+        collectives stay for the step boundary."""
         while self._next_sync < upto:
             for g in self._reduce_order[self._next_sync].trainable_groups:
-                g.start_sync_replicas()
+                job = g.hand_off_sync() if g.overlap_replicate else None
+                if job is not None:
+                    self._sync_queue.submit(job)
+                    self.handed_off_syncs += 1
             self._next_sync += 1
+        self._next_all_reduce = max(self._next_all_reduce, upto)
 
     def _queue_callback(self) -> None:
         if not self._callback_queued and _in_backward():
@@ -422,9 +435,14 @@ class Scheduler:
         reduced = self.requires_gradient_sync and (self._views_accumulated or not creates_graph)
         if reduced:
             order = self._reduce_order
+            overlap = self._overlapping(block=True)
+            if overlap:
+                self._hand_off_syncs(self._next_reduce)  # issued while direct gradients could still come
             while self._next_reduce < len(order):
                 order[self._next_reduce].reduce_scatter()
                 self._next_reduce += 1
+                if overlap:
+                    self._hand_off_syncs(self._next_reduce)
             self._complete_reduces(len(order), block=True)
         self._next_reduce = self._next_all_reduce = self._next_sync = 0
         self._backwards_this_step += reduced
@@ -451,6 +469,7 @@ class Scheduler:
     def finish_grad_sync(self) -> None:
         """All-reduce this step's sharded gradients over their replicate groups (once per step; idempotent), and
         remember how many reducing backwards the step had (the prediction of the next step's last one)."""
+        self._sync_queue.join()  # before anything else is issued on a replicate group from this thread
         for u in self._reduce_order:
             for g in u.trainable_groups:
                 g.sync_replicas()

@@ -396,7 +396,8 @@ def _flat_buffer(unit: Unit, kind: tuple, members: list, plan: _GroupPlan) -> Fl
         grad_divisor=topology.dp * topology.sharding, data_parallel_group=holders, is_expert=expert,
         is_primary=dist.get_rank(replicate_group) == 0 and (tp or topology.mp_rank == 0), unit_name=unit.name,
         param_dtype=plan.mp_policy.param_dtype if cast else None,
-        grad_comm_dtype=plan.mp_policy.grad_comm_dtype if cast else None)
+        grad_comm_dtype=plan.mp_policy.grad_comm_dtype if cast else None,
+        overlap_replicate=replicate_group is topology.get_replicate_group())
     for name, p, _ in members:
         REPLACED_PARAMS[p] = name
     return buffer

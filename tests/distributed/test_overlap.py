@@ -38,11 +38,12 @@ def _train(kind: str, topo, prefetch: int, micro: int, overlap: bool) -> dict:
     all_reduces = []
     for _ in range(STEPS):
         with sf.comm.CommCounter() as counter:
+            before = model._sf_state.handed_off_syncs
             for m in range(micro):
                 if overlap is not None:  # None: the default, predicted
                     sf.set_is_last_backward(model, overlap and m == micro - 1)
                 (loss_fn(kind, model, make_batch(kind, gen)) / micro).backward()
-            in_backward = counter.count("all_reduce", replicate)  # issued before the step boundary
+            in_backward = model._sf_state.handed_off_syncs - before  # handed off during backward (overlapped)
             sf.clip_grad_norm_(model, 1.0)
             opt.step()
             opt.zero_grad()
@@ -105,11 +106,12 @@ def _mispredict_train(topo, mode: str) -> dict:
     counts = []
     for micro in SCHEDULE:
         with sf.comm.CommCounter() as counter:
+            before = model._sf_state.handed_off_syncs
             for _ in range(micro):
                 if mode != "predicted":
                     sf.set_is_last_backward(model, mode == "wrong")
                 (loss_fn("transformer", model, make_batch("transformer", gen)) / micro).backward()
-            in_backward = counter.count("all_reduce", replicate)
+            in_backward = model._sf_state.handed_off_syncs - before
             opt.step()
             opt.zero_grad()
         counts.append((in_backward, counter.count("all_reduce", replicate)))

@@ -1,0 +1,116 @@
+"""The replicate all-reduces overlapped with a step's last backward, issued in one fixed order on every rank.
+
+[Note: overlapped replicate all-reduce]
+Under HSDP each flat buffer's sharded gradient is all-reduced over its replicate (outer) group once per optimizer
+step. Overlapped with the step's last backward, the all-reduce of a unit can start only once its reduce-scatter
+has completed (it reduces that reduce-scatter's output). When that is tested by polling (``is_completed()``), the
+point where a rank issues the all-reduce depends on timing, so ranks interleave the replicate group's collectives
+with the shard groups' all-gathers and reduce-scatters differently. Collectives on different groups are independent
+in the backends, but anything that blocks the issuing thread until the whole group has joined turns a different
+interleaving into a deadlock: ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks each collective's fingerprint that way, and
+a blocking wait would as well. So the hand-off point is fixed by the program, not by timing: a unit's all-reduce is
+handed off right after its reduce-scatter is issued (``FlatBuffer.hand_off_sync``), in the reduce order, and then
+
+- for CPU tensors (gloo, whose waits block the host) one worker thread per model runs the hand-offs in that order:
+  wait for the reduce-scatter, add its output into the step's gradient, all-reduce, wait. The backward's thread
+  never waits for it; only the worker issues collectives on the replicate group until ``join`` (the step boundary);
+- for device tensors (NCCL) the same runs inline at the hand-off: waits there only order streams, the host goes on.
+
+The replicate group is a group of its own (``Topology``'s ``replicate`` twin), so the worker's all-reduces never
+share a group with the backward's all-gathers and reduce-scatters. Buffers whose replicate group is shared with other
+collectives (kept-whole buffers: the data-parallel group; experts under the ``shard`` policy: the dp group) are not
+handed off; they are all-reduced at the step boundary.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from shardfusion import comm
+
+if TYPE_CHECKING:
+    from shardfusion._runtime.flat_buffer import FlatBuffer
+
+
+class OverlappedSync:
+    """One buffer's handed-off step: finish its reduce-scatter (if still running) and all-reduce the step's gradient.
+
+    Args:
+        buffer: the :class:`FlatBuffer` (read for its groups, divisor and dtypes; not modified).
+        target: ``(S,)`` the step's gradient accumulator in the shard's dtype; the reduce-scatter output is added into
+            it before the all-reduce.
+        reduce_work: the reduce-scatter's work handle, or None (already waited for).
+        reduce_out: ``(S,)`` the reduce-scatter's output in ``grad_comm_dtype``, or None (already added).
+    """
+
+    def __init__(self, buffer: "FlatBuffer", target: torch.Tensor, reduce_work: Any,
+                 reduce_out: Optional[torch.Tensor]) -> None:
+        self.buffer, self.target = buffer, target
+        self._reduce_work, self._reduce_out = reduce_work, reduce_out
+        self._done = threading.Event()
+        self._result: Optional[torch.Tensor] = None
+        self._error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        """Wait for the reduce-scatter, add its output, all-reduce over the replicate group (blocking)."""
+        b = self.buffer
+        try:
+            with torch.no_grad():
+                if self._reduce_work is not None:
+                    comm.wait(self._reduce_work, b._collective("reduce_scatter"))
+                if self._reduce_out is not None:
+                    if not b._predivide:
+                        self._reduce_out.div_(b.grad_divisor)
+                    self.target.add_(self._reduce_out)  # upcast into the shard's dtype
+                self._reduce_work = self._reduce_out = None
+                self._result = b.all_reduce_replicas(self.target)
+        except BaseException as e:  # re-raised on the thread that waits for the result
+            self._error = e
+        finally:
+            self._done.set()
+
+    def result(self) -> torch.Tensor:
+        """Wait for :meth:`run`; the all-reduced gradient, ``(S,)`` (``target`` itself or a copy in the
+        communication dtype). Raises what ``run`` raised."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class ReplicateSyncQueue:
+    """Runs handed-off all-reduces in the order they are submitted: on one worker thread (daemon, started on first
+    use) for CPU tensors, inline for device tensors (see the note above)."""
+
+    def __init__(self) -> None:
+        self._queue: "queue.Queue[Optional[OverlappedSync]]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._pending: list[OverlappedSync] = []
+
+    def submit(self, job: OverlappedSync) -> None:
+        self._pending.append(job)
+        if job.target.device.type != "cpu":
+            job.run()
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="shardfusion-replicate-sync", daemon=True)
+            self._thread.start()
+        self._queue.put(job)
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            job.run()
+
+    def join(self) -> None:
+        """Wait until every submitted all-reduce has completed (errors are raised by ``OverlappedSync.result``,
+        when their buffer takes the result back)."""
+        pending, self._pending = self._pending, []
+        for job in pending:
+            job._done.wait()
