@@ -246,7 +246,8 @@ def compressed_all_reduce(tensor: torch.Tensor, group: Optional[ProcessGroup], c
     under ``category``, by default the category of an all-reduce on ``group`` (``"replicate_all_reduce"`` on a
     replicate group), so that the compressed all-reduce is counted as the all-reduce it stands for.
     Tensors are made on ``tensor.device`` (CPU with gloo, CUDA with NCCL); peak extra memory for ``"int8"``: about
-    ``4S`` bytes of fp32 temporaries plus ``4S/n`` for the reduction and ``2 * 1.016 S`` int8 buffers.
+    ``4S`` bytes of fp32 temporaries while quantizing, ``8S/n`` for the reduction, about ``2S`` bytes of int8
+    buffers at a time.
 
     ``comm_dtype``:
         - None, or the tensor's dtype: a plain all-reduce (exact up to the backend's additions).
