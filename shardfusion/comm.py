@@ -162,10 +162,17 @@ def group_size(group: Optional[ProcessGroup]) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def _check_category(category: Optional[str]) -> None:
+    if category is not None and category not in accounting.CATEGORIES:
+        raise ValueError(f"category must be None or one of {accounting.CATEGORIES}, got {category!r}")
+
+
 def _record(op: str, group: ProcessGroup, tensor: torch.Tensor,
-            send_rows: Optional[list[int]] = None) -> Optional[CommRecord]:
+            send_rows: Optional[list[int]] = None, category: Optional[str] = None) -> Optional[CommRecord]:
     """Append a record of ``op`` to every active counter; None when none is active. ``send_rows``: the
-    all-to-all's input split sizes (rows of ``tensor`` for each group rank)."""
+    all-to-all's input split sizes (rows of ``tensor`` for each group rank). ``category``: the record's category
+    when it is not the one the rules give ``op`` on this group (a collective that is one step of another, e.g. the
+    all-to-all of a compressed all-reduce, is counted under that all-reduce's category)."""
     if not _active_counters:
         return None
     ranks = tuple(dist.get_process_group_ranks(group))
@@ -177,7 +184,7 @@ def _record(op: str, group: ProcessGroup, tensor: torch.Tensor,
         row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
         send_bytes = tuple(int(n) * row_bytes for n in send_rows)
     rec = CommRecord(op, ranks, tensor.numel(), nbytes, label="+".join(kinds) or "unlabeled",
-                     category=accounting.category(op, kinds), rank=rank,
+                     category=category or accounting.category(op, kinds), rank=rank,
                      wire_bytes=accounting.wire_bytes(op, len(ranks), nbytes, send_bytes, ranks.index(rank)),
                      send_bytes=send_bytes)
     for c in _active_counters:
@@ -222,16 +229,51 @@ def wait(work: Any, what: str) -> None:
             f"its contribution instead. Backend error: {type(e).__name__}: {str(e)[:300]}") from e
 
 
-def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Optional[ProcessGroup], async_op: bool = False):
+def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Optional[ProcessGroup], async_op: bool = False,
+               category: Optional[str] = None):
     """All-gather equal 1-D shards into ``full`` (``full.numel() == shard.numel() * group size``).
 
+    ``category``: record it under this accounting category instead of the one the rules give (see ``_record``).
     Returns a work handle when ``async_op`` and a collective was issued, else ``None``.
+
+    Raises:
+        ValueError: ``category`` is not None or one of ``accounting.CATEGORIES``.
     """
+    _check_category(category)
     if group_size(group) == 1:
         if full.data_ptr() != shard.data_ptr():
             full.copy_(shard)
         return None
-    return _issue(_record("all_gather", group, full), _all_gather_base, full, shard, group=group, async_op=async_op)
+    return _issue(_record("all_gather", group, full, category=category), _all_gather_base, full, shard, group=group,
+                  async_op=async_op)
+
+
+def all_to_all_equal(output: torch.Tensor, input: torch.Tensor, group: Optional[ProcessGroup],
+                     category: Optional[str] = None) -> None:
+    """Exchange equal 1-D chunks, blocking and not differentiable: ``input`` and ``output`` are 1-D tensors of the
+    same dtype, device and length ``G*k`` (``G`` = group size); chunk ``i`` of ``input`` (elements ``[i*k,
+    (i+1)*k)``) goes to group rank ``i``, and chunk ``i`` of ``output`` is what group rank ``i`` sent to this rank. A
+    group of one (or ``None``) issues nothing and copies ``input`` into ``output``. Recorded as ``"all_to_all"``
+    (``numel = input.numel()``; the wire bytes are the ``G-1`` chunks sent to other ranks), under ``category`` when
+    given (see ``_record``).
+
+    Raises:
+        ValueError: the tensors are not 1-D, differ in length or dtype, or their length is not a multiple of the
+            group size; ``category`` is not None or one of ``accounting.CATEGORIES``.
+    """
+    _check_category(category)
+    size = group_size(group)
+    if (input.dim() != 1 or output.dim() != 1 or input.numel() != output.numel() or input.dtype != output.dtype
+            or input.numel() % size):
+        raise ValueError(f"all_to_all_equal: input and output must be 1-D of one dtype and one length divisible by "
+                         f"the group size ({size}), got {input.shape=} {input.dtype=}, {output.shape=} "
+                         f"{output.dtype=}")
+    if size == 1:
+        output.copy_(input)
+        return
+    rows = [input.numel() // size] * size
+    _issue(_record("all_to_all", group, input, rows, category=category), dist.all_to_all_single, output, input,
+           group=group)
 
 
 def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Optional[ProcessGroup], async_op: bool = False):
@@ -278,12 +320,15 @@ class _SumShards:
         return self.received is None or self.work is None or self.work.is_completed()
 
 
-def all_reduce(tensor: torch.Tensor, group: Optional[ProcessGroup], op=dist.ReduceOp.SUM, async_op: bool = False):
-    """All-reduce ``tensor`` in place over ``group``; nothing is issued for a group of one."""
+def all_reduce(tensor: torch.Tensor, group: Optional[ProcessGroup], op=dist.ReduceOp.SUM, async_op: bool = False,
+               category: Optional[str] = None):
+    """All-reduce ``tensor`` in place over ``group``; nothing is issued for a group of one. ``category``: as in
+    :func:`all_gather`."""
+    _check_category(category)
     if group_size(group) == 1:
         return None
-    return _issue(_record("all_reduce", group, tensor), dist.all_reduce, tensor, op=op, group=group,
-                  async_op=async_op)
+    return _issue(_record("all_reduce", group, tensor, category=category), dist.all_reduce, tensor, op=op,
+                  group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, group: Optional[ProcessGroup], group_src: int = 0) -> None:

@@ -9,4 +9,5 @@
 - ``local_state_dict``: ``model.state_dict()`` / ``load_state_dict`` conventions of a sharded model.
 - ``optimizer_hook``: the optimizer step pre-hook (gradient sync, refusals).
 - ``state``: the one accessor for a sharded model's runtime state.
+- ``compress``: the compressed (bf16 / fp16 / block-wise int8) replicate all-reduce.
 """
