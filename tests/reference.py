@@ -74,6 +74,7 @@ class Case:
     measure_norms: tuple = ()  # norm types measured (max_norm=inf) before clipping, every step
     param_dtype: Optional[str] = None  # mixed precision: "bfloat16" / "float16" (the reference always runs fp32)
     grad_comm_dtype: Optional[str] = None
+    outer_comm_dtype: Optional[str] = None  # fully_shard's outer_comm_dtype: "bf16" / "fp16" / "int8"
 
     @property
     def data_parallel(self) -> int:
@@ -205,6 +206,8 @@ def wrap_kwargs(case: Case) -> dict:
         import shardfusion as sf
 
         kw["mp_policy"] = sf.MixedPrecisionPolicy(**dtypes)
+    if case.outer_comm_dtype is not None:
+        kw["outer_comm_dtype"] = case.outer_comm_dtype
     if case.units == "class":
         kw["units"] = UNIT_CLASSES[case.model]
     elif case.units == "experts":

@@ -49,6 +49,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from shardfusion import comm
+from shardfusion._runtime import compress
 from shardfusion._runtime.replicate_sync import OverlappedSync
 from shardfusion._runtime.layout import FlatLayout
 
@@ -101,7 +102,11 @@ class FlatBuffer:
         grad_comm_dtype: dtype of the reduce-scatter and the replicate all-reduce (``None``: ``full``'s dtype).
             Below fp32 the gradient is divided by ``grad_divisor`` before it is reduced (no overflow in fp16).
         overlap_replicate: whether the replicate all-reduce may be overlapped with backward (``hand_off_sync``):
-            only when ``replicate_group`` carries no other collective (see ``replicate_sync.py``).
+            only when ``replicate_group`` carries no other collective (see ``replicate_sync.py``); off when it has
+            one rank (nothing to all-reduce).
+        outer_comm_dtype: wire format of the replicate all-reduce, validated by
+            ``compress.validate_outer_comm_dtype``: None (``grad_comm_dtype``), a float dtype, or ``"int8"``
+            (block-wise, see ``compress.compressed_all_reduce``); the reduce-scatter keeps ``grad_comm_dtype``.
 
     Attributes (besides the tensors of the note): ``shard_index`` (0 for a buffer without elements), ``is_expert``,
     ``is_primary``, ``unit_name``, and, for a later ``fully_shard`` call that absorbs this one, ``originals`` (a weak
@@ -126,12 +131,13 @@ class FlatBuffer:
         param_dtype: Optional[torch.dtype] = None,
         grad_comm_dtype: Optional[torch.dtype] = None,
         overlap_replicate: bool = True,
+        outer_comm_dtype: object = None,
     ) -> None:
         self.layout = layout
         self.shard_group = shard_group
         self.reduce_group = reduce_group if reduce_group is not None else shard_group
         self.replicate_group = replicate_group
-        self.overlap_replicate = bool(overlap_replicate)
+        self.outer_comm_dtype = outer_comm_dtype
         self.grad_divisor = grad_divisor
         self.requires_grad = params[0].requires_grad
         self.is_expert = bool(is_expert)
@@ -146,6 +152,7 @@ class FlatBuffer:
         if P == 0:  # only zero-element parameters: nothing to communicate, on every rank alike
             self.shard_group = self.reduce_group = self.replicate_group = None
             data_parallel_group = None
+        self.overlap_replicate = bool(overlap_replicate) and comm.group_size(self.replicate_group) > 1
         self.data_parallel_group = data_parallel_group
         self.shard_index = shard_index if P else 0
         self.shard = torch.zeros(S, dtype=dtype, device=device)  # (S,) filled by fill_from_params / fill_slot
@@ -470,9 +477,16 @@ class FlatBuffer:
         if self.step_grad is None or self._sync_started:
             return
         self.fold_direct_grad()  # averaged over the replicas by the all-reduce below
-        self._sync_buf = self._replicate_comm_buffer(self.step_grad)
-        self._sync_work = comm.all_reduce(self._sync_buf, self.replicate_group, async_op=True)
+        if self._compressed:  # blocking (a sequence of collectives)
+            self._sync_buf = self.all_reduce_replicas(self.step_grad)
+        else:
+            self._sync_buf = self._replicate_comm_buffer(self.step_grad)
+            self._sync_work = comm.all_reduce(self._sync_buf, self.replicate_group, async_op=True)
         self._sync_started = True
+
+    @property
+    def _compressed(self) -> bool:
+        return self.outer_comm_dtype is not None and comm.group_size(self.replicate_group) > 1
 
     def _replicate_comm_buffer(self, grad: torch.Tensor) -> torch.Tensor:
         """``grad`` ((S,), the shard's dtype) itself, or a copy in the communication dtype."""
@@ -483,7 +497,11 @@ class FlatBuffer:
 
     def all_reduce_replicas(self, grad: torch.Tensor) -> torch.Tensor:
         """All-reduce ``grad`` ((S,), the shard's dtype) over the replicate group and wait; returns the result
-        (``grad`` itself, or a copy in the communication dtype)."""
+        (``grad`` itself, or a copy in the communication dtype). With ``outer_comm_dtype``: in place, sent in that
+        format (``compress.compressed_all_reduce``)."""
+        if self._compressed:
+            compress.compressed_all_reduce(grad, self.replicate_group, self.outer_comm_dtype)
+            return grad
         buf = self._replicate_comm_buffer(grad)
         work = comm.all_reduce(buf, self.replicate_group, async_op=True)
         if work is not None:

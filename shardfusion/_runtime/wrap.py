@@ -47,11 +47,12 @@ class WrapOptions:
     prefetch: int
     reshard_policy: str  # per unit: may differ between nested calls
     reshard_filter: ReshardFilter  # per unit: may differ between nested calls
+    outer_comm_dtype: object = None  # validated: None, a float dtype or "int8" (compress.validate_outer_comm_dtype)
 
 
 # Options a nested call must share with the call that absorbs it (the reshard policy is per unit and may differ).
 MUST_AGREE = ("topology", "mp_policy", "replicate_filter", "broadcast_buffers", "expert_filter", "expert_policy",
-              "prefetch")
+              "prefetch", "outer_comm_dtype")
 
 
 # ---- checks ----------------------------------------------------------------------------------------------------------
@@ -347,6 +348,7 @@ class _GroupPlan:
         self.topology = options.topology
         self.device = device
         self.mp_policy = options.mp_policy
+        self.outer_comm_dtype = options.outer_comm_dtype
         self.replicate_filter = options.replicate_filter
         self.expert_filter = options.expert_filter or marked_expert
         self.expert_policy = options.expert_policy
@@ -397,7 +399,8 @@ def _flat_buffer(unit: Unit, kind: tuple, members: list, plan: _GroupPlan) -> Fl
         is_primary=dist.get_rank(replicate_group) == 0 and (tp or topology.mp_rank == 0), unit_name=unit.name,
         param_dtype=plan.mp_policy.param_dtype if cast else None,
         grad_comm_dtype=plan.mp_policy.grad_comm_dtype if cast else None,
-        overlap_replicate=replicate_group is topology.get_replicate_group())
+        overlap_replicate=replicate_group is topology.get_replicate_group(),
+        outer_comm_dtype=None if whole or not cast else plan.outer_comm_dtype)
     for name, p, _ in members:
         REPLACED_PARAMS[p] = name
     return buffer

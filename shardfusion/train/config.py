@@ -99,6 +99,9 @@ class TrainConfig:
     (default fp32)."""
     grad_comm_dtype: str | None = None
     """Dtype of the reduce-scatter and the outer all-reduce: fp32, bf16 or fp16 (default: --param-dtype)."""
+    outer_comm_dtype: str | None = None
+    """Wire format of the HSDP outer (cross-node) all-reduce only: fp32, bf16, fp16, or int8 (block-wise, about a
+    quarter of fp32's bytes; see docs/compressed-all-reduce.md) (default: --grad-comm-dtype)."""
     prefetch: int = 1
     """Units all-gathered ahead of the running one, in forward and backward; 0 turns prefetching off (default 1)."""
     eval_every: int = 25
@@ -225,6 +228,8 @@ class TrainConfig:
         for flag, value in (("--param-dtype", self.param_dtype), ("--grad-comm-dtype", self.grad_comm_dtype)):
             if value is not None and value not in DTYPES:
                 raise ValueError(f"{flag} must be one of {', '.join(DTYPES)}, got {value!r}")
+        if self.outer_comm_dtype is not None and self.outer_comm_dtype not in (*DTYPES, "int8"):
+            raise ValueError(f"--outer-comm-dtype must be one of {', '.join(DTYPES)}, int8, got {self.outer_comm_dtype!r}")
         if self.prefetch < 0:
             raise ValueError(f"--prefetch must be >= 0, got {self.prefetch}")
         if self.reshard_policy not in RESHARD_POLICIES:

@@ -174,7 +174,8 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
                                         grad_comm_dtype=_dtype(config.grad_comm_dtype))
     model = sf.fully_shard(job.module, topo, units=job.units, reshard_policy=config.reshard_policy,
                            expert_policy=config.expert_policy, prefetch=config.prefetch, mp_policy=mp_policy,
-                           device=device, init_fn=job.init_fn)  # built on meta: materialized module by module
+                           device=device, init_fn=job.init_fn,  # built on meta: materialized module by module
+                           outer_comm_dtype=config.outer_comm_dtype)
     resume_from = train_state.latest(config.out)
     if config.init_from is not None and resume_from is None:  # a resumed run takes its weights from the checkpoint
         job_model.load_pretrained(model, config.init_from)

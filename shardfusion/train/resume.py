@@ -40,8 +40,8 @@ CHECKPOINT_DIR = "checkpoints"
 """Folder under --out holding the job's checkpoints (`step-N`, `latest`)."""
 
 RESUME_FIELDS = ("seed", "steps", "lr", "min_lr", "warmup", "weight_decay", "clip", "batch_size", "grad_accum",
-                 "aux_loss_coef", "data", "data_bytes", "dropout", "param_dtype", "grad_comm_dtype", "expert_policy",
-                 "device", "hf_model", "init_from")
+                 "aux_loss_coef", "data", "data_bytes", "dropout", "param_dtype", "grad_comm_dtype",
+                 "outer_comm_dtype", "expert_policy", "device", "hf_model", "init_from")
 """TrainConfig fields that decide the learning rate schedule, the data order, the loss or the arithmetic (dtypes,
 device, where expert gradients are summed): a resume with other values continues, but not as the saved run would
 have."""

@@ -8,6 +8,10 @@
   can be off by more); the compute really is bf16.
 * bf16 training of the tiny transformer at W=4 (2,2) tracks the fp32 single-process reference loss within 1%
   relative at each of 20 AdamW steps, with fp32 and with bf16 gradient communication.
+* The outer all-reduce compressed (``outer_comm_dtype`` bf16 and int8, fp32 compute), W=4 (2,2), in the same job:
+  the loss tracks the fp32 single-process reference within 1% relative at each of 20 AdamW steps (and is not
+  bitwise it), every parameter within 5% relative in norm at the end, and the bytes each rank sends on the
+  replicate group equal the wire format's formula.
 * fp16 gradient communication divides by the number of data-parallel ranks *before* the cast to fp16, so a
   per-rank gradient (or a sum of micro-batches accumulated in fp32 under no_sync) above fp16's 65504 does not
   overflow when its mean fits: W=2, one case with fp32 parameters and fp16 communication, one with fp16 parameters
@@ -115,11 +119,14 @@ _BF16 = Case(name="", model="transformer", world=4, sharding=4, outer=2, optim="
 BF16_CASES = [_BF16.with_(name="bf16-comm-fp32", grad_comm_dtype="float32"),
               _BF16.with_(name="bf16-comm-bf16", grad_comm_dtype="bfloat16"),
               _BF16.with_(name="bf16-comm-fp32-accum2-nosync", grad_comm_dtype="float32", micro=2, no_sync=True)]
+# fp32 compute, the outer all-reduce compressed (in the same job)
+OUTER_CASES = [_BF16.with_(name=f"outer-{d}", param_dtype=None, outer_comm_dtype=d, count_comm=True)
+               for d in ("bf16", "int8")]
 
 
 @pytest.fixture(scope="module")
 def bf16_results():
-    return run_distributed(run_cases, 4, BF16_CASES, timeout=JOB_TIMEOUT_S)
+    return run_distributed(run_cases, 4, BF16_CASES + OUTER_CASES, timeout=JOB_TIMEOUT_S)
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
@@ -133,6 +140,38 @@ def test_bf16_tracks_fp32_reference(bf16_results, case):
     assert got[-1] < 0.8 * got[0], f"{case.name}: bf16 run did not train: {got.tolist()}"
     for r in rs:  # what the optimizer sees stays fp32
         assert all(t.dtype == torch.float32 for t in r["params"][-1].values())
+
+
+OUTER_LOSS_RTOL = 0.01  # compressed outer all-reduce vs the fp32 reference, per step, over 20 steps
+OUTER_PARAM_RTOL = 0.05  # ||p - p_ref|| / ||p_ref|| per parameter after 20 AdamW steps (lr 1e-2)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+@pytest.mark.parametrize("case", OUTER_CASES, ids=lambda c: c.name)
+def test_compressed_outer_all_reduce_tracks_fp32_reference(bf16_results, case):
+    rs = case_results(bf16_results, case.name)
+    ref = reference_train(case.with_(outer_comm_dtype=None, count_comm=False))
+    got, want = torch.tensor(rs[0]["losses"]), torch.tensor(ref["losses"])
+    rel = ((got - want).abs() / want.abs()).max().item()
+    assert rel <= OUTER_LOSS_RTOL, f"{case.name}: loss differs from fp32 by {rel:.4f} relative (max over 20 steps)"
+    assert rel > 0, f"{case.name}: bitwise the fp32 losses: was anything compressed?"
+    shapes = {n: tuple(t.shape) for n, t in ref["params"][-1].items()}
+    full = assemble_all(rs, "params", case.steps - 1, shapes)
+    for n, t in ref["params"][-1].items():
+        err = ((full[n] - t).norm() / t.norm()).item()
+        assert err <= OUTER_PARAM_RTOL, f"{case.name}: {n} relative error {err:.3e} after {case.steps} steps"
+    # the bytes each rank sends equal the formula of the wire format for each buffer's S elements (the bf16 case's
+    # all-reduce records give S: same layout), over O = 2 ranks
+    from shardfusion._runtime.compress import wire_bytes
+
+    bf16 = case_results(bf16_results, "outer-bf16")
+    for r, rb in zip(rs, bf16):
+        replicate = [x for x in r["comm"][1] if x.category == "replicate_all_reduce"]
+        sizes = [x.numel for x in rb["comm"][1] if x.category == "replicate_all_reduce"]
+        ops = {x.op for x in replicate}
+        assert ops == ({"all_reduce"} if case.outer_comm_dtype == "bf16" else {"all_to_all", "all_gather"}), ops
+        want = sum(wire_bytes(S, 2, case.outer_comm_dtype) for S in sizes)
+        assert sum(x.wire_bytes for x in replicate) == want, (case.name, sizes)
 
 
 # --- fp16 communication: the division by the data-parallel size comes before the cast --------------------------------
