@@ -139,7 +139,7 @@ def worker(opts: dict) -> Optional[dict]:
     import shardfusion as sf
     from shardfusion.models.gpt import GPTConfig
 
-    from benchmarks.compare import REGIMES, _batches
+    from benchmarks.compare import REGIMES, Regime, _batches
     from benchmarks.measure import CollectiveRecorder
     from benchmarks.spawn import join
     from benchmarks.variants import Context, step, unit_sizes, wrap
@@ -148,7 +148,7 @@ def worker(opts: dict) -> Optional[dict]:
     device = join("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ["LOCAL_WORLD_SIZE"])
-    regime = REGIMES[opts["regime"]]
+    regime = Regime(**opts["shape"]) if opts.get("shape") else REGIMES[opts["regime"]]  # shape: tests' tiny GPTs
     config = GPTConfig(n_layer=regime.n_layer, n_head=regime.n_head, d_model=regime.d_model, seq_len=regime.seq)
     root, blocks = unit_sizes(config)
     contexts = {}
@@ -224,7 +224,7 @@ def worker(opts: dict) -> Optional[dict]:
     dist.barrier()
     if rank != 0:
         return None
-    return {"variants": res, "unit_numel": {"root": root, "blocks": blocks}, "shape": regime.__dict__,
+    return {"variants": res, "unit_numel": {"root": root, "blocks": blocks}, "shape": dict(regime.__dict__),
             "world_size": world, "local_world_size": local, "backend": str(dist.get_backend()),
             "threads": torch.get_num_threads()}
 
