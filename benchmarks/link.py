@@ -137,13 +137,12 @@ def worker(opts: dict) -> Optional[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import shardfusion as sf
-    from shardfusion.models.gpt import GPTConfig
+    from shardfusion.models.gpt import GPT, GPTConfig
 
     from benchmarks.compare import REGIMES, Regime, _batches
     from benchmarks.measure import CollectiveRecorder
     from benchmarks.spawn import join
     from benchmarks.variants import Context, step, unit_sizes, wrap
-    from shardfusion.models.gpt import GPT
 
     device = join("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -241,7 +240,8 @@ def worker_main(opts_path: str, out_path: str) -> None:
 
 # ---- parent -----------------------------------------------------------------------------------------------------
 def _follow(cluster, procs, log: Path, timeout: float, prefix: str) -> None:
-    """Echo node 0's progress lines (those starting with ``prefix``) while the job runs; then :meth:`EmulatedCluster.wait` (raises on a failure)."""
+    """Echo node 0's progress lines (those starting with ``prefix``) while the job runs; then
+    :meth:`EmulatedCluster.wait` (raises on a failure)."""
     deadline = time.monotonic() + timeout
     pos = 0
     while time.monotonic() < deadline:
@@ -296,7 +296,8 @@ def summarize(raw: dict) -> dict:
             row = {"label": VARIANTS[v][4], "median_step_s": _median(times), "min_step_s": min(times),
                    "max_step_s": max(times), "n_steps": len(times),
                    "median_per_repeat_s": [_median(rep) for rep in vr["step_s"]],
-                   "link_bytes_per_step": link, "modelled_cross_bytes_per_step": vr.get("modelled_cross_bytes_per_step"),
+                   "link_bytes_per_step": link,
+                   "modelled_cross_bytes_per_step": vr.get("modelled_cross_bytes_per_step"),
                    "loss_first_last": [vr["losses"][0][0], vr["losses"][0][-1]], "note": vr.get("note", "")}
             if vr["accounting"]:
                 per_node = [_median([sum(rep[n].values()) / steps for rep in vr["accounting"]]) for n in range(nodes)]

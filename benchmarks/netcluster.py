@@ -231,7 +231,7 @@ def sweep_stale() -> list[str]:
 
 # ---- clean-up on exit and signals -------------------------------------------------------------------------------
 _LIVE: dict[int, "EmulatedCluster"] = {}
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # re-entrant: a signal handler may close clusters while the main thread holds it
 _PREV_HANDLERS: dict[int, object] = {}
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _ATEXIT_DONE = False
@@ -477,7 +477,8 @@ class EmulatedCluster:
         --master-port <port> --local-addr 127.10.0.<n+1> --max-restarts 0`` (static rendezvous: node 0's agent
         hosts the c10d TCPStore on 127.10.0.1), then ``extra_args`` (more torchrun flags), then ``argv`` (a script
         and its arguments, or ``-m module ...``). Global rank = n * P + local rank, so nodes hold consecutive ranks.
-        Each node's output goes to ``<log_dir>/node<n>.log`` (default: a folder deleted with the cluster).
+        Each node's output goes to ``<log_dir>/node<n>.log`` (default: a folder of this job's own, deleted with the
+        cluster). Several jobs may run at once (each gets its own master port).
 
         Returns:
             the torchrun processes, node by node; pass them to :meth:`wait`.
@@ -490,11 +491,11 @@ class EmulatedCluster:
             raise ValueError(f"nproc_per_node must be an int >= 1, got {nproc_per_node!r}")
         if not argv:
             raise ValueError("argv must name a script (or -m module) to run, got nothing")
+        port, self._port = self._port, self._port + 1  # a fresh port per job: the namespaces are ours alone
         if log_dir is None:
             if self._tmp is None:
                 self._tmp = tempfile.mkdtemp(prefix="netcluster-")
-            log_dir = self._tmp
-        port, self._port = self._port, self._port + 1  # a fresh port per job: the namespaces are ours alone
+            log_dir = Path(self._tmp) / f"job-{port}"  # jobs may run at the same time: a folder each
         log_dir = Path(log_dir)
         procs = []
         for n in range(self.nodes):
@@ -610,9 +611,10 @@ def probe(cluster: EmulatedCluster, mbytes: float = 16.0, iters: int = 3, intra:
     times, timing each. A ring all-reduce over G nodes makes each rank send 2(G-1)/G x N (2 nodes: N, a
     reduce-scatter of N/2 then an all-gather of N/2) to its neighbour, over the link.
 
-    Returns ``{"set_bps", "achieved_bps" (median payload rate: 2(G-1)/G x N x 8 / time), "median_s", "ratio", "tx_bytes_per_iter"
-    (per node, veth counters), "payload_bytes_per_iter", "qdisc"}``; with ``intra``, the all-reduce runs within
-    each node instead (2 ranks per node) and ``tx_bytes_per_iter`` shows that it does not cross the link.
+    Returns ``{"set_bps", "achieved_bps" (median payload rate: 2(G-1)/G x N x 8 / time), "median_s", "ratio",
+    "times_s", "tx_bytes_per_iter" (per node, veth counters), "payload_bytes_per_iter", "qdisc", "intra"}``; with
+    ``intra``, the all-reduce runs within each node instead (2 ranks per node) and ``tx_bytes_per_iter`` shows that
+    it does not cross the link (bit/s are of payload; ``ratio`` = achieved / set, None without a limit).
     """
     with tempfile.TemporaryDirectory(prefix="netcluster-probe-") as tmp:
         out = os.path.join(tmp, "probe.json")
