@@ -80,16 +80,19 @@ def build(name: str, config: GPTConfig, ctx: Context) -> Built:
     return wrap(name, GPT(config).to(ctx.device), ctx)
 
 
-def wrap(name: str, model: GPT, ctx: Context, **fully_shard_kwargs) -> Built:
+def wrap(name: str, model: GPT, ctx: Context, *, last_backward: Optional[bool] = True,
+         **fully_shard_kwargs) -> Built:
     """``model`` wrapped as variant ``name``, with its optimizer; ``fully_shard_kwargs`` go to shardfusion's
-    ``fully_shard`` (the ``shardfusion`` variant only).
+    ``fully_shard`` (the ``shardfusion`` variant only). ``last_backward`` (``shardfusion`` only): ``True`` calls
+    ``set_is_last_backward(model, True)`` once (every backward ends its step, FSDP2's default); ``None`` leaves the
+    library's default (``benchmarks/link.py``'s "default" variant).
 
     Raises:
         NotImplementedError: the variant cannot run the requested precision policy (the caller skips it).
         ValueError: an unknown ``name``, or ``fully_shard_kwargs`` for another variant than ``shardfusion``.
     """
     if name == "shardfusion":
-        return _build_shardfusion(model, ctx, **fully_shard_kwargs)
+        return _build_shardfusion(model, ctx, last_backward, **fully_shard_kwargs)
     if fully_shard_kwargs:
         raise ValueError(f"variant {name!r} takes no fully_shard keywords, got {sorted(fully_shard_kwargs)}")
     if name == "fsdp2":
@@ -103,15 +106,18 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR)
 
 
-def _build_shardfusion(model: GPT, ctx: Context, **fully_shard_kwargs) -> Built:
+def _build_shardfusion(model: GPT, ctx: Context, last_backward: Optional[bool] = True, **fully_shard_kwargs) -> Built:
     mp_policy = sf.MixedPrecisionPolicy()
     if ctx.param_dtype is not None:  # as FSDP2's MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32) below
         mp_policy = sf.MixedPrecisionPolicy(param_dtype=ctx.param_dtype, grad_comm_dtype=torch.float32)
     sf.fully_shard(model, ctx.topo, units=(Block,), reshard_policy=ctx.reshard_policy, mp_policy=mp_policy,
                    prefetch=ctx.prefetch, **fully_shard_kwargs)
-    # Every backward ends its step: overlap the outer all-reduce with it, as FSDP2 does by default.
-    sf.set_is_last_backward(model, True)
-    note = "set_is_last_backward(model, True): outer all-reduce overlapped with backward, as in FSDP2"
+    note = "set_is_last_backward not called: the library's default for the outer all-reduce"
+    if last_backward is not None:
+        # Every backward ends its step: overlap the outer all-reduce with it, as FSDP2 does by default.
+        sf.set_is_last_backward(model, last_backward)
+        note = (f"set_is_last_backward(model, {last_backward}): outer all-reduce overlapped with backward, as in FSDP2"
+                if last_backward else "set_is_last_backward(model, False): outer all-reduce at the step boundary")
     units = sf.get_units(model)
 
     def sample() -> dict[str, int]:

@@ -1,0 +1,502 @@
+"""Side by side across an emulated network link: shardfusion HSDP and FSDP, FSDP2 HSDP and FSDP, DDP, on two nodes.
+
+    python -m benchmarks.link                               # 100mbit, 1gbit, unlimited; 2 nodes x 2 ranks (root)
+    python -m benchmarks.link --rates 200mbit,1gbit --quick # 1 repeat, 1 warm-up + 2 timed steps per variant
+    python -m benchmarks.link --rates 200mbit --variants sf-hsdp,ddp --out-dir /tmp/x   # a subset elsewhere
+
+Results: benchmarks/results/link-cpu.{json,md} (raw and summary; the markdown report).
+
+Every link rate gets a fresh :class:`benchmarks.netcluster.EmulatedCluster` (two network namespaces, a veth pair,
+a tbf on each end) and one job of 2 nodes x 2 ranks (torchrun per node, gloo; ranks 0-1 on node 0, 2-3 on node 1).
+The model is the comm-bound GPT of ``benchmarks/compare.py`` (regime ``comm``: batch 1, seq 64, 8 layers, d 256,
+6.5M parameters), built, wrapped and stepped by ``benchmarks/variants.py`` (AdamW, clip 1.0, fp32):
+
+- ``sf-hsdp``: shardfusion HSDP, outer 2 (across nodes) x inner 2 (within a node); ``set_is_last_backward`` never
+  called (the library's default schedule of the replicate all-reduce);
+- ``sf-hsdp-last``: the same with ``sf.set_is_last_backward(model, True)`` before every step;
+- ``sf-fsdp``: shardfusion FSDP over the 4 ranks (outer 1);
+- ``fsdp2-hsdp``: FSDP2 ``fully_shard`` over the mesh (replicate 2, shard 2); ``fsdp2-fsdp``: over a 1-D mesh of 4;
+- ``ddp``: DistributedDataParallel over the 4 ranks;
+- ``sf-hsdp-bf16``, ``sf-hsdp-int8``: ``sf-hsdp`` with ``fully_shard(..., outer_comm_dtype=torch.bfloat16 / "int8")``,
+  run only when ``fully_shard`` takes that keyword (else skipped with a note).
+
+For each rate, each repeat runs every variant in turn (order rotated by one each repeat), each on a fresh model under
+the same seed and the same batches: W warm-up steps, a barrier, node 0's and node 1's veth ``tx_bytes`` read (local
+rank 0 of each node, in its namespace), a barrier, N timed steps, a barrier, the counters again. A step's time is the
+slowest rank's; the reported time is the median over every timed step of every repeat. Link bytes per step: the veth
+delta over the timed steps / N (the barriers add a few hundred bytes). For the shardfusion variants the timed steps
+run inside a ``sf.comm.CommCounter``: its cross-node bytes (shardfusion/accounting.py: node of rank r is r // 2; ring
+hops that join nodes, exact all-to-all bytes), summed over a node's ranks, are set next to that node's veth bytes.
+In the first repeat each variant also runs one untimed step under ``benchmarks.measure.CollectiveRecorder``: every
+collective of any library, with the cross-node bytes of the algorithm gloo runs (ring all-gather and all-reduce;
+FSDP2's reduce-scatter as gloo's full all-reduce; shardfusion's reduce-scatter as the all-to-all it issues on gloo).
+
+Ratios: against DDP and FSDP2 HSDP (ratio of medians, and the median over repeats of the within-repeat ratio), and
+against the link floor: the node's link bytes per step / the rate (the time the link needs for them at full rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import inspect
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+if __package__ in (None, ""):  # run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+REPO = Path(__file__).resolve().parent.parent
+NODES, NPROC_PER_NODE = 2, 2
+DEFAULT_RATES = "100mbit,1gbit,unlimited"
+
+# name: (library variant of benchmarks/variants.py, outer degree, set_is_last_backward before each step,
+#        fully_shard keywords as (key, value name), label)
+VARIANTS = {
+    "sf-hsdp": ("shardfusion", 2, False, {}, "shardfusion HSDP 2x2, default"),
+    "sf-hsdp-last": ("shardfusion", 2, True, {}, "same, set_is_last_backward(True) each step"),
+    "sf-fsdp": ("shardfusion", 1, False, {}, "shardfusion FSDP (outer 1)"),
+    "fsdp2-hsdp": ("fsdp2", 2, False, {}, "FSDP2 HSDP"),
+    "fsdp2-fsdp": ("fsdp2", 1, False, {}, "FSDP2 FSDP"),
+    "ddp": ("ddp", 1, False, {}, "DDP"),
+    "sf-hsdp-bf16": ("shardfusion", 2, False, {"outer_comm_dtype": "bf16"}, "shardfusion HSDP, outer bf16"),
+    "sf-hsdp-int8": ("shardfusion", 2, False, {"outer_comm_dtype": "int8"}, "shardfusion HSDP, outer int8"),
+}
+COMPRESSED = ("sf-hsdp-bf16", "sf-hsdp-int8")
+TARGETS_RATE = "200mbit"
+"""The issue's targets are stated at 200 Mbit/s."""
+
+
+def has_outer_comm_dtype() -> bool:
+    """Whether ``shardfusion.fully_shard`` takes an ``outer_comm_dtype`` keyword."""
+    import shardfusion as sf
+
+    return "outer_comm_dtype" in inspect.signature(sf.fully_shard).parameters
+
+
+def _fs_kwargs(spec: dict) -> dict:
+    import torch
+
+    out = {}
+    for k, v in spec.items():
+        out[k] = torch.bfloat16 if v == "bf16" else v
+    return out
+
+
+# ---- worker (under torchrun, one per rank) ----------------------------------------------------------------------
+def _read_tx() -> Optional[int]:
+    """This node's veth tx_bytes (local rank 0 only; the namespace's /sys is the node's), else None."""
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return None
+    dev = os.environ["GLOO_SOCKET_IFNAME"]
+    return int(Path(f"/sys/class/net/{dev}/statistics/tx_bytes").read_text())
+
+
+def _per_node(values: list, local: int) -> list:
+    """Sum a per-rank list over each node's ranks (consecutive ranks per node)."""
+    return [sum(values[n * local:(n + 1) * local]) for n in range(len(values) // local)]
+
+
+def _modelled_cross(collectives, lib: str, local: int) -> float:
+    """Cross-node bytes this rank sends for ``collectives`` (benchmarks.measure.Collective) under the algorithms gloo
+    runs (see the module doc)."""
+    import torch.distributed as dist
+
+    from shardfusion.accounting import ring_crossings
+
+    me = dist.get_rank()
+    total = 0.0
+    for c in collectives:
+        ranks, g, n = tuple(c.ranks), len(c.ranks), c.nbytes
+        if g < 2:
+            continue
+        if c.kind == "reduce_scatter" and lib == "shardfusion":  # an all-to-all of the N/g chunks
+            total += n / g * sum(1 for r in ranks if r // local != me // local)
+            continue
+        if c.kind == "reduce_scatter":  # gloo: a full all-reduce of the input
+            wire = 2 * (g - 1) / g * n
+        elif c.kind == "all_reduce":
+            wire = 2 * (g - 1) / g * n
+        else:  # all_gather, broadcast
+            wire = (g - 1) / g * n
+        total += wire * ring_crossings(ranks, local) / g
+    return total
+
+
+def worker(opts: dict) -> Optional[dict]:
+    """One rank's benchmark at one link rate; rank 0 returns the raw results."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardfusion as sf
+    from shardfusion.models.gpt import GPTConfig
+
+    from benchmarks.compare import REGIMES, _batches
+    from benchmarks.measure import CollectiveRecorder
+    from benchmarks.spawn import join
+    from benchmarks.variants import Context, step, unit_sizes, wrap
+    from shardfusion.models.gpt import GPT
+
+    device = join("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    regime = REGIMES[opts["regime"]]
+    config = GPTConfig(n_layer=regime.n_layer, n_head=regime.n_head, d_model=regime.d_model, seq_len=regime.seq)
+    root, blocks = unit_sizes(config)
+    contexts = {}
+    for outer in sorted({VARIANTS[v][1] for v in opts["variants"]}):
+        topo = sf.Topology(sharding=-1, fsdp_outer_degree=outer)
+        mesh = (init_device_mesh("cpu", (outer, world // outer), mesh_dim_names=("replicate", "shard")) if outer > 1
+                else init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)))
+        contexts[outer] = Context(device=device, topo=topo, mesh=mesh, param_dtype=None, seed=opts["seed"])
+    batches = _batches(regime, opts["warmup"] + opts["steps"] + 1, opts["seed"], rank, device)
+    timed = batches[opts["warmup"]:opts["warmup"] + opts["steps"]]
+    variants = list(opts["variants"])
+    res: dict = {v: {"step_s": [], "link_bytes": [], "accounting": [], "losses": []} for v in variants}
+    for r in range(opts["repeats"]):
+        k = r % len(variants)
+        for v in variants[k:] + variants[:k]:
+            lib, outer, per_step_last, spec, _ = VARIANTS[v]
+            torch.manual_seed(opts["seed"])
+            model = GPT(config)
+            b = wrap(lib, model, contexts[outer], **({"last_backward": None} if lib == "shardfusion" else {}),
+                     **_fs_kwargs(spec))
+
+            def one(x, y):
+                if per_step_last:
+                    sf.set_is_last_backward(b.model, True)
+                return step(b, x, y)
+
+            for x, y in batches[:opts["warmup"]]:
+                one(x, y)
+            dist.barrier()
+            tx0 = _read_tx()
+            dist.barrier()
+            counter = sf.comm.CommCounter(ranks_per_node=local) if lib == "shardfusion" else contextlib.nullcontext()
+            durations, losses = [], []
+            with counter:
+                for x, y in timed:
+                    t0 = time.perf_counter()
+                    losses.append(one(x, y))
+                    durations.append(time.perf_counter() - t0)
+            dist.barrier()
+            tx1 = _read_tx()
+            t = torch.tensor(durations, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            acct = None
+            if lib == "shardfusion":
+                summ = counter.summary()
+                acct = {c: row["cross_node_bytes"] for c, row in summ.items()}
+            got: list = [None] * world
+            dist.all_gather_object(got, {"tx": None if tx0 is None else tx1 - tx0, "acct": acct})
+            res[v]["step_s"].append(t.tolist())
+            res[v]["losses"].append([float(loss) for loss in losses])
+            res[v]["link_bytes"].append([g["tx"] for g in got if g["tx"] is not None])  # node by node
+            if acct is not None:  # per node: {category: bytes over the timed steps}
+                cats = list(acct)
+                res[v]["accounting"].append([{c: sum(got[i]["acct"][c] for i in range(n * local, (n + 1) * local))
+                                              for c in cats} for n in range(world // local)])
+            if r == 0:
+                rec = CollectiveRecorder()
+                with rec:
+                    one(*batches[-1])
+                mine = _modelled_cross(rec.collectives, lib, local)
+                allm: list = [None] * world
+                dist.all_gather_object(allm, mine)
+                res[v]["modelled_cross_bytes_per_step"] = _per_node(allm, local)
+                res[v]["collectives_per_step"] = len(rec.collectives)
+                res[v]["note"] = b.note
+            del b, model
+            gc.collect()
+            if rank == 0:
+                med = statistics.median(res[v]["step_s"][-1])
+                print(f"[{opts['rate']}] repeat {r} {v}: median {med:.3f} s, link "
+                      f"{[round(x / opts['steps'] / 1e6, 2) for x in res[v]['link_bytes'][-1]]} MB/step per node",
+                      flush=True)
+    dist.barrier()
+    if rank != 0:
+        return None
+    return {"variants": res, "unit_numel": {"root": root, "blocks": blocks}, "shape": regime.__dict__,
+            "world_size": world, "local_world_size": local, "backend": str(dist.get_backend()),
+            "threads": torch.get_num_threads()}
+
+
+def worker_main(opts_path: str, out_path: str) -> None:
+    from benchmarks.spawn import end_process
+
+    opts = json.loads(Path(opts_path).read_text())
+    result = worker(opts)
+    if result is not None:
+        Path(out_path).write_text(json.dumps(result))
+    end_process(0)
+
+
+# ---- parent -----------------------------------------------------------------------------------------------------
+def _follow(cluster, procs, log: Path, timeout: float, prefix: str) -> None:
+    """Echo node 0's progress lines (those starting with ``prefix``) while the job runs; then :meth:`EmulatedCluster.wait` (raises on a failure)."""
+    deadline = time.monotonic() + timeout
+    pos = 0
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if log.exists():
+            text = log.read_text(errors="replace")
+            for line in text[pos:].splitlines(keepends=True):
+                if line.startswith(prefix) and line.endswith("\n"):
+                    print("  " + line, end="", flush=True)
+            pos = len(text) if text.endswith("\n") else text.rfind("\n") + 1
+        if any(c not in (None, 0) for c in codes) or all(c == 0 for c in codes):
+            break
+        time.sleep(0.5)
+    cluster.wait(procs, max(1.0, deadline - time.monotonic()))
+
+
+def run_rate(rate: str, opts: dict, timeout: float) -> dict:
+    """One job at one link rate in a fresh emulated cluster; the worker's raw results plus the link's settings."""
+    from benchmarks.netcluster import EmulatedCluster
+
+    with EmulatedCluster(nodes=NODES, rate=rate) as cluster, tempfile.TemporaryDirectory(prefix="link-") as tmp:
+        opts = {**opts, "rate": cluster.rate}
+        opts_path, out_path = Path(tmp) / "opts.json", Path(tmp) / "out.json"
+        opts_path.write_text(json.dumps(opts))
+        procs = cluster.torchrun(["-m", "benchmarks.link", "--worker", str(opts_path), str(out_path)],
+                                 nproc_per_node=NPROC_PER_NODE, env={"PYTHONPATH": str(REPO)}, log_dir=tmp, cwd=REPO)
+        _follow(cluster, procs, Path(tmp) / "node0.log", timeout, f"[{cluster.rate}]")
+        raw = json.loads(out_path.read_text())
+        raw["link"] = cluster.describe()
+        raw["qdisc"] = cluster.qdisc_stats()
+    return raw
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def summarize(raw: dict) -> dict:
+    """Per rate and variant: median step time, ratios, link bytes per step per node (veth), the accounting's and
+    the model's cross-node bytes per step, the floor."""
+    steps = raw["config"]["steps"]
+    out = {}
+    for rate, rr in raw["rates"].items():
+        bps = rr["link"]["rate_bps"]
+        rows = {}
+        for v, vr in rr["variants"].items():
+            if not vr["step_s"]:
+                continue
+            times = [t for rep in vr["step_s"] for t in rep]
+            nodes = len(vr["link_bytes"][0])
+            link = [_median([rep[n] / steps for rep in vr["link_bytes"]]) for n in range(nodes)]
+            row = {"label": VARIANTS[v][4], "median_step_s": _median(times), "min_step_s": min(times),
+                   "max_step_s": max(times), "n_steps": len(times),
+                   "median_per_repeat_s": [_median(rep) for rep in vr["step_s"]],
+                   "link_bytes_per_step": link, "modelled_cross_bytes_per_step": vr.get("modelled_cross_bytes_per_step"),
+                   "loss_first_last": [vr["losses"][0][0], vr["losses"][0][-1]], "note": vr.get("note", "")}
+            if vr["accounting"]:
+                per_node = [_median([sum(rep[n].values()) / steps for rep in vr["accounting"]]) for n in range(nodes)]
+                by_cat = {c: statistics.mean(rep[0][c] for rep in vr["accounting"]) / steps
+                          for c in vr["accounting"][0][0]}
+                row["accounting_cross_bytes_per_step"] = per_node
+                row["accounting_by_category_node0"] = {c: b for c, b in by_cat.items() if b}
+                row["link_vs_accounting"] = [a / b if b else None for a, b in zip(link, per_node)]
+            if bps:
+                row["floor_s"] = max(link) * 8 / bps
+                row["vs_floor"] = row["median_step_s"] / row["floor_s"] if row["floor_s"] else None
+            rows[v] = row
+        for v, row in rows.items():
+            for peer in ("ddp", "fsdp2-hsdp"):
+                p = rows.get(peer)
+                if p is None:
+                    continue
+                row[f"vs_{peer}"] = row["median_step_s"] / p["median_step_s"]
+                pairs = [a / b for a, b in zip(row["median_per_repeat_s"], p["median_per_repeat_s"]) if a and b]
+                row[f"vs_{peer}_paired"] = _median(pairs)
+        out[rate] = {"rate_bps": bps, "variants": rows, "targets": _targets(rate, rows)}
+    return out
+
+
+def _targets(rate: str, rows: dict) -> list[dict]:
+    """The issue's targets, at 200 Mbit/s only."""
+    if rate != TARGETS_RATE:
+        return []
+    out = []
+
+    def ratio(v, peer):
+        return rows[v].get(f"vs_{peer}") if v in rows and peer in rows else None
+
+    for v, peer, lim in (("sf-hsdp", "ddp", 0.7), ("sf-hsdp", "fsdp2-hsdp", 0.85), ("sf-hsdp-int8", "ddp", 0.45)):
+        val = ratio(v, peer)
+        out.append({"target": f"{v} step <= {lim} x {peer}", "value": val, "met": None if val is None else val <= lim})
+    if "sf-hsdp-int8" in rows and "sf-hsdp" in rows:
+        val = max(rows["sf-hsdp-int8"]["link_bytes_per_step"]) / max(rows["sf-hsdp"]["link_bytes_per_step"])
+    else:
+        val = None
+    out.append({"target": "sf-hsdp-int8 link bytes <= 0.35 x sf-hsdp", "value": val,
+                "met": None if val is None else val <= 0.35})
+    return out
+
+
+def _f(x, fmt=".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _mb(x) -> str:
+    return "-" if x is None else f"{x / 1e6:.2f}"
+
+
+def markdown(raw: dict, summary: dict) -> str:
+    cfg, env = raw["config"], raw["env"]
+    first = next(iter(raw["rates"].values()))
+    shape = first["shape"]
+    params = first["unit_numel"]["root"] + sum(first["unit_numel"]["blocks"])
+    link = first["link"]
+    lines = [f"# Across an emulated link: {raw['name']}", "",
+             f"{NODES} emulated nodes x {NPROC_PER_NODE} ranks (network namespaces joined by a veth pair, a tbf on "
+             f"each end: burst/limit {link['tbf'] or 'none'} bytes at the first limited rate, MTU {link['mtu']}; see "
+             f"docs/network-emulation.md), gloo, {first['threads']} thread per rank. GPT {shape['n_layer']} layers, d "
+             f"{shape['d_model']}, batch {shape['batch']}, seq {shape['seq']} ({params / 1e6:.2f}M parameters, fp32); "
+             f"AdamW, clip 1.0. {cfg['repeats']} repeats x ({cfg['warmup']} warm-up + {cfg['steps']} timed steps) "
+             f"per variant, variants interleaved (rotated each repeat). Step time: the median over steps and repeats "
+             f"of the slowest rank's step.", "",
+             f"Machine: {env['cpu_count']} CPUs, torch {env['torch']}; load average before {env['load_before']}, "
+             f"after {env['load_after']}; wall {env['wall_s']:.0f} s.", ""]
+    names = [v for v in VARIANTS if any(v in s["variants"] for s in summary.values())]
+    lines += ["## Median step time (s)", "", "| link | " + " | ".join(VARIANTS[v][4] for v in names) + " |",
+              "|---|" + "---|" * len(names)]
+    for rate, s in summary.items():
+        lines.append(f"| {rate} | " + " | ".join(_f(s["variants"].get(v, {}).get("median_step_s")) for v in names)
+                     + " |")
+    lines.append("")
+    for rate, s in summary.items():
+        lines += [f"## {rate}", "",
+                  "| variant | step s (median) | min-max | vs DDP (paired) | vs FSDP2 HSDP (paired) | link MB/step "
+                  "node 0, 1 (veth) | accounting MB/step node 0, 1 | veth / accounting | modelled MB/step (gloo) "
+                  "| floor s | vs floor | loss first -> last |",
+                  "|---|" + "---|" * 11]
+        for v, row in s["variants"].items():
+            lk = ", ".join(_mb(x) for x in row["link_bytes_per_step"])
+            ac = ", ".join(_mb(x) for x in row.get("accounting_cross_bytes_per_step") or []) or "-"
+            agree = ", ".join(_f(x, ".4f") for x in row.get("link_vs_accounting") or []) or "-"
+            mod = ", ".join(_mb(x) for x in row.get("modelled_cross_bytes_per_step") or []) or "-"
+            loss = row["loss_first_last"]
+            lines.append(
+                f"| {row['label']} | {_f(row['median_step_s'])} | {_f(row['min_step_s'])}-{_f(row['max_step_s'])} | "
+                f"{_f(row.get('vs_ddp'), '.2f')} ({_f(row.get('vs_ddp_paired'), '.2f')}) | "
+                f"{_f(row.get('vs_fsdp2-hsdp'), '.2f')} ({_f(row.get('vs_fsdp2-hsdp_paired'), '.2f')}) | {lk} | {ac} | "
+                f"{agree} | {mod} | {_f(row.get('floor_s'))} | {_f(row.get('vs_floor'), '.2f')} | "
+                f"{loss[0]:.4f} -> {loss[1]:.4f} |")
+        if s["targets"]:
+            lines += ["", "Targets (issue 13, at 200 Mbit/s):", "", "| target | value | met |", "|---|---|---|"]
+            for t in s["targets"]:
+                met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
+                lines.append(f"| {t['target']} | {_f(t['value'], '.3f')} | {met} |")
+        drops = [q.get("drops", 0) for q in raw["rates"][rate]["qdisc"]]
+        lines += ["", f"tbf drops over the whole job (node 0, 1): {drops}.", ""]
+    lines += ["Columns: *link MB/step* is the veth `tx_bytes` of each node over the timed steps / steps (10^6 bytes); "
+              "*accounting* is shardfusion's `CommCounter` cross-node bytes over the same steps, summed over the "
+              "node's ranks (shardfusion variants only); *modelled* is one recorded step's collectives with the "
+              "cross-node bytes of the algorithms gloo runs; *floor* is the larger node's link bytes / the rate; "
+              "*vs floor* the step time over it.", ""]
+    notes = list(dict.fromkeys(n for n in raw.get("notes", [])))
+    if notes:
+        lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.link", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--rates", default=DEFAULT_RATES, help="comma-separated link rates (tc units, or unlimited)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from " + ",".join(VARIANTS))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per variant per repeat")
+    p.add_argument("--quick", action="store_true", help="1 repeat, 1 warm-up step, 2 timed steps")
+    p.add_argument("--regime", default="comm", help="a regime of benchmarks/compare.py")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per link rate before the job is killed")
+    p.add_argument("--name", default="link-cpu")
+    p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats, args.warmup, args.steps = 1, 1, 2
+    for v in args.variants.split(","):
+        if v not in VARIANTS:
+            p.error(f"--variants: unknown variant {v!r}; pick from {','.join(VARIANTS)}")
+    if args.repeats < 1 or args.steps < 1 or args.warmup < 0:
+        p.error(f"--repeats and --steps must be >= 1 and --warmup >= 0, got {args.repeats}, {args.steps}, "
+                f"{args.warmup}")
+    from benchmarks.compare import REGIMES
+    from benchmarks.netcluster import parse_rate
+
+    if args.regime not in REGIMES:
+        p.error(f"--regime: unknown regime {args.regime!r}; pick from {sorted(REGIMES)}")
+    for rate in args.rates.split(","):
+        try:
+            parse_rate(rate)
+        except ValueError as e:
+            p.error(f"--rates: {e}")
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        worker_main(argv[1], argv[2])
+        return 0
+    import torch
+
+    from benchmarks.netcluster import ClusterError, netns_available
+
+    args = parse_args(argv)
+    ok, why = netns_available()
+    if not ok:
+        print(f"benchmarks.link: cannot emulate the two nodes here: {why}", file=sys.stderr)
+        return 2
+    variants, notes = args.variants.split(","), []
+    if not has_outer_comm_dtype():
+        skipped = [v for v in variants if v in COMPRESSED]
+        variants = [v for v in variants if v not in COMPRESSED]
+        if skipped:
+            notes.append(f"skipped {', '.join(skipped)}: shardfusion.fully_shard has no outer_comm_dtype keyword in "
+                         f"this checkout")
+            print(f"benchmarks.link: {notes[-1]}", flush=True)
+    opts = {"variants": variants, "repeats": args.repeats, "warmup": args.warmup, "steps": args.steps,
+            "regime": args.regime, "seed": args.seed}
+    env = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
+           "load_before": [round(x, 2) for x in os.getloadavg()]}
+    t0 = time.time()
+    rates = {}
+    for rate in args.rates.split(","):
+        print(f"benchmarks.link: link {rate}", flush=True)
+        try:
+            r = run_rate(rate, opts, args.timeout)
+        except ClusterError as e:
+            print(f"benchmarks.link: the job at {rate} failed:\n{e}", file=sys.stderr)
+            return 1
+        rates[r["link"]["rate"]] = r
+    env["wall_s"] = time.time() - t0
+    env["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    raw = {"name": args.name, "config": {**opts, "rates": list(rates), "nodes": NODES,
+                                         "nproc_per_node": NPROC_PER_NODE},
+           "env": env, "rates": rates, "notes": notes}
+    summary = summarize(raw)
+    text = markdown(raw, summary)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    js, md = out / f"{args.name}.json", out / f"{args.name}.md"
+    js.write_text(json.dumps({**raw, "summary": summary}, indent=1))
+    md.write_text(text)
+    print(text)
+    print(f"wrote {js} and {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
