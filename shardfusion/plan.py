@@ -49,7 +49,6 @@ from __future__ import annotations
 import math
 import numbers
 import os
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
@@ -577,15 +576,18 @@ def measure_bandwidth(local_world_size: Optional[int] = None, *, device: Optiona
                       target_s: float = 0.05, max_bytes: int = 64 << 20, repeats: int = 3) -> Bandwidth:
     """Measure the links within a node and across nodes with short all-reduces; collective over the default group.
 
-    Groups (``torch.distributed.new_group``, created by every rank in one order and destroyed afterwards): each
-    node's ``local_world_size`` ranks, and for each local rank the ranks with that local rank on every node. First
-    every node all-reduces within itself, all nodes at once; then every cross-node group all-reduces, all local
-    ranks at once (so a node's shared link is shared as in training). Each phase: a 1-element all-reduce timed
-    ``3 * repeats`` times (the latency), then tensors from 64 KiB growing 4x until one takes ``target_s`` seconds
-    or reaches ``max_bytes``, that size timed ``repeats`` times (the bandwidth). Every time is the maximum over all
-    ranks (one all-reduce), so every rank gets the same :class:`Bandwidth` and plans the same degree, and every rank
-    runs the same collectives: no rank waits alone. About ``(2 + 4/3) * repeats * target_s`` seconds per phase plus
-    the group set-up; a phase that does not exist (one node, or one rank per node) reports ``inf`` bandwidth.
+    Groups (``torch.distributed.new_group``, created by every rank in one order, its own destroyed afterwards):
+    each node's ``local_world_size`` ranks, and for each local rank the ranks with that local rank on every node.
+    First every node all-reduces within itself, all nodes at once; then every cross-node group all-reduces, all
+    local ranks at once (so a node's shared link is shared as in training). Each phase: ``3 * repeats``
+    1-element all-reduces (the latency), then one all-reduce of a tensor from 64 KiB growing 4x until it takes
+    ``target_s`` seconds and 10 times the latency (bandwidth-bound) or reaches ``max_bytes``, then ``repeats``
+    all-reduces of that size (the bandwidth). Each timing starts after a barrier (the concurrent groups start
+    together) and runs its all-reduces back to back (so a buffer that fills while a link is idle, a token bucket's
+    burst, helps only the first one); it is the slowest rank's (one all-reduce over the default group), so every
+    rank gets the same :class:`Bandwidth` and plans the same degree, and every rank runs the same collectives: no
+    rank waits alone. About ``(2 + 4/3) * repeats * target_s`` seconds per phase on a slow link, plus the group
+    set-up; a phase that does not exist (one node, or one rank per node) reports ``inf`` bandwidth.
 
     Figures, per rank: bandwidth = all-reduce wire bytes ``2(G-1)/G * N`` / (time of ``N`` - time of 1 element);
     latency = time of 1 element / ``2(G-1)`` ring steps.
@@ -632,43 +634,41 @@ def measure_bandwidth(local_world_size: Optional[int] = None, *, device: Optiona
     return Bandwidth(within=within[0], across=across[0], latency_within=within[1], latency_across=across[1])
 
 
-def _agreed(seconds: float, device: torch.device) -> float:
-    """The maximum of ``seconds`` over every rank (one all-reduce over the default group)."""
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def _timed(tensor: torch.Tensor, group, times: int) -> float:
-    """Median seconds of ``times`` all-reduces of ``tensor`` over ``group`` (after one untimed warm-up)."""
+    """Seconds per all-reduce of ``tensor`` over ``group`` (this rank's; the groups of a phase run at the same time):
+    after one untimed warm-up and a barrier of the default group (so the concurrent groups start together and share
+    the links as in training), ``times`` all-reduces back to back (so buffers that fill up while a link is idle, such
+    as a token bucket's burst, help only the first), their mean; the slowest rank's (one all-reduce, MAX, over the
+    default group), the same on every rank."""
     def sync() -> None:
         if tensor.is_cuda:
             torch.cuda.synchronize(tensor.device)
 
     dist.all_reduce(tensor, group=group)
     sync()
-    out = []
+    dist.barrier()
+    t0 = time.perf_counter()
     for _ in range(times):
-        t0 = time.perf_counter()
         dist.all_reduce(tensor, group=group)
-        sync()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    sync()
+    slowest = torch.tensor([(time.perf_counter() - t0) / times], dtype=torch.float64, device=tensor.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest.item())
 
 
 def _probe(group, size: int, device: torch.device, target_s: float, max_bytes: int,
            repeats: int) -> tuple[float, float]:
     """(bandwidth bytes/s per rank, latency s per ring step) of all-reduces over ``group`` of ``size`` ranks."""
     steps = 2 * (size - 1)
-    t_small = _agreed(_timed(torch.zeros(1, dtype=torch.float32, device=device), group, 3 * repeats), device)
+    t_small = _timed(torch.zeros(1, dtype=torch.float32, device=device), group, 3 * repeats)
     nbytes = 64 << 10
     while True:
         x = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-        t = _agreed(_timed(x, group, 1), device)
-        if t >= target_s or nbytes >= max_bytes:
+        t = _timed(x, group, 1)
+        if (t >= target_s and t >= 10 * t_small) or nbytes >= max_bytes:  # bandwidth-bound, not latency-bound
             break
         nbytes = min(nbytes * 4, max_bytes)
-    t_big = _agreed(_timed(x, group, repeats), device)
+    t_big = _timed(x, group, repeats)
     wire = steps / size * nbytes
     bandwidth = wire / max(t_big - t_small, t_big * 1e-3, 1e-9)
     return bandwidth, t_small / steps
