@@ -8,6 +8,13 @@ Public API (v0; the design: docs/design.md)::
     norm = sf.clip_grad_norm_(model, max_norm=1.0)
     full = sf.full_state_dict(model)
     sf.load_safetensors(model, "path/to/hf_model_folder")   # pretrained weights, each rank reads its fragments
+
+    # the outer degree from a cost model (docs/plan.md), before fully_shard:
+    choice = sf.plan(model, units=(Block,), world_size=8, local_world_size=4,
+                     bandwidth=sf.measure_bandwidth(), max_memory_per_rank=80 << 30)
+    topo = sf.Topology(fsdp_outer_degree=choice.fsdp_outer_degree)
+
+``sf.plan`` is the function; its module is ``shardfusion.plan`` (``from shardfusion.plan import ...``).
 """
 
 from shardfusion import checkpoint, comm, topology
@@ -24,15 +31,19 @@ from shardfusion.fully_shard import (
     set_requires_gradient_sync,
 )
 from shardfusion.moe import MoE, is_expert, mark_expert
+from shardfusion.plan import Bandwidth, Plan, UnitSize, measure_bandwidth, plan, unit_sizes
 from shardfusion.state_dict import full_state_dict
 from shardfusion.topology import Topology
 
 install_torch_clip_wrappers()  # torch.nn.utils.clip_grad_norm_ / clip_grad_value_ on fragments: see shardfusion.clip
 
 __all__ = [
+    "Bandwidth",
     "MixedPrecisionPolicy",
     "MoE",
+    "Plan",
     "Topology",
+    "UnitSize",
     "checkpoint",
     "clip_grad_norm_",
     "comm",
@@ -43,9 +54,12 @@ __all__ = [
     "is_expert",
     "load_safetensors",
     "mark_expert",
+    "measure_bandwidth",
     "moe",
     "no_sync",
+    "plan",
     "set_is_last_backward",
     "set_requires_gradient_sync",
     "topology",
+    "unit_sizes",
 ]

@@ -24,11 +24,42 @@ from shardfusion.train.data import corpus_size, min_corpus_bytes, split_sizes
 from shardfusion.models.gpt import PRESETS, GPTConfig
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_POLICIES
 from shardfusion.train.hf_models import HF_MODELS
+from shardfusion.plan import parse_bytes
 from shardfusion.topology import Degrees
 
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 """The --param-dtype / --grad-comm-dtype names and the torch dtypes they stand for."""
+
+AUTO = "auto"
+"""The --fsdp-outer-degree value that asks the cost model (`shardfusion.plan`) for the degree."""
+
+
+def outer_degree_arg(text: str) -> int | str:
+    """argparse type of --fsdp-outer-degree: an int, or `auto`.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 or {AUTO}, got {text!r}") from None
+
+
+def memory_arg(text: str) -> int:
+    """argparse type of --max-memory-per-rank: bytes, from a size such as 8GB, 512MiB or 4096
+    (`shardfusion.plan.parse_bytes`).
+
+    Raises:
+        argparse.ArgumentTypeError: not such a size.
+    """
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,9 +120,17 @@ class TrainConfig:
     """Max global gradient norm; 0 turns clipping off, the norm is still reported (default 1.0)."""
     seed: int = 42
     """Seed of the model initialisation and the data sampler (default 42)."""
-    fsdp_outer_degree: int | None = None
-    """HSDP replicas of each shard: 1 = plain FSDP (default: 2 when the world size is >= 4 and 2 divides
+    fsdp_outer_degree: int | str | None = dataclasses.field(
+        default=None, metadata={"parse": outer_degree_arg, "metavar": "INT|auto"})
+    """HSDP replicas of each shard: 1 = plain FSDP; auto: chosen at start-up by the cost model (sf.plan) from a
+    short bandwidth probe within and across nodes, the units' sizes and --max-memory-per-rank; the table is
+    printed and the chosen int is written to config.json (default: 2 when the world size is >= 4 and 2 divides
     world size / ep, else 1)."""
+    max_memory_per_rank: int | None = dataclasses.field(
+        default=None, metadata={"parse": memory_arg, "metavar": "BYTES"})
+    """Memory budget of one rank for --fsdp-outer-degree auto, bytes with an optional suffix (8GB, 512MiB, ...);
+    activations are not counted against it (default: the GPU's memory; on CPU the host's memory / ranks per
+    node)."""
     reshard_policy: str = "after_forward"
     """When gathered parameters are freed: after_forward (ZeRO-3) or after_backward (default after_forward)."""
     param_dtype: str = "fp32"
@@ -232,6 +271,12 @@ class TrainConfig:
             raise ValueError(f"--outer-comm-dtype must be one of {', '.join(DTYPES)}, int8, got {self.outer_comm_dtype!r}")
         if self.prefetch < 0:
             raise ValueError(f"--prefetch must be >= 0, got {self.prefetch}")
+        outer = self.fsdp_outer_degree
+        if outer is not None and outer != AUTO and (isinstance(outer, bool) or not isinstance(outer, int)):
+            raise ValueError(f"--fsdp-outer-degree must be an int >= 1 or {AUTO}, got {outer!r}")
+        budget = self.max_memory_per_rank
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"--max-memory-per-rank must be a size in bytes > 0 (e.g. 8GB, 512MiB), got {budget!r}")
         if self.reshard_policy not in RESHARD_POLICIES:
             raise ValueError(f"--reshard-policy must be {' or '.join(RESHARD_POLICIES)}, got {self.reshard_policy!r}")
 
@@ -248,6 +293,8 @@ def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
         ValueError: one line that names the flag to change and the numbers involved.
     """
     outer, ep = config.fsdp_outer_degree, config.ep
+    if outer == AUTO:
+        outer = 1  # the cost model picks a degree that fits; the layout check below is the ep one
     try:
         Degrees(world_size=world_size, sharding=-1, fsdp_outer_degree=outer)
     except ValueError as error:
@@ -345,7 +392,7 @@ def resolve(config: TrainConfig, *, device: str, world_size: int) -> TrainConfig
         ep = 1  # Hugging Face models hold every expert (see TrainConfig.hf_model)
     elif ep is None:
         ep = 2 if config.experts and config.experts % 2 == 0 and world_size % 2 == 0 else 1
-    outer = config.fsdp_outer_degree
+    outer = config.fsdp_outer_degree  # auto stays: the job plans it at start-up (shardfusion.train.job)
     if outer is None:
         moe_sharding = world_size // ep if world_size % ep == 0 else world_size
         outer = 2 if world_size >= 4 and moe_sharding % 2 == 0 else 1
@@ -401,7 +448,10 @@ def build_parser(cls: type = TrainConfig) -> argparse.ArgumentParser:
         base = args[0] if args else kind
         flag = "--" + field.name.replace("_", "-")
         help_text = docs.get(field.name, "").replace("%", "%%")
-        if base is bool:
+        if "parse" in field.metadata:  # a field with a parser of its own (e.g. an int or "auto")
+            parser.add_argument(flag, type=field.metadata["parse"], default=field.default,
+                                metavar=field.metadata.get("metavar"), help=help_text)
+        elif base is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
         else:
             parser.add_argument(flag, type=finite_float if base is float else base, default=field.default,

@@ -39,6 +39,7 @@ import shardfusion as sf
 from shardfusion.train import resume as train_state
 from shardfusion.accounting import ranks_per_node_from_env
 from shardfusion.comm import call_on_rank0
+from shardfusion.plan import default_memory_budget
 from shardfusion.train.data import BatchSampler, load_corpus, split_corpus
 from shardfusion.train.launch import (default_nproc, exit_now, init_worker, launch, pick_device, restart_problem,
                                 threads_per_worker, under_torchrun)
@@ -47,7 +48,7 @@ from shardfusion.train.metrics import (MetricsLog, comm_step_record, expert_bala
 from shardfusion.train import job_model
 from shardfusion.train.job_model import JobModel, Losses
 from shardfusion.train.outputs import open_outputs
-from shardfusion.train.config import DTYPES, TrainConfig, check_run, lr_at, parse_args, resolve, usage_error
+from shardfusion.train.config import AUTO, DTYPES, TrainConfig, check_run, lr_at, parse_args, resolve, usage_error
 
 ADAM_BETAS = (0.9, 0.95)
 SAMPLE_PROMPT_BYTES = 64
@@ -156,6 +157,69 @@ def comm_layout(config: TrainConfig, world: int) -> dict[str, Any]:
     return {"ranks_per_node": rpn, "nodes": -(-world // rpn), "ranks_per_node_from": source}
 
 
+def plan_outer_degree(config: TrainConfig, device: torch.device, world: int) -> int:
+    """`--fsdp-outer-degree auto`: the outer degree `sf.plan` chooses for this run; rank 0 prints its table.
+    Collective: every rank probes the links (`sf.measure_bandwidth`, about a second) and gets the same degree.
+
+    Inputs: nodes of `--ranks-per-node` ranks (default LOCAL_WORLD_SIZE: torchrun's ranks per node), the units of
+    the job's model (built on meta with every expert, the experts' elements divided by ep), fp32 shards and AdamW
+    state, --param-dtype / --grad-comm-dtype, --grad-accum micro-batches, --reshard-policy, --prefetch,
+    --expert-policy, and the budget `--max-memory-per-rank` (default `shardfusion.plan.default_memory_budget`,
+    the least over the ranks). A run that resumes a checkpoint keeps the degree of the run it resumes (from
+    OUT/config.json) when that fits, so the resume stays exact.
+
+    Raises:
+        ValueError: on every rank: no degree fits the budget (naming --max-memory-per-rank and the smallest need),
+            or --ranks-per-node does not divide the world size.
+    """
+    local = comm_layout(config, world)["ranks_per_node"] or world
+    if world % local:
+        raise ValueError(f"--fsdp-outer-degree auto: the ranks per node ({local}, --ranks-per-node or "
+                         f"LOCAL_WORLD_SIZE) must divide the world size {world}")
+    t_probe = time.perf_counter()
+    bandwidth = sf.measure_bandwidth(local, device=device)
+    t_probe = time.perf_counter() - t_probe
+    meta = job_model.build(config, None, device)  # on meta, every expert
+    sizes = [dataclasses.replace(u, expert_numel=u.expert_numel // config.ep)
+             for u in sf.unit_sizes(meta.module, units=meta.units, reshard_policy=config.reshard_policy)]
+    budget = config.max_memory_per_rank
+    if budget is None:
+        least = torch.tensor([default_memory_budget(device, local)], dtype=torch.float64,
+                             device=device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        budget = int(least.item())
+    saved = _resumed_outer_degree(config.out)
+    prefer = saved if saved is not None and (world // config.ep) % saved == 0 else None
+    try:
+        choice = sf.plan(sizes, world_size=world, local_world_size=local, bandwidth=bandwidth,
+                         max_memory_per_rank=budget, micro_batches=config.grad_accum, ep=config.ep,
+                         prefetch=config.prefetch, expert_policy=config.expert_policy, shard_dtype=torch.float32,
+                         param_dtype=_dtype(config.param_dtype), grad_comm_dtype=_dtype(config.grad_comm_dtype),
+                         backend="nccl" if "nccl" in str(dist.get_backend()) else "gloo", prefer=prefer)
+    except ValueError as error:
+        raise ValueError(f"--fsdp-outer-degree auto with --max-memory-per-rank {budget}: {error}") from None
+    if dist.get_rank() == 0:
+        print(f"shardfusion: --fsdp-outer-degree auto: bandwidth probe {t_probe:.2f} s", flush=True)
+        print("\n".join(f"shardfusion: {line}" for line in choice.table().splitlines()), flush=True)
+    return choice.fsdp_outer_degree
+
+
+def _resumed_outer_degree(out: str) -> int | None:
+    """The int `fsdp_outer_degree` in OUT/config.json when OUT holds a checkpoint to resume, else None (as rank 0
+    reads it). Collective."""
+    if train_state.latest(out) is None:
+        return None
+
+    def read() -> int | None:
+        try:
+            value = json.loads((Path(out) / "config.json").read_text()).get("fsdp_outer_degree")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    return call_on_rank0(read, f"cannot read {out}/config.json")
+
+
 def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     """One worker's training run; returns the summary on rank 0, None elsewhere."""
     t_start = time.perf_counter()
@@ -166,6 +230,8 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     config = dataclasses.replace(config, out=shared[0])
     is_main = rank == 0
     out = Path(config.out)
+    if config.fsdp_outer_degree == AUTO:  # the cost model's choice, an int from here on (config.json records it)
+        config = dataclasses.replace(config, fsdp_outer_degree=plan_outer_degree(config, device, world))
 
     topo = sf.Topology(fsdp_outer_degree=config.fsdp_outer_degree, ep=config.ep)
     job = job_model.build(config, topo.get_group("ep"), device)

@@ -4,6 +4,7 @@ accounting of the job: per step in metrics.jsonl and per step on average in summ
 a pretended 2 nodes of 2 ranks (--ranks-per-node 2) and for one node (torchrun). The configuration alone is tested
 in tests/unit/test_train_config.py."""
 
+import dataclasses
 import json
 import math
 import os
@@ -133,6 +134,43 @@ def test_under_torchrun(tmp_path: Path) -> None:
     assert "1 node of 2 ranks (LOCAL_WORLD_SIZE)" in result.stdout
     config = json.loads((out / "config.json").read_text())
     assert (config["param_dtype"], config["grad_comm_dtype"], config["prefetch"]) == ("bf16", "fp32", 0)
+
+
+@pytest.mark.timeout(TRAIN_TIMEOUT_S + 30)
+def test_outer_degree_auto(tmp_path: Path) -> None:
+    # --fsdp-outer-degree auto on 4 gloo ranks as 2 pretended nodes of 2 (--ranks-per-node 2): the job probes the
+    # links, prints the cost model's table on rank 0, trains with the chosen degree and writes it to config.json as
+    # an int. Which degree wins depends on the measured (loopback) links; whichever it is, the cost model's bytes
+    # and counts per step for it must be the accounting's (both use the ring formulas).
+    out = tmp_path / "run"
+    result = run_train([*TINY_RUN, "--nproc", "4", "--ranks-per-node", "2", "--experts", "0", "--steps", "1",
+                        "--eval-every", "100", "--sample-tokens", "0", "--fsdp-outer-degree", "auto",
+                        "--out", str(out)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    outer = json.loads((out / "config.json").read_text())["fsdp_outer_degree"]
+    assert isinstance(outer, int) and outer in (1, 2, 4)
+    text = result.stdout
+    assert text.count("fsdp_outer_degree cost model: world 4 = 2 nodes x 2 ranks") == 1  # rank 0 only
+    rows = [line.split("|")[0].split() for line in text.splitlines() if line.endswith("<- chosen")]
+    assert rows == [["shardfusion:", str(outer), str(4 // outer)]], text[-3000:]
+    assert f"chosen: outer {outer} (inner {4 // outer})" in text and "bandwidth probe" in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert f"outer{outer} x inner{4 // outer}" in summary["layout"]
+
+    from shardfusion.models.gpt import GPT, PRESETS, Block
+    from shardfusion.plan import Bandwidth, plan, unit_sizes
+    with torch.device("meta"):
+        sizes = unit_sizes(GPT(dataclasses.replace(PRESETS["tiny"], n_experts=0)), units=(Block,))
+    chosen = next(c for c in plan(sizes, world_size=4, local_world_size=2, bandwidth=Bandwidth(1e9, 1e8),
+                                  max_memory_per_rank=2**40).candidates if c.outer == outer)
+    train, _ = read_metrics(out / "metrics.jsonl")
+    comm = train[0]["comm"]
+    for op, category in (("all_gather", "inner_all_gather"), ("reduce_scatter", "inner_reduce_scatter"),
+                         ("all_reduce", "replicate_all_reduce")):
+        predicted, measured = chosen.traffic[op], comm[category]
+        assert predicted.count == measured["count"], (op, predicted, measured)
+        assert predicted.within_bytes + predicted.across_bytes == pytest.approx(measured["wire_bytes"], rel=1e-9)
+        assert predicted.across_bytes == pytest.approx(measured["cross_node_bytes"], rel=1e-9)
 
 
 # Flags that only a check against the world size or the file system can reject: {case: (args, flag, message)}.

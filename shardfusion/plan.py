@@ -1,0 +1,726 @@
+"""Choose the HSDP outer degree (``fsdp_outer_degree``) from a cost model: bytes, time and memory per candidate.
+
+[Note: the outer-degree cost model]
+A run with ``sharding`` ranks per fsdp group can split it as ``outer x inner`` for every ``outer`` that divides
+``moe_sharding = sharding // ep``. :func:`plan` predicts, for each such candidate, what one optimizer step sends per
+rank, how long that takes on the measured links, and how much memory each rank holds, then picks the fastest one
+that fits the memory budget. Per unit and flat buffer (dense, expert) of ``P`` elements, padded as ``fully_shard``
+pads them (to a multiple of ``inner * align``, ``align = 16 bytes / shard element``), with ``m`` micro-batches per
+step and the ring volumes of [Note: communication accounting] (``accounting.py``; ``G`` = group size, ``N`` =
+logical bytes):
+
+- all-gather over the inner group, ``N = P * param bytes``, ``(G-1)/G * N`` per rank; ``m`` times per step, ``2m``
+  for a unit resharded after forward (gathered again in backward);
+- reduce-scatter over the inner group, ``N = P * grad_comm bytes``, ``(G-1)/G * N``; ``m`` times per step;
+- all-reduce over the replicate group (``dp x outer``), ``N = P / inner * grad_comm bytes``, ``2(G-1)/G * N``; once
+  per step.
+
+A collective's bytes cross nodes in the share the accounting gives them: a ring over the group's ranks (in order,
+wrapping around) has ``k`` of its ``G`` hops between nodes and ``k/G`` of the bytes cross (an inner group that spans
+nodes sends that share across); gloo's reduce-scatter, an all-to-all (``comm.reduce_scatter``), sends each peer
+``N/G`` directly, so the share is that of the peers on other nodes. Time of one collective with ``b`` bytes within
+and ``c`` bytes across nodes: ``b / bandwidth.within + c / bandwidth.across`` plus ``steps * latency`` (``steps`` =
+``G-1``, ``2(G-1)`` for the all-reduce; the across latency when the group spans nodes). The bandwidths are per rank
+while every rank of a node sends at once (what :func:`measure_bandwidth` measures), so a node's shared link is
+accounted for.
+
+Time per step: everything serial, except the last backward of the step, whose replicate all-reduces run beside its
+all-gathers and reduce-scatters (the overlapped all-reduce: each unit's all-reduce is issued once its
+reduce-scatter is done). That backward takes ``max(I, A, I_w + A_w, I_x + A_x) + A_last``: ``I`` the inner
+collectives' time (``I_w`` within and ``I_x`` across nodes), ``A`` the all-reduces but the last one (``A_w``,
+``A_x``), ``A_last`` the all-reduce of the unit reduced last (the first of the list: the root unit); two streams
+that use different links overlap fully, on a shared link they add up. With ``overlap=False`` it is ``I + A +
+A_last``. Compute is not modelled: the time is the communication on the critical path of a step with no compute to
+hide it (a communication-bound step).
+
+Memory per rank: sharded parameters (``P / inner`` elements each, in the shard dtype), sharded gradients (the
+same), optimizer state (``optim_states`` values per element in ``optim_dtype``), and the full buffers of the units
+being run: every unit not resharded after forward, the ``prefetch + 2`` largest resharded ones (the running one,
+the prefetched ones, the previous one until its gradient lands) and the gradient buffers of the 2 largest units
+(in the param dtype); a full buffer costs nothing when ``inner == 1`` and the dtypes agree (it is the shard).
+Activations are not counted: pass them as ``other_bytes``.
+
+The idea of choosing the HSDP replication from a bandwidth model comes from the HSDP / ZeRO++ (hpZ) papers and
+Megatron-FSDP's ``outer_dp_sharding_strategy`` discussion; the formulas and the code are ours.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardfusion import accounting
+from shardfusion.policies import EXPERT_POLICIES, RESHARD_FILTERS, RESHARD_POLICIES, MixedPrecisionPolicy
+from shardfusion.topology import Degrees, group_ranks
+
+__all__ = ["Bandwidth", "Candidate", "Plan", "Traffic", "UnitSize", "default_memory_budget", "measure_bandwidth",
+           "parse_bytes", "plan", "unit_sizes"]
+
+ALIGN_BYTES = 16
+"""Each parameter starts at a multiple of 16 bytes in its flat buffer (as ``fully_shard`` lays them out)."""
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce")
+"""The collectives of a step that the model counts, in table order."""
+
+
+@dataclass(frozen=True)
+class UnitSize:
+    """The sizes of one unit, as :func:`plan` needs them.
+
+    Attributes:
+        name: the unit's name (``""`` for the root unit).
+        numel: dense trainable elements, as laid out in its flat buffer (the alignment gaps between parameters
+            included; :func:`unit_sizes` counts them so; plain element counts are fine too).
+        expert_numel: expert elements held by one rank (this ep rank's experts; for a model that holds every
+            expert, divide by ep).
+        reshard_after_forward: whether its full buffers are freed after forward and gathered again in backward
+            (the root unit never is).
+    """
+
+    name: str
+    numel: int
+    expert_numel: int = 0
+    reshard_after_forward: bool = True
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """Measured links, per rank, while every rank of a node uses them at once (see :func:`measure_bandwidth`).
+
+    Attributes:
+        within: bytes/s one rank sends to ranks of its own node (``inf``: one rank per node, never used).
+        across: bytes/s one rank sends to other nodes (``inf``: one node, never used).
+        latency_within: seconds per ring step of a collective within a node.
+        latency_across: seconds per ring step of a collective that spans nodes.
+    """
+
+    within: float
+    across: float
+    latency_within: float = 0.0
+    latency_across: float = 0.0
+
+    def describe(self) -> str:
+        """One line, e.g. ``within 1.20 GB/s (latency 80 us), across 6.10 MB/s (latency 420 us)``."""
+        return (f"within {_rate(self.within)} (latency {self.latency_within * 1e6:.0f} us), "
+                f"across {_rate(self.across)} (latency {self.latency_across * 1e6:.0f} us)")
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One kind of collective of one candidate, per rank and per optimizer step.
+
+    Attributes:
+        op: ``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``.
+        count: collectives issued per step.
+        within_bytes: bytes sent to ranks of the same node.
+        across_bytes: bytes sent to other nodes.
+        within_s: seconds on the links within a node (bytes / bandwidth, plus the latency of groups in one node).
+        across_s: seconds on the links across nodes (bytes / bandwidth, plus the latency of groups that span nodes).
+    """
+
+    op: str
+    count: int
+    within_bytes: float
+    across_bytes: float
+    within_s: float
+    across_s: float
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The prediction for one outer degree.
+
+    Attributes:
+        outer: ``fsdp_outer_degree``.
+        inner: dense inner degree, ``sharding // outer``.
+        expert_inner: the degree expert buffers are sharded over (``moe_sharding // outer``, or ``moe_sharding``
+            under ``expert_policy="shard"``).
+        traffic: per op (``OPS``), what it sends per rank per step.
+        within_bytes, across_bytes: per rank per step, all ops together.
+        within_s, across_s: seconds per step on the links within / across nodes, all ops together.
+        serial_s: ``within_s + across_s``: the step's communication with nothing overlapped.
+        step_s: the predicted communication time per step (the last backward's all-reduces overlapped, see [Note:
+            the outer-degree cost model]); the candidates are ranked by it.
+        memory: bytes per rank by part: ``params``, ``grads``, ``optimizer``, ``unsharded``, ``other``.
+        memory_bytes: their sum.
+        fits: ``memory_bytes <= max_memory_per_rank``.
+    """
+
+    outer: int
+    inner: int
+    expert_inner: int
+    traffic: dict
+    within_bytes: float
+    across_bytes: float
+    within_s: float
+    across_s: float
+    serial_s: float
+    step_s: float
+    memory: dict
+    memory_bytes: int
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The result of :func:`plan`: every candidate, the one chosen and why.
+
+    Attributes:
+        candidates: one :class:`Candidate` per outer degree, ascending.
+        chosen: the chosen candidate.
+        reason: one sentence: why it was chosen.
+        bandwidth: the links the times were computed with.
+        max_memory_per_rank: the budget, bytes.
+        world_size, local_world_size: the layout (``local_world_size`` ranks per node).
+        micro_batches: micro-batches per optimizer step.
+    """
+
+    candidates: tuple
+    chosen: Candidate
+    reason: str
+    bandwidth: Bandwidth
+    max_memory_per_rank: int
+    world_size: int
+    local_world_size: int
+    micro_batches: int
+
+    @property
+    def fsdp_outer_degree(self) -> int:
+        """The chosen outer degree."""
+        return self.chosen.outer
+
+    def table(self) -> str:
+        """The printed table: per candidate the predicted bytes and seconds per step within and across nodes (per
+        rank), the step's communication time, the memory per rank and whether it fits; then the choice and why."""
+        nodes = self.world_size // self.local_world_size
+        lines = [f"fsdp_outer_degree cost model: world {self.world_size} = {nodes} node{'s' * (nodes != 1)} x "
+                 f"{self.local_world_size} ranks; {self.micro_batches} micro-batch"
+                 f"{'es' * (self.micro_batches != 1)} per step; memory budget {_size(self.max_memory_per_rank)} "
+                 f"per rank",
+                 f"measured per rank: {self.bandwidth.describe()}",
+                 "outer inner | within MB/step  across MB/step | within s  across s    step s | memory/rank  fits",
+                 ]
+        for c in self.candidates:
+            mark = "  <- chosen" if c is self.chosen else ""
+            lines.append(f"{c.outer:5d} {c.inner:5d} | {c.within_bytes / 1e6:14.3f} {c.across_bytes / 1e6:15.3f} | "
+                         f"{c.within_s:8.4f} {c.across_s:9.4f} {c.step_s:9.4f} | {_size(c.memory_bytes):>11}  "
+                         f"{'yes' if c.fits else 'no':>4}{mark}")
+        lines.append(f"chosen: {self.reason}")
+        return "\n".join(lines)
+
+
+# ---- unit sizes from a model -----------------------------------------------------------------------------------------
+def unit_sizes(model: nn.Module, *, units: Optional[Sequence[type]] = None, comm_unit_size: Optional[int] = None,
+               reshard_policy: str = "after_forward", reshard_filter="all",
+               expert_filter: Optional[Callable[[str, nn.Parameter], bool]] = None) -> list[UnitSize]:
+    """The :class:`UnitSize` of every unit ``fully_shard(model, ..., units=units, comm_unit_size=comm_unit_size,
+    reshard_policy=..., reshard_filter=..., expert_filter=...)`` would make, the root unit first, without sharding
+    anything (the model may be on the meta device; no process group is needed).
+
+    Each parameter goes to the unit ``fully_shard`` gives it (a tied one to the lowest common ancestor's); a unit's
+    ``numel`` / ``expert_numel`` are its dense / expert parameters laid out as in its flat buffers (each aligned to
+    16 bytes of its dtype; the tail padding, which depends on the inner degree, is added by :func:`plan`). Frozen
+    parameters and those a ``replicate_filter`` would keep whole are counted as trainable dense ones (the model
+    overestimates them). The experts are the ones the model holds: a model built without an ep group holds all of
+    them (divide ``expert_numel`` by ep).
+
+    Raises:
+        ValueError: ``model`` is not a module or is already sharded; bad ``units``, ``comm_unit_size``,
+            ``reshard_policy`` or ``reshard_filter`` (as ``fully_shard`` raises them).
+    """
+    from shardfusion._runtime import wrap  # the unit rules of fully_shard itself
+    from shardfusion._runtime.layout import build_layout
+    from shardfusion._runtime.state import is_sharded
+
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+    if is_sharded(model):
+        raise ValueError(f"model ({type(model).__name__}) is already sharded: plan before fully_shard")
+    options = wrap.WrapOptions(None, MixedPrecisionPolicy(), None, True, expert_filter, "replicate", 1,
+                               reshard_policy, reshard_filter)
+    wrap._check_units(units, comm_unit_size)
+    if reshard_policy not in RESHARD_POLICIES:
+        raise ValueError(f"reshard_policy must be one of {RESHARD_POLICIES}, got {reshard_policy!r}")
+    if not (reshard_filter in RESHARD_FILTERS or callable(reshard_filter)):
+        raise ValueError(f"reshard_filter must be 'all', 'none' or a callable (name, module) -> bool, "
+                         f"got {reshard_filter!r}")
+    if units is None and comm_unit_size is None:
+        units = wrap.default_units(model)
+    wrap._check_unit_classes(model, units)
+    specs = wrap.unit_specs(model, options, units, comm_unit_size)
+    per_unit = wrap._assign_params(model, wrap._owning_unit(model, specs), len(specs))
+    is_expert = expert_filter or wrap.marked_expert
+    out = []
+    for (name, _modules, reshard), params in zip(specs, per_unit):
+        sizes = {False: 0, True: 0}
+        for expert in (False, True):
+            by_dtype: dict[torch.dtype, list] = {}
+            for pname, p, _ in params:
+                if bool(is_expert(pname, p)) == expert:
+                    by_dtype.setdefault(p.dtype, []).append((pname, tuple(p.shape)))
+            for dtype, members in by_dtype.items():
+                align = max(1, ALIGN_BYTES // torch.tensor([], dtype=dtype).element_size())
+                layout = build_layout([n for n, _ in members], [s for _, s in members], 1, align)
+                sizes[expert] += layout.padded_numel
+        out.append(UnitSize(name, sizes[False], sizes[True], bool(reshard)))
+    return out
+
+
+# ---- the cost model ----------------------------------------------------------------------------------------------------
+class _Group:
+    """One kind of group of one candidate: its size, the share of a ring's / an all-to-all's bytes that crosses
+    nodes (averaged over every rank of every group of the kind), and whether it spans nodes."""
+
+    def __init__(self, groups: list[list[int]], local_world_size: int) -> None:
+        self.size = len(groups[0])
+        ranks = sum(len(g) for g in groups)
+        self.ring_across = sum(accounting.ring_crossings(tuple(g), local_world_size) for g in groups) / ranks
+        node = lambda r: r // local_world_size  # noqa: E731
+        off = sum(sum(node(p) != node(r) for p in g) for g in groups for r in g)
+        self.a2a_across = off / (ranks * (self.size - 1)) if self.size > 1 else 0.0
+        self.spans = any(len({node(r) for r in g}) > 1 for g in groups)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def _check_dtype(name: str, value) -> torch.dtype:
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"{name} must be a floating-point torch.dtype, got {value!r}")
+    return value
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _check_seconds(name: str, value, *, positive: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or (
+            value <= 0 if positive else value < 0):
+        raise ValueError(f"{name} must be a number {'> 0' if positive else '>= 0'}, got {value!r}")
+    return float(value)
+
+
+def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: int, local_world_size: int,
+         bandwidth: Bandwidth, max_memory_per_rank: int, micro_batches: int = 1, dp: int = 1, ep: int = 1,
+         units: Optional[Sequence[type]] = None, comm_unit_size: Optional[int] = None,
+         reshard_policy: str = "after_forward", prefetch: int = 1, expert_policy: str = "replicate",
+         shard_dtype: torch.dtype = torch.float32, param_dtype: Optional[torch.dtype] = None,
+         grad_comm_dtype: Optional[torch.dtype] = None, optim_dtype: torch.dtype = torch.float32,
+         optim_states: int = 2, other_bytes: int = 0, overlap: bool = True, backend: str = "nccl",
+         outer_degrees: Optional[Sequence[int]] = None, prefer: Optional[int] = None,
+         tie_tolerance: float = 0.01) -> Plan:
+    """Predict bytes, time and memory per step for every outer degree and choose one (see [Note: the outer-degree
+    cost model] above for every formula).
+
+    Choice: the candidate with the smallest predicted ``step_s`` among those that fit ``max_memory_per_rank``;
+    candidates within ``tie_tolerance`` (relative) of it tie, and the smallest outer degree among them wins (more
+    sharding, less memory). ``prefer`` (e.g. the degree of a run being resumed, for an exact resume) is chosen
+    instead whenever it fits. Deterministic: ranks that pass equal arguments choose the same degree.
+
+    Args:
+        model_or_units: a model (not yet sharded; meta is fine), split into units by ``units`` /
+            ``comm_unit_size`` / ``reshard_policy`` as ``fully_shard`` would (:func:`unit_sizes`), or the units'
+            :class:`UnitSize` list (the first one is reduced last: the root unit).
+        world_size: ranks in the job.
+        local_world_size: ranks per node (consecutive global ranks share a node); it must divide ``world_size``.
+        bandwidth: the measured links (:func:`measure_bandwidth`).
+        max_memory_per_rank: the memory budget of one rank, bytes (> 0).
+        micro_batches: forward/backward passes per optimizer step (each reduce-scatters its gradients).
+        dp, ep: the data-parallel replicas (``sharding = world_size // dp``) and the expert-parallel degree, as in
+            :class:`shardfusion.Topology`.
+        units, comm_unit_size, reshard_policy: as in ``fully_shard`` (only for a model; a ``UnitSize`` carries its
+            own ``reshard_after_forward``).
+        prefetch: units gathered ahead of the running one (``fully_shard``'s ``prefetch``).
+        expert_policy: ``fully_shard``'s: ``"replicate"`` or ``"shard"``.
+        shard_dtype: the parameters' own dtype (the shards, the sharded gradients).
+        param_dtype, grad_comm_dtype: as in :class:`shardfusion.MixedPrecisionPolicy` (all-gathers in
+            ``param_dtype``; reduce-scatters and the all-reduce in ``grad_comm_dtype``); default ``shard_dtype`` and
+            ``param_dtype``.
+        optim_dtype, optim_states: the optimizer's state per element: AdamW's 2 values in fp32 by default.
+        other_bytes: memory per rank the model does not see (activations, workspace), added to every candidate.
+        overlap: whether the last backward's all-reduces overlap its other collectives (the default runtime).
+        backend: ``"nccl"`` (ring reduce-scatter) or ``"gloo"`` (reduce-scatter as an all-to-all).
+        outer_degrees: the candidates to consider (default: every divisor of ``sharding // ep``).
+        prefer: a degree to keep whenever it fits (it must be a candidate).
+        tie_tolerance: relative difference of ``step_s`` under which candidates tie (>= 0).
+
+    Returns:
+        A :class:`Plan`.
+
+    Raises:
+        ValueError: a bad argument (named, with its value): ``world_size`` not divisible by ``local_world_size`` or
+            the degrees (as :class:`shardfusion.topology.Degrees` says), no units or a negative size, a
+            non-positive bandwidth or budget, an outer degree that does not divide ``sharding // ep``; and when no
+            candidate fits, one naming ``max_memory_per_rank`` and the smallest need.
+    """
+    world_size = _check_int("world_size", world_size, 1)
+    local = _check_int("local_world_size", local_world_size, 1)
+    if world_size % local:
+        raise ValueError(f"local_world_size({local}) must divide world_size({world_size}): nodes of equal size")
+    budget = _check_int("max_memory_per_rank", max_memory_per_rank, 1)
+    m = _check_int("micro_batches", micro_batches, 1)
+    prefetch = _check_int("prefetch", prefetch, 0)
+    optim_states = _check_int("optim_states", optim_states, 0)
+    other_bytes = _check_int("other_bytes", other_bytes, 0)
+    tie_tolerance = _check_seconds("tie_tolerance", tie_tolerance, positive=False)
+    if not isinstance(bandwidth, Bandwidth):
+        raise ValueError(f"bandwidth must be a shardfusion.plan.Bandwidth, got {bandwidth!r}")
+    for name in ("within", "across"):
+        _check_seconds(f"bandwidth.{name}", getattr(bandwidth, name), positive=True)
+    for name in ("latency_within", "latency_across"):
+        _check_seconds(f"bandwidth.{name}", getattr(bandwidth, name), positive=False)
+    if expert_policy not in EXPERT_POLICIES:
+        raise ValueError(f"expert_policy must be one of {EXPERT_POLICIES}, got {expert_policy!r}")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    shard_dtype = _check_dtype("shard_dtype", shard_dtype)
+    param_dtype = _check_dtype("param_dtype", param_dtype if param_dtype is not None else shard_dtype)
+    grad_comm_dtype = _check_dtype("grad_comm_dtype", grad_comm_dtype if grad_comm_dtype is not None else param_dtype)
+    optim_dtype = _check_dtype("optim_dtype", optim_dtype)
+    base = Degrees(world_size=world_size, dp=dp, ep=ep)  # the degree errors, named
+    moe_sharding = base.moe_sharding
+
+    if isinstance(model_or_units, nn.Module):
+        sizes = unit_sizes(model_or_units, units=units, comm_unit_size=comm_unit_size, reshard_policy=reshard_policy)
+    else:
+        sizes = list(model_or_units)
+        if units is not None or comm_unit_size is not None:
+            raise ValueError("units and comm_unit_size apply to a model, not to a list of UnitSize")
+    if not sizes or not all(isinstance(u, UnitSize) for u in sizes):
+        raise ValueError(f"model_or_units must be a model or a non-empty list of UnitSize, got {model_or_units!r}")
+    for u in sizes:
+        if min(u.numel, u.expert_numel) < 0:
+            raise ValueError(f"unit {u.name!r}: numel({u.numel}) and expert_numel({u.expert_numel}) must be >= 0")
+    if not any(u.numel or u.expert_numel for u in sizes):
+        raise ValueError("the units hold no elements: nothing to plan")
+
+    valid = [o for o in range(1, moe_sharding + 1) if moe_sharding % o == 0]
+    if outer_degrees is None:
+        degrees = valid
+    else:
+        degrees = sorted({_check_int("outer_degrees", o, 1) for o in outer_degrees})
+        bad = [o for o in degrees if o not in valid]
+        if bad or not degrees:
+            raise ValueError(f"outer_degrees {list(outer_degrees)} must be divisors of moe_sharding({moe_sharding}) = "
+                             f"sharding({base.sharding}) // ep({ep}): choose from {valid}")
+    if prefer is not None and prefer not in degrees:
+        raise ValueError(f"prefer({prefer!r}) is not a candidate outer degree; candidates: {degrees}")
+
+    sizes_b = {"shard": _element_size(shard_dtype), "param": _element_size(param_dtype),
+               "comm": _element_size(grad_comm_dtype), "optim": _element_size(optim_dtype)}
+    align = max(1, ALIGN_BYTES // sizes_b["shard"])
+    model = _Model(sizes, world_size, local, dp, ep, m, prefetch, expert_policy, sizes_b, align, optim_states,
+                   shard_dtype != param_dtype, other_bytes, bandwidth, overlap, backend)
+    candidates = tuple(model.candidate(o, budget) for o in degrees)
+    return _choose(candidates, budget, prefer, tie_tolerance, bandwidth, world_size, local, m)
+
+
+class _Model:
+    """The cost model of one :func:`plan` call; ``candidate(outer, budget)`` evaluates one outer degree."""
+
+    def __init__(self, sizes, world_size, local, dp, ep, m, prefetch, expert_policy, nbytes, align, optim_states,
+                 cast, other_bytes, bandwidth, overlap, backend) -> None:
+        self.sizes, self.world_size, self.local, self.dp, self.ep, self.m = sizes, world_size, local, dp, ep, m
+        self.prefetch, self.expert_policy, self.nbytes, self.align = prefetch, expert_policy, nbytes, align
+        self.optim_states, self.cast, self.other_bytes = optim_states, cast, other_bytes
+        self.bw, self.overlap, self.backend = bandwidth, overlap, backend
+
+    def _groups(self, outer: int) -> dict[str, _Group]:
+        kinds = {"inner": "fsdp_inner", "replicate": "replicate"}
+        if self.expert_policy == "shard":
+            kinds.update(expert_inner="moe_sharding", expert_replicate="dp")
+        else:
+            kinds.update(expert_inner="expert_inner", expert_replicate="replicate")
+        return {key: _Group(group_ranks(self.world_size, kind, dp=self.dp, ep=self.ep, fsdp_outer_degree=outer),
+                            self.local) for key, kind in kinds.items()}
+
+    def _cost(self, op: str, nbytes: float, group: _Group) -> tuple[float, float, float, float]:
+        """(within bytes, across bytes, within s, across s) of one collective of ``nbytes`` logical bytes."""
+        g = group.size
+        wire = (2 if op == "all_reduce" else 1) * (g - 1) / g * nbytes
+        share = group.a2a_across if (op == "reduce_scatter" and self.backend == "gloo") else group.ring_across
+        across, within = wire * share, wire * (1 - share)
+        steps = (2 if op == "all_reduce" else 1) * (g - 1)
+        within_s = (within / self.bw.within if within else 0.0) + (0.0 if group.spans else steps * self.bw.latency_within)
+        across_s = (across / self.bw.across if across else 0.0) + (steps * self.bw.latency_across if group.spans else 0.0)
+        return within, across, within_s, across_s
+
+    def candidate(self, outer: int, budget: int) -> Candidate:
+        groups = self._groups(outer)
+        inner = groups["inner"].size
+        expert_inner = groups["expert_inner"].size
+        nb = self.nbytes
+        # per op: [count, within B, across B, within s, across s]; the last backward's parts kept apart
+        total = {op: [0, 0.0, 0.0, 0.0, 0.0] for op in OPS}
+        last_bwd_inner = [0.0, 0.0]  # (within s, across s) of the last backward's all-gathers and reduce-scatters
+        reduces = []  # (within s, across s) of each all-reduce, in unit order
+        shard_elems, full_bytes, grad_bytes = 0, [], []
+
+        def add(op: str, cost: tuple, times: int) -> None:
+            row = total[op]
+            row[0] += times
+            for i in range(4):
+                row[i + 1] += cost[i] * times
+
+        for u in self.sizes:
+            unit_full, unit_grad, unit_reduce = 0, 0, [0.0, 0.0]
+            for numel, g_shard, g_rep in ((u.numel, groups["inner"], groups["replicate"]),
+                                          (u.expert_numel, groups["expert_inner"], groups["expert_replicate"])):
+                if not numel:
+                    continue
+                padded = _round_up(numel, g_shard.size * self.align)
+                shard = padded // g_shard.size
+                shard_elems += shard
+                if g_shard.size > 1 or self.cast:
+                    unit_full += padded * nb["param"]
+                unit_grad += padded * nb["param"]
+                if g_shard.size > 1:
+                    gathers = 2 if u.reshard_after_forward else 1
+                    ag = self._cost("all_gather", padded * nb["param"], g_shard)
+                    rs = self._cost("reduce_scatter", padded * nb["comm"], g_shard)
+                    add("all_gather", ag, gathers * self.m)
+                    add("reduce_scatter", rs, self.m)
+                    last_bwd_inner[0] += (gathers - 1) * ag[2] + rs[2]
+                    last_bwd_inner[1] += (gathers - 1) * ag[3] + rs[3]
+                if g_rep.size > 1:
+                    ar = self._cost("all_reduce", shard * nb["comm"], g_rep)
+                    add("all_reduce", ar, 1)
+                    unit_reduce[0] += ar[2]
+                    unit_reduce[1] += ar[3]
+            full_bytes.append((unit_full, u.reshard_after_forward))
+            grad_bytes.append(unit_grad)
+            reduces.append(unit_reduce)
+
+        within_s = sum(total[op][3] for op in OPS)
+        across_s = sum(total[op][4] for op in OPS)
+        serial = within_s + across_s
+        with_reduce = [i for i, r in enumerate(reduces) if r[0] or r[1]]
+        if self.overlap and with_reduce:
+            last = with_reduce[0]  # reduce order is the reverse unit order: the first unit with an all-reduce
+            ar_w = sum(r[0] for i, r in enumerate(reduces) if i != last)
+            ar_x = sum(r[1] for i, r in enumerate(reduces) if i != last)
+            iw, ix = last_bwd_inner
+            phase = max(iw + ix, ar_w + ar_x, iw + ar_w, ix + ar_x) + sum(reduces[last])
+            step = serial - (iw + ix) - sum(total["all_reduce"][3:5]) + phase
+        else:
+            step = serial
+        traffic = {op: Traffic(op, int(total[op][0]), *total[op][1:]) for op in OPS}
+
+        resharded = sorted((b for b, r in full_bytes if r), reverse=True)
+        unsharded = (sum(b for b, r in full_bytes if not r) + sum(resharded[:self.prefetch + 2])
+                     + sum(sorted(grad_bytes, reverse=True)[:2]))
+        memory = {"params": shard_elems * nb["shard"], "grads": shard_elems * nb["shard"],
+                  "optimizer": shard_elems * nb["optim"] * self.optim_states, "unsharded": unsharded,
+                  "other": self.other_bytes}
+        need = sum(memory.values())
+        return Candidate(outer=outer, inner=inner, expert_inner=expert_inner, traffic=traffic,
+                         within_bytes=sum(t.within_bytes for t in traffic.values()),
+                         across_bytes=sum(t.across_bytes for t in traffic.values()), within_s=within_s,
+                         across_s=across_s, serial_s=serial, step_s=step, memory=memory, memory_bytes=need,
+                         fits=need <= budget)
+
+
+def _choose(candidates: tuple, budget: int, prefer: Optional[int], tie: float, bandwidth: Bandwidth,
+            world_size: int, local: int, m: int) -> Plan:
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        least = min(candidates, key=lambda c: c.memory_bytes)
+        raise ValueError(f"max_memory_per_rank({budget} bytes = {_size(budget)}) is less than every outer degree "
+                         f"needs: the smallest need is {least.memory_bytes} bytes = {_size(least.memory_bytes)} "
+                         f"(outer {least.outer}, inner {least.inner}); raise the budget, shard over more ranks, or "
+                         f"use a lower-precision dtype")
+    others = f"; does not fit: {', '.join(f'outer {c.outer} ({_size(c.memory_bytes)})' for c in candidates if not c.fits)}"
+    others = others if len(fitting) < len(candidates) else ""
+    best = min(fitting, key=lambda c: (c.step_s, c.outer))
+    if prefer is not None and any(c.outer == prefer for c in fitting):
+        chosen = next(c for c in fitting if c.outer == prefer)
+        reason = (f"outer {chosen.outer} (inner {chosen.inner}), kept as asked (prefer={prefer}, e.g. the run being "
+                  f"resumed) since it fits {_size(budget)}: {chosen.step_s:.4f} s predicted per step; the fastest is "
+                  f"outer {best.outer} at {best.step_s:.4f} s{others}")
+    else:
+        tied = [c for c in fitting if c.step_s <= best.step_s * (1 + tie)]
+        chosen = min(tied, key=lambda c: c.outer)
+        rest = sorted((c for c in fitting if c is not chosen), key=lambda c: c.step_s)
+        reason = (f"outer {chosen.outer} (inner {chosen.inner}): the fastest predicted step among the "
+                  f"{len(fitting)} degree{'s' * (len(fitting) != 1)} that fit {_size(budget)} per rank "
+                  f"({chosen.step_s:.4f} s")
+        if rest:
+            reason += f"; next: outer {rest[0].outer}, {rest[0].step_s:.4f} s"
+        reason += ")"
+        if len(tied) > 1:
+            reason += (f"; outer {', '.join(str(c.outer) for c in tied if c is not chosen)} within "
+                       f"{tie:.0%} of it: the smaller outer degree shards more, so needs less memory")
+        reason += others
+    return Plan(candidates=candidates, chosen=chosen, reason=reason, bandwidth=bandwidth,
+                max_memory_per_rank=budget, world_size=world_size, local_world_size=local, micro_batches=m)
+
+
+# ---- the bandwidth probe ---------------------------------------------------------------------------------------------
+def measure_bandwidth(local_world_size: Optional[int] = None, *, device: Optional[Union[torch.device, str]] = None,
+                      target_s: float = 0.05, max_bytes: int = 64 << 20, repeats: int = 3) -> Bandwidth:
+    """Measure the links within a node and across nodes with short all-reduces; collective over the default group.
+
+    Groups (``torch.distributed.new_group``, created by every rank in one order, its own destroyed afterwards):
+    each node's ``local_world_size`` ranks, and for each local rank the ranks with that local rank on every node.
+    First every node all-reduces within itself, all nodes at once; then every cross-node group all-reduces, all
+    local ranks at once (so a node's shared link is shared as in training). Each phase: ``3 * repeats``
+    1-element all-reduces (the latency), then one all-reduce of a tensor from 64 KiB growing 4x until it takes
+    ``target_s`` seconds and 10 times the latency (bandwidth-bound) or reaches ``max_bytes``, then ``repeats``
+    all-reduces of that size (the bandwidth). Each timing starts after a barrier (the concurrent groups start
+    together) and runs its all-reduces back to back (so a buffer that fills while a link is idle, a token bucket's
+    burst, helps only the first one); it is the slowest rank's (one all-reduce over the default group), so every
+    rank gets the same :class:`Bandwidth` and plans the same degree, and every rank runs the same collectives: no
+    rank waits alone. About ``(2 + 4/3) * repeats * target_s`` seconds per phase on a slow link, plus the group
+    set-up; a phase that does not exist (one node, or one rank per node) reports ``inf`` bandwidth.
+
+    Figures, per rank: bandwidth = all-reduce wire bytes ``2(G-1)/G * N`` / (time of ``N`` - time of 1 element);
+    latency = time of 1 element / ``2(G-1)`` ring steps.
+
+    Args:
+        local_world_size: ranks per node (consecutive global ranks); default ``LOCAL_WORLD_SIZE`` (torchrun sets
+            it), else the whole world on one node.
+        device: where the probe tensors live; default ``cuda`` (current device) under NCCL, else ``cpu``.
+        target_s: seconds one timed all-reduce should last (> 0).
+        max_bytes: the largest probe tensor, bytes (>= 64 KiB).
+        repeats: timed all-reduces per size (>= 1).
+
+    Raises:
+        ValueError: ``torch.distributed`` is not initialized, or a bad argument (``local_world_size`` not dividing
+            the world size, ...): before any collective, so on every rank.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("measure_bandwidth needs torch.distributed: call torch.distributed.init_process_group() "
+                         "first (or run under torchrun)")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if local_world_size is None:
+        env = os.environ.get("LOCAL_WORLD_SIZE", "")
+        local_world_size = int(env) if env.isdigit() and int(env) > 0 else world
+    local = _check_int("local_world_size", local_world_size, 1)
+    if world % local:
+        raise ValueError(f"local_world_size({local}) must divide the world size({world})")
+    target_s = _check_seconds("target_s", target_s, positive=True)
+    max_bytes = _check_int("max_bytes", max_bytes, 64 << 10)
+    repeats = _check_int("repeats", repeats, 1)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    device = torch.device(device)
+    nodes = world // local
+
+    within = across = (math.inf, 0.0)
+    if local > 1:
+        groups = [dist.new_group(list(range(n * local, (n + 1) * local))) for n in range(nodes)]
+        within = _probe(groups[rank // local], local, device, target_s, max_bytes, repeats)
+        dist.destroy_process_group(groups[rank // local])
+    if nodes > 1:
+        groups = [dist.new_group(list(range(j, world, local))) for j in range(local)]
+        across = _probe(groups[rank % local], nodes, device, target_s, max_bytes, repeats)
+        dist.destroy_process_group(groups[rank % local])
+    return Bandwidth(within=within[0], across=across[0], latency_within=within[1], latency_across=across[1])
+
+
+def _timed(tensor: torch.Tensor, group, times: int) -> float:
+    """Seconds per all-reduce of ``tensor`` over ``group`` (this rank's; the groups of a phase run at the same time):
+    after one untimed warm-up and a barrier of the default group (so the concurrent groups start together and share
+    the links as in training), ``times`` all-reduces back to back (so buffers that fill up while a link is idle, such
+    as a token bucket's burst, help only the first), their mean; the slowest rank's (one all-reduce, MAX, over the
+    default group), the same on every rank."""
+    def sync() -> None:
+        if tensor.is_cuda:
+            torch.cuda.synchronize(tensor.device)
+
+    dist.all_reduce(tensor, group=group)
+    sync()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(times):
+        dist.all_reduce(tensor, group=group)
+    sync()
+    slowest = torch.tensor([(time.perf_counter() - t0) / times], dtype=torch.float64, device=tensor.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest.item())
+
+
+def _probe(group, size: int, device: torch.device, target_s: float, max_bytes: int,
+           repeats: int) -> tuple[float, float]:
+    """(bandwidth bytes/s per rank, latency s per ring step) of all-reduces over ``group`` of ``size`` ranks."""
+    steps = 2 * (size - 1)
+    t_small = _timed(torch.zeros(1, dtype=torch.float32, device=device), group, 3 * repeats)
+    nbytes = 64 << 10
+    while True:
+        x = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+        t = _timed(x, group, 1)
+        if (t >= target_s and t >= 10 * t_small) or nbytes >= max_bytes:  # bandwidth-bound, not latency-bound
+            break
+        nbytes = min(nbytes * 4, max_bytes)
+    t_big = _timed(x, group, repeats)
+    wire = steps / size * nbytes
+    bandwidth = wire / max(t_big - t_small, t_big * 1e-3, 1e-9)
+    return bandwidth, t_small / steps
+
+
+# ---- budgets and byte counts -------------------------------------------------------------------------------------------
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """Bytes from a size such as ``8GB`` (10^9), ``512MiB`` (2^20), ``1.5GiB``, ``4096`` or ``4096B`` (case does
+    not matter).
+
+    Raises:
+        ValueError: not a number with one of the suffixes B, kB, MB, GB, TB, KiB, MiB, GiB, TiB, or not > 0.
+    """
+    s = str(text).strip().replace(" ", "")
+    i = len(s)
+    while i and not (s[i - 1].isdigit() or s[i - 1] == "."):
+        i -= 1
+    number, unit = s[:i], s[i:].lower()
+    try:
+        value = float(number)
+    except ValueError:
+        value = math.nan
+    if unit not in _UNITS or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"expected a size in bytes > 0 such as 8GB, 512MiB or 4096, got {text!r}")
+    return int(value * _UNITS[unit])
+
+
+def default_memory_budget(device: Union[torch.device, str], local_world_size: int) -> int:
+    """The default memory budget of one rank: the CUDA device's total memory, or on the CPU the host's physical
+    memory divided by ``local_world_size`` (the ranks that share it)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // max(1, int(local_world_size))
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _rate(r: float) -> str:
+    if math.isinf(r):
+        return "inf (unused)"
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if r >= scale:
+            return f"{r / scale:.2f} {unit}"
+    return f"{r:.0f} B/s"
+
