@@ -116,7 +116,7 @@ def cross_node_bytes(record: Any, ranks_per_node: Optional[int]) -> float:
     """The part of ``record.wire_bytes`` that crosses nodes (see [Note: communication accounting])."""
     if ranks_per_node is None:
         return 0.0
-    if record.op == "all_to_all":
+    if record.send_bytes is not None:  # an all-to-all, or a reduce-scatter issued as one (gloo)
         node = record.rank // ranks_per_node
         return float(sum(b for peer, b in zip(record.group_ranks, record.send_bytes)
                          if peer // ranks_per_node != node))

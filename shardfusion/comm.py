@@ -48,7 +48,8 @@ class CommRecord:
         category: one of ``accounting.CATEGORIES``.
         rank: this process's global rank.
         wire_bytes: bytes this rank sends (ring formulas; exact for the all-to-all).
-        send_bytes: all-to-all only: bytes for each group rank, in group-rank order (its own share included).
+        send_bytes: for an all-to-all, and a reduce-scatter issued as one (gloo): bytes for each group rank, in
+            group-rank order (its own share included).
         wait_s: host seconds spent in the call and, for an asynchronous one, in ``wait()`` (grows until waited).
     """
 
@@ -284,8 +285,11 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Optional[Proc
     if group_size(group) == 1:
         shard.copy_(full)
         return None
-    record = _record("reduce_scatter", group, full)
-    if dist.get_backend(group) == "gloo":
+    gloo = dist.get_backend(group) == "gloo"
+    size = group_size(group)
+    # on gloo the record carries the all-to-all's split, so that its bytes across nodes are the exact ones
+    record = _record("reduce_scatter", group, full, [full.numel() // size] * size if gloo else None)
+    if gloo:
         # gloo runs a reduce-scatter as an all-reduce of the whole input plus copies (twice the ring volume); an
         # all-to-all of the shards and a local sum moves the ring volume, (G-1)/G of the input, and measured about
         # twice as fast on CPU.

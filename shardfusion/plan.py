@@ -58,6 +58,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardfusion import accounting
+from shardfusion._runtime import compress
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_FILTERS, RESHARD_POLICIES, MixedPrecisionPolicy
 from shardfusion.topology import Degrees, group_ranks
 
@@ -316,12 +317,22 @@ def _check_seconds(name: str, value, *, positive: bool) -> float:
     return float(value)
 
 
+def _outer_element_size(outer_comm_dtype, grad_comm_dtype: torch.dtype) -> float:
+    """Bytes per element of the replicate all-reduce: ``"int8"`` sends one byte and a 4-byte scale per block of
+    ``compress.DEFAULT_BLOCK_SIZE`` (block padding ignored); None: ``grad_comm_dtype``'s size."""
+    value = compress.validate_outer_comm_dtype(outer_comm_dtype)
+    if value == "int8":
+        return 1 + 4 / compress.DEFAULT_BLOCK_SIZE
+    return _element_size(grad_comm_dtype if value is None else value)
+
+
 def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: int, local_world_size: int,
          bandwidth: Bandwidth, max_memory_per_rank: int, micro_batches: int = 1, dp: int = 1, ep: int = 1,
          units: Optional[Sequence[type]] = None, comm_unit_size: Optional[int] = None,
          reshard_policy: str = "after_forward", prefetch: int = 1, expert_policy: str = "replicate",
          shard_dtype: torch.dtype = torch.float32, param_dtype: Optional[torch.dtype] = None,
-         grad_comm_dtype: Optional[torch.dtype] = None, optim_dtype: torch.dtype = torch.float32,
+         grad_comm_dtype: Optional[torch.dtype] = None, outer_comm_dtype: Union[None, torch.dtype, str] = None,
+         optim_dtype: torch.dtype = torch.float32,
          optim_states: int = 2, other_bytes: int = 0, overlap: bool = True, backend: str = "nccl",
          outer_degrees: Optional[Sequence[int]] = None, prefer: Optional[int] = None,
          tie_tolerance: float = 0.01) -> Plan:
@@ -352,6 +363,8 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
         param_dtype, grad_comm_dtype: as in :class:`shardfusion.MixedPrecisionPolicy` (all-gathers in
             ``param_dtype``; reduce-scatters and the all-reduce in ``grad_comm_dtype``); default ``shard_dtype`` and
             ``param_dtype``.
+        outer_comm_dtype: ``fully_shard``'s: the wire format of the replicate all-reduce (None: ``grad_comm_dtype``;
+            a float dtype; ``"int8"``: 1 + 4/256 bytes per element, the int8 values and a scale per block).
         optim_dtype, optim_states: the optimizer's state per element: AdamW's 2 values in fp32 by default.
         other_bytes: memory per rank the model does not see (activations, workspace), added to every candidate.
         overlap: whether the last backward's all-reduces overlap its other collectives (the default runtime).
@@ -423,7 +436,8 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
         raise ValueError(f"prefer({prefer!r}) is not a candidate outer degree; candidates: {degrees}")
 
     sizes_b = {"shard": _element_size(shard_dtype), "param": _element_size(param_dtype),
-               "comm": _element_size(grad_comm_dtype), "optim": _element_size(optim_dtype)}
+               "comm": _element_size(grad_comm_dtype), "optim": _element_size(optim_dtype),
+               "outer": _outer_element_size(outer_comm_dtype, grad_comm_dtype)}
     align = max(1, ALIGN_BYTES // sizes_b["shard"])
     model = _Model(sizes, world_size, local, dp, ep, m, prefetch, expert_policy, sizes_b, align, optim_states,
                    shard_dtype != param_dtype, other_bytes, bandwidth, overlap, backend)
@@ -499,7 +513,7 @@ class _Model:
                     last_bwd_inner[0] += (gathers - 1) * ag[2] + rs[2]
                     last_bwd_inner[1] += (gathers - 1) * ag[3] + rs[3]
                 if g_rep.size > 1:
-                    ar = self._cost("all_reduce", shard * nb["comm"], g_rep)
+                    ar = self._cost("all_reduce", shard * nb["outer"], g_rep)
                     add("all_reduce", ar, 1)
                     unit_reduce[0] += ar[2]
                     unit_reduce[1] += ar[3]

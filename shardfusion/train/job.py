@@ -195,6 +195,7 @@ def plan_outer_degree(config: TrainConfig, device: torch.device, world: int) -> 
                          max_memory_per_rank=budget, micro_batches=config.grad_accum, ep=config.ep,
                          prefetch=config.prefetch, expert_policy=config.expert_policy, shard_dtype=torch.float32,
                          param_dtype=_dtype(config.param_dtype), grad_comm_dtype=_dtype(config.grad_comm_dtype),
+                         outer_comm_dtype=config.outer_comm_dtype,
                          backend="nccl" if "nccl" in str(dist.get_backend()) else "gloo", prefer=prefer)
     except ValueError as error:
         raise ValueError(f"--fsdp-outer-degree auto with --max-memory-per-rank {budget}: {error}") from None

@@ -234,3 +234,20 @@ def test_measure_bandwidth_needs_a_process_group() -> None:
     with pytest.raises(ValueError, match="measure_bandwidth needs torch.distributed"):
         sf.measure_bandwidth(2)
     assert math.isinf(Bandwidth(within=math.inf, across=1e9).within)
+
+
+def test_compressed_outer_all_reduce_bytes():
+    """outer_comm_dtype scales the replicate all-reduce's bytes (int8: 1 + 4/256 bytes per element) and nothing else."""
+    units = [UnitSize("", numel=4096), UnitSize("b", numel=8192)]
+    kw = dict(world_size=4, local_world_size=2, bandwidth=sf.Bandwidth(1e9, 1e8, 0.0, 0.0),
+              max_memory_per_rank=1 << 40, outer_degrees=[2])
+    sent = lambda t: t.within_bytes + t.across_bytes  # noqa: E731
+    base = plan(units, **kw).chosen
+    assert sent(base.traffic["all_reduce"]) > 0
+    for dtype, size in ((torch.bfloat16, 2), ("int8", 1 + 4 / 256)):
+        got = plan(units, outer_comm_dtype=dtype, **kw).chosen
+        for op in ("all_gather", "reduce_scatter"):
+            assert sent(got.traffic[op]) == sent(base.traffic[op])
+        assert sent(got.traffic["all_reduce"]) == pytest.approx(sent(base.traffic["all_reduce"]) * size / 4)
+    with pytest.raises(ValueError, match="outer_comm_dtype"):
+        plan(units, outer_comm_dtype="int4", **kw)
