@@ -42,7 +42,7 @@ sharded or kept whole, dense or expert). ``P`` is the padded flat length (``layo
 from __future__ import annotations
 
 import weakref
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -494,6 +494,14 @@ class FlatBuffer:
             return grad
         with torch.no_grad():
             return grad.to(self.grad_comm_dtype)  # (S,)
+
+    def start_all_reduce_replicas(self, grad: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Issue the all-reduce of ``grad`` ((S,), the shard's dtype) over the replicate group: ``(result, work)``,
+        ``work`` None when nothing is left to wait for (a compressed all-reduce runs to its end here)."""
+        if self._compressed:
+            return self.all_reduce_replicas(grad), None
+        buf = self._replicate_comm_buffer(grad)
+        return buf, comm.all_reduce(buf, self.replicate_group, async_op=True)
 
     def all_reduce_replicas(self, grad: torch.Tensor) -> torch.Tensor:
         """All-reduce ``grad`` ((S,), the shard's dtype) over the replicate group and wait; returns the result

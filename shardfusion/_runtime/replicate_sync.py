@@ -12,8 +12,10 @@ a blocking wait would as well. So the hand-off point is fixed by the program, no
 handed off right after its reduce-scatter is issued (``FlatBuffer.hand_off_sync``), in the reduce order, and then
 
 - for CPU tensors (gloo, whose waits block the host) one worker thread per model runs the hand-offs in that order:
-  wait for the reduce-scatter, add its output into the step's gradient, all-reduce, wait. The backward's thread
-  never waits for it; only the worker issues collectives on the replicate group until ``join`` (the step boundary);
+  wait for the reduce-scatter, add its output into the step's gradient, issue the all-reduce (asynchronously, so the
+  next unit's can follow it onto the link at once; a compressed one, a sequence of collectives, runs to its end).
+  The backward's thread never waits for it; only the worker issues collectives on the replicate group until
+  ``join`` (the step boundary), and the all-reduces are waited for where their buffer takes the result back;
 - for device tensors (NCCL) the same runs inline at the hand-off: waits there only order streams, the host goes on.
 
 The replicate group is a group of its own (``Topology``'s ``replicate`` twin), so the worker's all-reduces never
@@ -53,10 +55,11 @@ class OverlappedSync:
         self._reduce_work, self._reduce_out = reduce_work, reduce_out
         self._done = threading.Event()
         self._result: Optional[torch.Tensor] = None
+        self._work: Any = None  # the all-reduce in flight (None: completed, or a compressed one, run to its end)
         self._error: Optional[BaseException] = None
 
     def run(self) -> None:
-        """Wait for the reduce-scatter, add its output, all-reduce over the replicate group (blocking)."""
+        """Wait for the reduce-scatter, add its output, issue the all-reduce over the replicate group."""
         b = self.buffer
         try:
             with torch.no_grad():
@@ -67,7 +70,7 @@ class OverlappedSync:
                         self._reduce_out.div_(b.grad_divisor)
                     self.target.add_(self._reduce_out)  # upcast into the shard's dtype
                 self._reduce_work = self._reduce_out = None
-                self._result = b.all_reduce_replicas(self.target)
+                self._result, self._work = b.start_all_reduce_replicas(self.target)
         except BaseException as e:  # re-raised on the thread that waits for the result
             self._error = e
         finally:
@@ -79,6 +82,9 @@ class OverlappedSync:
         self._done.wait()
         if self._error is not None:
             raise self._error
+        if self._work is not None:
+            work, self._work = self._work, None
+            comm.wait(work, self.buffer._collective("all_reduce"))
         return self._result
 
 
