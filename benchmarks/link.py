@@ -205,8 +205,12 @@ def worker(opts: dict) -> Optional[dict]:
                                               for c in cats} for n in range(world // local)])
             if r == 0:
                 rec = CollectiveRecorder()
+                if lib == "shardfusion":
+                    # a dispatch mode is thread-local: the overlapped all-reduces, issued from shardfusion's worker
+                    # thread, would not be seen; at the step boundary they run on this thread (same collectives)
+                    sf.set_is_last_backward(b.model, False)
                 with rec:
-                    one(*batches[-1])
+                    step(b, *batches[-1])
                 mine = _modelled_cross(rec.collectives, lib, local)
                 allm: list = [None] * world
                 dist.all_gather_object(allm, mine)
