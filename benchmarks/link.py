@@ -262,15 +262,18 @@ def _follow(cluster, procs, log: Path, timeout: float, prefix: str) -> None:
     cluster.wait(procs, max(1.0, deadline - time.monotonic()))
 
 
-def run_rate(rate: str, opts: dict, timeout: float) -> dict:
-    """One job at one link rate in a fresh emulated cluster; the worker's raw results plus the link's settings."""
+def run_rate(rate: str, opts: dict, timeout: float, module: str = "benchmarks.link") -> dict:
+    """One job at one link rate in a fresh emulated cluster: ``python -m <module> --worker OPTS OUT`` on every rank
+    (this benchmark's, or another one's built the same way, e.g. ``benchmarks.plan_check``); the worker's raw
+    results plus the link's settings."""
     from benchmarks.netcluster import EmulatedCluster
 
-    with EmulatedCluster(nodes=NODES, rate=rate) as cluster, tempfile.TemporaryDirectory(prefix="link-") as tmp:
+    prefix = module.rsplit(".", 1)[-1] + "-"
+    with EmulatedCluster(nodes=NODES, rate=rate) as cluster, tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         opts = {**opts, "rate": cluster.rate}
         opts_path, out_path = Path(tmp) / "opts.json", Path(tmp) / "out.json"
         opts_path.write_text(json.dumps(opts))
-        procs = cluster.torchrun(["-m", "benchmarks.link", "--worker", str(opts_path), str(out_path)],
+        procs = cluster.torchrun(["-m", module, "--worker", str(opts_path), str(out_path)],
                                  nproc_per_node=NPROC_PER_NODE, env={"PYTHONPATH": str(REPO)}, log_dir=tmp, cwd=REPO)
         _follow(cluster, procs, Path(tmp) / "node0.log", timeout, f"[{cluster.rate}]")
         raw = json.loads(out_path.read_text())

@@ -172,7 +172,7 @@ def _probe_netns() -> tuple[bool, str]:
         _sh(["ip", "netns", "delete", name], check=False)
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Processes below ``pid`` (children first), from /proc."""
     parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
@@ -194,7 +194,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL ``proc`` and every process below it (torchrun's workers run in sessions of their own)."""
     if proc.poll() is not None:
         return
-    for pid in _descendants(proc.pid)[::-1] + [proc.pid]:
+    for pid in descendants(proc.pid)[::-1] + [proc.pid]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

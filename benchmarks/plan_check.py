@@ -39,7 +39,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -48,7 +47,7 @@ if __package__ in (None, ""):  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 REPO = Path(__file__).resolve().parent.parent
-NODES, NPROC_PER_NODE = 2, 2
+NODES = 2
 DEFAULT_RATES = "100mbit,1gbit"
 TOLERANCE = 0.30
 """The issue's bound on |predicted - measured| / measured communication time."""
@@ -170,20 +169,10 @@ def worker_main(opts_path: str, out_path: str) -> None:
 
 # ---- parent -----------------------------------------------------------------------------------------------------
 def run_rate(rate: str, opts: dict, timeout: float) -> dict:
-    """One job at one link rate in a fresh emulated cluster; the worker's raw results plus the link's settings."""
-    from benchmarks.link import _follow
-    from benchmarks.netcluster import EmulatedCluster
+    """One job at one link rate in a fresh emulated cluster (``benchmarks.link.run_rate`` with this module's worker)."""
+    from benchmarks.link import run_rate as run_job
 
-    with EmulatedCluster(nodes=NODES, rate=rate) as cluster, tempfile.TemporaryDirectory(prefix="plan-") as tmp:
-        opts = {**opts, "rate": cluster.rate}
-        opts_path, out_path = Path(tmp) / "opts.json", Path(tmp) / "out.json"
-        opts_path.write_text(json.dumps(opts))
-        procs = cluster.torchrun(["-m", "benchmarks.plan_check", "--worker", str(opts_path), str(out_path)],
-                                 nproc_per_node=NPROC_PER_NODE, env={"PYTHONPATH": str(REPO)}, log_dir=tmp, cwd=REPO)
-        _follow(cluster, procs, Path(tmp) / "node0.log", timeout, f"[{cluster.rate}]")
-        raw = json.loads(out_path.read_text())
-        raw["link"] = cluster.describe()
-    return raw
+    return run_job(rate, opts, timeout, module="benchmarks.plan_check")
 
 
 def _median(xs: list) -> float:

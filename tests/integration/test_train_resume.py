@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from benchmarks.netcluster import descendants
 from harness import REPO, clean_env, run_train
 from shardfusion.checkpoint import latest_checkpoint, read_all, read_meta
 from shardfusion.checkpoint.export import export
@@ -126,24 +127,6 @@ def test_resume_with_other_flags(tmp_path: Path) -> None:
     assert "nothing to train" in last and "to go on" not in last
 
 
-def _descendants(pid: int) -> list[int]:
-    """Processes below pid, from /proc."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = [], [pid]
-    while frontier:
-        children = [child for child, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
-
-
 TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "4",
             "--max-restarts", "2", "-m", "shardfusion.train"]
 
@@ -153,7 +136,7 @@ def _workers(launcher_pid: int) -> dict[int, int]:
     environment; the job's own launcher spawns them (multiprocessing) in rank order and sets RANK only after the
     start, so their rank is their place in pid order."""
     found = {}
-    for pid in _descendants(launcher_pid):
+    for pid in descendants(launcher_pid):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
