@@ -140,8 +140,17 @@ def _instrument(b, batch, device: torch.device, want_cross_check: bool) -> dict:
                 peaks[k] = v
 
     rec = CollectiveRecorder(on_op=sample)
+    # The recorder is a dispatch mode, which is thread-local: on CPU shardfusion issues the replicate all-reduces
+    # overlapped with backward from a worker thread, unseen by it, so this step runs them at the step boundary (the
+    # same collectives, on this thread); the variant's own setting is put back afterwards.
+    state = getattr(b.model, "_sf_state", None)
+    saved = None if state is None else state.is_last_backward
+    if state is not None:
+        sf.set_is_last_backward(b.model, False)
     with sf.comm.CommCounter() as counter, rec:
         step(b, *batch)
+    if state is not None:
+        sf.set_is_last_backward(b.model, saved)
     _sync(device)
     out: dict = {"collectives": [c.as_dict() for c in rec.collectives]}
     if want_cross_check:  # shardfusion's own count against the dispatch-level one
