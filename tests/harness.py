@@ -17,7 +17,7 @@ Failure is loud and bounded:
 * a job that runs past `timeout` seconds is killed and reported with the function, the world size and the ranks
   that did not finish. A test never hangs.
 
-Tests pay process start-up (about a second of CPU per rank) once per job, so a grid of configurations runs as
+Tests pay process start-up (the fork, the process group) once per job, so a grid of configurations runs as
 sub-cases of one job: `fn` loops over the cases and returns a result per case (docs/design.md, "Conventions").
 
 The integration tests run whole commands instead (`python -m shardfusion.train`, torchrun, scripts):
