@@ -2,11 +2,8 @@
 
     results = run_distributed(fn, world_size, *args, timeout=120, **kwargs)   # results[rank] = fn(*args, **kwargs)
 
-Each rank is a fresh process, so `fn` must be defined at the top level of an importable module and its arguments
-and result must pickle (results, tensors included, are pickled by value). Ranks are forked from a multiprocessing
-"forkserver" that has imported torch and shardfusion once (a fresh interpreter importing them costs about 3.5 s of
-CPU per rank, which over the suite's jobs is minutes on two cores); a job whose `env` must be in place when the
-process starts (e.g. `MALLOC_MMAP_THRESHOLD_`, read by glibc at start-up) gets "spawn" instead. Ranks meet
+Each rank is a fresh process (multiprocessing "spawn"), so `fn` must be defined at the top level of an importable
+module and its arguments and result must pickle (results, tensors included, are pickled by value). Ranks meet
 through a FileStore in a private temporary directory (no ports to race for). Every worker runs single-threaded
 (OMP_NUM_THREADS=1, torch.set_num_threads(1)): the CI machine has two cores and up to eight ranks share them.
 
@@ -17,7 +14,7 @@ Failure is loud and bounded:
 * a job that runs past `timeout` seconds is killed and reported with the function, the world size and the ranks
   that did not finish. A test never hangs.
 
-Tests pay process start-up (the fork, the process group) once per job, so a grid of configurations runs as
+Tests pay process start-up (about a second of CPU per rank) once per job, so a grid of configurations runs as
 sub-cases of one job: `fn` loops over the cases and returns a result per case (docs/design.md, "Conventions").
 
 The integration tests run whole commands instead (`python -m shardfusion.train`, torchrun, scripts):
@@ -57,10 +54,6 @@ WORKER_ENV = {
     "GLOO_SOCKET_IFNAME": "lo",
 }
 
-# Variables of a job's `env` that a forked worker can still apply after torch was imported (the rest need spawn).
-_APPLIED_AFTER_IMPORT = {"TORCH_DISTRIBUTED_DEBUG"}  # re-read by torch.distributed.set_debug_level_from_env()
-_PRELOAD = ["torch", "torch.distributed", "shardfusion"]
-
 # Seconds the parent waits for the other ranks' reports once one rank has failed (they are usually stuck).
 _GRACE_AFTER_FAILURE_S = 3.0
 # Characters of traceback shown for each rank that failed after the first one.
@@ -87,7 +80,6 @@ def _worker(rank: int, world_size: int, store_path: str, pg_timeout_s: float, en
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.set_debug_level_from_env()  # read when torch.distributed was imported, maybe before `env` (forkserver)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout_s))
@@ -110,16 +102,6 @@ def _worker(rank: int, world_size: int, store_path: str, pg_timeout_s: float, en
         result_queue.put(report)
 
 
-def _context(env: dict[str, str] | None):
-    """The multiprocessing context of a job: the preloaded forkserver, or spawn when ``env`` holds a variable that
-    must be set before the process starts."""
-    if set(env or {}) - _APPLIED_AFTER_IMPORT:
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
-
-
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120,
                     env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the list of per-rank results (index = rank).
@@ -130,7 +112,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     name = _describe(fn)
-    ctx = _context(env)
+    ctx = multiprocessing.get_context("spawn")
     result_queue = ctx.Queue()
     tmpdir = tempfile.mkdtemp(prefix="sf_dist_")
     store_path = os.path.join(tmpdir, "store")
