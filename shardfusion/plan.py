@@ -439,6 +439,9 @@ class _Model:
         return within, across, within_s, across_s
 
     def candidate(self, outer: int, budget: int) -> Candidate:
+        """The :class:`Candidate` of ``outer`` (a divisor of moe_sharding): bytes and seconds per step per op
+        within and across nodes, the overlapped step time, memory per rank in bytes, and whether it fits ``budget``
+        (bytes); the formulas are those of [Note: the outer-degree cost model]."""
         groups = self._groups(outer)
         inner = groups["inner"].size
         expert_inner = groups["expert_inner"].size

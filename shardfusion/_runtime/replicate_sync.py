@@ -98,6 +98,8 @@ class ReplicateSyncQueue:
         self._pending: list[OverlappedSync] = []
 
     def submit(self, job: OverlappedSync) -> None:
+        """Run ``job`` after every job submitted before it: now, for a device tensor; on the worker thread, for a CPU
+        one. Never blocks the caller on CPU; errors are kept in the job (raised by ``OverlappedSync.result``)."""
         self._pending.append(job)
         if job.target.device.type != "cpu":
             job.run()
