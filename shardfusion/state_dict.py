@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardfusion import comm
+from shardfusion._runtime import tensor_parallel as tp
 from shardfusion._runtime.state import flat_buffers, sharded_state
 
 
@@ -26,7 +27,8 @@ def full_state_dict(model: nn.Module, buffers: bool = True) -> dict[str, torch.T
 
     Collective: every rank of the model must call it, in the same order. Tensors are fresh copies (not views of any
     runtime buffer) in the parameters' dtype and device; a tied parameter appears once, under its first name.
-    Expert parameters of every ep rank are included (each ep rank holds its own experts, under their global names,
+    Tensor-parallel (DTensor) parameters come whole, in their global shape, as plain tensors (gathered over the mp
+    mesh). Expert parameters of every ep rank are included (each ep rank holds its own experts, under their global names,
     see :class:`shardfusion.moe.MoE`): they are exchanged over the ep group with ``all_gather_object``.
     With ``buffers`` the persistent module buffers (e.g. BatchNorm statistics; not those registered with
     ``persistent=False``, which ``state_dict()`` leaves out too) are included, as held by the first data-parallel
@@ -47,8 +49,9 @@ def full_state_dict(model: nn.Module, buffers: bool = True) -> dict[str, torch.T
     experts: dict[str, torch.Tensor] = {}  # this ep rank's experts, exchanged over the ep group below
     for buffer in flat_buffers(model):
         full = buffer.gather_copy()  # (P,)
-        for slot in buffer.layout.slots:
-            (experts if buffer.is_expert else out)[slot.name] = full[slot.offset:slot.end].view(slot.shape).clone()
+        for slot, spec in zip(buffer.layout.slots, buffer.tp_specs):
+            piece = full[slot.offset:slot.end].view(slot.shape)  # a tensor-parallel parameter: this rank's piece
+            (experts if buffer.is_expert else out)[slot.name] = tp.full_tensor(piece, spec).clone()
     dense_buffers, expert_buffers = state.split_buffers(persistent_only=True) if buffers else ([], [])
     copies = {name: buf.detach().clone() for name, buf in dense_buffers}
     comm.broadcast_coalesced(list(copies.values()), state.topology.get_data_parallel_group())

@@ -310,6 +310,31 @@ class Topology:
         """The ``DeviceMesh`` over the atomic axes ``AXES`` (slowest first)."""
         return self._mesh
 
+    def get_mesh(self, kind: str) -> DeviceMesh:
+        """The one-dimensional ``DeviceMesh`` of the group of ``kind`` that this rank belongs to, for torch's DTensor
+        APIs, e.g. tensor parallel over the mp axis (docs/tensor-parallel.md)::
+
+            parallelize_module(block, topo.get_mesh("mp"), {"attn.q": ColwiseParallel(), ...})
+
+        A kind over one atomic axis (``dp``, ``pp``, ``sep``, ``cp``, ``mp``, ``ep``'s axis, ...) is that dimension
+        of :attr:`mesh`, whose process group is the one :meth:`get_group` returns for it (``ep`` excepted: its
+        all-to-alls have a group of their own). A kind over several axes is their flattened mesh, created on the
+        first call: that first call is collective (every rank must make it, in the same order), later calls return
+        the same object.
+
+        Raises:
+            ValueError: unknown ``kind``, or ``"world"`` (use :attr:`mesh`).
+        """
+        axes = _kind_axes(kind)
+        if kind == "world":
+            raise ValueError("get_mesh('world'): the world is every axis; use Topology.mesh")
+        if len(axes) == 1:
+            return self._mesh[axes[0]]
+        cache = self.__dict__.setdefault("_flat_meshes", {})
+        if kind not in cache:
+            cache[kind] = self._mesh[axes]._flatten(f"{kind}_mesh", backend_override=self._override)
+        return cache[kind]
+
     def group_ranks(self, kind: str) -> list[list[int]]:
         """Every group of ``kind`` for this topology, as in :func:`group_ranks`.
 

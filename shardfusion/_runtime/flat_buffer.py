@@ -50,6 +50,7 @@ from torch.distributed import ProcessGroup
 
 from shardfusion import comm
 from shardfusion._runtime import compress
+from shardfusion._runtime import tensor_parallel as tp
 from shardfusion._runtime.replicate_sync import OverlappedSync
 from shardfusion._runtime.layout import FlatLayout
 
@@ -107,6 +108,9 @@ class FlatBuffer:
         outer_comm_dtype: wire format of the replicate all-reduce, validated by
             ``compress.validate_outer_comm_dtype``: None (``grad_comm_dtype``), a float dtype, or ``"int8"``
             (block-wise, see ``compress.compressed_all_reduce``); the reduce-scatter keeps ``grad_comm_dtype``.
+        tp_specs: per parameter, its :class:`~shardfusion._runtime.tensor_parallel.TensorParallelSpec` (a DTensor
+            parameter: the layout holds its local piece, and its full view is a DTensor over that piece) or
+            ``None``; default all ``None``.
 
     Attributes (besides the tensors of the note): ``shard_index`` (0 for a buffer without elements), ``is_expert``,
     ``is_primary``, ``unit_name``, and, for a later ``fully_shard`` call that absorbs this one, ``originals`` (a weak
@@ -132,8 +136,10 @@ class FlatBuffer:
         grad_comm_dtype: Optional[torch.dtype] = None,
         overlap_replicate: bool = True,
         outer_comm_dtype: object = None,
+        tp_specs: Optional[list] = None,
     ) -> None:
         self.layout = layout
+        self.tp_specs = list(tp_specs) if tp_specs is not None else [None] * len(params)
         self.shard_group = shard_group
         self.reduce_group = reduce_group if reduce_group is not None else shard_group
         self.replicate_group = replicate_group
@@ -173,8 +179,8 @@ class FlatBuffer:
         else:
             self.full = torch.empty(P, dtype=self.param_dtype, device=device)  # (P,)
         self.full_views: list[nn.Parameter] = [
-            nn.Parameter(_alias(self.full, s.offset, s.shape), requires_grad=self.requires_grad)
-            for s in layout.slots
+            tp.as_param(_alias(self.full, s.offset, s.shape), spec, self.requires_grad)
+            for s, spec in zip(layout.slots, self.tp_specs)
         ]
         if self.full is not self.shard:  # freed after the views exist: making a view would grow it back
             self.full.untyped_storage().resize_(0)
@@ -292,19 +298,25 @@ class FlatBuffer:
             P = self.layout.padded_numel
             self.grad_full = torch.zeros(P, dtype=self.full.dtype, device=self.full.device)  # (P,) full's dtype
             self.grad_views = [_alias(self.grad_full, s.offset, s.shape) for s in self.layout.slots]
-            for view, g in zip(self.full_views, self.grad_views):
-                view.grad = g
-        elif view_index is not None and self.full_views[view_index].grad is not self.grad_views[view_index]:
-            self.full_views[view_index].grad = self.grad_views[view_index]
+            for i in range(len(self.full_views)):
+                self._attach_view_grad(i)
+        elif view_index is not None and not tp.same_storage(self.full_views[view_index].grad,
+                                                            self.grad_views[view_index]):
+            self._attach_view_grad(view_index)
+
+    def _attach_view_grad(self, i: int) -> None:
+        """Make full view ``i``'s ``.grad`` its slice of ``grad_full`` (a DTensor over it for a DTensor view)."""
+        spec, g = self.tp_specs[i], self.grad_views[i]
+        self.full_views[i].grad = g if spec is None else tp.as_dtensor(g, spec)
 
     def keep_grad_in_buffer(self, view_index: int) -> None:
         """After autograd accumulated into a full view: if it replaced the view's ``.grad`` by a new tensor (it does
         so in a backward with ``create_graph=True``), copy the value back into ``grad_full`` and re-attach the view."""
         view, alias = self.full_views[view_index], self.grad_views[view_index]
-        if view.grad is not None and view.grad is not alias:
+        if view.grad is not None and not tp.same_storage(view.grad, alias):
             with torch.no_grad():
-                alias.copy_(view.grad)
-            view.grad = alias
+                alias.copy_(tp.local(view.grad))
+            self._attach_view_grad(view_index)
 
     def hold_grads(self) -> None:
         """End of a backward with gradient sync off: keep this backward's gradient for the next one. Under mixed

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from shardfusion._runtime import tensor_parallel as tp
 from shardfusion._runtime.state import fragment_holders, named_fragments
 
 META_KEY = "shardfusion"  # key of our entry in a state dict's ``_metadata[prefix]``
@@ -58,6 +59,12 @@ class _Param:
     offset: int  # start of this rank's fragment in the flattened parameter (elements)
     numel: int  # fragment length (elements; 0 allowed)
     is_expert: bool
+    tp_spec: object = None  # a tensor-parallel parameter: shape/offset are its local piece's; tp_spec.shape global
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The shape a full tensor of this parameter has (global for a tensor-parallel one)."""
+        return self.shape if self.tp_spec is None else tuple(self.tp_spec.shape)
 
 
 def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -148,20 +155,20 @@ class LocalStateDict:
         out = []
         for alias, p in self.by_alias.items():
             t = state_dict.get(prefix + alias)
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) == p.shape:
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) == p.full_shape:
                 continue  # not a tensor: torch reports it; full shape: sliced
             if same and tuple(t.shape) == (p.numel,):
                 continue  # this rank's own fragment, same layout
             key = prefix + alias
             if saved is None:
-                out.append(f"{key!r} has shape {tuple(t.shape)}, not the full shape {p.shape}, and the state dict "
+                out.append(f"{key!r} has shape {tuple(t.shape)}, not the full shape {p.full_shape}, and the state dict "
                            f"has no shardfusion metadata (it lost its _metadata, or it is a fragment from elsewhere)")
             elif not same:
                 out.append(f"{key!r} is a 1-D fragment {tuple(t.shape)} saved by rank {saved.get('rank')} of "
                            f"{saved.get('world_size')} (layout {saved.get('layout')}); rank {self.rank} of "
                            f"{self.world_size} holds layout {self.layout}")
             else:
-                out.append(f"{key!r} has shape {tuple(t.shape)}: neither the full shape {p.shape} nor this rank's "
+                out.append(f"{key!r} has shape {tuple(t.shape)}: neither the full shape {p.full_shape} nor this rank's "
                            f"fragment ({p.numel},)")
         return out
 
@@ -172,8 +179,9 @@ class LocalStateDict:
             given = [prefix + a for a in p.aliases if prefix + a in state_dict]
             for key in given:
                 t = state_dict[key]
-                if isinstance(t, torch.Tensor) and tuple(t.shape) == p.shape:
-                    state_dict[key] = t.reshape(-1)[p.offset:p.offset + p.numel]
+                if isinstance(t, torch.Tensor) and tuple(t.shape) == p.full_shape:
+                    piece = t if p.tp_spec is None else tp.local_piece(t, p.tp_spec)  # this mp rank's piece
+                    state_dict[key] = piece.reshape(-1)[p.offset:p.offset + p.numel]
             for alias in p.aliases:
                 if given and prefix + alias not in state_dict:
                     state_dict[prefix + alias] = state_dict[given[0]]
@@ -183,8 +191,8 @@ def _params(model: nn.Module) -> list[_Param]:
     aliases: dict[int, list[str]] = {}
     for name, frag in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(frag), []).append(name)
-    return [_Param(f.name, tuple(aliases.get(id(f.param), [f.name])), f.shape, f.offset, f.numel, f.buffer.is_expert)
-            for f in named_fragments(model)]
+    return [_Param(f.name, tuple(aliases.get(id(f.param), [f.name])), f.shape, f.offset, f.numel, f.buffer.is_expert,
+                   f.tp_spec) for f in named_fragments(model)]
 
 
 def _digest(model: nn.Module) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from shardfusion._runtime import tensor_parallel as tp
 from shardfusion._runtime.optimizer_hook import REPLACED_PARAMS
 from shardfusion._runtime.state import detach, is_sharded, sharded_state
 from shardfusion._runtime.unit import Unit
@@ -73,16 +74,16 @@ def _restore_parameters(unit: Unit, prefix: str) -> None:
     """Register full-shape parameters with the unit's current values in place of its fragments (collective)."""
     for buffer, regs in zip(unit.groups, unit.registrations):
         full = buffer.gather_copy()  # (P,)
-        for slot, frag, places, original, attrs in zip(buffer.layout.slots, buffer.fragments, regs,
-                                                       buffer.originals, buffer.param_attrs):
-            value = full[slot.offset:slot.end].view(slot.shape)
+        for slot, frag, places, original, attrs, spec in zip(buffer.layout.slots, buffer.fragments, regs,
+                                                             buffer.originals, buffer.param_attrs, buffer.tp_specs):
+            value = full[slot.offset:slot.end].view(slot.shape)  # a DTensor parameter: this rank's piece
             param = original()
             if param is None or param.is_meta:  # freed, or the meta placeholder of a meta-device build
-                param = nn.Parameter(value.clone(), requires_grad=frag.requires_grad)
+                param = tp.as_param(value.clone(), spec, frag.requires_grad)
                 param.__dict__.update(attrs)
             else:  # still alive: e.g. tied to a module outside ``sub``, which must keep sharing it
                 with torch.no_grad():
-                    param.copy_(value)
+                    tp.local(param).copy_(value)
                 param.requires_grad_(frag.requires_grad)
             for module, attr in places:
                 module._parameters[attr] = param

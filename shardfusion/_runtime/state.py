@@ -42,6 +42,9 @@ class NamedFragment:
         numel: the fragment's length in elements (0 allowed).
         shard_index: the shard this rank holds (0 for a buffer kept whole or without elements).
         buffer: the :class:`~shardfusion._runtime.flat_buffer.FlatBuffer` holding it (``is_expert``, ``is_primary``).
+        tp_spec: for a tensor-parallel (DTensor) parameter, its
+            :class:`~shardfusion._runtime.tensor_parallel.TensorParallelSpec`: then ``shape`` and ``offset`` are
+            those of this mp rank's local piece, and ``tp_spec.shape`` is the global shape; ``None`` otherwise.
     """
 
     name: str
@@ -51,6 +54,7 @@ class NamedFragment:
     numel: int
     shard_index: int
     buffer: "FlatBuffer"
+    tp_spec: object = None
 
 
 def attach(model: nn.Module, state: "Scheduler") -> None:
@@ -116,9 +120,9 @@ def named_fragments(model: nn.Module) -> Iterator[NamedFragment]:
         ValueError: ``model`` is not sharded.
     """
     for buffer in flat_buffers(model):
-        for param, frag in zip(buffer.fragments, buffer.layout.fragments(buffer.shard_index)):
+        for param, frag, spec in zip(buffer.fragments, buffer.layout.fragments(buffer.shard_index), buffer.tp_specs):
             yield NamedFragment(frag.slot.name, param, tuple(frag.slot.shape), frag.param_offset, frag.numel,
-                                buffer.shard_index, buffer)
+                                buffer.shard_index, buffer, spec)
 
 
 def fragment_holders(model: nn.Module) -> list[nn.Module]:

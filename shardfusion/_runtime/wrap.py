@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from shardfusion import comm
 from shardfusion._runtime import materialize
+from shardfusion._runtime import tensor_parallel as tp
 from shardfusion._runtime.flat_buffer import FlatBuffer
 from shardfusion._runtime.layout import build_layout
 from shardfusion._runtime.optimizer_hook import REPLACED_PARAMS
@@ -113,6 +114,8 @@ def check_model(model: nn.Module, topology, units: Optional[Sequence[type]]) -> 
     ``materialize.check_initializable``)."""
     _check_expert_parallel_layers(model, topology)
     _check_unit_classes(model, units)
+    for name, p in model.named_parameters():
+        tp.check_param(name, p, topology)
 
 
 def _check_expert_parallel_layers(model: nn.Module, topology) -> None:
@@ -264,7 +267,7 @@ def _fill_and_register(unit: Unit, groups: list, plan: "_GroupPlan") -> None:
     for kind, members, buffer in groups:
         if buffer is None:
             buffer = _flat_buffer(unit, kind, members, plan)
-        buffer.fill_from_params([None if p.is_meta else p for _, p, _ in members])
+        buffer.fill_from_params([None if p.is_meta else tp.local(p) for _, p, _ in members])
         unit.add_group(buffer, [regs for _, _, regs in members])
 
 
@@ -356,8 +359,7 @@ class _GroupPlan:
     def kind(self, name: str, p: nn.Parameter) -> tuple:
         """The key of the flat buffer ``p`` goes into: (dtype, device, trainable, whole, tensor parallel, expert)."""
         whole = bool(self.replicate_filter(name, p)) if self.replicate_filter is not None else False
-        tp = bool(getattr(p, "tensor_model_parallel", False))
-        return (p.dtype, materialize.target_device(p, self.device), p.requires_grad, whole, tp,
+        return (p.dtype, materialize.target_device(p, self.device), p.requires_grad, whole, tp.is_tensor_parallel(p),
                 bool(self.expert_filter(name, p)))
 
     def groups(self, whole: bool, expert: bool) -> tuple:
@@ -384,11 +386,11 @@ def _kinds(params: list, plan: _GroupPlan) -> list[tuple[tuple, list]]:
 
 def _flat_buffer(unit: Unit, kind: tuple, members: list, plan: _GroupPlan) -> FlatBuffer:
     """The :class:`FlatBuffer` of one kind of a unit's parameters, laid out (a shard of zeros), not yet filled."""
-    dtype, device, _rg, whole, tp, expert = kind
+    dtype, device, _rg, whole, tensor_parallel, expert = kind
     topology = plan.topology
     shard_group, reduce_group, replicate_group, holders = plan.groups(whole, expert)
     align = max(1, ALIGN_BYTES // torch.tensor([], dtype=dtype).element_size())
-    layout = build_layout([n for n, _, _ in members], [tuple(p.shape) for _, p, _ in members],
+    layout = build_layout([n for n, _, _ in members], [tuple(tp.local(p).shape) for _, p, _ in members],
                           comm.group_size(shard_group), align)
     cast = dtype.is_floating_point
     buffer = FlatBuffer(
@@ -396,11 +398,13 @@ def _flat_buffer(unit: Unit, kind: tuple, members: list, plan: _GroupPlan) -> Fl
         shard_index=0 if shard_group is None else dist.get_rank(shard_group),
         shard_group=shard_group, reduce_group=reduce_group, replicate_group=replicate_group,
         grad_divisor=topology.dp * topology.sharding, data_parallel_group=holders, is_expert=expert,
-        is_primary=dist.get_rank(replicate_group) == 0 and (tp or topology.mp_rank == 0), unit_name=unit.name,
+        is_primary=dist.get_rank(replicate_group) == 0 and (tensor_parallel or topology.mp_rank == 0),
+        unit_name=unit.name,
         param_dtype=plan.mp_policy.param_dtype if cast else None,
         grad_comm_dtype=plan.mp_policy.grad_comm_dtype if cast else None,
         overlap_replicate=replicate_group is topology.get_replicate_group(),
-        outer_comm_dtype=None if whole or not cast else plan.outer_comm_dtype)
+        outer_comm_dtype=None if whole or not cast else plan.outer_comm_dtype,
+        tp_specs=[tp.spec_of(p) for _, p, _ in members])
     for name, p, _ in members:
         REPLACED_PARAMS[p] = name
     return buffer

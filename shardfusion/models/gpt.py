@@ -64,6 +64,10 @@ class GPTConfig:
     the work of one dense 4 * d_model MLP (see `expert_hidden_size`)."""
     shared_expert_hidden: int = 0
     """Hidden width of an always-on shared expert beside the routed ones; 0 (default) means none."""
+    fused_qkv: bool = True
+    """One (3C, C) projection ``attn.qkv`` for queries, keys and values (default True), or three (C, C) ones
+    ``attn.q``, ``attn.k``, ``attn.v``: the layout tensor parallel needs, where each mp rank holds whole heads of each
+    (`shardfusion.models.gpt_parallel`). The two draw different initial weights from the same seed."""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "d_model", "seq_len"):
@@ -146,23 +150,32 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
+        self.head_size = config.d_model // config.n_head
         self.dropout = config.dropout
-        self.qkv = NormalLinear(config.d_model, 3 * config.d_model)
+        if config.fused_qkv:
+            self.qkv = NormalLinear(config.d_model, 3 * config.d_model)
+        else:
+            self.q, self.k, self.v = (NormalLinear(config.d_model, config.d_model) for _ in range(3))
         self.proj = NormalLinear(config.d_model, config.d_model, init_std=_resid_std(config))
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Causal multi-head self-attention: ``x`` (B, T, C) float -> (B, T, C)."""
+        """Causal multi-head self-attention: ``x`` (B, T, C) float -> (B, T, C).
+
+        Under tensor parallel (`gpt_parallel`) q, k and v hold this mp rank's H / mp heads: Hl below."""
         B, T, C = x.shape
-        H = self.n_head
-        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D)
-        v = v.view(B, T, H, C // H).transpose(1, 2)  # (B, H, T, D)
+        D = self.head_size
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)  # 3 x (B, T, Hl * D)
+        q = q.view(B, T, -1, D).transpose(1, 2)  # (B, Hl, T, D)
+        k = k.view(B, T, -1, D).transpose(1, 2)  # (B, Hl, T, D)
+        v = v.view(B, T, -1, D).transpose(1, 2)  # (B, Hl, T, D)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        )  # (B, Hl, T, D)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, Hl * D)
         return self.resid_drop(self.proj(y))  # (B, T, C)
 
 
