@@ -138,3 +138,33 @@ def full_tensor(piece: torch.Tensor, spec: Optional[TensorParallelSpec]) -> torc
     if spec is None or spec.shard_dim is None:
         return piece
     return as_dtensor(piece, spec).full_tensor()
+
+
+def global_runs(spec: Optional[TensorParallelSpec], local_shape: tuple[int, ...], offset: int,
+                numel: int) -> list[tuple[int, int, int]]:
+    """Where a fragment lies in the parameter flattened in its *global* shape: ``[(global_offset, start, length)]``,
+    each a contiguous run of ``length`` elements that starts at ``start`` in the fragment, which covers
+    ``[offset, offset + numel)`` of this rank's local piece (shape ``local_shape``) flattened.
+
+    A plain or replicated parameter is one run. For ``Shard(d)`` view the piece as ``(A, l, R)`` and the global
+    tensor as ``(A, g, R)`` (``A`` the product of the dims before ``d``, ``R`` of those after): each of the ``A``
+    blocks of ``l * R`` local elements is contiguous in the global flattening too, at ``(a * g + s) * R`` with ``s``
+    the piece's start along ``d``. So a ``Shard(0)`` fragment is one run and a row-wise (``Shard(1)``) matrix's one
+    run per row it touches. Empty fragments give ``[]``.
+    """
+    if numel == 0:
+        return []
+    if spec is None or spec.shard_dim is None:
+        return [(offset, 0, numel)]
+    d = spec.shard_dim
+    g, local_len = spec.shape[d], local_shape[d]
+    start, _ = piece_range(g, spec.mesh.size(), spec.mesh.get_local_rank())
+    inner = math.prod(spec.shape[d + 1:])
+    block = local_len * inner
+    runs, i, end = [], offset, offset + numel
+    while i < end:
+        a, rem = divmod(i, block)
+        n = min(end - i, block - rem)
+        runs.append(((a * g + start) * inner + rem, i - offset, n))
+        i += n
+    return runs

@@ -12,18 +12,24 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from shardfusion._runtime import tensor_parallel as tp
 from shardfusion._runtime.local_state_dict import persistent_buffers
 from shardfusion._runtime.state import named_fragments as model_fragments
 from shardfusion._runtime.state import sharded_state
 
 
 def named_fragments(model: nn.Module):
-    """``(name, fragment, offset in the flattened parameter, global numel, writes, full shape)`` for every parameter
-    of ``model.named_parameters()`` (empty fragments included); ``writes``: this rank writes it (``is_primary``)."""
+    """``(name, fragment, runs, global numel, writes, full shape)`` for every parameter of
+    ``model.named_parameters()`` (empty fragments included). ``runs``: where the fragment lies in the parameter
+    flattened in its full (global) shape, ``[(offset, start in the fragment, length)]`` (one run, or for a
+    tensor-parallel parameter one per block of its piece: ``tensor_parallel.global_runs``); ``writes``: this rank
+    writes it (``is_primary``)."""
     table = {id(f.param): f for f in model_fragments(model)}
     for name, p in model.named_parameters():
         f = table[id(p)]
-        yield name, p, f.offset, math.prod(f.shape), f.buffer.is_primary, f.shape
+        shape = f.shape if f.tp_spec is None else tuple(f.tp_spec.shape)
+        runs = tp.global_runs(f.tp_spec, f.shape, f.offset, f.numel)
+        yield name, p, runs, math.prod(shape), f.buffer.is_primary, shape
 
 
 def global_rank() -> int:
@@ -73,10 +79,11 @@ def model_info(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     mine: dict[str, Any] = {"shapes": {}, "buffer_shapes": {}, "optim_state": {}, "problems": [],
                             "unreadable": [f"rank {rank}: {unreadable}"] if unreadable else []}
     opt_state = optimizer.state if optimizer is not None else {}
+    plain_tp = {id(f.param) for f in model_fragments(model) if f.tp_spec is None}
     tensor_parallel = []
-    for name, p, _offset, _total, writes, shape in named_fragments(model):
+    for name, p, _runs, _total, writes, shape in named_fragments(model):
         mine["shapes"][name] = shape
-        if writes and mp_rank != 0:  # primary on mp rank > 0: a tensor-parallel parameter (FlatBuffer.is_primary)
+        if writes and mp_rank != 0 and id(p) in plain_tp:  # tensor_model_parallel=True on a plain tensor
             tensor_parallel.append(name)
         kinds = {}
         for key, value in opt_state.get(p, {}).items():
@@ -90,9 +97,9 @@ def model_info(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         if kinds:
             mine["optim_state"][name] = kinds
     if tensor_parallel:
-        mine["problems"].append(f"rank {rank}: tensor-parallel parameters (tensor_model_parallel=True, mp > 1) "
-                                f"{tensor_parallel} are not handled by checkpoints (one key per name, equal on "
-                                f"every mp rank)")
+        mine["problems"].append(f"rank {rank}: parameters {tensor_parallel} are marked tensor_model_parallel=True "
+                                "but are plain tensors: a checkpoint cannot tell where each mp rank's piece lies; "
+                                "make them DTensors over topology.get_mesh('mp') (docs/tensor-parallel.md)")
     for name, buf in persistent_buffers(model):
         mine["buffer_shapes"][name] = tuple(buf.shape)
     mine["nonpersistent"] = sorted({n for n, _ in model.named_buffers()} - set(mine["buffer_shapes"]))

@@ -1,5 +1,6 @@
-"""DCP planners that store each rank's fragment of a flattened parameter as one chunk of a 1-D global tensor, and
-read back exactly a rank's range, whatever chunks stored it (used by :mod:`shardfusion.checkpoint`, which describes
+"""DCP planners that store each rank's fragment of a flattened parameter as chunks of a 1-D global tensor (one
+chunk, or one per run of a tensor-parallel piece: ``tensor_parallel.global_runs``), and read back exactly a rank's
+runs, whatever chunks stored them (used by :mod:`shardfusion.checkpoint`, which describes
 the keys and the format).
 
 DCP pitfalls these planners work around (torch 2.13):
@@ -37,51 +38,62 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 
-class FragmentSavePlanner(DefaultSavePlanner):
-    """Writes ``fragments`` keys as 1-D chunks ``[offset, offset + numel)`` of a ``(global_numel,)`` tensor; every
-    other key as DCP's default planner would (plain tensors and bytes, deduplicated across ranks)."""
+Runs = list  # [(offset in the flattened global parameter, start in the fragment, length)], see global_runs
 
-    def __init__(self, fragments: dict[str, tuple[int, int]]) -> None:
+
+def _run_slice(fragment: torch.Tensor, runs: Runs, offset: int) -> torch.Tensor:
+    """The part of ``fragment`` that the run starting at global ``offset`` covers (a view)."""
+    for global_offset, start, length in runs:
+        if global_offset == offset:
+            return fragment[start:start + length]
+    raise KeyError(f"no run at offset {offset}")
+
+
+class FragmentSavePlanner(DefaultSavePlanner):
+    """Writes ``fragments`` keys as 1-D chunks of a ``(global_numel,)`` tensor, one per run; every other key as
+    DCP's default planner would (plain tensors and bytes, deduplicated across ranks)."""
+
+    def __init__(self, fragments: dict[str, tuple[Runs, int]]) -> None:
         # flatten_state_dict=False: our keys are already flat strings, and the default flattening would store its
         # key mapping in Metadata.planner_data for nothing.
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
-        self._fragments = fragments  # key -> (offset in the flattened parameter, global numel)
+        self._fragments = fragments  # key -> (runs, global numel)
 
     def create_local_plan(self) -> SavePlan:
-        """One SHARD write item per fragment key: chunk ``(offset,)`` + ``(numel,)`` of a ``(global numel,)``
-        tensor; DCP's default items for the rest."""
+        """One SHARD write item per run of each fragment key: chunk ``(offset,)`` + ``(length,)`` of a
+        ``(global numel,)`` tensor; DCP's default items for the rest."""
         items: list[WriteItem] = []
         rest = {}
         for fqn, obj in self.state_dict.items():
             if fqn not in self._fragments:
                 rest[fqn] = obj
                 continue
-            offset, total = self._fragments[fqn]
-            chunk = ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=obj.size())
-            items.append(WriteItem(
-                index=MetadataIndex(fqn, torch.Size([offset])),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(obj),
-                                            size=torch.Size([total]))))
+            runs, total = self._fragments[fqn]
+            properties = TensorProperties.create_from_tensor(obj)
+            for offset, _start, length in runs:
+                chunk = ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=torch.Size([length]))
+                items.append(WriteItem(index=MetadataIndex(fqn, torch.Size([offset])), type=WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(chunk=chunk, properties=properties,
+                                                                   size=torch.Size([total]))))
         items += create_default_local_save_plan(rest, self.is_coordinator).items
         self.plan = SavePlan(items)
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> Any:
-        """The fragment tensor itself for a fragment key (the default refuses a plain tensor at a non-zero
-        offset); else the default lookup."""
+        """The fragment's part for the run at the item's offset, for a fragment key (the default refuses a plain
+        tensor at a non-zero offset); else the default lookup."""
         if index.fqn in self._fragments:
-            return self.state_dict[index.fqn]
+            return _run_slice(self.state_dict[index.fqn], self._fragments[index.fqn][0], index.offset[0])
         return super().lookup_object(index)
 
 
 class FragmentLoadPlanner(DefaultLoadPlanner):
-    """Reads ``fragments`` keys as the 1-D range ``[offset, offset + numel)`` of the stored global tensor (any stored
-    chunking); other keys as DCP's default planner. Keys in ``optional`` that the checkpoint lacks are skipped."""
+    """Reads ``fragments`` keys as their runs of the stored 1-D global tensor (any stored chunking); other keys as
+    DCP's default planner. Keys in ``optional`` that the checkpoint lacks are skipped."""
 
-    def __init__(self, fragments: dict[str, int], optional: frozenset = frozenset()) -> None:
+    def __init__(self, fragments: dict[str, Runs], optional: frozenset = frozenset()) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._fragments = fragments  # key -> offset in the flattened parameter
+        self._fragments = fragments  # key -> runs
         self._optional = optional
 
     def create_local_plan(self) -> LoadPlan:
@@ -98,20 +110,20 @@ class FragmentLoadPlanner(DefaultLoadPlanner):
             if fqn not in self._fragments:
                 rest[fqn] = obj
                 continue
-            tmd = md[fqn]
-            offset, numel = self._fragments[fqn], obj.numel()
-            if not isinstance(tmd, TensorStorageMetadata) or len(tmd.size) != 1 or offset + numel > tmd.size[0]:
-                raise RuntimeError(f"{fqn!r}: checkpoint holds {tmd}, cannot read range [{offset}, {offset + numel})")
-            if numel == 0:
-                continue
-            chunk = ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=torch.Size([numel]))
-            items += create_read_items_for_chunk_list(fqn, tmd, [chunk])
+            tmd, runs = md[fqn], self._fragments[fqn]
+            end = max((offset + length for offset, _, length in runs), default=0)
+            if not isinstance(tmd, TensorStorageMetadata) or len(tmd.size) != 1 or end > tmd.size[0]:
+                raise RuntimeError(f"{fqn!r}: checkpoint holds {tmd}, cannot read up to element {end}")
+            for offset, _start, length in runs:
+                # one chunk per call: the read items' destination is then the run's own slice (lookup_tensor)
+                chunk = ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=torch.Size([length]))
+                items += create_read_items_for_chunk_list(fqn, tmd, [chunk])
         items += create_default_local_load_plan(rest, self.metadata, True).items
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        """The destination 1-D fragment for a fragment key (the read item's ``dest_offsets`` are relative to it);
-        else the default lookup."""
+        """The destination part of the fragment for a fragment key: the slice of the run at the item's
+        ``dest_index`` offset (its ``dest_offsets`` are relative to it); else the default lookup."""
         if index.fqn in self._fragments:
-            return self.state_dict[index.fqn]
+            return _run_slice(self.state_dict[index.fqn], self._fragments[index.fqn], index.offset[0])
         return super().lookup_tensor(index)

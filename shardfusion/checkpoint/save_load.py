@@ -47,10 +47,13 @@ The optimizer state of each parameter becomes exactly the checkpoint's: the keys
 dropped. ``load_full`` reads the same checkpoint in one process with no process group, into tensors of the original
 shapes.
 
-Model parallel (``mp``): this library has no tensor-parallel layers. Parameters are identical on every mp rank, so
-only mp rank 0 writes them (``is_primary``) and every mp rank reads the same values. A parameter marked
-``tensor_model_parallel = True`` (Megatron's convention: different values per mp rank under one name) with mp > 1
-would need per-mp-rank keys: :func:`save` and :func:`load` raise ``ValueError`` for it instead.
+Tensor parallel (``mp``): a DTensor parameter (docs/tensor-parallel.md) is stored like any other, flattened in its
+*global* shape, so a checkpoint does not depend on the mp degree (save at mp 2, load at mp 1 or 4). Each mp rank
+writes and reads its piece's fragment as the runs it covers in that flattening (``tensor_parallel.global_runs``):
+one chunk for a ``Shard(0)`` (column-wise) piece, one per row for a ``Shard(1)`` (row-wise) matrix. ``Replicate()``
+and plain parameters are identical on every mp rank: only mp rank 0 writes them (``is_primary``) and every mp rank
+reads the same values. A *plain* tensor marked ``tensor_model_parallel = True`` (Megatron's convention) says that
+it differs across mp but not how it was split: :func:`save` and :func:`load` raise ``ValueError`` for it.
 
 The DCP planners that write and read fragments, and the DCP pitfalls they avoid, are in
 :mod:`shardfusion.checkpoint.planners`; what the model holds in these terms (fragments, optimizer state kinds,
@@ -96,7 +99,7 @@ def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
 
     Raises:
         ValueError: on every rank, before anything is written: an optimizer state entry of another kind, a
-            tensor-parallel parameter with mp > 1, or a ``rank_state`` value that is not a tensor (each named with
+            plain tensor marked ``tensor_model_parallel`` with mp > 1, or a ``rank_state`` value that is not a tensor (each named with
             its rank); after the write, on every rank: a rank could not write its files (disk full, not writable:
             ``checkpoint <path> cannot be written: rank r: ...``), and the folder is then incomplete.
     """
@@ -104,18 +107,18 @@ def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
     if info["problems"]:
         raise ValueError(f"cannot save checkpoint {path!r}: " + "; ".join(info["problems"]))
     sd: dict[str, Any] = {}
-    fragments: dict[str, tuple[int, int]] = {}
+    fragments: dict[str, tuple[list, int]] = {}
     opt_state = optimizer.state if optimizer is not None else {}
-    for name, p, offset, total, writes, _shape in named_fragments(model):
+    for name, p, runs, total, writes, _shape in named_fragments(model):
         st = opt_state.get(p, {})
         kinds = {k: state_kind(p, v) for k, v in st.items()}
         if writes and p.numel() > 0:
             sd[f"model/{name}"] = p.detach()
-            fragments[f"model/{name}"] = (offset, total)
+            fragments[f"model/{name}"] = (runs, total)
             for k, kind in kinds.items():
                 if kind == "element":
                     sd[f"optim/{name}/{k}"] = st[k].detach()
-                    fragments[f"optim/{name}/{k}"] = (offset, total)
+                    fragments[f"optim/{name}/{k}"] = (runs, total)
         for k, kind in kinds.items():  # every rank holding the parameter (empty fragments too); DCP keeps one
             if kind not in (None, "element"):
                 sd[f"optim/{name}/{k}"] = scalar_tensor(st[k])
@@ -166,12 +169,12 @@ def _plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, kinds_by
     """Make each parameter's optimizer state hold exactly the checkpoint's keys (existing tensors of the right shape
     and dtype are reused, others are created as zeros of the stored dtype; keys not in the checkpoint are dropped,
     a parameter without saved state loses its state) and add them to ``sd`` for DCP to fill."""
-    table = {id(p): (name, offset) for name, p, offset, *_ in named_fragments(model)}
+    table = {id(p): (name, runs) for name, p, runs, *_ in named_fragments(model)}
     for group in optimizer.param_groups:
         # 0-d tensors on the CPU unless capturable / fused, where torch's optimizers create them (step, mu_product)
         scalar_device = "param" if group.get("capturable", False) or group.get("fused", False) else "cpu"
         for p in group["params"]:
-            name, offset = table[id(p)]
+            name, runs = table[id(p)]
             kinds = kinds_by_name.get(name)
             if not kinds:
                 optimizer.state.pop(p, None)
@@ -188,7 +191,7 @@ def _plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, kinds_by
                     cur = torch.zeros(shape, dtype=dtype, device=device)
                 new[k] = sd[key] = cur
                 if kind == "element":
-                    fragments[key] = offset
+                    fragments[key] = runs
                     if p.numel() == 0:  # a parameter of 0 elements: its per-element state is never written
                         optional.add(key)
             old.clear()
@@ -219,8 +222,8 @@ def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
 
     Raises:
         ValueError: on every rank, before any read of tensors: an unreadable folder, another format version,
-            parameters or buffers missing from the checkpoint or from the model, shapes that differ, a
-            tensor-parallel parameter with mp > 1, a ``rank_state`` value that is not a tensor (each named). On every
+            parameters or buffers missing from the checkpoint or from the model, shapes that differ, a plain
+            tensor marked ``tensor_model_parallel`` with mp > 1, a ``rank_state`` value that is not a tensor (each named). On every
             rank, after the read: a data file truncated, corrupt or missing (also when only one rank reads it),
             ``checkpoint <path> cannot be read: ...`` on one line naming the damaged files, their keys and each failed
             rank's error; the model and optimizer are then partly loaded.
@@ -233,11 +236,11 @@ def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
     _check_keys(model_info(model, None, rank_state, unreadable), meta, path)
     stored = reader.read_metadata().state_dict_metadata
     sd: dict[str, Any] = {"meta": None}
-    fragments: dict[str, int] = {}
+    fragments: dict[str, list] = {}
     optional: set[str] = set()
-    for name, p, offset, _total, _writes, _shape in named_fragments(model):
+    for name, p, runs, _total, _writes, _shape in named_fragments(model):
         sd[f"model/{name}"] = p.detach()
-        fragments[f"model/{name}"] = offset
+        fragments[f"model/{name}"] = runs
         if p.numel() == 0:  # a parameter of 0 elements is never written
             optional.add(f"model/{name}")
     if optimizer is not None and meta["optim_state"] is not None:
@@ -335,8 +338,10 @@ def load_full_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> No
     if problems:
         raise ValueError(f"state dict does not match the model: {problems}")
     with torch.no_grad():
-        for name, p, offset, _total, _writes, _shape in named_fragments(model):
-            p.copy_(given[name].reshape(-1)[offset:offset + p.numel()])
+        for name, p, runs, _total, _writes, _shape in named_fragments(model):
+            flat = given[name].reshape(-1)
+            for offset, start, length in runs:
+                p[start:start + length].copy_(flat[offset:offset + length])
         for name, buf in buffers.items():
             if name in given:
                 buf.copy_(given[name])

@@ -123,7 +123,8 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
     Raises:
         ImportError: the ``safetensors`` package is not installed (``pip install safetensors``, or the
             ``shardfusion[train]`` extra).
-        ValueError: ``model`` is not sharded. On every rank, before anything is copied: ``path`` is neither a file
+        ValueError: ``model`` is not sharded, or it has tensor-parallel (DTensor) parameters. On every rank, before
+            anything is copied: ``path`` is neither a file
             nor a folder of either layout, the index is not valid JSON with a ``weight_map``, a file is missing,
             truncated or corrupt (safetensors refuses its header), ranks see different files; under ``strict``,
             missing or unexpected names; a shape that differs, a dtype that cannot be converted, a name stored
@@ -137,6 +138,11 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
                           "(or pip install 'shardfusion[train]')") from error
     state = sharded_state(model)
     path = os.fspath(path)
+    split = [f.name for f in named_fragments(model) if f.tp_spec is not None]
+    if split:  # the same on every rank: the model's structure
+        raise ValueError(f"load_safetensors into a tensor-parallel model is not supported yet ({len(split)} DTensor "
+                         f"parameters, e.g. {split[0]!r}): load the weights into the model before parallelize_module, "
+                         "or load a full state dict (model.load_state_dict(full) takes global shapes)")
     targets, names_held, expert_names = _targets(model, state.expert_buffers)
     with contextlib.ExitStack() as stack:
         try:

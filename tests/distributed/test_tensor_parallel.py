@@ -180,3 +180,63 @@ def max_errors(got: dict, want: dict) -> dict:
     return {"loss": max(abs(a - b) for a, b in zip(got["losses"], want["losses"])),
             "norm": max(abs(a - b) for a, b in zip(got["norms"], want["norms"])),
             "param": max(float((got["params"][n] - v).abs().max()) for n, v in want["params"].items())}
+
+
+def _build(layout: dict):
+    """The GPT of ``layout`` (split over mp when mp > 1), sharded, and an AdamW over its fragments."""
+    import shardfusion as sf
+    from shardfusion.models import GPT, Block
+    from shardfusion.models.gpt_parallel import parallelize
+
+    topo = sf.Topology(**layout)
+    torch.manual_seed(0)
+    model = sf.fully_shard(parallelize(GPT(_config()), topo.get_mesh("mp")), topo, units=(Block,))
+    return topo, model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+
+
+def _step(topo, model, opt, step: int) -> float:
+    import torch.distributed as dist
+    dp_world, dp_rank = topo.dp * topo.sharding, topo.data_parallel_rank
+    per_rank = GLOBAL_BATCH // dp_world
+    x, y = (t[dp_rank * per_rank:(dp_rank + 1) * per_rank] for t in _batch(step))
+    loss = model(x, y)[1]
+    loss.backward()
+    _clip(model)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    t = loss.detach().clone()
+    dist.all_reduce(t, group=topo.get_data_parallel_group())
+    return float(t) / dp_world
+
+
+def checkpoint_round_trip(root: str) -> dict:
+    """Save at mp 2, load at mp 1, save there, load at mp 2 x outer 2; the loss of the step after each load and the
+    full state dicts, against the run that never stopped."""
+    import shardfusion as sf
+    out = {}
+    topo, model, opt = _build(dict(mp=2, sharding=2))
+    for step in range(2):
+        _step(topo, model, opt, step)
+    sf.checkpoint.save(model, opt, f"{root}/mp2")
+    out["saved"] = sf.full_state_dict(model, buffers=False)
+    out["uninterrupted"] = [_step(topo, model, opt, step) for step in (2, 3)]
+    topo, model, opt = _build(dict(mp=1, sharding=4))
+    sf.checkpoint.load(model, opt, f"{root}/mp2")
+    out["loaded_mp1"] = sf.full_state_dict(model, buffers=False)
+    out["resumed_mp1"] = [_step(topo, model, opt, 2)]
+    sf.checkpoint.save(model, opt, f"{root}/mp1")
+    topo, model, opt = _build(dict(mp=2, sharding=2, fsdp_outer_degree=2))
+    sf.checkpoint.load(model, opt, f"{root}/mp1")
+    out["resumed_mp2"] = [_step(topo, model, opt, 3)]
+    return out
+
+
+def test_checkpoints_reshard_across_mp(tmp_path):
+    results = run_distributed(checkpoint_round_trip, 4, str(tmp_path), timeout=JOB_TIMEOUT_S)
+    for r in results:
+        assert sorted(r["loaded_mp1"]) == sorted(r["saved"])
+        for name, value in r["saved"].items():
+            torch.testing.assert_close(r["loaded_mp1"][name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        # the step after each load continues the uninterrupted run (optimizer state resharded with the weights)
+        torch.testing.assert_close(r["resumed_mp1"][0], r["uninterrupted"][0], rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(r["resumed_mp2"][0], r["uninterrupted"][1], rtol=RTOL, atol=ATOL)
