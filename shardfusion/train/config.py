@@ -102,6 +102,13 @@ class TrainConfig:
     """How expert buffers use the HSDP outer group: replicate (sharded over moe_sharding / outer ranks, all-reduced
     over the outer group, like dense buffers) or shard (sharded over all moe_sharding ranks, no outer all-reduce)
     (default replicate)."""
+    mp: int = 1
+    """Tensor-parallel degree: each block's attention heads and (dense) MLP are split over this many ranks with torch's
+    tensor parallel (shardfusion.models.gpt_parallel); they see the same samples, so the data-parallel world is the
+    world size / mp. Must divide the world size and n_head (GPT only; default 1)."""
+    fused_qkv: bool = False
+    """One (3C, C) q/k/v projection per block (the GPT's layout before tensor parallel) instead of three (C, C) ones;
+    the same initial weights and arithmetic. A resumed run takes its checkpoint's layout (default: three)."""
     batch_size: int = 16
     """Sequences per data-parallel rank per micro-batch (default 16)."""
     grad_accum: int = 1
@@ -191,7 +198,7 @@ class TrainConfig:
             if getattr(self, name) is not None
         }
         return dataclasses.replace(PRESETS[self.preset], dropout=self.dropout, n_experts=self.experts,
-                                   top_k=self.top_k, **overrides)
+                                   top_k=self.top_k, fused_qkv=self.fused_qkv, **overrides)
 
     def _validate_hf(self) -> None:
         """The flags that a Hugging Face model (--hf-model, --init-from) refuses."""
@@ -199,6 +206,9 @@ class TrainConfig:
         if self.ep is not None and self.ep != 1:
             raise ValueError(f"--ep {self.ep} does not apply to {what}: a Hugging Face model's experts run in its "
                              f"own modules on every rank, so ep must be 1; drop --ep")
+        if self.mp != 1:
+            raise ValueError(f"--mp {self.mp} does not apply to {what}: the tensor-parallel plan is the GPT's "
+                             "(shardfusion.models.gpt_parallel); drop --mp")
         if self.init_from is not None:
             for name in ("n_layer", "n_head", "d_model", "expert_hidden"):
                 if getattr(self, name) is not None:
@@ -292,18 +302,30 @@ def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
     Raises:
         ValueError: one line that names the flag to change and the numbers involved.
     """
-    outer, ep = config.fsdp_outer_degree, config.ep
+    outer, ep, mp = config.fsdp_outer_degree, config.ep, config.mp
     if outer == AUTO:
         outer = 1  # the cost model picks a degree that fits; the layout check below is the ep one
+    if mp < 1 or world_size % mp:
+        raise ValueError(f"--mp {mp} must be >= 1 and divide the {world_size} ranks ({world})")
+    if mp > 1 and config.fsdp_outer_degree == AUTO:
+        raise ValueError(f"--fsdp-outer-degree auto with --mp {mp}: the cost model does not count tensor-parallel "
+                         "traffic yet; give the outer degree as an int")
     try:
-        Degrees(world_size=world_size, sharding=-1, fsdp_outer_degree=outer)
+        Degrees(world_size=world_size, sharding=-1, mp=mp, fsdp_outer_degree=outer)
     except ValueError as error:
-        raise ValueError(f"--fsdp-outer-degree {outer} does not fit {world_size} ranks ({world}): {error}") from None
-    try:
-        Degrees(world_size=world_size, sharding=-1, ep=ep, fsdp_outer_degree=outer)
-    except ValueError as error:
-        raise ValueError(f"--ep {ep} with --fsdp-outer-degree {outer} does not fit {world_size} ranks ({world}): "
+        raise ValueError(f"--fsdp-outer-degree {outer} with --mp {mp} does not fit {world_size} ranks ({world}): "
                          f"{error}") from None
+    try:
+        Degrees(world_size=world_size, sharding=-1, mp=mp, ep=ep, fsdp_outer_degree=outer)
+    except ValueError as error:
+        raise ValueError(f"--ep {ep} with --fsdp-outer-degree {outer} and --mp {mp} does not fit {world_size} ranks "
+                         f"({world}): {error}") from None
+    if mp > 1 and not (config.hf_model or config.init_from):
+        from shardfusion.models.gpt_parallel import check_tensor_parallel
+        try:
+            check_tensor_parallel(config.model_config(), mp)
+        except ValueError as error:
+            raise ValueError(f"--mp {mp}: {error}") from None
 
     need = min_corpus_bytes(config.model_config().seq_len)
     seq = f"seq_len + 1 = {config.model_config().seq_len + 1}"
@@ -384,17 +406,19 @@ def lr_at(config: TrainConfig, step: int) -> float:
 def resolve(config: TrainConfig, *, device: str, world_size: int) -> TrainConfig:
     """Fill the run-time defaults: device, ep, fsdp_outer_degree and out.
 
-    ep: 1 for a Hugging Face model; else 2 when --experts and the world size are even, else 1. fsdp_outer_degree: 2
-    when the world size is >= 4 and 2 divides the expert sharding degree world_size / ep, else 1 (for ep 1: when the
-    world size is even)."""
+    ep: 1 for a Hugging Face model; else 2 when --experts and the sharding degree (world size / mp) are even, else 1.
+    fsdp_outer_degree: 2 when the world size is >= 4 and 2 divides the expert sharding degree world_size / mp / ep,
+    else 1."""
     ep = config.ep
     if config.hf_model is not None or config.init_from is not None:
         ep = 1  # Hugging Face models hold every expert (see TrainConfig.hf_model)
     elif ep is None:
-        ep = 2 if config.experts and config.experts % 2 == 0 and world_size % 2 == 0 else 1
+        sharding = world_size // config.mp if config.mp >= 1 and world_size % config.mp == 0 else world_size
+        ep = 2 if config.experts and config.experts % 2 == 0 and sharding % 2 == 0 else 1
     outer = config.fsdp_outer_degree  # auto stays: the job plans it at start-up (shardfusion.train.job)
     if outer is None:
-        moe_sharding = world_size // ep if world_size % ep == 0 else world_size
+        sharding = world_size // config.mp if config.mp >= 1 and world_size % config.mp == 0 else world_size
+        moe_sharding = sharding // ep if sharding % ep == 0 else sharding
         outer = 2 if world_size >= 4 and moe_sharding % 2 == 0 else 1
     out = config.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
     return dataclasses.replace(config, device=device, ep=ep, fsdp_outer_degree=outer, out=out)

@@ -234,8 +234,8 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     if config.fsdp_outer_degree == AUTO:  # the cost model's choice, an int from here on (config.json records it)
         config = dataclasses.replace(config, fsdp_outer_degree=plan_outer_degree(config, device, world))
 
-    topo = sf.Topology(fsdp_outer_degree=config.fsdp_outer_degree, ep=config.ep)
-    job = job_model.build(config, topo.get_group("ep"), device)
+    topo = sf.Topology(fsdp_outer_degree=config.fsdp_outer_degree, ep=config.ep, mp=config.mp)
+    job = job_model.build(config, topo.get_group("ep"), device, mp_mesh=topo.get_mesh("mp"))
     moe, num_params, num_active = job.moe, job.num_params, job.num_active
     mp_policy = sf.MixedPrecisionPolicy(param_dtype=_dtype(config.param_dtype),
                                         grad_comm_dtype=_dtype(config.grad_comm_dtype))
@@ -419,6 +419,7 @@ def preflight(config: TrainConfig, *, torchrun: bool) -> TrainConfig:
                          f"GPUs are visible; use {'--nproc-per-node' if torchrun else '--nproc'} "
                          f"{torch.cuda.device_count()} or fewer")
     config = resolve(config, device=device, world_size=world)
+    config = _saved_qkv_layout(config)
     check_run(config, world_size=world, world=label)
     if job_model.is_hf(config):
         meta = job_model.checked_meta_model(config)  # transformers present, the config and the units usable
@@ -426,6 +427,30 @@ def preflight(config: TrainConfig, *, torchrun: bool) -> TrainConfig:
     else:
         train_state.check_resume(config.out, lambda: job_model.meta_model(config))
     return config
+
+
+def _saved_qkv_layout(config: TrainConfig) -> TrainConfig:
+    """``config`` with the q/k/v layout (``fused_qkv``) of the GPT checkpoint a resume reads, if OUT holds one (runs
+    before tensor parallel saved one fused projection), so an older run resumes as it was saved.
+
+    Raises:
+        ValueError: that checkpoint is fused and --mp > 1 (the fused projection cannot be split by heads).
+    """
+    if job_model.is_hf(config) or config.out is None:
+        return config
+    path = sf.checkpoint.latest_checkpoint(os.path.join(config.out, train_state.CHECKPOINT_DIR))
+    if path is None:
+        return config
+    try:
+        shapes = sf.checkpoint.read_meta(path)["shapes"]
+    except (ValueError, KeyError, TypeError):
+        return config  # check_resume reports an unreadable checkpoint
+    fused = any(name.endswith("attn.qkv.weight") for name in shapes)
+    if fused and config.mp > 1:
+        raise ValueError(f"--mp {config.mp}: the checkpoint in --out {config.out} has fused q/k/v projections "
+                         "(attn.qkv, saved before tensor parallel), which cannot be split by heads; resume it with "
+                         "--mp 1, or use another --out")
+    return dataclasses.replace(config, fused_qkv=fused)
 
 
 def main(argv: list[str] | None = None) -> int:

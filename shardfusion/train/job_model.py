@@ -143,12 +143,21 @@ def load_pretrained(model: nn.Module, folder: str) -> None:
     sf.load_safetensors(model, folder)
 
 
-def build(config: TrainConfig, ep_group: Optional[dist.ProcessGroup], device: torch.device) -> JobModel:
+def build(config: TrainConfig, ep_group: Optional[dist.ProcessGroup], device: torch.device,
+          mp_mesh=None) -> JobModel:
     """The run's model on the meta device, to be initialized from `--seed` (the same on every rank) by
     `fully_shard(job.module, ..., device=device, init_fn=job.init_fn)`.
 
-    ep_group: the topology's ep group; a GPT-MoE holds this ep rank's experts (HF models hold all of theirs)."""
+    ep_group: the topology's ep group; a GPT-MoE holds this ep rank's experts (HF models hold all of theirs).
+    mp_mesh: with --mp > 1 the topology's mp mesh: the GPT is then built with values on the CPU (the same draws as
+    the meta build's initialization) and split over the mesh (`gpt_parallel.parallelize`); fully_shard does not
+    initialize DTensors on the meta device yet, so each rank holds the whole model until it is sharded."""
     torch.manual_seed(config.seed)
+    if mp_mesh is not None and mp_mesh.size() > 1:
+        from shardfusion.models.gpt_parallel import parallelize
+        job = _build_gpt(config, ep_group)
+        parallelize(job.module, mp_mesh)
+        return job
     with torch.device("meta"):
         return _build_hf(config) if is_hf(config) else _build_gpt(config, ep_group)
 
