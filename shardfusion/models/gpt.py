@@ -67,7 +67,9 @@ class GPTConfig:
     fused_qkv: bool = True
     """One (3C, C) projection ``attn.qkv`` for queries, keys and values (default True), or three (C, C) ones
     ``attn.q``, ``attn.k``, ``attn.v``: the layout tensor parallel needs, where each mp rank holds whole heads of each
-    (`shardfusion.models.gpt_parallel`). The two draw different initial weights from the same seed."""
+    (`shardfusion.models.gpt_parallel`). Both draw the same weights from the same seed (q, k and v are the rows of
+    the fused weight: one normal draw of 3C x C values fills the same stream as three of C x C) and compute the same
+    function; only the parameter names differ (tests/unit/test_gpt.py)."""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "d_model", "seq_len"):

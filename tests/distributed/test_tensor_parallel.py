@@ -41,19 +41,23 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return data[:, :-1], data[:, 1:]
 
 
-def _train(model, params, step_fn, batch_fn) -> dict:
-    """AdamW for STEPS steps; per step the loss and the norm before clipping."""
+def _train(model, params, loss_fn) -> dict:
+    """AdamW for STEPS steps; per step the loss (``loss_fn(step)`` runs forward and backward, returns the global
+    loss) and the norm before clipping."""
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
     losses, norms = [], []
     for step in range(STEPS):
-        x, y = batch_fn(step)
-        _, loss = model(x, y)
-        loss.backward()
-        losses.append(step_fn(loss))
+        losses.append(loss_fn(step))
         norms.append(float(_clip(model)))
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {"losses": losses, "norms": norms}
+
+
+def _slice(step: int, dp_world: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    per_rank = GLOBAL_BATCH // dp_world
+    x, y = _batch(step)
+    return x[dp_rank * per_rank:(dp_rank + 1) * per_rank], y[dp_rank * per_rank:(dp_rank + 1) * per_rank]
 
 
 def _clip(model):
@@ -64,11 +68,23 @@ def _clip(model):
     return torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
 
 
-def reference(experts: int = 0) -> dict:
+def reference(experts: int = 0, dp_world: int = 1) -> dict:
+    """One process, the whole model: each step the mean of the losses of the ``dp_world`` slices of the global batch
+    (for a dense model the same as the loss of the whole batch; a MoE routes each slice by itself, as each rank
+    does)."""
     from shardfusion.models import GPT
     torch.manual_seed(0)
     model = GPT(_config(experts))
-    out = _train(model, model.parameters(), lambda loss: float(loss.detach()), _batch)
+
+    def loss_fn(step):
+        total = 0.0
+        for r in range(dp_world):
+            loss = model(*_slice(step, dp_world, r))[1] / dp_world
+            loss.backward()
+            total += float(loss.detach())
+        return total
+
+    out = _train(model, model.parameters(), loss_fn)
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
 
@@ -85,22 +101,19 @@ def sharded(layouts: list[dict]) -> list[dict]:
     for layout in layouts:
         topo = sf.Topology(**layout)
         torch.manual_seed(0)
-        model = GPT(_config())
+        model = GPT(_config(4 if topo.ep > 1 else 0), ep_group=topo.get_group("ep") if topo.ep > 1 else None)
         parallelize(model, topo.get_mesh("mp"))
         model = sf.fully_shard(model, topo, units=(Block,))
         dp_world, dp_rank = topo.dp * topo.sharding, topo.data_parallel_rank
-        per_rank = GLOBAL_BATCH // dp_world
 
-        def my_batch(step):
-            x, y = _batch(step)
-            return x[dp_rank * per_rank:(dp_rank + 1) * per_rank], y[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-
-        def global_loss(loss):
+        def loss_fn(step):
+            loss = model(*_slice(step, dp_world, dp_rank))[1]
+            loss.backward()
             t = loss.detach().clone()
             dist.all_reduce(t, group=topo.get_data_parallel_group())
             return float(t) / dp_world
 
-        out = _train(model, model.parameters(), global_loss, my_batch)
+        out = _train(model, model.parameters(), loss_fn)
         out["params"] = sf.full_state_dict(model, buffers=False)
         out["layout"] = layout
         results.append(out)
@@ -126,7 +139,23 @@ def w4_results():
 
 @pytest.fixture(scope="module")
 def dense_reference():
-    return reference()
+    return reference(dp_world=2)
+
+
+W8_LAYOUTS = [dict(mp=2, sharding=4, fsdp_outer_degree=2), dict(mp=2, sharding=4, ep=2)]
+
+
+@pytest.fixture(scope="module")
+def w8_results():
+    return run_distributed(sharded, 8, W8_LAYOUTS, timeout=JOB_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("index", range(len(W8_LAYOUTS)), ids=["mp2-outer2-inner2", "mp2-ep2-moe"])
+def test_tensor_parallel_parity_world8(w8_results, index):
+    want = reference(experts=4 if W8_LAYOUTS[index].get("ep", 1) > 1 else 0, dp_world=4)
+    print(W8_LAYOUTS[index], max_errors(w8_results[0][index], want))
+    for rank in range(8):
+        _compare(w8_results[rank][index], want)
 
 
 @pytest.mark.parametrize("index", range(len(W4_LAYOUTS)), ids=["mp2-inner2", "mp2-outer2"])
@@ -196,10 +225,8 @@ def _build(layout: dict):
 
 def _step(topo, model, opt, step: int) -> float:
     import torch.distributed as dist
-    dp_world, dp_rank = topo.dp * topo.sharding, topo.data_parallel_rank
-    per_rank = GLOBAL_BATCH // dp_world
-    x, y = (t[dp_rank * per_rank:(dp_rank + 1) * per_rank] for t in _batch(step))
-    loss = model(x, y)[1]
+    dp_world = topo.dp * topo.sharding
+    loss = model(*_slice(step, dp_world, topo.data_parallel_rank))[1]
     loss.backward()
     _clip(model)
     opt.step()

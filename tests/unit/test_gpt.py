@@ -156,3 +156,31 @@ def test_moe_init_is_reproducible_and_experts_skip_the_global_rng() -> None:
     assert not torch.equal(a.blocks[0].mlp.router.weight, dense["blocks.0.mlp.router.weight"])
     proj = a.blocks[0].mlp.experts["1"].proj.weight
     assert proj.std().item() == pytest.approx(0.02 / math.sqrt(2 * TINY_MOE.n_layer), rel=0.1)
+
+
+@pytest.mark.parametrize("experts", [0, 4])
+def test_split_qkv_is_the_fused_model(experts: int) -> None:
+    """fused_qkv=False (the layout tensor parallel needs) draws the same weights from the same seed, the rows of the
+    fused projection, and computes the same loss: runs of either layout are the same model."""
+    config = GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=16, n_experts=experts)
+    torch.manual_seed(3)
+    fused = GPT(config)
+    torch.manual_seed(3)
+    split = GPT(dataclasses.replace(config, fused_qkv=False))
+    for f, s in zip(fused.blocks, split.blocks):
+        torch.testing.assert_close(f.attn.qkv.weight, torch.cat([s.attn.q.weight, s.attn.k.weight, s.attn.v.weight]),
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(f.attn.proj.weight, s.attn.proj.weight, rtol=0, atol=0)
+    x = torch.randint(0, VOCAB_SIZE, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(fused(x, x)[1], split(x, x)[1], rtol=1e-6, atol=1e-6)
+
+
+def test_tensor_parallel_shape_rules() -> None:
+    from shardfusion.models.gpt_parallel import check_tensor_parallel
+
+    config = GPTConfig(n_layer=1, n_head=4, d_model=32, seq_len=16, fused_qkv=False)
+    check_tensor_parallel(config, 4)
+    with pytest.raises(ValueError, match=r"mp\(3\) must divide n_head\(4\)"):
+        check_tensor_parallel(config, 3)
+    with pytest.raises(ValueError, match="fused_qkv=False"):
+        check_tensor_parallel(dataclasses.replace(config, fused_qkv=True), 2)
