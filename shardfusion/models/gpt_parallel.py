@@ -4,7 +4,8 @@ Megatron's split of a transformer layer (Shoeybi et al., 2019): in each block th
 column-wise (each mp rank computes some output features: q, k and v hold whole heads, ``mlp.fc`` a slice of the
 hidden width), the ones that fan back in are row-wise (each rank multiplies its slice of the input features and the
 partial outputs are summed by one all-reduce over mp). So a block costs two all-reduces of the activations (B, T, C)
-in forward and two in backward, and every other tensor stays local. Embeddings, norms, the lm head and the MoE
+in forward (after each row-wise projection) and two in backward (the gradient of the attention's and of the MLP's
+input, partial sums on each rank), and every other tensor stays local. Embeddings, norms, the lm head and the MoE
 experts stay whole on every mp rank (replicated: identical values and gradients across mp).
 
 Use it before ``fully_shard``, on a GPT built with ``fused_qkv=False``::
@@ -16,7 +17,9 @@ Use it before ``fully_shard``, on a GPT built with ``fused_qkv=False``::
 
 from __future__ import annotations
 
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
+                                               parallelize_module)
 
 from shardfusion.models.gpt import GPT, GPTConfig
 
@@ -43,6 +46,10 @@ def block_plan(config: GPTConfig) -> dict[str, ParallelStyle]:
     """The ``parallelize_module`` plan of one ``Block``: module path -> parallel style. The MLP is split only when it
     is dense (a GPT-MoE's experts stay whole: expert parallel places them)."""
     plan: dict[str, ParallelStyle] = {
+        # x enters the attention once as a replicated DTensor: the gradients of q, k and v with respect to it add up
+        # as partial sums, so backward all-reduces them once, not once per projection.
+        "attn": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                   use_local_output=False),
         "attn.q": ColwiseParallel(),
         "attn.k": ColwiseParallel(),
         "attn.v": ColwiseParallel(),
