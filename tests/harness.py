@@ -2,8 +2,11 @@
 
     results = run_distributed(fn, world_size, *args, timeout=120, **kwargs)   # results[rank] = fn(*args, **kwargs)
 
-Each rank is a fresh process (multiprocessing "spawn"), so `fn` must be defined at the top level of an importable
-module and its arguments and result must pickle (results, tensors included, are pickled by value). Ranks meet
+Each rank is a fresh process, so `fn` must be defined at the top level of an importable module and its arguments
+and result must pickle (results, tensors included, are pickled by value). Ranks are forked from a multiprocessing
+"forkserver" that has imported torch and shardfusion once (a fresh interpreter importing them costs about 3.5 s of
+CPU per rank, which over the suite's jobs is minutes on two cores); a job whose `env` must be in place when the
+process starts (e.g. `MALLOC_MMAP_THRESHOLD_`, read by glibc at start-up) gets "spawn" instead. Ranks meet
 through a FileStore in a private temporary directory (no ports to race for). Every worker runs single-threaded
 (OMP_NUM_THREADS=1, torch.set_num_threads(1)): the CI machine has two cores and up to eight ranks share them.
 
@@ -54,6 +57,10 @@ WORKER_ENV = {
     "GLOO_SOCKET_IFNAME": "lo",
 }
 
+# Variables of a job's `env` that a forked worker can still apply after torch was imported (the rest need spawn).
+_APPLIED_AFTER_IMPORT = {"TORCH_DISTRIBUTED_DEBUG"}  # re-read by torch.distributed.set_debug_level_from_env()
+_PRELOAD = ["torch", "torch.distributed", "shardfusion"]
+
 # Seconds the parent waits for the other ranks' reports once one rank has failed (they are usually stuck).
 _GRACE_AFTER_FAILURE_S = 3.0
 # Characters of traceback shown for each rank that failed after the first one.
@@ -80,6 +87,7 @@ def _worker(rank: int, world_size: int, store_path: str, pg_timeout_s: float, en
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        dist.set_debug_level_from_env()  # read when torch.distributed was imported, maybe before `env` (forkserver)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout_s))
@@ -102,6 +110,36 @@ def _worker(rank: int, world_size: int, store_path: str, pg_timeout_s: float, en
         result_queue.put(report)
 
 
+def _context(env: dict[str, str] | None):
+    """The multiprocessing context of a job: the preloaded forkserver, or spawn when ``env`` holds a variable that
+    must be set before the process starts."""
+    if set(env or {}) - _APPLIED_AFTER_IMPORT:
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    _start_forkserver()
+    return ctx
+
+
+def _start_forkserver() -> None:
+    """Start the forkserver (once) with this process's environment plus ``WORKER_ENV`` and nothing of any job's
+    ``env``: it keeps the environment it started with, and every worker forked from it inherits that. (Started
+    lazily by the first ``Process.start()`` instead, it would keep the env of the first job, e.g. a DETAIL debug
+    level, for every later job.)"""
+    from multiprocessing import forkserver
+
+    saved = {k: os.environ.get(k) for k in WORKER_ENV}
+    os.environ.update(WORKER_ENV)
+    try:
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120,
                     env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return the list of per-rank results (index = rank).
@@ -112,7 +150,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     name = _describe(fn)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context(env)
     result_queue = ctx.Queue()
     tmpdir = tempfile.mkdtemp(prefix="sf_dist_")
     store_path = os.path.join(tmpdir, "store")
