@@ -39,7 +39,8 @@ import os
 from collections.abc import Iterable
 from typing import Any, Optional
 
-CATEGORIES = ("inner_all_gather", "inner_reduce_scatter", "replicate_all_reduce", "ep_all_to_all", "other")
+CATEGORIES = ("inner_all_gather", "inner_reduce_scatter", "replicate_all_reduce", "ep_all_to_all", "context_parallel",
+              "other")
 """Accounting categories, in report order."""
 
 INNER_KINDS = frozenset({"fsdp_inner", "expert_inner", "sharding", "moe_sharding",
@@ -47,7 +48,8 @@ INNER_KINDS = frozenset({"fsdp_inner", "expert_inner", "sharding", "moe_sharding
 """Groups a flat buffer is sharded over (``moe_sharding``/``sharding`` when not split into outer x inner, e.g.
 ``expert_policy="shard"``), and their reduce-scatter twins."""
 
-REPLICATE_KINDS = frozenset({"replicate", "fsdp_outer", "expert_outer", "dp", "data_parallel", "expert_data_parallel"})
+REPLICATE_KINDS = frozenset({"replicate", "fsdp_outer", "expert_outer", "dp", "data_parallel", "expert_data_parallel",
+                             "dense_replicas", "expert_replicas", "expert_shard_replicate"})
 """Groups of ranks holding the same shard (``dp``: the replicate group of experts under ``expert_policy="shard"``;
 ``data_parallel`` / ``expert_data_parallel``: that of parameters kept whole by ``replicate_filter``)."""
 
@@ -57,12 +59,15 @@ CATEGORY_RULES: dict[str, tuple[frozenset, str]] = {
     "all_reduce": (REPLICATE_KINDS, "replicate_all_reduce"),
     "all_to_all": (frozenset({"ep"}), "ep_all_to_all"),
 }
+# "context_parallel" (the K/V all-gathers of context-parallel attention and their gradients' reduce-scatters) is
+# given explicitly by the caller (shardfusion.context_parallel): the context group may be an inner group's too.
 """``op -> (kinds, category)``: a collective of ``op`` on a group serving any of ``kinds`` is in ``category``;
 anything else (the clipping scalar over ``world``, broadcasts, unlabeled groups) is ``"other"``."""
 
 LABEL_PRIORITY = ("fsdp_inner", "expert_inner", "moe_sharding", "sharding", "fsdp_inner_reduce",
                   "expert_inner_reduce", "moe_sharding_reduce", "replicate", "fsdp_outer", "expert_outer", "dp", "ep",
-                  "data_parallel", "expert_data_parallel", "pp", "sep", "cp", "mp", "world")
+                  "data_parallel", "expert_data_parallel", "dense_replicas", "expert_replicas", "expert_shard_replicate",
+                  "pp", "context", "sep", "cp", "mp", "world")
 """Order of the kinds in a group's label: the role the runtime uses the group for comes first."""
 
 FIELDS = ("count", "bytes", "wire_bytes", "cross_node_bytes", "wait_s")

@@ -277,18 +277,25 @@ def all_to_all_equal(output: torch.Tensor, input: torch.Tensor, group: Optional[
            group=group)
 
 
-def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Optional[ProcessGroup], async_op: bool = False):
-    """Sum ``full`` over the group and scatter equal 1-D shards into ``shard``.
+def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Optional[ProcessGroup], async_op: bool = False,
+                   category: Optional[str] = None):
+    """Sum ``full`` over the group and scatter equal 1-D shards into ``shard``; ``category``: record it under this
+    accounting category instead of the one the rules give.
 
     Returns a work handle when ``async_op`` and a collective was issued, else ``None``.
+
+    Raises:
+        ValueError: ``category`` is not None or one of ``accounting.CATEGORIES``.
     """
+    _check_category(category)
     if group_size(group) == 1:
         shard.copy_(full)
         return None
     gloo = dist.get_backend(group) == "gloo"
     size = group_size(group)
     # on gloo the record carries the all-to-all's split, so that its bytes across nodes are the exact ones
-    record = _record("reduce_scatter", group, full, [full.numel() // size] * size if gloo else None)
+    record = _record("reduce_scatter", group, full, [full.numel() // size] * size if gloo else None,
+                     category=category)
     if gloo:
         # gloo runs a reduce-scatter as an all-reduce of the whole input plus copies (twice the ring volume); an
         # all-to-all of the shards and a local sum moves the ring volume, (G-1)/G of the input, and measured about

@@ -162,8 +162,9 @@ def fully_shard(
             meta (after one small all-reduce, so on every rank); an ``init_fn`` that leaves a tensor on meta or
             changes its shape; a module with an ``ep_group`` attribute (an expert-parallel layer such as
             :class:`shardfusion.moe.MoE`) whose group is not the topology's ep group; a sharded submodule whose call
-            used other options (the message names the option). All before any collective, so on every rank.
-        NotImplementedError: ``sep * cp > 1``.
+            used other options (the message names the option); a DTensor parameter over another mesh than
+            ``topology.get_mesh("mp")``, with a ``Partial`` placement or on the meta device
+            (docs/tensor-parallel.md). All before any collective, so on every rank.
     """
     options = wrap.WrapOptions(topology, MixedPrecisionPolicy() if mp_policy is None else mp_policy,
                                replicate_filter, broadcast_buffers, expert_filter, expert_policy, prefetch,

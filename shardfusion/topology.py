@@ -17,9 +17,14 @@ and every kind of group is the set of ranks that differ only along some of them 
 
     sharding      = outer x expert_inner x ep      moe_sharding = outer x expert_inner
     fsdp_inner    = expert_inner x ep              expert_inner = expert_inner
-    fsdp_outer    = expert_outer = outer           replicate    = dp x outer   (ranks holding the same shard)
+    fsdp_outer    = expert_outer = outer           replicate    = dp x outer x sep x cp (ranks holding the same
+                                                                shard: its gradient is summed over them once a step)
     data_parallel = dp x outer x expert_inner x ep (ranks reading different samples)
-    expert_data_parallel = dp x outer x expert_inner (ranks holding the same experts)
+    expert_data_parallel = dp x outer x expert_inner (ranks holding the same experts, ep index equal)
+    context       = sep x cp                       (ranks splitting one sequence: docs/context-parallel.md)
+    dense_replicas  = data_parallel x sep x cp     (ranks holding the same dense parameters before sharding)
+    expert_replicas = expert_data_parallel x sep x cp
+    expert_shard_replicate = dp x sep x cp         (replicas of experts sharded over moe_sharding)
 
 :func:`group_ranks` lists the groups of a kind without any communication; :class:`Topology` creates them all, on every
 rank and in one global order, through one ``DeviceMesh``.
@@ -56,9 +61,13 @@ KINDS: dict[str, tuple[str, ...]] = {
     "fsdp_outer": ("outer",),
     "expert_inner": ("expert_inner",),
     "expert_outer": ("outer",),
-    "replicate": ("dp", "outer"),
+    "replicate": ("dp", "outer", "sep", "cp"),
     "data_parallel": ("dp", "outer", "expert_inner", "ep"),
     "expert_data_parallel": ("dp", "outer", "expert_inner"),
+    "context": ("sep", "cp"),
+    "dense_replicas": ("dp", "outer", "expert_inner", "ep", "sep", "cp"),
+    "expert_replicas": ("dp", "outer", "expert_inner", "sep", "cp"),
+    "expert_shard_replicate": ("dp", "sep", "cp"),
     "world": AXES,
 }
 """Every kind of group, as the atomic axes its members differ along."""
@@ -249,7 +258,8 @@ class Topology:
         self.inner_rank = c["expert_inner"] * d.ep + c["ep"]
         self.moe_sharding_rank = c["outer"] * d.expert_inner + c["expert_inner"]
         self.sharding_rank = self.moe_sharding_rank * d.ep + c["ep"]
-        self.replicate_rank = c["dp"] * d.fsdp_outer_degree + c["outer"]
+        self.replicate_rank = ((c["dp"] * d.fsdp_outer_degree + c["outer"]) * d.sep + c["sep"]) * d.cp + c["cp"]
+        self.context_rank = c["sep"] * d.cp + c["cp"]
         self.data_parallel_rank = c["dp"] * d.sharding + self.sharding_rank
 
         backend = str(dist.get_backend())
@@ -263,7 +273,7 @@ class Topology:
         # The replicate all-reduces may be issued while backward all-gathers run (overlap, set_is_last_backward), at
         # moments that depend on timing: a group of their own keeps them from interleaving with the all-gathers of a
         # kind over the same ranks (e.g. moe_sharding when expert_inner is 1).
-        replicate_size = self.degrees.dp * self.degrees.fsdp_outer_degree
+        replicate_size = self.degrees.dp * self.degrees.fsdp_outer_degree * self.degrees.sep * self.degrees.cp
         self._groups["replicate"] = self._make_group("replicate", by_axes if replicate_size == 1 else {},
                                                      twin=replicate_size > 1, name="replicate")
         # The MoE all-to-alls get a group of their own, never shared with the all-gathers of an inner group over the
@@ -394,6 +404,20 @@ class Topology:
     def get_data_parallel_group(self) -> dist.ProcessGroup:
         """Ranks reading different samples (``dp x sharding``)."""
         return self._groups["data_parallel"]
+
+    def get_param_replica_group(self, is_expert: bool = False) -> dist.ProcessGroup:
+        """Ranks holding the same parameters before sharding: the data-parallel ranks and, with context parallel,
+        the ``sep x cp`` ranks that split their sequences (``dense_replicas``; for experts ``expert_replicas``, the
+        ranks with this rank's ep index). Initial values and module buffers are broadcast over it; a parameter kept
+        whole has its gradient all-reduced over it. The data-parallel group itself when sep and cp are 1."""
+        return self._groups["expert_replicas" if is_expert else "dense_replicas"]
+
+    @property
+    def gradient_divisor(self) -> int:
+        """What each rank's gradient is divided by so that the sum over ranks is the gradient of the mean loss:
+        the ranks that compute a loss over different tokens, ``dp * sharding * sep * cp`` (each rank's loss is the
+        mean over its own tokens; sep x cp ranks hold equal parts of each sequence)."""
+        return self.dp * self.sharding * self.sep * self.cp
 
     def describe(self) -> str:
         """One line, e.g. ``world 4 = dp1 x pp1 x sharding4 (outer2 x inner2) x sep1 x cp1 x mp1; ep1``."""

@@ -126,8 +126,8 @@ class Scheduler:
         """Broadcast buffers (non-persistent ones too) from the first rank holding the same ones: dense buffers over
         the data-parallel group, expert buffers over the ranks holding the same experts."""
         dense, expert = self.split_buffers()
-        comm.broadcast_coalesced([b for _, b in dense], self.topology.get_data_parallel_group())
-        comm.broadcast_coalesced([b for _, b in expert], self.topology.get_expert_data_parallel_group())
+        comm.broadcast_coalesced([b for _, b in dense], self.topology.get_param_replica_group())
+        comm.broadcast_coalesced([b for _, b in expert], self.topology.get_param_replica_group(is_expert=True))
 
     # ---- hooks -------------------------------------------------------------------------------------------------
     def register_hooks(self) -> None:

@@ -71,10 +71,6 @@ def check_args(model, options: WrapOptions, units, comm_unit_size) -> None:
         raise ValueError(f"model ({type(model).__name__}) is submodule {name!r} of a {root} that is already sharded "
                          "by fully_shard: shard the submodules first, then their ancestor (a call on a module "
                          "absorbs the already sharded modules inside it)")
-    if topology.sep * topology.cp > 1:
-        raise NotImplementedError(
-            f"sep({topology.sep}) * cp({topology.cp}) = {topology.sep * topology.cp} > 1 is not supported yet: "
-            "the gradient all-reduce over sep x cp is not implemented")
     if not isinstance(options.mp_policy, MixedPrecisionPolicy):
         raise ValueError(f"mp_policy must be a shardfusion.MixedPrecisionPolicy, got {options.mp_policy!r}")
     _check_units(units, comm_unit_size)
@@ -365,13 +361,14 @@ class _GroupPlan:
     def groups(self, whole: bool, expert: bool) -> tuple:
         """``(shard_group, reduce_group, replicate_group, broadcast_group)`` for a buffer of this kind."""
         t = self.topology
-        # Ranks that hold the same parameters before sharding: all data-parallel ranks for dense ones, the ranks
-        # with this rank's ep index for experts.
-        holders = t.get_expert_data_parallel_group() if expert else t.get_data_parallel_group()
+        # Ranks that hold the same parameters before sharding: the data-parallel ranks and the sep x cp ranks for
+        # dense ones; for experts, those with this rank's ep index.
+        holders = t.get_param_replica_group(is_expert=expert)
         if whole:
             return None, None, holders, holders
         if expert and self.expert_policy == "shard":
-            return t.get_fsdp_group(is_expert=True), t.get_reduce_group("moe_sharding"), t.get_group("dp"), holders
+            return (t.get_fsdp_group(is_expert=True), t.get_reduce_group("moe_sharding"),
+                    t.get_group("expert_shard_replicate"), holders)
         return (t.get_fsdp_inner_group(is_expert=expert), t.get_fsdp_inner_reduce_group(is_expert=expert),
                 t.get_replicate_group(), holders)
 
@@ -397,7 +394,7 @@ def _flat_buffer(unit: Unit, kind: tuple, members: list, plan: _GroupPlan) -> Fl
         layout, [p for _, p, _ in members], device=device,
         shard_index=0 if shard_group is None else dist.get_rank(shard_group),
         shard_group=shard_group, reduce_group=reduce_group, replicate_group=replicate_group,
-        grad_divisor=topology.dp * topology.sharding, data_parallel_group=holders, is_expert=expert,
+        grad_divisor=topology.gradient_divisor, data_parallel_group=holders, is_expert=expert,
         is_primary=dist.get_rank(replicate_group) == 0 and (tensor_parallel or topology.mp_rank == 0),
         unit_name=unit.name,
         param_dtype=plan.mp_policy.param_dtype if cast else None,

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardfusion import comm, context_parallel
 from shardfusion.moe import MoE, is_expert
 
 VOCAB_SIZE = 256
@@ -149,8 +150,9 @@ def _resid_std(config: "GPTConfig") -> float:
 class CausalSelfAttention(nn.Module):
     """Multi-head attention in which position t sees positions <= t only."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, context_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
+        self.context_group = context_group
         self.n_head = config.n_head
         self.head_size = config.d_model // config.n_head
         self.dropout = config.dropout
@@ -174,9 +176,9 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, -1, D).transpose(1, 2)  # (B, Hl, T, D)
         k = k.view(B, T, -1, D).transpose(1, 2)  # (B, Hl, T, D)
         v = v.view(B, T, -1, D).transpose(1, 2)  # (B, Hl, T, D)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )  # (B, Hl, T, D)
+        # causal; with a context group, this rank's chunk of queries over the whole sequence's keys and values
+        y = context_parallel.attention(q, k, v, self.context_group,
+                                       dropout_p=self.dropout if self.training else 0.0)  # (B, Hl, T, D)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, Hl * D)
         return self.resid_drop(self.proj(y))  # (B, T, C)
 
@@ -201,10 +203,11 @@ class Block(nn.Module):
 
     Its MLP is dense, or with `config.n_experts > 0` a `MoE` over `ep_group` (None: this rank holds every expert)."""
 
-    def __init__(self, config: GPTConfig, ep_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, config: GPTConfig, ep_group: dist.ProcessGroup | None = None,
+                 context_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.d_model)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, context_group)
         self.ln_2 = nn.LayerNorm(config.d_model)
         if config.n_experts:
             self.mlp: nn.Module = MoE(config.d_model, config.expert_hidden_size, config.n_experts, config.top_k,
@@ -226,16 +229,20 @@ class GPT(nn.Module):
 
     `ep_group`: the expert-parallel group of a GPT-MoE (`topo.get_group("ep")`); this rank then builds only its
     share of each layer's experts, and every forward is collective over the group. None (default): all experts.
+    `context_group`: context parallel (`topo.get_group("context")`): `forward` then takes this rank's chunk of each
+    sequence (`shardfusion.context_parallel.sequence_chunk`), and attention is collective over the group.
     """
 
-    def __init__(self, config: GPTConfig, ep_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, config: GPTConfig, ep_group: dist.ProcessGroup | None = None,
+                 context_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = config
+        self.context_group = context_group
         self.wte = NormalEmbedding(VOCAB_SIZE, config.d_model)
         self.wpe = NormalEmbedding(config.seq_len, config.d_model)
         self.drop = nn.Dropout(config.dropout)
         # A MoE draws the same amount from the global RNG at any ep (one seed for its experts; see `MoE`).
-        self.blocks = nn.ModuleList(Block(config, ep_group) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, ep_group, context_group) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model)
         self.lm_head = NormalLinear(config.d_model, VOCAB_SIZE, bias=False)
         if config.tie_embeddings:
@@ -294,12 +301,17 @@ class GPT(nn.Module):
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """idx, targets: (B, T) int64 byte values. Returns logits (B, T, V) and the mean cross-entropy, or None."""
+        """idx, targets: (B, T) int64 byte values. Returns logits (B, T, V) and the mean cross-entropy, or None.
+
+        With a context group of G ranks, idx and targets are this rank's chunk (T = the sequence length / G, at
+        positions ``[r * T, (r + 1) * T)``), and the loss is the mean over the chunk's tokens."""
         B, T = idx.shape
-        if T > self.config.seq_len:
-            raise ValueError(f"sequence length {T} > seq_len({self.config.seq_len}); crop the input or raise "
+        chunks = comm.group_size(self.context_group)
+        if T * chunks > self.config.seq_len:
+            raise ValueError(f"sequence length {T * chunks} > seq_len({self.config.seq_len}); crop the input or raise "
                              f"--seq-len")
-        pos = torch.arange(T, device=idx.device)  # (T,)
+        start = dist.get_rank(self.context_group) * T if chunks > 1 else 0
+        pos = torch.arange(start, start + T, device=idx.device)  # (T,) this chunk's positions
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)  # (B, T, C)

@@ -310,16 +310,17 @@ def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
     if mp > 1 and config.fsdp_outer_degree == AUTO:
         raise ValueError(f"--fsdp-outer-degree auto with --mp {mp}: the cost model does not count tensor-parallel "
                          "traffic yet; give the outer degree as an int")
+    with_mp = f" with --mp {mp}" if mp > 1 else ""
     try:
         Degrees(world_size=world_size, sharding=-1, mp=mp, fsdp_outer_degree=outer)
     except ValueError as error:
-        raise ValueError(f"--fsdp-outer-degree {outer} with --mp {mp} does not fit {world_size} ranks ({world}): "
+        raise ValueError(f"--fsdp-outer-degree {outer}{with_mp} does not fit {world_size} ranks ({world}): "
                          f"{error}") from None
     try:
         Degrees(world_size=world_size, sharding=-1, mp=mp, ep=ep, fsdp_outer_degree=outer)
     except ValueError as error:
-        raise ValueError(f"--ep {ep} with --fsdp-outer-degree {outer} and --mp {mp} does not fit {world_size} ranks "
-                         f"({world}): {error}") from None
+        raise ValueError(f"--ep {ep} with --fsdp-outer-degree {outer}{with_mp.replace(' with', ' and')} does not fit "
+                         f"{world_size} ranks ({world}): {error}") from None
     if mp > 1 and not (config.hf_model or config.init_from):
         from shardfusion.models.gpt_parallel import check_tensor_parallel
         try:

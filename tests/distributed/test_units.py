@@ -171,9 +171,6 @@ def units_job() -> dict:
         "topology": raised(lambda: sf.fully_shard(MLP(), 4)),
         "units+comm_unit_size": bad(units=(nn.Linear,), comm_unit_size=10),
     }
-    for kind, degrees in (("sep", {"sep": 2}), ("cp", {"cp": 2})):
-        sub = sf.Topology(sharding=WORLD // 2, **degrees)
-        out["errors"][kind] = raised(lambda: sf.fully_shard(MLP(), sub))
     return out
 
 
@@ -258,8 +255,6 @@ def test_fragments_keep_names_and_tile_parameters(job, key, model):
     ("units=class", "ValueError", "units"),
     ("units=instance", "ValueError", "units"),
     ("units=str", "ValueError", "units"),
-    ("sep", "NotImplementedError", "sep"),
-    ("cp", "NotImplementedError", "cp"),
     ("replicate_filter", "ValueError", "replicate_filter"),
     ("topology", "ValueError", "topology"),
     ("units+comm_unit_size", "ValueError", "units+comm_unit_size"),

@@ -36,8 +36,10 @@ def _brute_force(world_size: int, kind: str, **degrees) -> list[list[int]]:
             "ep": (dp_i, pp_i, moe_i, *rest), "moe_sharding": (dp_i, pp_i, ep_i, *rest),
             "fsdp_inner": (dp_i, pp_i, outer_i, *rest), "fsdp_outer": (dp_i, pp_i, inner_i, *rest),
             "expert_inner": (dp_i, pp_i, outer_i, ep_i, *rest), "expert_outer": (dp_i, pp_i, inner_i, *rest),
-            "replicate": (pp_i, inner_i, *rest), "data_parallel": (pp_i, *rest), "world": (),
+            "replicate": (pp_i, inner_i, mp_i), "data_parallel": (pp_i, *rest), "world": (),
             "expert_data_parallel": (pp_i, ep_i, *rest),
+            "context": (dp_i, pp_i, sh_i, mp_i), "dense_replicas": (pp_i, mp_i), "expert_replicas": (pp_i, ep_i, mp_i),
+            "expert_shard_replicate": (pp_i, sh_i, mp_i),
         }[kind]
         groups.setdefault(fixed, []).append(rank)
     return sorted(sorted(g) for g in groups.values())
@@ -107,12 +109,12 @@ def test_group_relations(world_size, degrees):
     def by_rank(kind):
         return {r: set(g) for g in group_ranks(world_size, kind, **degrees) for r in g}
 
-    inner, outer, rep, dpar, shard = (by_rank(k) for k in ("fsdp_inner", "fsdp_outer", "replicate", "data_parallel",
+    inner, outer, rep, dpar, shard = (by_rank(k) for k in ("fsdp_inner", "fsdp_outer", "replicate", "dense_replicas",
                                                           "sharding"))
     e_inner, e_outer, moe, ep = (by_rank(k) for k in ("expert_inner", "expert_outer", "moe_sharding", "ep"))
     for r in range(world_size):
         assert rep[r] & inner[r] == {r}  # one shard holder per replica
-        assert set().union(*(inner[q] for q in rep[r])) == dpar[r]  # replicate x inner = data parallel
+        assert set().union(*(inner[q] for q in rep[r])) == dpar[r]  # replicate x inner = data parallel x sep x cp
         assert set().union(*(inner[q] for q in outer[r])) == shard[r]  # outer x inner = sharding
         assert set().union(*(e_inner[q] for q in e_outer[r])) == moe[r]
         assert set().union(*(moe[q] for q in ep[r])) == shard[r]  # moe_sharding x ep = sharding

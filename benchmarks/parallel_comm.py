@@ -1,12 +1,12 @@
-"""Bytes per training step by category under tensor parallel: the FSDP/HSDP collectives (shardfusion's own
-accounting, ``sf.comm.CommCounter``) next to the tensor-parallel all-reduces that torch's DTensor issues (which that
-accounting does not see: they are ``torch.ops._c10d_functional`` ops, counted here by a dispatch mode), against the
-formula of docs/tensor-parallel.md.
+"""Bytes per training step by category under tensor and context parallel: the FSDP/HSDP and context-parallel
+collectives (shardfusion's own accounting, ``sf.comm.CommCounter``) next to the tensor-parallel all-reduces that
+torch's DTensor issues (which that accounting does not see: they are ``torch.ops._c10d_functional`` ops, counted
+here by a dispatch mode), against the formulas of docs/tensor-parallel.md and docs/context-parallel.md.
 
-    python -m benchmarks.tp_comm --nproc 4 --mp 2 --outer 1 [--preset tiny --batch 4 --seq 32 --experts 0]
+    python -m benchmarks.parallel_comm --nproc 4 --mp 2 --cp 1 --outer 1 [--preset tiny --batch 4 --seq 32]
 
 One step of the reference GPT (AdamW, clipping) after a warm-up step, on CPU with gloo; prints a table and writes
-``benchmarks/results/tp-comm.md``. Per-rank figures of rank 0; "payload" is the tensor each collective reduces
+``benchmarks/results/parallel-comm.md`` (one section per run, appended). Per-rank figures of rank 0; "payload" is the tensor each collective reduces
 (bytes), "wire" what a ring sends per rank (2 (n-1)/n x payload for an all-reduce).
 """
 
@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.spawn import join, run_workers
 
-RESULTS = Path(__file__).resolve().parent / "results" / "tp-comm.md"
+RESULTS = Path(__file__).resolve().parent / "results" / "parallel-comm.md"
 _COLLECTIVES = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
                 "reduce_scatter_tensor": "reduce_scatter"}
 
@@ -47,19 +47,22 @@ class FunctionalCollectives(TorchDispatchMode):
 
 def _worker(opts: dict) -> dict:
     import shardfusion as sf
+    from shardfusion.context_parallel import sequence_chunk
     from shardfusion.models import GPT, PRESETS, Block
     from shardfusion.models.gpt_parallel import parallelize
 
     join("cpu")
     torch.set_num_threads(1)
-    topo = sf.Topology(mp=opts["mp"], fsdp_outer_degree=opts["outer"])
+    topo = sf.Topology(mp=opts["mp"], cp=opts["cp"], fsdp_outer_degree=opts["outer"])
     config = dataclasses.replace(PRESETS[opts["preset"]], seq_len=opts["seq"], fused_qkv=False,
                                  n_experts=opts["experts"])
     torch.manual_seed(0)
-    model = sf.fully_shard(parallelize(GPT(config), topo.get_mesh("mp")), topo, units=(Block,))
+    model = GPT(config, context_group=topo.get_group("context"))
+    model = sf.fully_shard(parallelize(model, topo.get_mesh("mp")), topo, units=(Block,))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(topo.data_parallel_rank)
-    x = torch.randint(0, 256, (opts["batch"], opts["seq"]), generator=g)
+    x = torch.randint(0, 256, (opts["batch"], opts["seq"]), generator=g)  # (B, T) whole sequences
+    x = sequence_chunk(x, topo.context_rank, topo.sep * topo.cp)  # (B, T / cp) this rank's part
 
     def step():
         loss = model(x, x)[1]
@@ -73,17 +76,19 @@ def _worker(opts: dict) -> dict:
     with sf.comm.CommCounter() as counter, functional:
         step()
     return {"fsdp": counter.summary(), "tp": functional.ops, "layout": topo.describe(),
-            "n_layer": config.n_layer, "d_model": config.d_model}
+            "n_layer": config.n_layer, "d_model": config.d_model, "n_head": config.n_head}
 
 
 def _report(opts: dict, r: dict) -> str:
-    mp = opts["mp"]
-    act = opts["batch"] * opts["seq"] * r["d_model"] * 4  # one (B, T, C) fp32 activation, bytes
+    mp, cp = opts["mp"], opts["cp"]
+    tokens = opts["batch"] * opts["seq"] // cp  # this rank's tokens
+    act = tokens * r["d_model"] * 4  # one (B, T / cp, C) fp32 activation, bytes
     expected = 4 * r["n_layer"]  # 2 forward + 2 backward all-reduces per block (docs/tensor-parallel.md)
-    lines = [f"# Bytes per step under tensor parallel\n",
-             f"`python -m benchmarks.tp_comm --nproc {opts['nproc']} --mp {mp} --outer {opts['outer']} --preset "
-             f"{opts['preset']} --batch {opts['batch']} --seq {opts['seq']} --experts {opts['experts']}` "
-             f"({r['layout']}; rank 0, one step after a warm-up).\n",
+    kv = opts["batch"] * opts["seq"] * r["d_model"] // mp * 4  # K (or V) of the whole sequence, this rank's heads
+    lines = [f"## mp {mp}, cp {cp}, outer {opts['outer']}\n",
+             f"`python -m benchmarks.parallel_comm --nproc {opts['nproc']} --mp {mp} --cp {cp} --outer "
+             f"{opts['outer']} --preset {opts['preset']} --batch {opts['batch']} --seq {opts['seq']} --experts "
+             f"{opts['experts']}` ({r['layout']}; rank 0, one step after a warm-up).\n",
              "| category | count | payload bytes | wire bytes per rank |", "|---|---|---|---|"]
     for op, (count, payload) in sorted(r["tp"].items()):
         wire = payload * 2 * (mp - 1) / mp if op == "all_reduce" else payload
@@ -92,9 +97,17 @@ def _report(opts: dict, r: dict) -> str:
         if s["count"]:
             lines.append(f"| {category} | {s['count']:.0f} | {s['bytes']:,.0f} | {s['wire_bytes']:,.0f} |")
     tp_count, tp_payload = r["tp"].get("all_reduce", [0, 0])
-    lines += ["", f"Formula: 4 all-reduces per block x {r['n_layer']} blocks = {expected}, each of one (B, T, C) fp32 "
-              f"activation = {act:,} bytes, {expected * act:,} bytes in all; measured {tp_count} and {tp_payload:,} "
-              f"(the extra ones, if any, are the clip norm's and the loss's: 0-d)."]
+    lines.append("")
+    if mp > 1:
+        lines.append(f"Tensor parallel: 4 all-reduces per block x {r['n_layer']} blocks = {expected}, each of one "
+                     f"(B, T / cp, C) fp32 activation = {act:,} bytes, {expected * act:,} bytes in all; measured "
+                     f"{tp_count} and {tp_payload:,}.")
+    if cp > 1:
+        got = r["fsdp"]["context_parallel"]
+        lines.append(f"Context parallel: per block an all-gather of K and of V and a reduce-scatter of each gradient = "
+                     f"{4 * r['n_layer']} collectives of the whole sequence's K or V ({kv:,} bytes: B x T x C / mp x 4), "
+                     f"{4 * r['n_layer'] * kv:,} bytes in all, each rank sending (cp - 1) / cp of it; measured "
+                     f"{got['count']:.0f} and {got['bytes']:,.0f}.")
     return "\n".join(lines) + "\n"
 
 
@@ -102,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--mp", type=int, default=2)
+    parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--outer", type=int, default=1)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--batch", type=int, default=4)
@@ -116,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     text = _report(opts, results[0])
     print(text)
     if not opts["no_write"]:
-        RESULTS.write_text(text)
+        head = "# Bytes per step under tensor and context parallel\n"
+        old = RESULTS.read_text() if RESULTS.exists() else head
+        RESULTS.write_text((old if old.startswith(head) else head) + "\n" + text)
     return 0
 
 
