@@ -18,7 +18,7 @@ import time
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from shardfusion.train.data import corpus_size, min_corpus_bytes, split_sizes
 from shardfusion.models.gpt import PRESETS, GPTConfig
@@ -102,8 +102,15 @@ class TrainConfig:
     """How expert buffers use the HSDP outer group: replicate (sharded over moe_sharding / outer ranks, all-reduced
     over the outer group, like dense buffers) or shard (sharded over all moe_sharding ranks, no outer all-reduce)
     (default replicate)."""
-    batch_size: int = 16
-    """Sequences per data-parallel rank per micro-batch (default 16)."""
+    batch_size: int | None = None
+    """Per data-parallel rank: sequences each data-parallel rank takes per micro-batch, B = --global-batch-size /
+    the data-parallel world size; give this or --global-batch-size (both only when they agree) (default:
+    --global-batch-size / the data-parallel world size, or 16 when neither is given)."""
+    global_batch_size: int | None = None
+    """Global: sequences per micro-batch summed over all data-parallel ranks, G. The global batch of a step is the
+    same at every world size and layout, and each data-parallel rank takes its G / (data-parallel world size) of
+    it, so G must be divisible by the data-parallel world size (default: --batch-size x the data-parallel world
+    size; a run that resumes a checkpoint keeps the saved run's G, so another world size keeps the data order)."""
     grad_accum: int = 1
     """Micro-batches per optimizer step (default 1)."""
     steps: int = 200
@@ -237,7 +244,10 @@ class TrainConfig:
         if self.aux_loss_coef < 0:
             raise ValueError(f"--aux-loss-coef must be >= 0, got {self.aux_loss_coef}")
         self.model_config()
-        for flag, value in (("--batch-size", self.batch_size), ("--grad-accum", self.grad_accum),
+        for flag, value in (("--batch-size", self.batch_size), ("--global-batch-size", self.global_batch_size)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        for flag, value in (("--grad-accum", self.grad_accum),
                             ("--eval-every", self.eval_every), ("--eval-batches", self.eval_batches),
                             ("--data-bytes", self.data_bytes), ("--steps", self.steps)):
             if value < 1:
@@ -281,10 +291,43 @@ class TrainConfig:
             raise ValueError(f"--reshard-policy must be {' or '.join(RESHARD_POLICIES)}, got {self.reshard_policy!r}")
 
 
+DEFAULT_BATCH_SIZE = 16
+"""--batch-size when neither --batch-size nor --global-batch-size is given (and no checkpoint is resumed)."""
+
+
+def data_parallel_size(world_size: int) -> int:
+    """The data-parallel world size of the job at world_size ranks: the ranks that take distinct slices of the
+    global batch, `topo.dp * topo.sharding` (ep ranks take distinct slices too; mp and cp ranks of one
+    data-parallel rank would share its slice). The job has no --mp / --cp flag yet, so this is world_size; a flag
+    that adds such an axis divides it here."""
+    return world_size
+
+
+def check_batch(config: TrainConfig, *, dp_world: int, world: str) -> None:
+    """The batch flags against the data-parallel world size dp_world: --global-batch-size divisible by it, and
+    --batch-size x dp_world equal to --global-batch-size when both are set (after `resolve`, they are).
+    `world` names where dp_world comes from in messages (e.g. "--nproc 4").
+
+    Raises:
+        ValueError: naming both flags or --global-batch-size and dp_world, and what would fit.
+    """
+    per_rank, total = config.batch_size, config.global_batch_size
+    if total is not None and total % dp_world:
+        below, above = total // dp_world * dp_world, -(-total // dp_world) * dp_world
+        fits = f"{below} or {above}" if below else f"{above}"
+        raise ValueError(f"--global-batch-size {total} is not divisible by the data-parallel world size {dp_world} "
+                         f"({world}): each data-parallel rank takes G / {dp_world} sequences; use "
+                         f"--global-batch-size {fits}, or another world size")
+    if per_rank is not None and total is not None and per_rank * dp_world != total:
+        raise ValueError(f"--batch-size {per_rank} (per data-parallel rank) and --global-batch-size {total} disagree: "
+                         f"{per_rank} x the data-parallel world size {dp_world} ({world}) = {per_rank * dp_world}; "
+                         f"give only one of them")
+
+
 def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
     """The checks that need the world size or the file system, run before any worker starts (or, under torchrun,
-    before each worker joins the process group): the HSDP and expert-parallel layout, the output folder and the
-    corpus.
+    before each worker joins the process group): the batch flags (`check_batch`), the HSDP and expert-parallel
+    layout, the output folder and the corpus.
 
     config must be `resolve`d; `world` names where world_size comes from in messages (e.g. "--nproc 4").
     Uses the library's own rules: `shardfusion.topology.Degrees` for the layout, `shardfusion.train.data` for the split.
@@ -292,6 +335,7 @@ def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
     Raises:
         ValueError: one line that names the flag to change and the numbers involved.
     """
+    check_batch(config, dp_world=data_parallel_size(world_size), world=world)
     outer, ep = config.fsdp_outer_degree, config.ep
     if outer == AUTO:
         outer = 1  # the cost model picks a degree that fits; the layout check below is the ep one
@@ -381,12 +425,14 @@ def lr_at(config: TrainConfig, step: int) -> float:
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def resolve(config: TrainConfig, *, device: str, world_size: int) -> TrainConfig:
-    """Fill the run-time defaults: device, ep, fsdp_outer_degree and out.
+def resolve(config: TrainConfig, *, device: str, world_size: int,
+            saved: dict[str, Any] | None = None) -> TrainConfig:
+    """Fill the run-time defaults: device, ep, fsdp_outer_degree, out and the batch sizes.
 
     ep: 1 for a Hugging Face model; else 2 when --experts and the world size are even, else 1. fsdp_outer_degree: 2
     when the world size is >= 4 and 2 divides the expert sharding degree world_size / ep, else 1 (for ep 1: when the
-    world size is even)."""
+    world size is even). Batch sizes (`resolve_batch`): saved is the settings of the checkpoint this run resumes
+    (`shardfusion.train.resume.saved_settings`), None for a new run. Raises nothing: `check_run` checks the result."""
     ep = config.ep
     if config.hf_model is not None or config.init_from is not None:
         ep = 1  # Hugging Face models hold every expert (see TrainConfig.hf_model)
@@ -397,7 +443,27 @@ def resolve(config: TrainConfig, *, device: str, world_size: int) -> TrainConfig
         moe_sharding = world_size // ep if world_size % ep == 0 else world_size
         outer = 2 if world_size >= 4 and moe_sharding % 2 == 0 else 1
     out = config.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+    config = resolve_batch(config, dp_world=data_parallel_size(world_size), saved=saved)
     return dataclasses.replace(config, device=device, ep=ep, fsdp_outer_degree=outer, out=out)
+
+
+def resolve_batch(config: TrainConfig, *, dp_world: int, saved: dict[str, Any] | None = None) -> TrainConfig:
+    """Fill --batch-size (B, per data-parallel rank) and --global-batch-size (G) from each other: G = B x dp_world.
+
+    Neither given: a resumed run (saved: its checkpoint's settings) keeps the saved G, or, for a checkpoint of a run
+    before the global data order (no saved G), the saved B; a new run takes B = `DEFAULT_BATCH_SIZE`. Only G given:
+    B = G / dp_world when that divides, else B stays None for `check_batch` to refuse. Both given: kept as they
+    are (`check_batch` compares them)."""
+    per_rank, total = config.batch_size, config.global_batch_size
+    if per_rank is None and total is None:
+        saved = saved or {}
+        total = saved.get("global_batch_size")
+        per_rank = saved.get("batch_size", DEFAULT_BATCH_SIZE) if total is None else None
+    if total is None:
+        total = per_rank * dp_world
+    elif per_rank is None and total % dp_world == 0:
+        per_rank = total // dp_world
+    return dataclasses.replace(config, batch_size=per_rank, global_batch_size=total)
 
 
 def _field_docs(cls: type) -> dict[str, str]:

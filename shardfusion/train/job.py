@@ -15,9 +15,9 @@ inside a `sf.comm.CommCounter`: its collectives per accounting category (count, 
 nodes of `--ranks-per-node` ranks, time waited; see `shardfusion.accounting`) go to the step's record and, as means
 per step, to the summary.
 
-Flags that need the world size or the file system (the HSDP and expert-parallel layout, --data, --data-bytes,
---device, --out) are checked before any worker starts (`preflight`): a bad one is a one-line usage error with exit
-status 2.
+Flags that need the world size or the file system (the batch sizes, the HSDP and expert-parallel layout, --data,
+--data-bytes, --device, --out) are checked before any worker starts (`preflight`): a bad one is a one-line usage
+error with exit status 2.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from shardfusion.train import resume as train_state
 from shardfusion.accounting import ranks_per_node_from_env
 from shardfusion.comm import call_on_rank0
 from shardfusion.plan import default_memory_budget
-from shardfusion.train.data import BatchSampler, load_corpus, split_corpus
+from shardfusion.train.data import DATA_ORDER, DATA_ORDER_PER_RANK, BatchSampler, load_corpus, split_corpus
 from shardfusion.train.launch import (default_nproc, exit_now, init_worker, launch, pick_device, restart_problem,
                                 threads_per_worker, under_torchrun)
 from shardfusion.train.metrics import (MetricsLog, comm_step_record, expert_balance, format_summary, plot_losses,
@@ -48,7 +48,8 @@ from shardfusion.train.metrics import (MetricsLog, comm_step_record, expert_bala
 from shardfusion.train import job_model
 from shardfusion.train.job_model import JobModel, Losses
 from shardfusion.train.outputs import open_outputs
-from shardfusion.train.config import AUTO, DTYPES, TrainConfig, check_run, lr_at, parse_args, resolve, usage_error
+from shardfusion.train.config import (AUTO, DTYPES, TrainConfig, check_batch, check_run, lr_at, parse_args, resolve,
+                                      usage_error)
 
 ADAM_BETAS = (0.9, 0.95)
 SAMPLE_PROMPT_BYTES = 64
@@ -235,6 +236,9 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         config = dataclasses.replace(config, fsdp_outer_degree=plan_outer_degree(config, device, world))
 
     topo = sf.Topology(fsdp_outer_degree=config.fsdp_outer_degree, ep=config.ep)
+    # the same ValueError on every rank, before the model is built (preflight ran it against the world size)
+    check_batch(config, dp_world=topo.dp * topo.sharding,
+                world=f"dp {topo.dp} x sharding {topo.sharding} of {world} ranks")
     job = job_model.build(config, topo.get_group("ep"), device)
     moe, num_params, num_active = job.moe, job.num_params, job.num_active
     mp_policy = sf.MixedPrecisionPolicy(param_dtype=_dtype(config.param_dtype),
@@ -247,11 +251,11 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     if config.init_from is not None and resume_from is None:  # a resumed run takes its weights from the checkpoint
         job_model.load_pretrained(model, config.init_from)
     optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=ADAM_BETAS)
-    start, elapsed_before, notes = 0, 0.0, []
-    if resume_from is not None:
-        start, elapsed_before, notes = train_state.restore(model, optimizer, resume_from, config=config,
-                                                           model_extra=job.extra, layout=topo.describe(),
-                                                           device=device)
+    start, elapsed_before, notes, data_order = 0, 0.0, [], DATA_ORDER
+    if resume_from is not None:  # the saved run's data order: DATA_ORDER_PER_RANK for a checkpoint of an older run
+        start, elapsed_before, notes, data_order = train_state.restore(
+            model, optimizer, resume_from, config=config, model_extra=job.extra, layout=topo.describe(),
+            device=device)
         for group, flags in zip(optimizer.param_groups, param_groups(model, config.weight_decay)):
             group["weight_decay"] = flags["weight_decay"]  # this run's flags, not the saved ones (lr: per step)
     stop = config.stop_after or config.steps
@@ -268,14 +272,15 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
 
     dp_world = topo.dp * topo.sharding
     train_data, val_data = split_corpus(load_corpus(config.data, config.data_bytes))
-    sampler = BatchSampler(train=train_data, val=val_data, batch_size=config.batch_size,
+    sampler = BatchSampler(train=train_data, val=val_data, batch_size=config.global_batch_size // dp_world,
                            seq_len=job.seq_len, seed=config.seed, dp_rank=topo.data_parallel_rank,
-                           dp_world=dp_world)
-    tokens_per_step = config.batch_size * job.seq_len * config.grad_accum * dp_world
+                           dp_world=dp_world, data_order=data_order)
+    tokens_per_step = config.global_batch_size * job.seq_len * config.grad_accum
 
     record = {**dataclasses.asdict(config), "model": next(iter(job.extra.values())), "world_size": world,
-              "layout": topo.describe(), "num_params": num_params, "num_active_params": num_active,
-              "tokens_per_step": tokens_per_step, "train_bytes": len(train_data), "val_bytes": len(val_data)}
+              "layout": topo.describe(), "data_order": data_order, "num_params": num_params,
+              "num_active_params": num_active, "tokens_per_step": tokens_per_step, "train_bytes": len(train_data),
+              "val_bytes": len(val_data)}
     resumed = {"checkpoint": resume_from, "step": start, "notes": notes} if resume_from else None
     opened: list[MetricsLog] = []  # rank 0's log; a failure on rank 0 raises on every rank (no rank left waiting)
     archived = call_on_rank0(lambda: open_outputs(out, record, resumed, opened), f"cannot write to --out {out}")
@@ -293,6 +298,9 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             print(f"shardfusion: resuming at step {start} from {resume_from}{dropped}", flush=True)
             for note in notes:
                 print(f"shardfusion: warning: not an exact resume: {note}", flush=True)
+            if data_order == DATA_ORDER_PER_RANK:
+                print(f"shardfusion: {resume_from} was written before the global data order: this run keeps its "
+                      f"per-rank data order (data_order {data_order}; see docs/data-order.md)", flush=True)
 
     def elapsed() -> float:
         """Training seconds, those of the runs this one resumed included."""
@@ -358,7 +366,7 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         if (config.save_every and done % config.save_every == 0) or (save_at_stop and done == stop):
             path = train_state.save(model, optimizer, config.out, step=done, keep=config.keep, config=config,
                                     model_extra=job.extra, layout=topo.describe(), elapsed_s=elapsed(),
-                                    device=device)
+                                    device=device, data_order=data_order)
             if is_main:
                 tqdm.write(f"step {done:5d}  saved {path} in {time.perf_counter() - t_step:.1f} s")
             t_step = time.perf_counter()
@@ -418,7 +426,8 @@ def preflight(config: TrainConfig, *, torchrun: bool) -> TrainConfig:
         raise ValueError(f"--device cuda with {local} workers on this node, but only {torch.cuda.device_count()} "
                          f"GPUs are visible; use {'--nproc-per-node' if torchrun else '--nproc'} "
                          f"{torch.cuda.device_count()} or fewer")
-    config = resolve(config, device=device, world_size=world)
+    # a resumed run keeps the saved global batch size unless a batch flag is given (resolve_batch)
+    config = resolve(config, device=device, world_size=world, saved=train_state.saved_settings(config.out))
     check_run(config, world_size=world, world=label)
     if job_model.is_hf(config):
         meta = job_model.checked_meta_model(config)  # transformers present, the config and the units usable
