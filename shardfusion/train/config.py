@@ -18,7 +18,7 @@ import time
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from shardfusion.train.data import corpus_size, min_corpus_bytes, split_sizes
 from shardfusion.models.gpt import PRESETS, GPTConfig
@@ -109,8 +109,20 @@ class TrainConfig:
     fused_qkv: bool = False
     """One (3C, C) q/k/v projection per block (the GPT's layout before tensor parallel) instead of three (C, C) ones;
     the same initial weights and arithmetic. A resumed run takes its checkpoint's layout (default: three)."""
-    batch_size: int = 16
-    """Sequences per data-parallel rank per micro-batch (default 16)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is split over this many ranks (contiguous chunks; exact attention by an
+    all-gather of keys and values, shardfusion.context_parallel); they see the same samples, so the data-parallel
+    world is the world size / (mp x cp). Must divide the world size and --seq-len; needs --dropout 0 (GPT only;
+    default 1)."""
+    batch_size: int | None = None
+    """Per data-parallel rank: sequences each data-parallel rank takes per micro-batch, B = --global-batch-size /
+    the data-parallel world size; give this or --global-batch-size (both only when they agree) (default:
+    --global-batch-size / the data-parallel world size, or 16 when neither is given)."""
+    global_batch_size: int | None = None
+    """Global: sequences per micro-batch summed over all data-parallel ranks, G. The global batch of a step is the
+    same at every world size and layout, and each data-parallel rank takes its G / (data-parallel world size) of
+    it, so G must be divisible by the data-parallel world size (default: --batch-size x the data-parallel world
+    size; a run that resumes a checkpoint keeps the saved run's G, so another world size keeps the data order)."""
     grad_accum: int = 1
     """Micro-batches per optimizer step (default 1)."""
     steps: int = 200
@@ -209,6 +221,9 @@ class TrainConfig:
         if self.mp != 1:
             raise ValueError(f"--mp {self.mp} does not apply to {what}: the tensor-parallel plan is the GPT's "
                              "(shardfusion.models.gpt_parallel); drop --mp")
+        if self.cp != 1:
+            raise ValueError(f"--cp {self.cp} does not apply to {what}: context-parallel attention is the GPT's "
+                             "(shardfusion.context_parallel); drop --cp")
         if self.init_from is not None:
             for name in ("n_layer", "n_head", "d_model", "expert_hidden"):
                 if getattr(self, name) is not None:
@@ -247,7 +262,10 @@ class TrainConfig:
         if self.aux_loss_coef < 0:
             raise ValueError(f"--aux-loss-coef must be >= 0, got {self.aux_loss_coef}")
         self.model_config()
-        for flag, value in (("--batch-size", self.batch_size), ("--grad-accum", self.grad_accum),
+        for flag, value in (("--batch-size", self.batch_size), ("--global-batch-size", self.global_batch_size)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        for flag, value in (("--grad-accum", self.grad_accum),
                             ("--eval-every", self.eval_every), ("--eval-batches", self.eval_batches),
                             ("--data-bytes", self.data_bytes), ("--steps", self.steps)):
             if value < 1:
@@ -291,10 +309,44 @@ class TrainConfig:
             raise ValueError(f"--reshard-policy must be {' or '.join(RESHARD_POLICIES)}, got {self.reshard_policy!r}")
 
 
+DEFAULT_BATCH_SIZE = 16
+"""--batch-size when neither --batch-size nor --global-batch-size is given (and no checkpoint is resumed)."""
+
+
+def data_parallel_size(config: TrainConfig, world_size: int) -> int:
+    """The data-parallel world size of the job at world_size ranks: the ranks that take distinct slices of the
+    global batch, `topo.dp * topo.sharding` = world_size / (mp x cp) (ep ranks take distinct slices too; the mp and
+    cp ranks of one data-parallel rank share its slice: cp ranks take parts of its sequences). world_size itself
+    when mp x cp does not divide it (check_run reports that)."""
+    split = max(1, config.mp) * max(1, config.cp)
+    return world_size // split if world_size % split == 0 else world_size
+
+
+def check_batch(config: TrainConfig, *, dp_world: int, world: str) -> None:
+    """The batch flags against the data-parallel world size dp_world: --global-batch-size divisible by it, and
+    --batch-size x dp_world equal to --global-batch-size when both are set (after `resolve`, they are).
+    `world` names where dp_world comes from in messages (e.g. "--nproc 4").
+
+    Raises:
+        ValueError: naming both flags or --global-batch-size and dp_world, and what would fit.
+    """
+    per_rank, total = config.batch_size, config.global_batch_size
+    if total is not None and total % dp_world:
+        below, above = total // dp_world * dp_world, -(-total // dp_world) * dp_world
+        fits = f"{below} or {above}" if below else f"{above}"
+        raise ValueError(f"--global-batch-size {total} is not divisible by the data-parallel world size {dp_world} "
+                         f"({world}): each data-parallel rank takes G / {dp_world} sequences; use "
+                         f"--global-batch-size {fits}, or another world size")
+    if per_rank is not None and total is not None and per_rank * dp_world != total:
+        raise ValueError(f"--batch-size {per_rank} (per data-parallel rank) and --global-batch-size {total} disagree: "
+                         f"{per_rank} x the data-parallel world size {dp_world} ({world}) = {per_rank * dp_world}; "
+                         f"give only one of them")
+
+
 def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
     """The checks that need the world size or the file system, run before any worker starts (or, under torchrun,
-    before each worker joins the process group): the HSDP and expert-parallel layout, the output folder and the
-    corpus.
+    before each worker joins the process group): the batch flags (`check_batch`), the HSDP and expert-parallel
+    layout, the output folder and the corpus.
 
     config must be `resolve`d; `world` names where world_size comes from in messages (e.g. "--nproc 4").
     Uses the library's own rules: `shardfusion.topology.Degrees` for the layout, `shardfusion.train.data` for the split.
@@ -302,22 +354,34 @@ def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
     Raises:
         ValueError: one line that names the flag to change and the numbers involved.
     """
-    outer, ep, mp = config.fsdp_outer_degree, config.ep, config.mp
+    outer, ep, mp, cp = config.fsdp_outer_degree, config.ep, config.mp, config.cp
     if outer == AUTO:
         outer = 1  # the cost model picks a degree that fits; the layout check below is the ep one
-    if mp < 1 or world_size % mp:
-        raise ValueError(f"--mp {mp} must be >= 1 and divide the {world_size} ranks ({world})")
-    if mp > 1 and config.fsdp_outer_degree == AUTO:
-        raise ValueError(f"--fsdp-outer-degree auto with --mp {mp}: the cost model does not count tensor-parallel "
-                         "traffic yet; give the outer degree as an int")
-    with_mp = f" with --mp {mp}" if mp > 1 else ""
+    for flag, degree in (("--mp", mp), ("--cp", cp)):
+        if degree < 1 or world_size % degree:
+            raise ValueError(f"{flag} {degree} must be >= 1 and divide the {world_size} ranks ({world})")
+        if degree > 1 and config.fsdp_outer_degree == AUTO:
+            raise ValueError(f"--fsdp-outer-degree auto with {flag} {degree}: the cost model does not count "
+                             "tensor- and context-parallel traffic yet; give the outer degree as an int")
+    if world_size % (mp * cp):
+        raise ValueError(f"--mp {mp} x --cp {cp} = {mp * cp} must divide the {world_size} ranks ({world})")
+    if cp > 1:
+        seq_len = config.model_config().seq_len
+        if seq_len % cp:
+            raise ValueError(f"--cp {cp} must divide the sequence length {seq_len} (--seq-len): each cp rank takes "
+                             f"seq_len / cp tokens of every sequence")
+        if config.dropout:
+            raise ValueError(f"--cp {cp} needs --dropout 0 (got {config.dropout}): attention dropout would differ "
+                             "from one process's")
+    check_batch(config, dp_world=data_parallel_size(config, world_size), world=world)
+    with_mp = "".join(f" with {flag} {degree}" for flag, degree in (("--mp", mp), ("--cp", cp)) if degree > 1)
     try:
-        Degrees(world_size=world_size, sharding=-1, mp=mp, fsdp_outer_degree=outer)
+        Degrees(world_size=world_size, sharding=-1, mp=mp, cp=cp, fsdp_outer_degree=outer)
     except ValueError as error:
         raise ValueError(f"--fsdp-outer-degree {outer}{with_mp} does not fit {world_size} ranks ({world}): "
                          f"{error}") from None
     try:
-        Degrees(world_size=world_size, sharding=-1, mp=mp, ep=ep, fsdp_outer_degree=outer)
+        Degrees(world_size=world_size, sharding=-1, mp=mp, cp=cp, ep=ep, fsdp_outer_degree=outer)
     except ValueError as error:
         raise ValueError(f"--ep {ep} with --fsdp-outer-degree {outer}{with_mp.replace(' with', ' and')} does not fit "
                          f"{world_size} ranks ({world}): {error}") from None
@@ -404,25 +468,48 @@ def lr_at(config: TrainConfig, step: int) -> float:
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def resolve(config: TrainConfig, *, device: str, world_size: int) -> TrainConfig:
-    """Fill the run-time defaults: device, ep, fsdp_outer_degree and out.
+def resolve(config: TrainConfig, *, device: str, world_size: int,
+            saved: dict[str, Any] | None = None) -> TrainConfig:
+    """Fill the run-time defaults: device, ep, fsdp_outer_degree, out and the batch sizes.
 
     ep: 1 for a Hugging Face model; else 2 when --experts and the sharding degree (world size / mp) are even, else 1.
     fsdp_outer_degree: 2 when the world size is >= 4 and 2 divides the expert sharding degree world_size / mp / ep,
-    else 1."""
+    else 1. Batch sizes (`resolve_batch`): saved is the settings of
+    the checkpoint this run resumes (`shardfusion.train.resume.saved_settings`), None for a new run. Raises nothing:
+    `check_run` checks the result."""
     ep = config.ep
     if config.hf_model is not None or config.init_from is not None:
         ep = 1  # Hugging Face models hold every expert (see TrainConfig.hf_model)
     elif ep is None:
-        sharding = world_size // config.mp if config.mp >= 1 and world_size % config.mp == 0 else world_size
+        sharding = data_parallel_size(config, world_size)
         ep = 2 if config.experts and config.experts % 2 == 0 and sharding % 2 == 0 else 1
     outer = config.fsdp_outer_degree  # auto stays: the job plans it at start-up (shardfusion.train.job)
     if outer is None:
-        sharding = world_size // config.mp if config.mp >= 1 and world_size % config.mp == 0 else world_size
+        sharding = data_parallel_size(config, world_size)
         moe_sharding = sharding // ep if sharding % ep == 0 else sharding
         outer = 2 if world_size >= 4 and moe_sharding % 2 == 0 else 1
     out = config.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+    config = resolve_batch(config, dp_world=data_parallel_size(config, world_size), saved=saved)
     return dataclasses.replace(config, device=device, ep=ep, fsdp_outer_degree=outer, out=out)
+
+
+def resolve_batch(config: TrainConfig, *, dp_world: int, saved: dict[str, Any] | None = None) -> TrainConfig:
+    """Fill --batch-size (B, per data-parallel rank) and --global-batch-size (G) from each other: G = B x dp_world.
+
+    Neither given: a resumed run (saved: its checkpoint's settings) keeps the saved G, or, for a checkpoint of a run
+    before the global data order (no saved G), the saved B; a new run takes B = `DEFAULT_BATCH_SIZE`. Only G given:
+    B = G / dp_world when that divides, else B stays None for `check_batch` to refuse. Both given: kept as they
+    are (`check_batch` compares them)."""
+    per_rank, total = config.batch_size, config.global_batch_size
+    if per_rank is None and total is None:
+        saved = saved or {}
+        total = saved.get("global_batch_size")
+        per_rank = saved.get("batch_size", DEFAULT_BATCH_SIZE) if total is None else None
+    if total is None:
+        total = per_rank * dp_world
+    elif per_rank is None and total % dp_world == 0:
+        per_rank = total // dp_world
+    return dataclasses.replace(config, batch_size=per_rank, global_batch_size=total)
 
 
 def _field_docs(cls: type) -> dict[str, str]:

@@ -4,10 +4,14 @@ The corpus is raw bytes (one token per byte, vocabulary 256). By default it is t
 source: every `*.py` file under `sysconfig.get_paths()["stdlib"]` (site-packages and dist-packages excluded), in
 sorted path order, concatenated, capped at `max_bytes`. The last `VAL_FRACTION` of the corpus is the validation split.
 
-Batches are windows of `seq_len + 1` bytes at random offsets. A training batch is a pure function of
-(seed, step, micro_step, data-parallel rank), so each data-parallel rank sees different windows, and a run is
-reproducible and can resume at any step without replaying the sampler. Validation batch i is a pure function of
-(seed, i): the same on every rank.
+Batches are windows of `seq_len + 1` bytes at random offsets. The global batch of (step, micro-step), G windows, is a
+pure function of (seed, step, micro_step, G) (`BatchSampler.global_batch`): data-parallel rank r takes its rows
+[r * B, (r + 1) * B), B = G / dp_world, so every world size and layout trains on the same global batch, and a run is
+reproducible and can resume at any step, in any layout, without replaying the sampler (data order `DATA_ORDER`).
+Runs written before that drew B windows per rank from a seed that mixed in the rank (`DATA_ORDER_PER_RANK`); a
+checkpoint of such a run resumes with that order. Validation batch i is a pure function of (seed, i, B): the same on
+every rank. `context_parallel_slice` cuts a context-parallel rank's part of each sequence out of a batch.
+See docs/data-order.md.
 """
 
 from __future__ import annotations
@@ -28,7 +32,18 @@ DEFAULT_MAX_BYTES = 16_000_000
 """Default cap on the corpus size, so start-up stays fast."""
 
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
-_TRAIN, _VAL = 0, 1  # split ids mixed into the sampler seed
+_TRAIN, _VAL, _TRAIN_GLOBAL = 0, 1, 2  # stream ids mixed into the sampler seed (_TRAIN: the per-rank order)
+
+DATA_ORDER_PER_RANK = 1
+"""Data order of runs before the order was recorded: each data-parallel rank draws its own `batch_size` windows from
+a seed of (seed, step, micro-step, dp_rank), so the data depend on the world size."""
+
+DATA_ORDER = 2
+"""Data order of new runs: the global batch of `global_batch_size` windows is drawn from a seed of (seed, step,
+micro-step) alone and each data-parallel rank takes a contiguous slice of it, so the data do not depend on the world
+size or the layout. Recorded in OUT/config.json and in each checkpoint (`shardfusion.train.resume`)."""
+
+DATA_ORDERS = (DATA_ORDER_PER_RANK, DATA_ORDER)
 
 
 def stdlib_files() -> list[Path]:
@@ -134,48 +149,87 @@ def split_corpus(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class BatchSampler:
-    """Seeded random windows over the train and val splits for one data-parallel rank."""
+    """Seeded random windows over the train and val splits, as one data-parallel rank sees them.
+
+    Training (data order `DATA_ORDER`): the global batch of (step, micro_step) holds G = batch_size * dp_world
+    windows drawn from a seed without the rank; rank dp_rank takes rows [dp_rank * B, (dp_rank + 1) * B), B =
+    batch_size. The union of the ranks' slices, in rank order, is `global_batch`, whatever dp_world is (for the same
+    G). With `data_order=DATA_ORDER_PER_RANK`, each rank draws B windows of its own (the order of runs before).
+
+    Raises:
+        ValueError: dp_rank outside [0, dp_world), batch_size < 1, an unknown data_order, or a split shorter than
+            seq_len + 1 bytes.
+    """
 
     train: torch.Tensor
     """Training bytes, 1-D uint8."""
     val: torch.Tensor
     """Validation bytes, 1-D uint8."""
     batch_size: int
-    """Windows per batch (per data-parallel rank, per micro-batch)."""
+    """Windows per batch per data-parallel rank per micro-batch (B); the global batch holds B * dp_world."""
     seq_len: int
     """Tokens per window; each window reads seq_len + 1 bytes (inputs and shifted targets)."""
     seed: int
-    """Base seed; together with step, micro-step and rank it determines every batch."""
+    """Base seed; together with step and micro-step (and G) it determines every batch."""
     dp_rank: int = 0
     """This rank's index in the data-parallel world (`topo.data_parallel_rank`)."""
     dp_world: int = 1
     """Size of the data-parallel world (`topo.dp * topo.sharding`)."""
+    data_order: int = DATA_ORDER
+    """`DATA_ORDER` (one global batch, sliced by rank) or `DATA_ORDER_PER_RANK` (the order of older runs)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.dp_rank < self.dp_world:
             raise ValueError(f"dp_rank({self.dp_rank}) must be in [0, dp_world({self.dp_world}))")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.data_order not in DATA_ORDERS:
+            raise ValueError(f"data_order must be one of {DATA_ORDERS}, got {self.data_order!r}")
         for name, split in (("train", self.train), ("val", self.val)):
             if len(split) < self.seq_len + 1:
                 raise ValueError(f"the {name} split has {len(split)} bytes, fewer than seq_len + 1 = "
                                  f"{self.seq_len + 1}; use more data (--data, --data-bytes) or a smaller --seq-len")
 
-    def _windows(self, split: torch.Tensor, seed_words: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def global_batch_size(self) -> int:
+        """G: windows per micro-batch summed over the data-parallel ranks."""
+        return self.batch_size * self.dp_world
+
+    def _starts(self, split: torch.Tensor, seed_words: list[int], count: int) -> np.ndarray:
         rng = np.random.default_rng(seed_words)
-        starts = rng.integers(0, len(split) - self.seq_len, size=self.batch_size)  # (B,)
-        index = torch.from_numpy(starts)[:, None] + torch.arange(self.seq_len + 1)  # (B, T + 1)
-        window = split[index].long()  # (B, T + 1)
-        return window[:, :-1].contiguous(), window[:, 1:].contiguous()  # 2 x (B, T)
+        return rng.integers(0, len(split) - self.seq_len, size=count)  # (count,) int64
+
+    def _windows(self, split: torch.Tensor, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.from_numpy(starts)[:, None] + torch.arange(self.seq_len + 1)  # (n, T + 1)
+        window = split[index].long()  # (n, T + 1)
+        return window[:, :-1].contiguous(), window[:, 1:].contiguous()  # 2 x (n, T)
+
+    def _global_starts(self, step: int, micro_step: int) -> np.ndarray:
+        return self._starts(self.train, [self.seed, _TRAIN_GLOBAL, step, micro_step], self.global_batch_size)
+
+    def global_batch(self, step: int, micro_step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets (G, T) int64 of the whole global batch of (step, micro_step) in data order
+        `DATA_ORDER`: the same for every dp_rank and every dp_world with the same G. For references and tests; a
+        rank trains on its slice (`get_batch`)."""
+        return self._windows(self.train, self._global_starts(step, micro_step))
 
     def get_batch(self, split: str, step: int, micro_step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets (B, T) int64.
 
-        split "train": this rank's batch for (step, micro_step). split "val": validation batch number `step`
-        (micro_step unused), identical on every rank.
+        split "train": this rank's slice of the global batch of (step, micro_step) (with `DATA_ORDER_PER_RANK`:
+        this rank's own draw). split "val": validation batch number `step` (micro_step unused), identical on every
+        rank.
         """
         if split == "train":
-            return self._windows(self.train, [self.seed, _TRAIN, step, micro_step, self.dp_rank])
+            if self.data_order == DATA_ORDER_PER_RANK:
+                starts = self._starts(self.train, [self.seed, _TRAIN, step, micro_step, self.dp_rank],
+                                      self.batch_size)
+            else:  # draw all G starts (cheap), read only this rank's B windows
+                first = self.dp_rank * self.batch_size
+                starts = self._global_starts(step, micro_step)[first: first + self.batch_size]
+            return self._windows(self.train, starts)
         if split == "val":
-            return self._windows(self.val, [self.seed, _VAL, step])
+            return self._windows(self.val, self._starts(self.val, [self.seed, _VAL, step], self.batch_size))
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
 
     def val_indices(self, num_batches: int) -> range:
@@ -183,3 +237,46 @@ class BatchSampler:
         dp_world so that every rank runs the same number of forwards: indices dp_rank, dp_rank + dp_world, ..."""
         per_rank = -(-num_batches // self.dp_world)
         return range(self.dp_rank, per_rank * self.dp_world, self.dp_world)
+
+
+def context_parallel_span(seq_len: int, cp_rank: int, cp: int) -> tuple[int, int]:
+    """[start, end) of the positions that context-parallel rank cp_rank of cp holds in a sequence of seq_len
+    tokens: the contiguous chunk number cp_rank of length seq_len / cp. A model with absolute position embeddings
+    gives its tokens the positions start .. end - 1.
+
+    Raises:
+        ValueError: cp < 1, cp_rank outside [0, cp), or seq_len not divisible by cp (naming both numbers).
+    """
+    if cp < 1:
+        raise ValueError(f"cp must be >= 1, got {cp}")
+    if not 0 <= cp_rank < cp:
+        raise ValueError(f"cp_rank({cp_rank}) must be in [0, cp({cp}))")
+    if seq_len % cp:
+        raise ValueError(f"the sequence length {seq_len} must be divisible by cp {cp} (each context-parallel rank "
+                         f"holds seq_len / cp tokens); {seq_len} % {cp} = {seq_len % cp}")
+    chunk = seq_len // cp
+    return cp_rank * chunk, (cp_rank + 1) * chunk
+
+
+def context_parallel_slice(inputs: torch.Tensor, targets: torch.Tensor, cp_rank: int,
+                           cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This context-parallel rank's part of a batch: inputs[:, start:end] and targets[:, start:end], each
+    (B, T / cp), same dtype, contiguous copies, with [start, end) = `context_parallel_span(T, cp_rank, cp)`.
+
+    inputs, targets: (B, T), e.g. a data-parallel rank's `BatchSampler.get_batch("train", ...)`; every cp rank of a
+    data-parallel rank holds the same batch and takes its own chunk, so the chunks of ranks 0 .. cp-1 side by side
+    are the whole sequences. Targets are already shifted (target t is input t + 1), so a chunk's last target is the
+    next chunk's first input and no token is lost at a boundary. The mean loss over a global batch is then the mean
+    over all data-parallel and cp ranks of each rank's mean loss over its (B, T / cp) tokens (every rank holds as
+    many). Contiguous chunks, as in ring attention (Liu et al., 2023); under causal attention the last chunk does
+    the most work: a load-balanced split (2 * cp chunks, rank r taking chunks r and 2cp - 1 - r, as Megatron-LM's
+    context parallel does) would be a drop-in replacement here.
+
+    Raises:
+        ValueError: inputs and targets are not 2-D of one shape, or what `context_parallel_span` raises.
+    """
+    if inputs.dim() != 2 or inputs.shape != targets.shape:
+        raise ValueError(f"inputs and targets must both be (B, T), got {tuple(inputs.shape)} and "
+                         f"{tuple(targets.shape)}")
+    start, end = context_parallel_span(inputs.shape[1], cp_rank, cp)
+    return inputs[:, start:end].contiguous(), targets[:, start:end].contiguous()

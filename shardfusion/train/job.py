@@ -15,9 +15,9 @@ inside a `sf.comm.CommCounter`: its collectives per accounting category (count, 
 nodes of `--ranks-per-node` ranks, time waited; see `shardfusion.accounting`) go to the step's record and, as means
 per step, to the summary.
 
-Flags that need the world size or the file system (the HSDP and expert-parallel layout, --data, --data-bytes,
---device, --out) are checked before any worker starts (`preflight`): a bad one is a one-line usage error with exit
-status 2.
+Flags that need the world size or the file system (the batch sizes, the HSDP and expert-parallel layout, --data,
+--data-bytes, --device, --out) are checked before any worker starts (`preflight`): a bad one is a one-line usage
+error with exit status 2.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from shardfusion.train import resume as train_state
 from shardfusion.accounting import ranks_per_node_from_env
 from shardfusion.comm import call_on_rank0
 from shardfusion.plan import default_memory_budget
-from shardfusion.train.data import BatchSampler, load_corpus, split_corpus
+from shardfusion.train.data import (DATA_ORDER, DATA_ORDER_PER_RANK, BatchSampler, context_parallel_slice, load_corpus,
+                                    split_corpus)
 from shardfusion.train.launch import (default_nproc, exit_now, init_worker, launch, pick_device, restart_problem,
                                 threads_per_worker, under_torchrun)
 from shardfusion.train.metrics import (MetricsLog, comm_step_record, expert_balance, format_summary, plot_losses,
@@ -48,7 +49,8 @@ from shardfusion.train.metrics import (MetricsLog, comm_step_record, expert_bala
 from shardfusion.train import job_model
 from shardfusion.train.job_model import JobModel, Losses
 from shardfusion.train.outputs import open_outputs
-from shardfusion.train.config import AUTO, DTYPES, TrainConfig, check_run, lr_at, parse_args, resolve, usage_error
+from shardfusion.train.config import (AUTO, DTYPES, TrainConfig, check_batch, check_run, lr_at, parse_args, resolve,
+                                      usage_error)
 
 ADAM_BETAS = (0.9, 0.95)
 SAMPLE_PROMPT_BYTES = 64
@@ -97,23 +99,34 @@ def global_mean(values: list[float | torch.Tensor], device: torch.device) -> lis
 
 def expert_load(tokens: torch.Tensor, topo: sf.Topology) -> torch.Tensor:
     """(L, E) int64 assignments of tokens to experts, per MoE layer, summed over the data-parallel group: each rank
-    counts its own tokens (`GPT.tokens_per_expert`), so the sum is the global count; ranks outside the group (e.g.
-    mp) see the same tokens and are not added."""
+    counts its own tokens (`GPT.tokens_per_expert`), so the sum is the global count (with context parallel, also
+    over the context group: each cp rank holds part of each sequence); mp ranks see the same tokens and are not
+    added."""
     tokens = tokens.clone()
     dist.all_reduce(tokens, group=topo.get_data_parallel_group())
+    if topo.sep * topo.cp > 1:  # the context ranks count the tokens of their parts of the sequences
+        dist.all_reduce(tokens, group=topo.get_group("context"))
     return tokens
 
 
+def context_part(batch: tuple[torch.Tensor, torch.Tensor], context: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+    """This context-parallel rank's part (B, T / cp) of a data-parallel rank's batch (B, T); ``context``: (context
+    rank, context size); the batch itself without context parallel."""
+    rank, size = context
+    return batch if size == 1 else context_parallel_slice(*batch, rank, size)
+
+
 def evaluate(model: nn.Module, losses: Losses, sampler: BatchSampler, num_batches: int,
-             device: torch.device) -> float:
+             device: torch.device, context: tuple[int, int] = (0, 1)) -> float:
     """Mean validation loss (cross-entropy) over the fixed validation set; every rank evaluates its share, the same
-    count, so every rank runs as many forwards as its ep peers (a MoE forward is collective over ep)."""
+    count, so every rank runs as many forwards as its ep peers (a MoE forward is collective over ep). ``context``:
+    (context rank, context size): each context-parallel rank evaluates its part of the sequences."""
     model.eval()
     total = torch.zeros((), device=device)
     indices = sampler.val_indices(num_batches)
     with torch.no_grad():
         for i in indices:
-            x, y = sampler.get_batch("val", i)
+            x, y = context_part(sampler.get_batch("val", i), context)
             loss, _, _ = losses(model, x.to(device), y.to(device))
             total += loss
     model.train()
@@ -234,8 +247,12 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     if config.fsdp_outer_degree == AUTO:  # the cost model's choice, an int from here on (config.json records it)
         config = dataclasses.replace(config, fsdp_outer_degree=plan_outer_degree(config, device, world))
 
-    topo = sf.Topology(fsdp_outer_degree=config.fsdp_outer_degree, ep=config.ep, mp=config.mp)
-    job = job_model.build(config, topo.get_group("ep"), device, mp_mesh=topo.get_mesh("mp"))
+    topo = sf.Topology(fsdp_outer_degree=config.fsdp_outer_degree, ep=config.ep, mp=config.mp, cp=config.cp)
+    # the same ValueError on every rank, before the model is built (preflight ran it against the world size)
+    check_batch(config, dp_world=topo.dp * topo.sharding,
+                world=f"dp {topo.dp} x sharding {topo.sharding} of {world} ranks")
+    job = job_model.build(config, topo.get_group("ep"), device, mp_mesh=topo.get_mesh("mp"),
+                          context_group=topo.get_group("context"))
     moe, num_params, num_active = job.moe, job.num_params, job.num_active
     mp_policy = sf.MixedPrecisionPolicy(param_dtype=_dtype(config.param_dtype),
                                         grad_comm_dtype=_dtype(config.grad_comm_dtype))
@@ -247,11 +264,11 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     if config.init_from is not None and resume_from is None:  # a resumed run takes its weights from the checkpoint
         job_model.load_pretrained(model, config.init_from)
     optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=ADAM_BETAS)
-    start, elapsed_before, notes = 0, 0.0, []
-    if resume_from is not None:
-        start, elapsed_before, notes = train_state.restore(model, optimizer, resume_from, config=config,
-                                                           model_extra=job.extra, layout=topo.describe(),
-                                                           device=device)
+    start, elapsed_before, notes, data_order = 0, 0.0, [], DATA_ORDER
+    if resume_from is not None:  # the saved run's data order: DATA_ORDER_PER_RANK for a checkpoint of an older run
+        start, elapsed_before, notes, data_order = train_state.restore(
+            model, optimizer, resume_from, config=config, model_extra=job.extra, layout=topo.describe(),
+            device=device)
         for group, flags in zip(optimizer.param_groups, param_groups(model, config.weight_decay)):
             group["weight_decay"] = flags["weight_decay"]  # this run's flags, not the saved ones (lr: per step)
     stop = config.stop_after or config.steps
@@ -267,15 +284,17 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         return None
 
     dp_world = topo.dp * topo.sharding
+    context = (topo.context_rank, topo.sep * topo.cp)  # each context rank takes its part of every sequence
     train_data, val_data = split_corpus(load_corpus(config.data, config.data_bytes))
-    sampler = BatchSampler(train=train_data, val=val_data, batch_size=config.batch_size,
+    sampler = BatchSampler(train=train_data, val=val_data, batch_size=config.global_batch_size // dp_world,
                            seq_len=job.seq_len, seed=config.seed, dp_rank=topo.data_parallel_rank,
-                           dp_world=dp_world)
-    tokens_per_step = config.batch_size * job.seq_len * config.grad_accum * dp_world
+                           dp_world=dp_world, data_order=data_order)
+    tokens_per_step = config.global_batch_size * job.seq_len * config.grad_accum
 
     record = {**dataclasses.asdict(config), "model": next(iter(job.extra.values())), "world_size": world,
-              "layout": topo.describe(), "num_params": num_params, "num_active_params": num_active,
-              "tokens_per_step": tokens_per_step, "train_bytes": len(train_data), "val_bytes": len(val_data)}
+              "layout": topo.describe(), "data_order": data_order, "num_params": num_params,
+              "num_active_params": num_active, "tokens_per_step": tokens_per_step, "train_bytes": len(train_data),
+              "val_bytes": len(val_data)}
     resumed = {"checkpoint": resume_from, "step": start, "notes": notes} if resume_from else None
     opened: list[MetricsLog] = []  # rank 0's log; a failure on rank 0 raises on every rank (no rank left waiting)
     archived = call_on_rank0(lambda: open_outputs(out, record, resumed, opened), f"cannot write to --out {out}")
@@ -293,13 +312,16 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             print(f"shardfusion: resuming at step {start} from {resume_from}{dropped}", flush=True)
             for note in notes:
                 print(f"shardfusion: warning: not an exact resume: {note}", flush=True)
+            if data_order == DATA_ORDER_PER_RANK:
+                print(f"shardfusion: {resume_from} was written before the global data order: this run keeps its "
+                      f"per-rank data order (data_order {data_order}; see docs/data-order.md)", flush=True)
 
     def elapsed() -> float:
         """Training seconds, those of the runs this one resumed included."""
         return elapsed_before + time.perf_counter() - t_train
 
     def run_eval(step: int, elapsed: float) -> None:
-        val_loss = evaluate(model, job.losses, sampler, config.eval_batches, device)
+        val_loss = evaluate(model, job.losses, sampler, config.eval_batches, device, context)
         if log is not None:
             log.log_val(step=step, val_loss=val_loss, elapsed_s=elapsed)
             tqdm.write(f"step {step:5d}  val loss {val_loss:.4f}")
@@ -321,7 +343,7 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         tokens = torch.zeros((job.n_moe_layers, job.n_experts), dtype=torch.long, device=device)  # (L, E)
         with sf.comm.CommCounter(layout_comm["ranks_per_node"]) as step_comm:  # this step's collectives
             for micro_step in range(config.grad_accum):
-                x, y = sampler.get_batch("train", step, micro_step)
+                x, y = context_part(sampler.get_batch("train", step, micro_step), context)
                 # aux: 0-dim, a zero constant for a dense model; assigned: (L, E) or None for a dense model
                 loss, aux, assigned = job.losses(model, x.to(device), y.to(device))
                 # the last micro-batch is known: its backward overlaps the outer all-reduce
@@ -358,7 +380,7 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         if (config.save_every and done % config.save_every == 0) or (save_at_stop and done == stop):
             path = train_state.save(model, optimizer, config.out, step=done, keep=config.keep, config=config,
                                     model_extra=job.extra, layout=topo.describe(), elapsed_s=elapsed(),
-                                    device=device)
+                                    device=device, data_order=data_order)
             if is_main:
                 tqdm.write(f"step {done:5d}  saved {path} in {time.perf_counter() - t_step:.1f} s")
             t_step = time.perf_counter()
@@ -418,7 +440,8 @@ def preflight(config: TrainConfig, *, torchrun: bool) -> TrainConfig:
         raise ValueError(f"--device cuda with {local} workers on this node, but only {torch.cuda.device_count()} "
                          f"GPUs are visible; use {'--nproc-per-node' if torchrun else '--nproc'} "
                          f"{torch.cuda.device_count()} or fewer")
-    config = resolve(config, device=device, world_size=world)
+    # a resumed run keeps the saved global batch size unless a batch flag is given (resolve_batch)
+    config = resolve(config, device=device, world_size=world, saved=train_state.saved_settings(config.out))
     config = _saved_qkv_layout(config)
     check_run(config, world_size=world, world=label)
     if job_model.is_hf(config):

@@ -144,22 +144,24 @@ def load_pretrained(model: nn.Module, folder: str) -> None:
 
 
 def build(config: TrainConfig, ep_group: Optional[dist.ProcessGroup], device: torch.device,
-          mp_mesh=None) -> JobModel:
+          mp_mesh=None, context_group: Optional[dist.ProcessGroup] = None) -> JobModel:
     """The run's model on the meta device, to be initialized from `--seed` (the same on every rank) by
     `fully_shard(job.module, ..., device=device, init_fn=job.init_fn)`.
 
     ep_group: the topology's ep group; a GPT-MoE holds this ep rank's experts (HF models hold all of theirs).
     mp_mesh: with --mp > 1 the topology's mp mesh: the GPT is then built with values on the CPU (the same draws as
     the meta build's initialization) and split over the mesh (`gpt_parallel.parallelize`); fully_shard does not
-    initialize DTensors on the meta device yet, so each rank holds the whole model until it is sharded."""
+    initialize DTensors on the meta device yet, so each rank holds the whole model until it is sharded.
+    context_group: with --cp > 1 the topology's context group: the GPT then takes this rank's part of each sequence
+    and its attention is collective over the group (`shardfusion.context_parallel`)."""
     torch.manual_seed(config.seed)
     if mp_mesh is not None and mp_mesh.size() > 1:
         from shardfusion.models.gpt_parallel import parallelize
-        job = _build_gpt(config, ep_group)
+        job = _build_gpt(config, ep_group, context_group)
         parallelize(job.module, mp_mesh)
         return job
     with torch.device("meta"):
-        return _build_hf(config) if is_hf(config) else _build_gpt(config, ep_group)
+        return _build_hf(config) if is_hf(config) else _build_gpt(config, ep_group, context_group)
 
 
 def _gpt_losses(model: nn.Module, x: torch.Tensor,
@@ -174,9 +176,10 @@ def _gpt_generate(model: nn.Module, idx: torch.Tensor, new: int, temperature: fl
     return model.generate(idx, new, temperature=temperature, top_k=top_k, generator=generator)
 
 
-def _build_gpt(config: TrainConfig, ep_group: Optional[dist.ProcessGroup]) -> JobModel:
+def _build_gpt(config: TrainConfig, ep_group: Optional[dist.ProcessGroup],
+               context_group: Optional[dist.ProcessGroup] = None) -> JobModel:
     shape = config.model_config()
-    model = GPT(shape, ep_group=ep_group)
+    model = GPT(shape, ep_group=ep_group, context_group=context_group if config.cp > 1 else None)
     moe = shape.n_experts > 0
     return JobModel(
         module=model, init_fn=None, units=(Block,), seq_len=shape.seq_len,

@@ -9,19 +9,25 @@ last `--keep` kept) holding the model, the AdamW state and:
   its config dict, which `shardfusion.export` writes as the export's config.json) and `config`: the
   `RESUME_FIELDS` of the run's `TrainConfig`, the settings that decide the learning rate schedule and the data
   order;
+- `data_order`: the sampler's data order (`shardfusion.train.data.DATA_ORDER`); a checkpoint without it was written
+  before the order was recorded, by a run that drew each data-parallel rank's batches itself
+  (`DATA_ORDER_PER_RANK`), and resumes with that order (`saved_data_order`);
 - per-rank state (`rank/<rank>/...`): this rank's torch RNG states (CPU, and CUDA on a GPU run), which dropout
   draws from.
 
-The data position needs nothing more: a training batch is a pure function of (seed, step, micro-step,
-data-parallel rank) (`shardfusion.train.data.BatchSampler`), and the learning rate a pure function of the step
-(`train_config.lr_at`). Restoring step, parameters, optimizer state and RNG states therefore continues the run
-exactly: in fp32 with the same layout, N steps + save + restart + N steps equals 2N steps in one run, bitwise.
+The data position needs nothing more: the global batch of a step is a pure function of (seed, step, micro-step,
+global batch size) and each data-parallel rank takes its slice (`shardfusion.train.data.BatchSampler`); the
+learning rate is a pure function of the step (`train_config.lr_at`). Restoring step, parameters, optimizer state and
+RNG states therefore continues the run exactly: in fp32 with the same layout, N steps + save + restart + N steps
+equals 2N steps in one run, bitwise.
 
-Resuming in another layout (world size, ep or outer degree) works too (the checkpoint reshards). With another
-world size the data order differs (each data-parallel rank draws its own batches) and the RNG states of new ranks
-are fresh; with another ep or outer degree the sums run in another order. The run then continues correctly but not
-bitwise like the uninterrupted one; `restore` says so, as it does for changed settings (`RESUME_FIELDS`) and model
-fields that keep every shape (e.g. `n_head`, `top_k`), which no shape check can catch.
+Resuming in another layout (world size, ep or outer degree) works too (the checkpoint reshards) and keeps the data
+order: a run that gives neither --batch-size nor --global-batch-size keeps the saved global batch size
+(`saved_settings`, read before any worker starts). The sums then run in another order, and with another world size
+the RNG states of new ranks are fresh (dropout); the run continues correctly but not bitwise like the uninterrupted
+one. `restore` says so, as it does for changed settings (`RESUME_FIELDS`) and model fields that keep every shape
+(e.g. `n_head`, `top_k`), which no shape check can catch. A checkpoint of the per-rank order keeps it, and its data
+order still changes with the world size.
 """
 
 from __future__ import annotations
@@ -35,16 +41,18 @@ import torch.nn as nn
 
 from shardfusion import checkpoint as ckpt
 from shardfusion.comm import call_on_rank0
+from shardfusion.train.data import DATA_ORDER_PER_RANK, DATA_ORDERS
 
 CHECKPOINT_DIR = "checkpoints"
 """Folder under --out holding the job's checkpoints (`step-N`, `latest`)."""
 
-RESUME_FIELDS = ("seed", "steps", "lr", "min_lr", "warmup", "weight_decay", "clip", "batch_size", "grad_accum",
-                 "aux_loss_coef", "data", "data_bytes", "dropout", "param_dtype", "grad_comm_dtype",
+RESUME_FIELDS = ("seed", "steps", "lr", "min_lr", "warmup", "weight_decay", "clip", "global_batch_size",
+                 "grad_accum", "aux_loss_coef", "data", "data_bytes", "dropout", "param_dtype", "grad_comm_dtype",
                  "outer_comm_dtype", "expert_policy", "device", "hf_model", "init_from")
 """TrainConfig fields that decide the learning rate schedule, the data order, the loss or the arithmetic (dtypes,
 device, where expert gradients are summed): a resume with other values continues, but not as the saved run would
-have."""
+have. The per-rank batch_size is not one of them (it follows from the global one and the world size), except for
+a checkpoint of the per-rank data order, whose saved batch_size is compared too."""
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -81,6 +89,39 @@ SHOWN_FIELDS = ("n_layer", "d_model", "seq_len", "n_experts", "expert_hidden",  
 """The saved model's fields that a refused resume names."""
 
 
+def saved_data_order(extra: dict[str, Any]) -> int:
+    """The data order a checkpoint's `extra` records: its `data_order`, or `DATA_ORDER_PER_RANK` when it has none
+    (written before the order was recorded).
+
+    Raises:
+        ValueError: an order this version does not know (a checkpoint of a newer version).
+    """
+    order = extra.get("data_order", DATA_ORDER_PER_RANK)
+    if order not in DATA_ORDERS:
+        raise ValueError(f"the checkpoint records data order {order!r}, but this version knows only {DATA_ORDERS}; "
+                         f"resume it with the version that wrote it, or use another --out")
+    return order
+
+
+def saved_settings(out: Optional[str]) -> Optional[dict[str, Any]]:
+    """The `RESUME_FIELDS` of the latest checkpoint in ``out`` and its `data_order` (`saved_data_order`), read by
+    this process alone, before any worker starts (`shardfusion.train.config.resolve` keeps the saved global batch
+    size); None when ``out`` is None (a new run folder) or holds no checkpoint, or one without the job's settings.
+
+    Raises:
+        ValueError: the checkpoint records an unknown data order.
+    """
+    if out is None:
+        return None
+    path = ckpt.latest_checkpoint(os.path.join(out, CHECKPOINT_DIR))
+    if path is None:
+        return None
+    extra = ckpt.read_meta(path).get("extra")
+    if not isinstance(extra, dict) or not isinstance(extra.get("config"), dict):
+        return None
+    return {**extra["config"], "data_order": saved_data_order(extra)}
+
+
 def check_resume(out: str, meta_model: Callable[[], nn.Module]) -> None:
     """Refuse, before any worker starts, a resume whose model has other parameters than the checkpoint in ``out``:
     ``meta_model()`` builds the model on the meta device (no memory, no process group; see
@@ -110,33 +151,38 @@ def check_resume(out: str, meta_model: Callable[[], nn.Module]) -> None:
 
 
 def save(model: nn.Module, optimizer: torch.optim.Optimizer, out: str, *, step: int, keep: int, config: Any,
-         model_extra: dict[str, dict[str, Any]], layout: str, elapsed_s: float, device: torch.device) -> str:
+         model_extra: dict[str, dict[str, Any]], layout: str, elapsed_s: float, device: torch.device,
+         data_order: int) -> str:
     """Publish ``out/checkpoints/step-<step>`` (see `shardfusion.checkpoint.save_checkpoint`); returns its path.
-    Collective. ``model_extra``: the model's record (`JobModel.extra`), merged into the checkpoint's ``extra``.
+    Collective. ``model_extra``: the model's record (`JobModel.extra`), merged into the checkpoint's ``extra``;
+    ``data_order``: the sampler's (`shardfusion.train.data.DATA_ORDERS`).
 
     Raises:
         ValueError: on every rank: what `shardfusion.checkpoint.save_checkpoint` raises (a folder that cannot be
             written, a disk full).
     """
     extra = {"step": step, "elapsed_s": elapsed_s, "world_size": dist.get_world_size(), "layout": layout,
-             **model_extra, "config": {name: getattr(config, name) for name in RESUME_FIELDS}}
+             **model_extra, "config": {name: getattr(config, name) for name in RESUME_FIELDS},
+             "data_order": data_order}
     return ckpt.save_checkpoint(model, optimizer, os.path.join(out, CHECKPOINT_DIR), step, keep=keep, extra=extra,
                                 rank_state=rng_state(device))
 
 
 def restore(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, *, config: Any,
-            model_extra: dict[str, dict[str, Any]], layout: str, device: torch.device) -> tuple[int, float, list[str]]:
+            model_extra: dict[str, dict[str, Any]], layout: str,
+            device: torch.device) -> tuple[int, float, list[str], int]:
     """Load the checkpoint at `path` into `model` and `optimizer` (any layout) and this rank's RNG states.
     Collective. The optimizer's hyperparameters are the saved ones afterwards: the caller re-applies its own.
     ``model_extra``: this run's model record (`JobModel.extra`), compared field by field with the saved one.
 
-    Returns (steps done, training seconds so far, notes): the notes name every way in which the continuation will
-    differ from the saved run (changed `RESUME_FIELDS` or model fields, another world size or layout), empty for an
-    exact resume.
+    Returns (steps done, training seconds so far, notes, data order): the notes name every way in which the
+    continuation will differ from the saved run (changed `RESUME_FIELDS` or model fields, another world size or
+    layout), empty for an exact resume; the data order is the saved one (`saved_data_order`), which the run keeps.
 
     Raises:
         ValueError: on every rank: the checkpoint does not match the model or cannot be read (see
-            `shardfusion.checkpoint.load`), or it was not written by the training job; the message says how to go on.
+            `shardfusion.checkpoint.load`), it was not written by the training job, or it records an unknown data
+            order; the message says how to go on.
     """
     rng = rng_state(device)
     try:
@@ -148,15 +194,22 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, *, co
         raise ValueError(f"cannot resume from {path}: it holds no training state (no step in its extra), so it was "
                          f"not written by shardfusion.train; use another --out")
     set_rng_state(rng, device)
+    try:
+        order = saved_data_order(extra)
+    except ValueError as error:
+        raise ValueError(f"cannot resume from {path}: {error}") from None
+    compared = RESUME_FIELDS + (("batch_size",) if order == DATA_ORDER_PER_RANK else ())
     notes = [f"--{name.replace('_', '-')} was {old!r}, now {getattr(config, name)!r}"
              for name, old in extra.get("config", {}).items()
-             if name in RESUME_FIELDS and getattr(config, name) != old]
+             if name in compared and getattr(config, name) != old]
     for key, model_now in model_extra.items():
         notes += [f"model field {name} was {old!r}, now {model_now.get(name)!r}"
                   for name, old in (extra.get(key) or {}).items() if model_now.get(name) != old]
     if extra.get("world_size") != dist.get_world_size():
-        notes.append(f"world size was {extra.get('world_size')}, now {dist.get_world_size()}: other data order, "
-                     f"fresh RNG states on new ranks")
+        data = ("other data order (a checkpoint of the per-rank data order)" if order == DATA_ORDER_PER_RANK
+                else "sums in another order")
+        notes.append(f"world size was {extra.get('world_size')}, now {dist.get_world_size()}: {data}, fresh RNG "
+                     f"states on new ranks")
     elif extra.get("layout") != layout:
         notes.append(f"layout was {extra.get('layout')}, now {layout}: sums in another order")
-    return int(extra["step"]), float(extra.get("elapsed_s", 0.0)), notes
+    return int(extra["step"]), float(extra.get("elapsed_s", 0.0)), notes, order

@@ -1,19 +1,23 @@
-"""The byte corpus, its split and the per-rank batch sampler, one process."""
+"""The byte corpus, its split, the batch sampler (the global batch sliced by data-parallel rank, and the per-rank
+order of older runs) and the context-parallel slice, one process."""
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from shardfusion.train.data import (VAL_FRACTION, BatchSampler, corpus_size, load_corpus, min_corpus_bytes,
-                              split_corpus, split_sizes, stdlib_files)
+from shardfusion.train.data import (DATA_ORDER_PER_RANK, VAL_FRACTION, BatchSampler, context_parallel_slice,
+                                    context_parallel_span, corpus_size, load_corpus, min_corpus_bytes, split_corpus,
+                                    split_sizes, stdlib_files)
 
 
-def make_sampler(dp_rank: int = 0, dp_world: int = 4, seed: int = 0) -> BatchSampler:
-    data = torch.arange(10_000, dtype=torch.int64).remainder(251).to(torch.uint8)
+def make_sampler(dp_rank: int = 0, dp_world: int = 4, seed: int = 0, batch_size: int = 4,
+                 **fields) -> BatchSampler:
+    data = torch.randint(0, 256, (10_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     train, val = split_corpus(data)
-    return BatchSampler(train=train, val=val, batch_size=4, seq_len=16, seed=seed, dp_rank=dp_rank,
-                        dp_world=dp_world)
+    return BatchSampler(train=train, val=val, batch_size=batch_size, seq_len=16, seed=seed, dp_rank=dp_rank,
+                        dp_world=dp_world, **fields)
 
 
 def test_stdlib_corpus_is_deterministic_and_capped() -> None:
@@ -56,6 +60,58 @@ def test_batches_are_reproducible() -> None:
     b = make_sampler(dp_rank=2).get_batch("train", 7, 1)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert not torch.equal(a[0], make_sampler(dp_rank=2, seed=1).get_batch("train", 7, 1)[0])
+
+
+def test_dp_slices_tile_one_global_batch_at_every_world_size() -> None:
+    # G = 8 windows; the reference is the whole batch one rank draws at dp_world 1
+    for step, micro_step in ((0, 0), (5, 1)):
+        x_ref, y_ref = make_sampler(dp_world=1, batch_size=8).get_batch("train", step, micro_step)  # (8, 16)
+        assert x_ref.shape == (8, 16) and len({tuple(row) for row in x_ref.tolist()}) == 8
+        for dp_world in (1, 2, 4):
+            samplers = [make_sampler(dp_rank=r, dp_world=dp_world, batch_size=8 // dp_world) for r in range(dp_world)]
+            slices = [s.get_batch("train", step, micro_step) for s in samplers]
+            assert all(x.shape == (8 // dp_world, 16) for x, _ in slices)
+            assert torch.equal(torch.cat([x for x, _ in slices]), x_ref), dp_world  # rows [r*B, (r+1)*B) in order
+            assert torch.equal(torch.cat([y for _, y in slices]), y_ref), dp_world
+            assert all(torch.equal(s.global_batch(step, micro_step)[0], x_ref) for s in samplers)
+
+
+def test_per_rank_order_of_older_runs_is_kept() -> None:
+    # DATA_ORDER_PER_RANK: the sampler of runs before the global order, written out here as it was: each rank draws
+    # batch_size offsets from default_rng([seed, 0, step, micro_step, dp_rank])
+    sampler = make_sampler(dp_rank=3, dp_world=4, seed=5, data_order=DATA_ORDER_PER_RANK)
+    starts = np.random.default_rng([5, 0, 7, 1, 3]).integers(0, len(sampler.train) - 16, size=4)
+    windows = sampler.train[torch.from_numpy(starts)[:, None] + torch.arange(17)].long()  # (4, 17)
+    x, y = sampler.get_batch("train", 7, 1)
+    assert torch.equal(x, windows[:, :-1]) and torch.equal(y, windows[:, 1:])
+    # its global batch depends on the world size: G = 8 as 2 ranks x 4 and as 4 ranks x 2 differ
+    def union(dp_world: int) -> torch.Tensor:
+        return torch.cat([make_sampler(dp_rank=r, dp_world=dp_world, batch_size=8 // dp_world, seed=5,
+                                       data_order=DATA_ORDER_PER_RANK).get_batch("train", 7, 1)[0]
+                          for r in range(dp_world)])
+
+    assert not torch.equal(union(2), union(4))
+    with pytest.raises(ValueError, match=r"data_order must be one of \(1, 2\), got 3"):
+        make_sampler(data_order=3)
+
+
+def test_context_parallel_slice() -> None:
+    x, y = make_sampler().get_batch("train", 2, 0)  # (4, 16)
+    for cp in (1, 2, 4):
+        parts = [context_parallel_slice(x, y, r, cp) for r in range(cp)]
+        assert all(a.shape == b.shape == (4, 16 // cp) and a.is_contiguous() for a, b in parts)
+        assert torch.equal(torch.cat([a for a, _ in parts], dim=1), x)  # contiguous chunks, in cp-rank order
+        assert torch.equal(torch.cat([b for _, b in parts], dim=1), y)
+    assert context_parallel_span(16, 1, 4) == (4, 8)
+    assert torch.equal(context_parallel_slice(x, y, 1, 4)[0], x[:, 4:8])
+    with pytest.raises(ValueError, match=r"sequence length 16 must be divisible by cp 3.*16 % 3 = 1"):
+        context_parallel_slice(x, y, 0, 3)
+    with pytest.raises(ValueError, match=r"cp_rank\(2\) must be in \[0, cp\(2\)\)"):
+        context_parallel_slice(x, y, 2, 2)
+    with pytest.raises(ValueError, match=r"cp must be >= 1, got 0"):
+        context_parallel_span(16, 0, 0)
+    with pytest.raises(ValueError, match=r"must both be \(B, T\), got \(4, 16\) and \(4, 15\)"):
+        context_parallel_slice(x, y[:, 1:], 0, 2)
 
 
 def test_val_batches_are_the_same_on_every_rank() -> None:

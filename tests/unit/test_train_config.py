@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from shardfusion.train.config import TrainConfig, build_parser, check_run, lr_at, parse_args, resolve
-from shardfusion.train.data import min_corpus_bytes
+from shardfusion.train.data import DATA_ORDER, DATA_ORDER_PER_RANK, min_corpus_bytes
 from shardfusion.train.job import no_decay
+from shardfusion.train.resume import saved_data_order
 
 
 def flag_error(capsys: pytest.CaptureFixture, args: list[str]) -> str:
@@ -84,6 +85,50 @@ def test_resolve_ep_and_outer_defaults() -> None:
     assert resolved(4, ep=3, experts=3) == (3, 2)  # ep does not fit; check_run says so, not resolve
 
 
+def test_batch_flags_per_rank_and_global(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    def sizes(world_size: int, saved: dict | None = None, **fields) -> tuple[int | None, int | None]:
+        config = resolve(TrainConfig(**fields), device="cpu", world_size=world_size, saved=saved)
+        return config.batch_size, config.global_batch_size
+
+    assert sizes(4) == (16, 64)  # neither flag: 16 per data-parallel rank
+    assert sizes(4, batch_size=3) == (3, 12)
+    assert sizes(4, global_batch_size=8) == (2, 8)
+    assert sizes(2, batch_size=4, global_batch_size=8) == (4, 8)  # both, consistent
+    assert sizes(3, global_batch_size=8) == (None, 8)  # does not divide: check_run refuses it (below)
+    # a resume without batch flags keeps the saved G (per-rank B recomputed), or an older run's per-rank B
+    assert sizes(2, saved={"global_batch_size": 8, "data_order": 2}) == (4, 8)
+    assert sizes(2, saved={"batch_size": 4, "data_order": 1}) == (4, 8)
+    assert sizes(2, saved={"global_batch_size": 8}, batch_size=2) == (2, 4)  # a flag wins; restore names the change
+    assert flag_error(capsys, ["--global-batch-size", "0"]) == "--global-batch-size must be >= 1, got 0"
+    assert flag_error(capsys, ["--batch-size", "0"]) == "--batch-size must be >= 1, got 0"
+
+    (tmp_path / "corpus.txt").write_bytes(b"x" * min_corpus_bytes(64))  # tiny: seq_len 64
+
+    def check(world_size: int, **fields) -> None:
+        config = resolve(TrainConfig(preset="tiny", data=str(tmp_path / "corpus.txt"), out=str(tmp_path / "run"),
+                                     **fields), device="cpu", world_size=world_size)
+        check_run(config, world_size=world_size, world=f"--nproc {world_size}")
+
+    check(4, global_batch_size=8)
+    check(4, batch_size=2, global_batch_size=8)
+    with pytest.raises(ValueError, match=r"^--global-batch-size 10 is not divisible by the data-parallel world size "
+                                         r"4 \(--nproc 4\).*use --global-batch-size 8 or 12"):
+        check(4, global_batch_size=10)
+    with pytest.raises(ValueError, match=r"^--global-batch-size 2 is not divisible by .* size 4 .* "
+                                         r"--global-batch-size 4, or"):
+        check(4, global_batch_size=2)
+    with pytest.raises(ValueError, match=r"^--batch-size 4 \(per data-parallel rank\) and --global-batch-size 8 "
+                                         r"disagree: 4 x the data-parallel world size 4 \(--nproc 4\) = 16"):
+        check(4, batch_size=4, global_batch_size=8)
+
+
+def test_saved_data_order() -> None:
+    assert saved_data_order({"step": 3, "config": {"batch_size": 4}}) == DATA_ORDER_PER_RANK  # written before it
+    assert saved_data_order({"step": 3, "data_order": DATA_ORDER}) == DATA_ORDER
+    with pytest.raises(ValueError, match=r"records data order 9, but this version knows only \(1, 2\)"):
+        saved_data_order({"data_order": 9})
+
+
 def test_moe_flags_rejected(capsys: pytest.CaptureFixture) -> None:
     assert flag_error(capsys, ["--experts", "2", "--top-k", "3"]) == "--top-k 3 must be between 1 and --experts 2"
     assert flag_error(capsys, ["--experts", "4", "--top-k", "0"]) == "--top-k 0 must be between 1 and --experts 4"
@@ -121,8 +166,8 @@ def test_ranks_per_node_flag(capsys: pytest.CaptureFixture) -> None:
 def test_cli_is_generated_from_the_dataclass() -> None:
     parser = build_parser()
     help_text = parser.format_help()
-    for flag in ("--preset", "--n-layer", "--d-model", "--n-head", "--seq-len", "--batch-size", "--grad-accum",
-                 "--steps", "--lr", "--min-lr", "--warmup", "--weight-decay", "--clip", "--seed",
+    for flag in ("--preset", "--n-layer", "--d-model", "--n-head", "--seq-len", "--batch-size", "--global-batch-size",
+                 "--grad-accum", "--steps", "--lr", "--min-lr", "--warmup", "--weight-decay", "--clip", "--seed",
                  "--fsdp-outer-degree", "--reshard-policy", "--eval-every", "--eval-batches", "--nproc", "--data",
                  "--out", "--sample-tokens", "--device", "--experts", "--top-k", "--ep", "--expert-hidden",
                  "--aux-loss-coef", "--expert-policy", "--ranks-per-node", "--hf-model", "--init-from"):
