@@ -211,15 +211,17 @@ def max_errors(got: dict, want: dict) -> dict:
             "param": max(float((got["params"][n] - v).abs().max()) for n, v in want["params"].items())}
 
 
-def _build(layout: dict):
-    """The GPT of ``layout`` (split over mp when mp > 1), sharded, and an AdamW over its fragments."""
+def _build(layout: dict, experts: int = 0):
+    """The GPT of ``layout`` (split over mp when mp > 1; a GPT-MoE over the ep group with ``experts``), sharded,
+    and an AdamW over its fragments."""
     import shardfusion as sf
     from shardfusion.models import GPT, Block
     from shardfusion.models.gpt_parallel import parallelize
 
     topo = sf.Topology(**layout)
     torch.manual_seed(0)
-    model = sf.fully_shard(parallelize(GPT(_config()), topo.get_mesh("mp")), topo, units=(Block,))
+    model = GPT(_config(experts), ep_group=topo.get_group("ep") if experts else None)
+    model = sf.fully_shard(parallelize(model, topo.get_mesh("mp")), topo, units=(Block,))
     return topo, model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
 
 
@@ -237,22 +239,22 @@ def _step(topo, model, opt, step: int) -> float:
 
 
 def checkpoint_round_trip(root: str) -> dict:
-    """Save at mp 2, load at mp 1, save there, load at mp 2 x outer 2; the loss of the step after each load and the
-    full state dicts, against the run that never stopped."""
+    """A GPT-MoE: save at mp 2 x ep 2, load at mp 1 x ep 2, save there, load at mp 2 x outer 2 (ep 1); the loss of
+    the step after each load and the full state dicts, against the run that never stopped."""
     import shardfusion as sf
     out = {}
-    topo, model, opt = _build(dict(mp=2, sharding=2))
+    topo, model, opt = _build(dict(mp=2, sharding=2, ep=2), experts=4)
     for step in range(2):
         _step(topo, model, opt, step)
     sf.checkpoint.save(model, opt, f"{root}/mp2")
     out["saved"] = sf.full_state_dict(model, buffers=False)
     out["uninterrupted"] = [_step(topo, model, opt, step) for step in (2, 3)]
-    topo, model, opt = _build(dict(mp=1, sharding=4))
+    topo, model, opt = _build(dict(mp=1, sharding=4, ep=2), experts=4)
     sf.checkpoint.load(model, opt, f"{root}/mp2")
     out["loaded_mp1"] = sf.full_state_dict(model, buffers=False)
     out["resumed_mp1"] = [_step(topo, model, opt, 2)]
     sf.checkpoint.save(model, opt, f"{root}/mp1")
-    topo, model, opt = _build(dict(mp=2, sharding=2, fsdp_outer_degree=2))
+    topo, model, opt = _build(dict(mp=2, sharding=2, fsdp_outer_degree=2), experts=4)
     sf.checkpoint.load(model, opt, f"{root}/mp1")
     out["resumed_mp2"] = [_step(topo, model, opt, 3)]
     return out
@@ -261,7 +263,7 @@ def checkpoint_round_trip(root: str) -> dict:
 def test_checkpoints_reshard_across_mp(tmp_path):
     results = run_distributed(checkpoint_round_trip, 4, str(tmp_path), timeout=JOB_TIMEOUT_S)
     for r in results:
-        assert sorted(r["loaded_mp1"]) == sorted(r["saved"])
+        assert sorted(r["loaded_mp1"]) == sorted(r["saved"]) and any(".experts." in n for n in r["saved"])
         for name, value in r["saved"].items():
             torch.testing.assert_close(r["loaded_mp1"][name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
         # the step after each load continues the uninterrupted run (optimizer state resharded with the weights)
