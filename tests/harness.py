@@ -31,6 +31,7 @@ root `REPO`.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -128,10 +129,17 @@ def _start_forkserver() -> None:
     level, for every later job.)"""
     from multiprocessing import forkserver
 
-    saved = {k: os.environ.get(k) for k in WORKER_ENV}
-    os.environ.update(WORKER_ENV)
-    try:
+    with _environment(WORKER_ENV):
         forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """``os.environ`` updated with ``values`` inside the block, restored after it."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
@@ -160,9 +168,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     pg_timeout_s = max(5.0, min(0.5 * timeout, 60.0))
 
     procs = []
-    saved_env = {k: os.environ.get(k) for k in worker_env}
-    os.environ.update(worker_env)
-    try:
+    with _environment(worker_env):
         for rank in range(world_size):
             p = ctx.Process(target=_worker, name=f"rank{rank}",
                             args=(rank, world_size, store_path, pg_timeout_s, worker_env, result_queue, fn, args,
@@ -170,12 +176,6 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                             daemon=True)
             p.start()
             procs.append(p)
-    finally:
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}

@@ -424,6 +424,16 @@ def assert_close_dicts(actual: dict, expected: dict, what: str, rtol: float = RT
         torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {n}: {m}")
 
 
+def assert_run_matches(got: dict, want: dict, what: str, param_atol: float) -> None:
+    """A run's per-step ``losses`` and ``norms`` (lists of floats; rtol RTOL, atol ATOL) and its final ``params``
+    (``{name: full tensor}``, the same names; rtol RTOL, atol ``param_atol``) against the reference's."""
+    for key in ("losses", "norms"):
+        torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(want[key]), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m: f"{what}: {key}: {m}")
+    assert sorted(got["params"]) == sorted(want["params"]), what
+    assert_close_dicts(got["params"], want["params"], what, atol=param_atol)
+
+
 def assert_losses_match(rs: list[dict], ref: dict, case_name: str) -> None:
     for r in rs:
         torch.testing.assert_close(torch.tensor(r["losses"], dtype=torch.float64),

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from harness import run_distributed
+from reference import assert_run_matches
 
 JOB_TIMEOUT_S = 240
 STEPS = 3
@@ -121,12 +122,7 @@ def sharded(layouts: list[dict]) -> list[dict]:
 
 
 def _compare(got: dict, want: dict) -> None:
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(want["norms"]), rtol=RTOL, atol=ATOL)
-    assert sorted(got["params"]) == sorted(want["params"])
-    for name, value in want["params"].items():
-        torch.testing.assert_close(got["params"][name], value, rtol=RTOL, atol=PARAM_ATOL,
-                                   msg=lambda m: f"{name}: {m}")
+    assert_run_matches(got, want, str(got["layout"]), PARAM_ATOL)
 
 
 W4_LAYOUTS = [dict(mp=2, sharding=2), dict(mp=2, sharding=2, fsdp_outer_degree=2)]
