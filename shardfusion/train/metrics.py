@@ -31,7 +31,7 @@ COMM_FIELDS = ("count", "wire_bytes", "cross_node_bytes", "wait_s")
 
 CATEGORY_NAMES = {"inner_all_gather": "inner all-gather", "inner_reduce_scatter": "inner reduce-scatter",
                   "replicate_all_reduce": "replicate all-reduce", "ep_all_to_all": "ep all-to-all",
-                  "other": "other"}
+                  "context_parallel": "context K/V gather", "other": "other"}
 """How the printed summary names each accounting category."""
 
 
