@@ -265,3 +265,92 @@ def test_checkpoints_reshard_across_mp(tmp_path):
         # the step after each load continues the uninterrupted run (optimizer state resharded with the weights)
         torch.testing.assert_close(r["resumed_mp1"][0], r["uninterrupted"][0], rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(r["resumed_mp2"][0], r["uninterrupted"][1], rtol=RTOL, atol=ATOL)
+
+
+class _SPBlock(torch.nn.Module):
+    """Megatron's sequence-parallel pattern: a LayerNorm on this rank's part of the sequence, then column-wise and
+    row-wise projections that gather the sequence and scatter it back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16)
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.fc2 = torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))  # (B, T_local, 16)
+
+
+class _SPModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_SPBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+SP_BATCH, SP_SEQ = 2, 8
+
+
+def _sp_data(step: int) -> torch.Tensor:
+    return torch.randn(SP_BATCH * 2, SP_SEQ, 16, generator=torch.Generator().manual_seed(500 + step))  # global batch
+
+
+def sequence_parallel_job() -> dict:
+    """SequenceParallel norms (replicated weights whose gradients DTensor sums over mp) inside fully_shard, mp 2 x
+    sharding 2: per step the loss (all ranks' parts), the clip norm, and the final parameters."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    import shardfusion as sf
+
+    topo = sf.Topology(mp=2, sharding=2)
+    torch.manual_seed(0)
+    model = _SPModel()
+    plan = {"norm": SequenceParallel(), "fc1": ColwiseParallel(input_layouts=Shard(1)),
+            "fc2": RowwiseParallel(output_layouts=Shard(1))}
+    for block in model.blocks:
+        parallelize_module(block, topo.get_mesh("mp"), plan)
+    model = sf.fully_shard(model, topo, units=(_SPBlock,))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(STEPS):
+        x = _sp_data(step)[topo.data_parallel_rank * SP_BATCH:(topo.data_parallel_rank + 1) * SP_BATCH]
+        part = x.chunk(2, dim=1)[topo.mp_rank]  # this mp rank's part of the sequence
+        # each rank's share of the mean over its data-parallel slice: the mp parts add up in backward
+        loss = (model(part) ** 2).sum() / x.numel()
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # the mp parts of each slice, summed over the data-parallel ranks
+        losses.append(float(total) / 2)
+        norms.append(float(sf.clip_grad_norm_(model, MAX_NORM)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"losses": losses, "norms": norms, "params": sf.full_state_dict(model, buffers=False), "layout": "sp"}
+
+
+def _sp_reference() -> dict:
+    torch.manual_seed(0)
+    model = _SPModel()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for step in range(STEPS):
+        loss = (model(_sp_data(step)) ** 2).mean()
+        loss.backward()
+        losses.append(float(loss.detach()))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def test_sequence_parallel_norms_under_fully_shard():
+    results = run_distributed(sequence_parallel_job, 4, timeout=JOB_TIMEOUT_S)
+    want = _sp_reference()
+    for r in results:
+        _compare(r, want)
