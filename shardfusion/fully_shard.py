@@ -69,7 +69,8 @@ def fully_shard(
     collective, the unit and this cause. To drop a layer, run it on every rank and zero its contribution (e.g.
     ``x = x + keep * block(x)``).
 
-    Each unit keeps one flat buffer per (dtype, device, trainable or frozen, sharded or kept whole, dense or expert);
+    Each unit keeps one flat buffer per (dtype, device, trainable or frozen, sharded or kept whole, tensor-parallel
+    sharded or not, dense or expert);
     parameters start at 16-byte aligned offsets and the buffer is padded to a multiple of its shard count. Each rank
     keeps its ``1/inner`` shard in the parameters' own dtype. Afterwards ``model.named_parameters()`` yields, under the original
     names, 1-D fragments (views into the shard, possibly of 0 elements), so element-wise ``torch.optim`` optimizers
@@ -80,8 +81,16 @@ def fully_shard(
     parameters from before ``fully_shard`` (matrix optimizers such as Muon are planned work). Cast or move the model
     (``.to(dtype)``, ``.double()``, ``.half()``, ``.to(device)``) before wrapping: afterwards the next forward raises
     ``ValueError``. Gradients become the gradient of the mean loss over the global batch (summed over the data-parallel
-    world and divided by ``dp * sharding``); they are all-reduced over the replicate group (``dp x outer``) once per
-    optimizer step (see :func:`finish_grad_sync`). ``model.state_dict()`` holds those fragments (local);
+    world and the context ranks, divided by ``Topology.gradient_divisor`` = ``dp * sharding * sep * cp``); they are
+    all-reduced over the replicate group (``dp x outer x sep x cp``) once per optimizer step (see
+    :func:`finish_grad_sync`).
+
+    Tensor parallel (docs/tensor-parallel.md): parameters that torch's ``parallelize_module`` made DTensors over
+    ``topology.get_mesh("mp")`` (``Shard(d)`` or ``Replicate()``) are laid out by their local pieces; while a unit is
+    unsharded the modules see DTensors with the original placements over views of the full buffer, so torch's
+    parallel styles run as without FSDP. Context parallel (docs/context-parallel.md): with ``sep * cp > 1`` the
+    context ranks are replicas of the shards; the model splits its sequences itself (e.g.
+    :func:`shardfusion.context_parallel.attention`). ``model.state_dict()`` holds those fragments (local);
     ``model.load_state_dict()`` is collective and takes full-shape tensors or this rank's own fragments (see
     :func:`shardfusion.full_state_dict`).
 
