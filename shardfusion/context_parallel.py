@@ -51,11 +51,14 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        """x (B, H, Tl, D), any float dtype -> (B, H, G * Tl, D), the chunks of the G ranks in group order."""
         ctx.group, ctx.shape = group, x.shape
         return _gather_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        """grad (B, H, G * Tl, D) -> (B, H, Tl, D): this rank's chunk of the gradient summed over the group (one
+        reduce-scatter of B*H*G*Tl*D elements)."""
         size = comm.group_size(ctx.group)
         B, H, Tl, D = ctx.shape
         full = grad.reshape(B, H, size, Tl, D).permute(2, 0, 1, 3, 4).contiguous().view(-1)  # [rank, B, H, Tl, D]

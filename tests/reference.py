@@ -424,6 +424,24 @@ def assert_close_dicts(actual: dict, expected: dict, what: str, rtol: float = RT
         torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {n}: {m}")
 
 
+def train_adamw(model: torch.nn.Module, loss_fn, steps: int, lr: float, max_norm: float) -> dict:
+    """``steps`` AdamW steps (weight decay 0.1) with clipping by global norm (shardfusion's on a sharded model,
+    torch's otherwise): per step ``loss_fn(step)`` (runs forward and backward, returns the loss to record) and the
+    norm before clipping. Returns ``{"losses", "norms"}``, lists of floats."""
+    import shardfusion as sf
+    from shardfusion._runtime.state import is_sharded
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    losses, norms = [], []
+    for step in range(steps):
+        losses.append(float(loss_fn(step)))
+        clip = sf.clip_grad_norm_ if is_sharded(model) else torch.nn.utils.clip_grad_norm_
+        norms.append(float(clip(model if is_sharded(model) else model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"losses": losses, "norms": norms}
+
+
 def assert_run_matches(got: dict, want: dict, what: str, param_atol: float) -> None:
     """A run's per-step ``losses`` and ``norms`` (lists of floats; rtol RTOL, atol ATOL) and its final ``params``
     (``{name: full tensor}``, the same names; rtol RTOL, atol ``param_atol``) against the reference's."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from reference import assert_run_matches
+from reference import assert_run_matches, train_adamw
 
 JOB_TIMEOUT_S = 240
 STEPS = 3
@@ -38,16 +38,14 @@ def reference() -> dict:
     from shardfusion.models import GPT
     torch.manual_seed(0)
     model = GPT(_config())
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    losses, norms = [], []
-    for step in range(STEPS):
+
+    def loss_fn(step):
         loss = model(*_batch(step))[1]
         loss.backward()
-        losses.append(float(loss.detach()))
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        return loss.detach()
+
+    out = train_adamw(model, loss_fn, STEPS, LR, MAX_NORM)
+    return {**out, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 def sharded(layouts: list[dict]) -> list[dict]:
@@ -65,24 +63,22 @@ def sharded(layouts: list[dict]) -> list[dict]:
         torch.manual_seed(0)
         model = parallelize(GPT(_config(), context_group=context), topo.get_mesh("mp"))
         model = sf.fully_shard(model, topo, units=(Block,))
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
         dp_world, dp_rank = topo.dp * topo.sharding, topo.data_parallel_rank
         per_rank, chunks = GLOBAL_BATCH // dp_world, topo.sep * topo.cp
-        losses, norms = [], []
+
+        def loss_fn(step):
+            x, y = (sequence_chunk(t[dp_rank * per_rank:(dp_rank + 1) * per_rank], topo.context_rank, chunks)
+                    for t in _batch(step))
+            loss = model(x, y)[1]
+            loss.backward()
+            total = loss.detach().clone()
+            dist.all_reduce(total)  # every rank's chunk mean; ranks with equal chunks appear mp times
+            return float(total) / topo.world_size
+
         with sf.comm.CommCounter() as counter:
-            for step in range(STEPS):
-                x, y = (sequence_chunk(t[dp_rank * per_rank:(dp_rank + 1) * per_rank], topo.context_rank, chunks)
-                        for t in _batch(step))
-                loss = model(x, y)[1]
-                loss.backward()
-                total = loss.detach().clone()
-                dist.all_reduce(total)  # every rank's chunk mean; ranks with equal chunks appear mp times
-                losses.append(float(total) / topo.world_size)
-                norms.append(float(sf.clip_grad_norm_(model, MAX_NORM)))
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            out = train_adamw(model, loss_fn, STEPS, LR, MAX_NORM)
         summary = counter.summary()["context_parallel"]
-        results.append({"losses": losses, "norms": norms, "params": sf.full_state_dict(model, buffers=False),
+        results.append({**out, "params": sf.full_state_dict(model, buffers=False),
                         "context_bytes_per_step": summary["bytes"] / STEPS,
                         "context_count_per_step": summary["count"] / STEPS})
     return results

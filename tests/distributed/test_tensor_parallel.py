@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from reference import assert_run_matches
+from reference import assert_run_matches, train_adamw
 
 JOB_TIMEOUT_S = 240
 STEPS = 3
@@ -42,31 +42,10 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return data[:, :-1], data[:, 1:]
 
 
-def _train(model, params, loss_fn) -> dict:
-    """AdamW for STEPS steps; per step the loss (``loss_fn(step)`` runs forward and backward, returns the global
-    loss) and the norm before clipping."""
-    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
-    losses, norms = [], []
-    for step in range(STEPS):
-        losses.append(loss_fn(step))
-        norms.append(float(_clip(model)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return {"losses": losses, "norms": norms}
-
-
 def _slice(step: int, dp_world: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     per_rank = GLOBAL_BATCH // dp_world
     x, y = _batch(step)
     return x[dp_rank * per_rank:(dp_rank + 1) * per_rank], y[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-
-
-def _clip(model):
-    import shardfusion as sf
-    from shardfusion._runtime.state import is_sharded
-    if is_sharded(model):
-        return sf.clip_grad_norm_(model, MAX_NORM)
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
 
 
 def reference(experts: int = 0, dp_world: int = 1) -> dict:
@@ -85,7 +64,7 @@ def reference(experts: int = 0, dp_world: int = 1) -> dict:
             total += float(loss.detach())
         return total
 
-    out = _train(model, model.parameters(), loss_fn)
+    out = train_adamw(model, loss_fn, STEPS, LR, MAX_NORM)
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
 
@@ -114,7 +93,7 @@ def sharded(layouts: list[dict]) -> list[dict]:
             dist.all_reduce(t, group=topo.get_data_parallel_group())
             return float(t) / dp_world
 
-        out = _train(model, model.parameters(), loss_fn)
+        out = train_adamw(model, loss_fn, STEPS, LR, MAX_NORM)
         out["params"] = sf.full_state_dict(model, buffers=False)
         out["layout"] = layout
         results.append(out)
@@ -223,10 +202,12 @@ def _build(layout: dict, experts: int = 0):
 
 def _step(topo, model, opt, step: int) -> float:
     import torch.distributed as dist
+
+    import shardfusion as sf
     dp_world = topo.dp * topo.sharding
     loss = model(*_slice(step, dp_world, topo.data_parallel_rank))[1]
     loss.backward()
-    _clip(model)
+    sf.clip_grad_norm_(model, MAX_NORM)
     opt.step()
     opt.zero_grad(set_to_none=True)
     t = loss.detach().clone()
@@ -317,9 +298,8 @@ def sequence_parallel_job() -> dict:
     for block in model.blocks:
         parallelize_module(block, topo.get_mesh("mp"), plan)
     model = sf.fully_shard(model, topo, units=(_SPBlock,))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, norms = [], []
-    for step in range(STEPS):
+
+    def loss_fn(step):
         x = _sp_data(step)[topo.data_parallel_rank * SP_BATCH:(topo.data_parallel_rank + 1) * SP_BATCH]
         part = x.chunk(2, dim=1)[topo.mp_rank]  # this mp rank's part of the sequence
         # each rank's share of the mean over its data-parallel slice: the mp parts add up in backward
@@ -327,30 +307,28 @@ def sequence_parallel_job() -> dict:
         loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total)  # the mp parts of each slice, summed over the data-parallel ranks
-        losses.append(float(total) / 2)
-        norms.append(float(sf.clip_grad_norm_(model, MAX_NORM)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return {"losses": losses, "norms": norms, "params": sf.full_state_dict(model, buffers=False), "layout": "sp"}
+        return float(total) / 2
+
+    out = train_adamw(model, loss_fn, STEPS, LR, MAX_NORM)
+    return {**out, "params": sf.full_state_dict(model, buffers=False), "layout": "sp"}
 
 
 def _sp_reference() -> dict:
     torch.manual_seed(0)
     model = _SPModel()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, norms = [], []
-    for step in range(STEPS):
+
+    def loss_fn(step):
         loss = (model(_sp_data(step)) ** 2).mean()
         loss.backward()
-        losses.append(float(loss.detach()))
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+        return loss.detach()
+
+    out = train_adamw(model, loss_fn, STEPS, LR, MAX_NORM)
+    return {**out, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 def test_sequence_parallel_norms_under_fully_shard():
     results = run_distributed(sequence_parallel_job, 4, timeout=JOB_TIMEOUT_S)
     want = _sp_reference()
-    for r in results:
-        _compare(r, want)
+    assert len(results) == 4 and all(len(r["losses"]) == STEPS for r in results)
+    for rank, r in enumerate(results):
+        assert_run_matches(r, want, f"sequence parallel, rank {rank}", PARAM_ATOL)
