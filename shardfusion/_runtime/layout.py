@@ -140,3 +140,80 @@ def build_layout(
 
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
+
+
+def newton_schulz_cost(shape: Sequence[int]) -> int:
+    """The work of one Newton-Schulz orthogonalization of a matrix of ``shape`` (m, n), up to a constant factor:
+    ``max(m, n) * min(m, n) ** 2`` multiply-adds per iteration (Muon's iteration multiplies by the Gram matrix of
+    the shorter side). A tensor of other rank counts its elements."""
+    if len(shape) == 2:
+        m, n = shape
+        return max(m, n) * min(m, n) ** 2
+    return math.prod(shape)
+
+
+def build_owner_layout(
+    names: Sequence[str], shapes: Sequence[Sequence[int]], shard_count: int, align: int = 4,
+    costs: Sequence[int] | None = None,
+) -> FlatLayout:
+    """Lay parameters out so that each lies whole inside one shard, its *owner*, balancing ``costs`` over the shards.
+
+    Owners are chosen greedily, largest cost first, each parameter to the shard with the least cost so far (ties:
+    the fewest elements, then the lowest index): the longest-processing-time rule, within 4/3 of the best makespan.
+    Inside a shard parameters keep their given order, each aligned to ``align``. Every shard has the size of the
+    fullest one (rounded up to ``align``): the shards stay equal for the all-gather, and the difference is padding
+    (:func:`owner_report`). The slots keep the given order, so ``slots[i]`` is parameter ``i``.
+
+    Args:
+        names, shapes: the parameters, as for :func:`build_layout`.
+        shard_count: number of shards (>= 1).
+        align: alignment of each parameter's start, in elements (>= 1).
+        costs: per parameter, what its owner pays for it (default :func:`newton_schulz_cost` of its shape).
+
+    Raises:
+        ValueError: ``shard_count`` or ``align`` < 1, or ``names``, ``shapes`` and ``costs`` differ in length.
+    """
+    if shard_count < 1:
+        raise ValueError(f"shard_count({shard_count}) must be >= 1")
+    if align < 1:
+        raise ValueError(f"align({align}) must be >= 1")
+    costs = [newton_schulz_cost(s) for s in shapes] if costs is None else list(costs)
+    if not len(names) == len(shapes) == len(costs):
+        raise ValueError(f"len(names)({len(names)}), len(shapes)({len(shapes)}) and len(costs)({len(costs)}) differ")
+    numels = [math.prod(s) for s in shapes]
+    load, used = [0] * shard_count, [0] * shard_count
+    owner = [0] * len(names)
+    for i in sorted(range(len(names)), key=lambda i: (-costs[i], -numels[i], i)):
+        if numels[i] == 0:
+            continue
+        r = min(range(shard_count), key=lambda r: (load[r], used[r], r))
+        owner[i] = r
+        load[r] += costs[i]
+        used[r] += _round_up(numels[i], align)
+    local: list[int] = [0] * len(names)  # offset inside the owner's shard
+    fill = [0] * shard_count
+    for i in range(len(names)):
+        if numels[i]:
+            local[i] = fill[owner[i]]
+            fill[owner[i]] += _round_up(numels[i], align)
+    shard = _round_up(max(fill), align) if any(fill) else 0
+    slots = tuple(ParamSlot(name, tuple(shape), owner[i] * shard + local[i], numels[i])
+                  for i, (name, shape) in enumerate(zip(names, shapes)))
+    return FlatLayout(slots, shard * shard_count, shard_count)
+
+
+def owner_report(layout: FlatLayout, costs: Sequence[int] | None = None) -> dict:
+    """How an owner layout (:func:`build_owner_layout`) balances its shards: per shard the cost and the elements of
+    the parameters it owns, ``cost_imbalance`` (the largest cost / the mean, 1.0 = perfect), and ``padding`` (elements
+    of the buffer that hold no parameter, alignment included: what equal shards cost)."""
+    costs = [newton_schulz_cost(s.shape) for s in layout.slots] if costs is None else list(costs)
+    S = layout.shard_numel
+    cost, numel = [0] * layout.shard_count, [0] * layout.shard_count
+    for slot, c in zip(layout.slots, costs):
+        if slot.numel:
+            r = slot.offset // S
+            cost[r] += c
+            numel[r] += slot.numel
+    mean = sum(cost) / layout.shard_count
+    return {"cost": cost, "numel": numel, "cost_imbalance": max(cost) / mean if mean else 1.0,
+            "padding": layout.padded_numel - layout.numel}
