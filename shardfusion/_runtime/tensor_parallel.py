@@ -86,9 +86,8 @@ def check_param(name: str, p: torch.Tensor, topology) -> None:
         raise ValueError(f"parameter {name!r} has placement {placement}; a parameter must be Shard(d) or Replicate() "
                          "over the mp mesh")
     if p.is_meta:
-        raise ValueError(f"parameter {name!r} is a DTensor on the meta device; materialize the model before "
-                         "parallelize_module, or parallelize after fully_shard's meta initialization is not "
-                         "supported yet")
+        raise ValueError(f"parameter {name!r} is a DTensor on the meta device: fully_shard cannot initialize split "
+                         "parameters yet; build the model with values before parallelize_module")
 
 
 def as_param(alias: torch.Tensor, spec: Optional[TensorParallelSpec], requires_grad: bool) -> nn.Parameter:

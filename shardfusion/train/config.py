@@ -373,7 +373,8 @@ def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
         if config.dropout:
             raise ValueError(f"--cp {cp} needs --dropout 0 (got {config.dropout}): attention dropout would differ "
                              "from one process's")
-    check_batch(config, dp_world=data_parallel_size(config, world_size), world=world)
+    split = "".join(f" / {flag} {degree}" for flag, degree in (("--mp", mp), ("--cp", cp)) if degree > 1)
+    check_batch(config, dp_world=data_parallel_size(config, world_size), world=world + split)
     with_mp = "".join(f" with {flag} {degree}" for flag, degree in (("--mp", mp), ("--cp", cp)) if degree > 1)
     try:
         Degrees(world_size=world_size, sharding=-1, mp=mp, cp=cp, fsdp_outer_degree=outer)
