@@ -87,11 +87,12 @@ class FlatBuffer:
         reduce_group: a second group over the same ranks as ``shard_group`` for reduce-scatters, so that their
             order is independent of all-gathers (``None`` = use ``shard_group``).
         replicate_group: group holding identical shards; gradients are all-reduced over it once per step.
-        grad_divisor: the number of ranks whose losses average into the step's (``Topology.gradient_divisor``: dp *
-            sharding * sep * cp); reduced gradients are divided by it so they are
-            the gradient of the mean loss over the global batch.
-        data_parallel_group: the ranks that hold these parameters before sharding (all data-parallel ranks for dense
-            parameters; for experts, the ranks with the same ep index); the values of its first rank are broadcast.
+        grad_divisor: the number of ranks whose losses average into the step's loss (``Topology.gradient_divisor``:
+            dp * sharding * sep * cp); reduced gradients are divided by it so they are the gradient of the mean loss
+            over the global batch.
+        data_parallel_group: the ranks that hold these parameters before sharding (``Topology.
+            get_param_replica_group``: the data-parallel and context ranks; for experts, those with the same ep
+            index); the values of its first rank are broadcast.
         is_expert: the buffer holds expert parameters (distinct across the ep ranks); its fragments get
             ``is_expert = True`` too (e.g. for per-expert optimizer groups).
         is_primary: this rank holds the canonical copy of this shard: it is replica 0 of the replicate group and,
