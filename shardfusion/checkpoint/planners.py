@@ -41,12 +41,16 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 Runs = list  # [(offset in the flattened global parameter, start in the fragment, length)], see global_runs
 
 
-def _run_slice(fragment: torch.Tensor, runs: Runs, offset: int) -> torch.Tensor:
+def _by_offset(runs: Runs) -> dict[int, tuple[int, int]]:
+    """``{global offset: (start in the fragment, length)}`` of a fragment's runs, for the per-item lookups (a
+    row-wise piece has one run per row: a linear search per item would be quadratic)."""
+    return {offset: (start, length) for offset, start, length in runs}
+
+
+def _run_slice(fragment: torch.Tensor, runs: dict[int, tuple[int, int]], offset: int) -> torch.Tensor:
     """The part of ``fragment`` that the run starting at global ``offset`` covers (a view)."""
-    for global_offset, start, length in runs:
-        if global_offset == offset:
-            return fragment[start:start + length]
-    raise KeyError(f"no run at offset {offset}")
+    start, length = runs[offset]
+    return fragment[start:start + length]
 
 
 class FragmentSavePlanner(DefaultSavePlanner):
@@ -58,6 +62,7 @@ class FragmentSavePlanner(DefaultSavePlanner):
         # key mapping in Metadata.planner_data for nothing.
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
         self._fragments = fragments  # key -> (runs, global numel)
+        self._runs = {key: _by_offset(runs) for key, (runs, _) in fragments.items()}
 
     def create_local_plan(self) -> SavePlan:
         """One SHARD write item per run of each fragment key: chunk ``(offset,)`` + ``(length,)`` of a
@@ -83,7 +88,7 @@ class FragmentSavePlanner(DefaultSavePlanner):
         """The fragment's part for the run at the item's offset, for a fragment key (the default refuses a plain
         tensor at a non-zero offset); else the default lookup."""
         if index.fqn in self._fragments:
-            return _run_slice(self.state_dict[index.fqn], self._fragments[index.fqn][0], index.offset[0])
+            return _run_slice(self.state_dict[index.fqn], self._runs[index.fqn], index.offset[0])
         return super().lookup_object(index)
 
 
@@ -94,6 +99,7 @@ class FragmentLoadPlanner(DefaultLoadPlanner):
     def __init__(self, fragments: dict[str, Runs], optional: frozenset = frozenset()) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._fragments = fragments  # key -> runs
+        self._runs = {key: _by_offset(runs) for key, runs in fragments.items()}
         self._optional = optional
 
     def create_local_plan(self) -> LoadPlan:
@@ -125,5 +131,5 @@ class FragmentLoadPlanner(DefaultLoadPlanner):
         """The destination part of the fragment for a fragment key: the slice of the run at the item's
         ``dest_index`` offset (its ``dest_offsets`` are relative to it); else the default lookup."""
         if index.fqn in self._fragments:
-            return _run_slice(self.state_dict[index.fqn], self._fragments[index.fqn], index.offset[0])
+            return _run_slice(self.state_dict[index.fqn], self._runs[index.fqn], index.offset[0])
         return super().lookup_tensor(index)

@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shardfusion.context_parallel import sequence_chunk
+
 VAL_FRACTION = 0.05
 """Fraction of the corpus, taken from its end, held out for validation."""
 
@@ -278,5 +280,5 @@ def context_parallel_slice(inputs: torch.Tensor, targets: torch.Tensor, cp_rank:
     if inputs.dim() != 2 or inputs.shape != targets.shape:
         raise ValueError(f"inputs and targets must both be (B, T), got {tuple(inputs.shape)} and "
                          f"{tuple(targets.shape)}")
-    start, end = context_parallel_span(inputs.shape[1], cp_rank, cp)
-    return inputs[:, start:end].contiguous(), targets[:, start:end].contiguous()
+    context_parallel_span(inputs.shape[1], cp_rank, cp)  # the checks and their messages
+    return sequence_chunk(inputs, cp_rank, cp).contiguous(), sequence_chunk(targets, cp_rank, cp).contiguous()
