@@ -31,6 +31,7 @@ from shardfusion.fully_shard import (
     set_requires_gradient_sync,
 )
 from shardfusion.moe import MoE, is_expert, mark_expert
+from shardfusion.owners import owner_balance
 from shardfusion.plan import Bandwidth, Plan, UnitSize, measure_bandwidth, plan, unit_sizes
 from shardfusion.state_dict import full_state_dict
 from shardfusion.topology import Topology
@@ -57,6 +58,7 @@ __all__ = [
     "measure_bandwidth",
     "moe",
     "no_sync",
+    "owner_balance",
     "plan",
     "set_is_last_backward",
     "set_requires_gradient_sync",

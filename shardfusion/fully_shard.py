@@ -43,6 +43,7 @@ def fully_shard(
     device: Optional[Union[torch.device, str]] = None,
     init_fn: Optional[Callable[[nn.Module], None]] = None,
     outer_comm_dtype: Union[None, torch.dtype, str] = None,
+    whole_params: Optional[Callable[[str, nn.Parameter], bool]] = None,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP (``fsdp_outer_degree == 1``) or HSDP (``> 1``) and return it.
 
@@ -157,6 +158,20 @@ def fully_shard(
             ``docs/compressed-all-reduce.md``. No error feedback. The inner reduce-scatter keeps
             ``grad_comm_dtype``; kept-whole parameters (``replicate_filter``) are all-reduced uncompressed. Also the
             strings ``"fp32"``, ``"bf16"``, ``"fp16"``.
+        whole_params: optional ``(name, parameter) -> bool`` choosing the parameters a matrix optimizer (e.g.
+            ``torch.optim.Muon``) needs whole. Each lies whole inside the shard of one *owner* rank of its shard
+            group (the flat buffer is laid out on parameter boundaries for them: ``layout.build_owner_layout``),
+            instead of being split across ranks. On its owner the fragment has the parameter's shape (and so does
+            its ``.grad``); on every other rank it is an empty tensor of shape ``(0, *shape[1:])``; so an optimizer
+            built from ``model.parameters()`` updates each matrix once, where it lives, with no collective.
+            Owners are chosen per shard group by the longest-processing-time rule on the Newton-Schulz cost
+            ``max(m, n) * min(m, n) ** 2`` with the load carried from unit to unit (the balance holds over the
+            model); shards stay equal for the all-gather, so what one rank owns beyond another is padding
+            (:func:`shardfusion.owner_balance` reports both). Forward and backward are unchanged (the unit is
+            all-gathered and reduce-scattered whole); gradients, clipping, ``full_state_dict`` and checkpoints keep
+            their meaning (a checkpoint stores parameters flattened, so it loads into either layout). The idea of
+            owner ranks comes from PaddlePaddle's sharding for Muon and Megatron's layer-wise optimizer; see
+            ``docs/whole-params.md``.
 
     Returns:
         ``model``, changed in place.
@@ -173,16 +188,18 @@ def fully_shard(
             :class:`shardfusion.moe.MoE`) whose group is not the topology's ep group; a sharded submodule whose call
             used other options (the message names the option); a DTensor parameter over another mesh than
             ``topology.get_mesh("mp")``, with a ``Partial`` placement or on the meta device
-            (docs/tensor-parallel.md). All before any collective, so on every rank.
+            (docs/tensor-parallel.md); ``whole_params`` not callable, or choosing a parameter that
+            ``replicate_filter`` also chooses or a DTensor. All before any collective, so on every rank.
     """
     options = wrap.WrapOptions(topology, MixedPrecisionPolicy() if mp_policy is None else mp_policy,
                                replicate_filter, broadcast_buffers, expert_filter, expert_policy, prefetch,
-                               reshard_policy, reshard_filter, compress.validate_outer_comm_dtype(outer_comm_dtype))
+                               reshard_policy, reshard_filter, compress.validate_outer_comm_dtype(outer_comm_dtype),
+                               whole_params)
     wrap.check_args(model, options, units, comm_unit_size)
     device = materialize.check_device_args(device, init_fn)
     if units is None and comm_unit_size is None:
         units = wrap.default_units(model)
-    wrap.check_model(model, topology, units)
+    wrap.check_model(model, options, units)
     inner = nested.sharded_submodules(model)
     nested.check_nested_options(model, inner, options)
     materialize.check_initializable(model, init_fn)  # the first collective: the same error on every rank

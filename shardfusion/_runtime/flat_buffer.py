@@ -7,7 +7,9 @@ sharded or kept whole, dense or expert). ``P`` is the padded flat length (``layo
 
 - ``shard``       # (S,)  persistent. This rank's slice of the flat buffer; the optimizer updates it in place through
                   #       the *fragments*: one ``nn.Parameter`` per original parameter, a 1-D view of ``shard`` (0
-                  #       elements allowed), registered in the modules under the original names while sharded.
+                  #       elements allowed), registered in the modules under the original names while sharded. In an
+                  #       owner layout (``owner_layout``) a fragment is the whole parameter in its shape on the owner
+                  #       rank and an empty ``(0, *shape[1:])`` view elsewhere.
 - ``full``        # (P,)  alive while unsharded, in ``param_dtype`` (mixed precision) or the shard's dtype. The
                   #       all-gathered buffer; its storage is resized to 0 when resharded. With ``shard_count == 1``
                   #       and no cast it *is* ``shard`` (nothing is gathered or freed). ``full_views``
@@ -52,7 +54,7 @@ from shardfusion import comm
 from shardfusion._runtime import compress
 from shardfusion._runtime import tensor_parallel as tp
 from shardfusion._runtime.replicate_sync import OverlappedSync
-from shardfusion._runtime.layout import FlatLayout
+from shardfusion._runtime.layout import FlatLayout, owned_shape
 
 
 def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -113,6 +115,9 @@ class FlatBuffer:
         tp_specs: per parameter, its :class:`~shardfusion._runtime.tensor_parallel.TensorParallelSpec` (a DTensor
             parameter: the layout holds its local piece, and its full view is a DTensor over that piece) or
             ``None``; default all ``None``.
+        owner_layout: ``layout`` puts each parameter whole in one shard (``layout.build_owner_layout``): each
+            fragment then has the parameter's shape on its owner and ``(0, *shape[1:])`` on the other ranks
+            (``layout.owned_shape``), and so do their ``.grad``; otherwise fragments are 1-D.
 
     Attributes (besides the tensors of the note): ``shard_index`` (0 for a buffer without elements), ``is_expert``,
     ``is_primary``, ``unit_name``, and, for a later ``fully_shard`` call that absorbs this one, ``originals`` (a weak
@@ -139,6 +144,7 @@ class FlatBuffer:
         overlap_replicate: bool = True,
         outer_comm_dtype: object = None,
         tp_specs: Optional[list] = None,
+        owner_layout: bool = False,
     ) -> None:
         self.layout = layout
         self.tp_specs = list(tp_specs) if tp_specs is not None else [None] * len(params)
@@ -168,10 +174,14 @@ class FlatBuffer:
         self.fragments: list[nn.Parameter] = []
         self._frag_ranges: list[tuple[int, int]] = []  # (offset in shard, numel) per fragment
         self._frag_param_offsets: list[int] = []  # start of each fragment in its flattened parameter
+        self.owner_layout = bool(owner_layout)
+        self._frag_shapes: list[tuple[int, ...]] = []  # (numel,), or in an owner layout see owned_shape
         for frag in layout.fragments(shard_index):
             self._frag_ranges.append((frag.shard_offset, frag.numel))
             self._frag_param_offsets.append(frag.param_offset)
-            view = self.shard[frag.shard_offset:frag.shard_offset + frag.numel]
+            shape = owned_shape(frag.slot.shape, frag.numel) if self.owner_layout else (frag.numel,)
+            self._frag_shapes.append(shape)
+            view = self.shard[frag.shard_offset:frag.shard_offset + frag.numel].view(shape)
             self.fragments.append(nn.Parameter(view, requires_grad=self.requires_grad))
             if self.is_expert:
                 self.fragments[-1].is_expert = True
@@ -400,7 +410,7 @@ class FlatBuffer:
 
     def _grad_slice(self, i: int) -> torch.Tensor:
         off, n = self._frag_ranges[i]
-        return self.grad_shard[off:off + n]
+        return self.grad_shard[off:off + n].view(self._frag_shapes[i])
 
     def _attach_fragment_grads(self, skip: frozenset | set = frozenset()) -> None:
         """Make each fragment's ``.grad`` a view of ``grad_shard`` (re-attached after ``zero_grad(set_to_none)``),
@@ -458,7 +468,7 @@ class FlatBuffer:
         with torch.no_grad():
             if self.direct_grad is None:
                 self.direct_grad = torch.zeros_like(self.shard)  # (S,) the shard's dtype
-            self.direct_grad[off:off + n].add_(grad.detach())
+            self.direct_grad[off:off + n].add_(grad.detach().reshape(-1))
 
     def fold_direct_grad(self) -> None:
         """Add ``direct_grad`` / (replicate group size) into this step's gradient, if both exist (called at the end of

@@ -154,12 +154,15 @@ def newton_schulz_cost(shape: Sequence[int]) -> int:
 
 def build_owner_layout(
     names: Sequence[str], shapes: Sequence[Sequence[int]], shard_count: int, align: int = 4,
-    costs: Sequence[int] | None = None,
+    costs: Sequence[int] | None = None, base_load: Sequence[int] | None = None,
 ) -> FlatLayout:
     """Lay parameters out so that each lies whole inside one shard, its *owner*, balancing ``costs`` over the shards.
 
     Owners are chosen greedily, largest cost first, each parameter to the shard with the least cost so far (ties:
     the fewest elements, then the lowest index): the longest-processing-time rule, within 4/3 of the best makespan.
+    ``base_load`` is the cost each shard carries already (the owner layouts of earlier units over the same group),
+    so the balance holds over a whole model, not per buffer: a block's largest matrices go to other ranks than the
+    previous block's.
     Inside a shard parameters keep their given order, each aligned to ``align``. Every shard has the size of the
     fullest one (rounded up to ``align``): the shards stay equal for the all-gather, and the difference is padding
     (:func:`owner_report`). The slots keep the given order, so ``slots[i]`` is parameter ``i``.
@@ -169,9 +172,11 @@ def build_owner_layout(
         shard_count: number of shards (>= 1).
         align: alignment of each parameter's start, in elements (>= 1).
         costs: per parameter, what its owner pays for it (default :func:`newton_schulz_cost` of its shape).
+        base_load: per shard, the cost it carries already (default zeros).
 
     Raises:
-        ValueError: ``shard_count`` or ``align`` < 1, or ``names``, ``shapes`` and ``costs`` differ in length.
+        ValueError: ``shard_count`` or ``align`` < 1, ``names``, ``shapes`` and ``costs`` differ in length, or
+            ``base_load`` does not have ``shard_count`` entries.
     """
     if shard_count < 1:
         raise ValueError(f"shard_count({shard_count}) must be >= 1")
@@ -180,8 +185,11 @@ def build_owner_layout(
     costs = [newton_schulz_cost(s) for s in shapes] if costs is None else list(costs)
     if not len(names) == len(shapes) == len(costs):
         raise ValueError(f"len(names)({len(names)}), len(shapes)({len(shapes)}) and len(costs)({len(costs)}) differ")
+    if base_load is not None and len(base_load) != shard_count:
+        raise ValueError(f"len(base_load)({len(base_load)}) != shard_count({shard_count})")
     numels = [math.prod(s) for s in shapes]
-    load, used = [0] * shard_count, [0] * shard_count
+    load = list(base_load) if base_load is not None else [0] * shard_count
+    used = [0] * shard_count
     owner = [0] * len(names)
     for i in sorted(range(len(names)), key=lambda i: (-costs[i], -numels[i], i)):
         if numels[i] == 0:
@@ -217,3 +225,12 @@ def owner_report(layout: FlatLayout, costs: Sequence[int] | None = None) -> dict
     mean = sum(cost) / layout.shard_count
     return {"cost": cost, "numel": numel, "cost_imbalance": max(cost) / mean if mean else 1.0,
             "padding": layout.padded_numel - layout.numel}
+
+
+def owned_shape(shape: Sequence[int], numel: int) -> tuple[int, ...]:
+    """The shape of a rank's fragment of a parameter of ``shape`` in an owner layout: the parameter's own shape on
+    its owner (``numel`` is all of it), ``(0, *shape[1:])`` elsewhere (a 0-d parameter: ``(0,)``), so that an
+    optimizer reading shapes (Muon: 2-D only) takes every rank's fragments unchanged."""
+    if numel:
+        return tuple(shape)
+    return (0, *tuple(shape)[1:]) if len(shape) else (0,)

@@ -2,7 +2,8 @@
 
 [Note: local state dicts]
 After :func:`shardfusion.fully_shard`, ``model.state_dict()`` holds, under the original names, this rank's 1-D
-fragments of the sharded parameters (views of its shard; kept-whole and expert parameters are 1-D too) and the
+fragments of the sharded parameters (views of its shard; kept-whole and expert parameters are 1-D too; a parameter of
+``whole_params`` has its shape on its owner rank, ``(0, *shape[1:])`` elsewhere) and the
 module buffers. A state-dict post-hook on the sharded model records in the state dict's ``_metadata`` (which
 ``torch.save`` keeps) where the fragments come from, under ``_metadata[prefix]["shardfusion"]``::
 
@@ -60,6 +61,7 @@ class _Param:
     numel: int  # fragment length (elements; 0 allowed)
     is_expert: bool
     tp_spec: object = None  # a tensor-parallel parameter: shape/offset are its local piece's; tp_spec.shape global
+    frag_shape: tuple[int, ...] = ()  # the fragment's shape: (numel,), or in an owner layout see layout.owned_shape
 
     @property
     def full_shape(self) -> tuple[int, ...]:
@@ -157,7 +159,7 @@ class LocalStateDict:
             t = state_dict.get(prefix + alias)
             if not isinstance(t, torch.Tensor) or tuple(t.shape) == p.full_shape:
                 continue  # not a tensor: torch reports it; full shape: sliced
-            if same and tuple(t.shape) == (p.numel,):
+            if same and tuple(t.shape) == p.frag_shape:
                 continue  # this rank's own fragment, same layout
             key = prefix + alias
             if saved is None:
@@ -169,19 +171,19 @@ class LocalStateDict:
                            f"{self.world_size} holds layout {self.layout}")
             else:
                 out.append(f"{key!r} has shape {tuple(t.shape)}: neither the full shape {p.full_shape} nor this rank's "
-                           f"fragment ({p.numel},)")
+                           f"fragment {p.frag_shape}")
         return out
 
     def _to_fragments(self, state_dict, prefix: str) -> None:
-        """Replace each full-shape tensor by this rank's fragment of it (1-D); give a tied parameter that appears
-        under one of its names the same value under the others."""
+        """Replace each full-shape tensor by this rank's fragment of it (in the fragment's shape: 1-D, or whole on an
+        owner); give a tied parameter that appears under one of its names the same value under the others."""
         for p in self.params:
             given = [prefix + a for a in p.aliases if prefix + a in state_dict]
             for key in given:
                 t = state_dict[key]
                 if isinstance(t, torch.Tensor) and tuple(t.shape) == p.full_shape:
                     piece = t if p.tp_spec is None else tp.local_piece(t, p.tp_spec)  # this mp rank's piece
-                    state_dict[key] = piece.reshape(-1)[p.offset:p.offset + p.numel]
+                    state_dict[key] = piece.reshape(-1)[p.offset:p.offset + p.numel].view(p.frag_shape)
             for alias in p.aliases:
                 if given and prefix + alias not in state_dict:
                     state_dict[prefix + alias] = state_dict[given[0]]
@@ -192,7 +194,7 @@ def _params(model: nn.Module) -> list[_Param]:
     for name, frag in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(frag), []).append(name)
     return [_Param(f.name, tuple(aliases.get(id(f.param), [f.name])), f.shape, f.offset, f.numel, f.buffer.is_expert,
-                   f.tp_spec) for f in named_fragments(model)]
+                   f.tp_spec, tuple(f.param.shape)) for f in named_fragments(model)]
 
 
 def _digest(model: nn.Module) -> str:

@@ -20,7 +20,7 @@ from shardfusion import comm
 from shardfusion._runtime import materialize
 from shardfusion._runtime import tensor_parallel as tp
 from shardfusion._runtime.flat_buffer import FlatBuffer
-from shardfusion._runtime.layout import build_layout
+from shardfusion._runtime.layout import build_layout, build_owner_layout, owner_report
 from shardfusion._runtime.optimizer_hook import REPLACED_PARAMS
 from shardfusion._runtime.state import is_sharded, sharded_ancestor
 from shardfusion._runtime.unit import Unit
@@ -49,11 +49,12 @@ class WrapOptions:
     reshard_policy: str  # per unit: may differ between nested calls
     reshard_filter: ReshardFilter  # per unit: may differ between nested calls
     outer_comm_dtype: object = None  # validated: None, a float dtype or "int8" (compress.validate_outer_comm_dtype)
+    whole_params: Optional[Callable] = None  # (name, param) -> bool: whole in one owner rank's shard
 
 
 # Options a nested call must share with the call that absorbs it (the reshard policy is per unit and may differ).
 MUST_AGREE = ("topology", "mp_policy", "replicate_filter", "broadcast_buffers", "expert_filter", "expert_policy",
-              "prefetch", "outer_comm_dtype")
+              "prefetch", "outer_comm_dtype", "whole_params")
 
 
 # ---- checks ----------------------------------------------------------------------------------------------------------
@@ -76,7 +77,7 @@ def check_args(model, options: WrapOptions, units, comm_unit_size) -> None:
     _check_units(units, comm_unit_size)
     if options.reshard_policy not in RESHARD_POLICIES:
         raise ValueError(f"reshard_policy must be one of {RESHARD_POLICIES}, got {options.reshard_policy!r}")
-    for name in ("replicate_filter", "expert_filter"):
+    for name in ("replicate_filter", "expert_filter", "whole_params"):
         value = getattr(options, name)
         if value is not None and not callable(value):
             raise ValueError(f"{name} must be None or a callable (name, param) -> bool, got {value!r}")
@@ -105,13 +106,31 @@ def _check_units(units, comm_unit_size) -> None:
         raise ValueError(f"comm_unit_size must be a positive int (elements), got {comm_unit_size!r}")
 
 
-def check_model(model: nn.Module, topology, units: Optional[Sequence[type]]) -> None:
-    """The model itself: its expert-parallel layers, unit classes that match a module (meta tensors: see
-    ``materialize.check_initializable``)."""
+def check_model(model: nn.Module, options: WrapOptions, units: Optional[Sequence[type]]) -> None:
+    """The model itself: its expert-parallel layers, unit classes that match a module, the parameters
+    ``whole_params`` chooses (meta tensors: see ``materialize.check_initializable``)."""
+    topology = options.topology
     _check_expert_parallel_layers(model, topology)
     _check_unit_classes(model, units)
     for name, p in model.named_parameters():
         tp.check_param(name, p, topology)
+    if options.whole_params is not None:
+        _check_whole_params(model, options)
+
+
+def _check_whole_params(model: nn.Module, options: WrapOptions) -> None:
+    """A parameter ``whole_params`` chooses is neither kept whole on every rank by ``replicate_filter`` nor a
+    tensor-parallel piece (a matrix optimizer would see a piece of the matrix as if it were the matrix)."""
+    for name, p in model.named_parameters():
+        if not options.whole_params(name, p):
+            continue
+        if options.replicate_filter is not None and options.replicate_filter(name, p):
+            raise ValueError(f"parameter {name!r} {tuple(p.shape)} is chosen by both replicate_filter (whole on every "
+                             "rank) and whole_params (whole on one owner rank): choose one")
+        if tp.is_tensor_parallel(p):
+            raise ValueError(f"whole_params chooses {name!r}, a tensor-parallel DTensor (global shape "
+                             f"{tuple(p.shape)}, local piece {tuple(tp.local(p).shape)}): its owner would hold a piece, "
+                             "not the matrix; leave tensor-parallel parameters out of whole_params")
 
 
 def _check_expert_parallel_layers(model: nn.Module, topology) -> None:
@@ -351,20 +370,41 @@ class _GroupPlan:
         self.replicate_filter = options.replicate_filter
         self.expert_filter = options.expert_filter or marked_expert
         self.expert_policy = options.expert_policy
+        self.whole_params = options.whole_params
+        # The cost each rank of a shard group owns so far in owner layouts (by group: dense and expert groups differ),
+        # carried from unit to unit so that owners balance over the whole model.
+        self.owner_load: dict[int, list[int]] = {}
+
+    def layout(self, members: list, shard_group, placement: str, align: int):
+        """The :class:`FlatLayout` of a buffer of these members (an owner layout for ``placement == "owner"``)."""
+        names = [n for n, _, _ in members]
+        shapes = [tuple(tp.local(p).shape) for _, p, _ in members]
+        count = comm.group_size(shard_group)
+        if placement != "owner":
+            return build_layout(names, shapes, count, align)
+        load = self.owner_load.setdefault(id(shard_group), [0] * count)
+        layout = build_owner_layout(names, shapes, count, align, base_load=load)
+        for r, c in enumerate(owner_report(layout)["cost"]):
+            load[r] += c
+        return layout
 
     def kind(self, name: str, p: nn.Parameter) -> tuple:
-        """The key of the flat buffer ``p`` goes into: (dtype, device, trainable, whole, tensor parallel, expert)."""
-        whole = bool(self.replicate_filter(name, p)) if self.replicate_filter is not None else False
-        return (p.dtype, materialize.target_device(p, self.device), p.requires_grad, whole, tp.is_tensor_parallel(p),
-                bool(self.expert_filter(name, p)))
+        """The key of the flat buffer ``p`` goes into: (dtype, device, trainable, placement, tensor parallel,
+        expert); placement is ``"replicate"`` (``replicate_filter``: kept whole on every rank), ``"owner"``
+        (``whole_params``: whole on one rank of the shard group) or ``"shard"`` (element-sharded)."""
+        replicate = bool(self.replicate_filter(name, p)) if self.replicate_filter is not None else False
+        owner = bool(self.whole_params(name, p)) if self.whole_params is not None else False
+        placement = "replicate" if replicate else "owner" if owner else "shard"
+        return (p.dtype, materialize.target_device(p, self.device), p.requires_grad, placement,
+                tp.is_tensor_parallel(p), bool(self.expert_filter(name, p)))
 
-    def groups(self, whole: bool, expert: bool) -> tuple:
+    def groups(self, placement: str, expert: bool) -> tuple:
         """``(shard_group, reduce_group, replicate_group, broadcast_group)`` for a buffer of this kind."""
         t = self.topology
         # Ranks that hold the same parameters before sharding: the data-parallel ranks and the sep x cp ranks for
         # dense ones; for experts, those with this rank's ep index.
         holders = t.get_param_replica_group(is_expert=expert)
-        if whole:
+        if placement == "replicate":
             return None, None, holders, holders
         if expert and self.expert_policy == "shard":
             return (t.get_fsdp_group(is_expert=True), t.get_reduce_group("moe_sharding"),
@@ -383,12 +423,11 @@ def _kinds(params: list, plan: _GroupPlan) -> list[tuple[tuple, list]]:
 
 def _flat_buffer(unit: Unit, kind: tuple, members: list, plan: _GroupPlan) -> FlatBuffer:
     """The :class:`FlatBuffer` of one kind of a unit's parameters, laid out (a shard of zeros), not yet filled."""
-    dtype, device, _rg, whole, tensor_parallel, expert = kind
+    dtype, device, _rg, placement, tensor_parallel, expert = kind
     topology = plan.topology
-    shard_group, reduce_group, replicate_group, holders = plan.groups(whole, expert)
+    shard_group, reduce_group, replicate_group, holders = plan.groups(placement, expert)
     align = max(1, ALIGN_BYTES // torch.tensor([], dtype=dtype).element_size())
-    layout = build_layout([n for n, _, _ in members], [tuple(tp.local(p).shape) for _, p, _ in members],
-                          comm.group_size(shard_group), align)
+    layout = plan.layout(members, shard_group, placement, align)
     cast = dtype.is_floating_point
     buffer = FlatBuffer(
         layout, [p for _, p, _ in members], device=device,
@@ -400,8 +439,8 @@ def _flat_buffer(unit: Unit, kind: tuple, members: list, plan: _GroupPlan) -> Fl
         param_dtype=plan.mp_policy.param_dtype if cast else None,
         grad_comm_dtype=plan.mp_policy.grad_comm_dtype if cast else None,
         overlap_replicate=replicate_group is topology.get_replicate_group(),
-        outer_comm_dtype=None if whole or not cast else plan.outer_comm_dtype,
-        tp_specs=[tp.spec_of(p) for _, p, _ in members])
+        outer_comm_dtype=None if placement == "replicate" or not cast else plan.outer_comm_dtype,
+        tp_specs=[tp.spec_of(p) for _, p, _ in members], owner_layout=placement == "owner")
     for name, p, _ in members:
         REPLACED_PARAMS[p] = name
     return buffer

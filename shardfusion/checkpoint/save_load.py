@@ -113,11 +113,11 @@ def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
         st = opt_state.get(p, {})
         kinds = {k: state_kind(p, v) for k, v in st.items()}
         if writes and p.numel() > 0:
-            sd[f"model/{name}"] = p.detach()
+            sd[f"model/{name}"] = p.detach().view(-1)  # 1-D: a fragment of a whole parameter has its shape
             fragments[f"model/{name}"] = (runs, total)
             for k, kind in kinds.items():
                 if kind == "element":
-                    sd[f"optim/{name}/{k}"] = st[k].detach()
+                    sd[f"optim/{name}/{k}"] = st[k].detach().reshape(-1)
                     fragments[f"optim/{name}/{k}"] = (runs, total)
         for k, kind in kinds.items():  # every rank holding the parameter (empty fragments too); DCP keeps one
             if kind not in (None, "element"):
@@ -189,7 +189,8 @@ def _plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, kinds_by
                 cur = old.get(k)
                 if not (torch.is_tensor(cur) and cur.shape == shape and cur.dtype == dtype and cur.device == device):
                     cur = torch.zeros(shape, dtype=dtype, device=device)
-                new[k] = sd[key] = cur
+                new[k] = cur
+                sd[key] = cur.view(-1) if kind == "element" else cur  # a view: DCP loads into the state itself
                 if kind == "element":
                     fragments[key] = runs
                     if p.numel() == 0:  # a parameter of 0 elements: its per-element state is never written
@@ -239,7 +240,7 @@ def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
     fragments: dict[str, list] = {}
     optional: set[str] = set()
     for name, p, runs, _total, _writes, _shape in named_fragments(model):
-        sd[f"model/{name}"] = p.detach()
+        sd[f"model/{name}"] = p.detach().view(-1)
         fragments[f"model/{name}"] = runs
         if p.numel() == 0:  # a parameter of 0 elements is never written
             optional.add(f"model/{name}")
@@ -339,9 +340,9 @@ def load_full_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> No
         raise ValueError(f"state dict does not match the model: {problems}")
     with torch.no_grad():
         for name, p, runs, _total, _writes, _shape in named_fragments(model):
-            flat = given[name].reshape(-1)
+            flat, dest = given[name].reshape(-1), p.view(-1)
             for offset, start, length in runs:
-                p[start:start + length].copy_(flat[offset:offset + length])
+                dest[start:start + length].copy_(flat[offset:offset + length])
         for name, buf in buffers.items():
             if name in given:
                 buf.copy_(given[name])
