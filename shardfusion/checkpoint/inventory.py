@@ -32,6 +32,37 @@ def named_fragments(model: nn.Module):
         yield name, p, runs, math.prod(shape), f.buffer.is_primary, shape
 
 
+def optimizer_list(optimizer) -> list[torch.optim.Optimizer]:
+    """``optimizer`` as a list: ``None`` -> ``[]``, one optimizer -> ``[it]``, a list or tuple of them as given (e.g.
+    Muon on the matrices, AdamW on the rest: their states are saved under the parameters' names, so together they
+    are one optimizer to the checkpoint).
+
+    Raises:
+        ValueError: an entry is not a ``torch.optim.Optimizer``, or a parameter is in two of them.
+    """
+    if optimizer is None:
+        return []
+    given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    seen: dict[int, int] = {}
+    for i, opt in enumerate(given):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ValueError(f"optimizer[{i}] must be a torch.optim.Optimizer, got {type(opt).__name__}")
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if seen.setdefault(id(p), i) != i:
+                    raise ValueError(f"a parameter of shape {tuple(p.shape)} is in optimizer[{seen[id(p)]}] and "
+                                     f"optimizer[{i}]: each parameter may be in one optimizer only")
+    return given
+
+
+def merged_state(optimizers: list[torch.optim.Optimizer]) -> dict:
+    """``{parameter: its state}`` over ``optimizers`` (each parameter in one of them), for reading."""
+    out: dict = {}
+    for opt in optimizers:
+        out.update(opt.state)
+    return out
+
+
 def global_rank() -> int:
     """This process's rank in the default group (0 without one: the single-process readers)."""
     return dist.get_rank() if dist.is_initialized() else 0
@@ -68,7 +99,7 @@ def scalar_tensor(value: Any) -> torch.Tensor:
     return torch.tensor(value, dtype=NUMBER_DTYPES[type(value).__name__])
 
 
-def model_info(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+def model_info(model: nn.Module, optimizer=None,
                 rank_state: Optional[dict] = None, unreadable: Optional[str] = None) -> dict:
     """What every rank holds, gathered (collective: one ``all_gather_object``): the union over ranks of parameter
     shapes, buffer shapes and optimizer state kinds (expert names differ across ep ranks), and the problems found on
@@ -78,7 +109,7 @@ def model_info(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     rank, mp_rank = global_rank(), sharded_state(model).topology.mp_rank
     mine: dict[str, Any] = {"shapes": {}, "buffer_shapes": {}, "optim_state": {}, "problems": [],
                             "unreadable": [f"rank {rank}: {unreadable}"] if unreadable else []}
-    opt_state = optimizer.state if optimizer is not None else {}
+    opt_state = merged_state(optimizer_list(optimizer))
     plain_tp = {id(f.param) for f in model_fragments(model) if f.tp_spec is None}
     tensor_parallel = []
     for name, p, _runs, _total, writes, shape in named_fragments(model):
@@ -124,15 +155,15 @@ def model_info(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     return out
 
 
-def param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """For each of ``optimizer``'s parameter groups, the names (``model.named_parameters()``; a tied parameter: its
+def param_names(model: nn.Module, optimizer) -> list[list[str]]:
+    """For each parameter group of ``optimizer`` (one, or a list: their groups in order), the names (``model.named_parameters()``; a tied parameter: its
     first name) of its parameters, in the group's order. Recorded in a checkpoint for information only.
 
     Raises:
         KeyError: the optimizer holds a parameter that is not one of ``model``'s.
     """
     names = {id(p): n for n, p in model.named_parameters()}
-    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    return [[names[id(p)] for p in group["params"]] for opt in optimizer_list(optimizer) for group in opt.param_groups]
 
 
 def mismatch(mine: dict, other: dict, other_name: str, missing_label: str, extra_label: str,

@@ -63,7 +63,7 @@ gathered over the ranks) is in :mod:`shardfusion.checkpoint.inventory`.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -74,8 +74,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from shardfusion._runtime.local_state_dict import persistent_buffers
 from shardfusion.checkpoint.folder import prepare, publish
-from shardfusion.checkpoint.inventory import (NUMBER_DTYPES, global_rank, mismatch, model_info, named_fragments,
-                                              param_names, scalar_tensor, state_kind)
+from shardfusion.checkpoint.inventory import (NUMBER_DTYPES, global_rank, merged_state, mismatch, model_info,
+                                              named_fragments, optimizer_list, param_names, scalar_tensor, state_kind)
 from shardfusion.checkpoint.planners import FragmentLoadPlanner, FragmentSavePlanner
 from shardfusion.checkpoint.read import failure_text, open_checkpoint, read_error
 from shardfusion.comm import call_on_rank0
@@ -86,7 +86,7 @@ FORMAT_VERSION = 2
 
 
 # ---- public API ----------------------------------------------------------------------------------------------------
-def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str, extra: Optional[dict] = None,
+def save(model: nn.Module, optimizer: Union[None, torch.optim.Optimizer, Sequence[torch.optim.Optimizer]], path: str, extra: Optional[dict] = None,
          rank_state: Optional[dict[str, torch.Tensor]] = None) -> None:
     """Write ``model`` (parameters and buffers), ``optimizer``'s state and hyperparameters, the picklable ``extra``
     and this rank's ``rank_state`` to the directory ``path`` (keys: see the module docstring).
@@ -95,20 +95,24 @@ def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
     state entries may be tensors of the fragment's shape (saved per element, any dtype), 0-d tensors or Python
     numbers (saved once); ``None`` entries are skipped. ``rank_state`` (``{key: tensor}``, any shape, dtype and
     device, e.g. ``{"cpu_rng": torch.get_rng_state()}``) is stored under ``rank/<global rank>/<key>``; ranks may pass
-    different keys, or ``None``.
+    different keys, or ``None``. ``optimizer`` may be a list of optimizers, each parameter in one of them (e.g.
+    Muon on the matrices, AdamW on the rest): their states are saved under the parameters' names and their param
+    groups in order, so a load takes the same list.
 
     Raises:
-        ValueError: on every rank, before anything is written: an optimizer state entry of another kind, a
+        ValueError: on every rank, before anything is written: ``optimizer`` not an optimizer or a list of them (a
+            parameter in two), an optimizer state entry of another kind, a
             plain tensor marked ``tensor_model_parallel`` with mp > 1, or a ``rank_state`` value that is not a tensor (each named with
             its rank); after the write, on every rank: a rank could not write its files (disk full, not writable:
             ``checkpoint <path> cannot be written: rank r: ...``), and the folder is then incomplete.
     """
-    info = model_info(model, optimizer, rank_state)
+    optimizers = optimizer_list(optimizer)
+    info = model_info(model, optimizers, rank_state)
     if info["problems"]:
         raise ValueError(f"cannot save checkpoint {path!r}: " + "; ".join(info["problems"]))
     sd: dict[str, Any] = {}
     fragments: dict[str, tuple[list, int]] = {}
-    opt_state = optimizer.state if optimizer is not None else {}
+    opt_state = merged_state(optimizers)
     for name, p, runs, total, writes, _shape in named_fragments(model):
         st = opt_state.get(p, {})
         kinds = {k: state_kind(p, v) for k, v in st.items()}
@@ -129,13 +133,13 @@ def save(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
         sd[f"rank/{global_rank()}/{key}"] = value.detach()
     if global_rank() == 0:
         groups = []
-        if optimizer is not None:
-            for g, names in zip(optimizer.param_groups, param_names(model, optimizer)):
+        if optimizers:
+            for g, names in zip([g for opt in optimizers for g in opt.param_groups], param_names(model, optimizers)):
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "param_names": names})
         sd["meta"] = {"version": FORMAT_VERSION,
                       "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                       "shapes": info["shapes"], "buffer_shapes": info["buffer_shapes"],
-                      "optim_state": info["optim_state"] if optimizer is not None else None,
+                      "optim_state": info["optim_state"] if optimizers else None,
                       "param_groups": groups, "extra": extra}
     try:
         dcp.save(sd, storage_writer=FileSystemWriter(path), planner=FragmentSavePlanner(fragments),
@@ -164,13 +168,13 @@ def _check_keys(info: dict, meta: dict, path: str) -> None:
         raise ValueError(f"checkpoint {path!r} does not match the model: {'; '.join(problems)}")
 
 
-def _plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, kinds_by_name: dict, stored: dict,
+def _plan_optimizer(model: nn.Module, optimizers: list[torch.optim.Optimizer], kinds_by_name: dict, stored: dict,
                     sd: dict, fragments: dict, optional: set) -> None:
     """Make each parameter's optimizer state hold exactly the checkpoint's keys (existing tensors of the right shape
     and dtype are reused, others are created as zeros of the stored dtype; keys not in the checkpoint are dropped,
     a parameter without saved state loses its state) and add them to ``sd`` for DCP to fill."""
     table = {id(p): (name, runs) for name, p, runs, *_ in named_fragments(model)}
-    for group in optimizer.param_groups:
+    for optimizer, group in [(opt, g) for opt in optimizers for g in opt.param_groups]:
         # 0-d tensors on the CPU unless capturable / fused, where torch's optimizers create them (step, mu_product)
         scalar_device = "param" if group.get("capturable", False) or group.get("fused", False) else "cpu"
         for p in group["params"]:
@@ -199,7 +203,7 @@ def _plan_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, kinds_by
             old.update(new)
 
 
-def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str,
+def load(model: nn.Module, optimizer: Union[None, torch.optim.Optimizer, Sequence[torch.optim.Optimizer]], path: str,
          rank_state: Optional[dict[str, torch.Tensor]] = None) -> Optional[dict]:
     """Load ``path`` (written by :func:`save` in any layout and world size) into this rank's fragments and buffers,
     in place; returns the saved ``extra``.
@@ -212,7 +216,8 @@ def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
     ``Optimizer.load_state_dict`` does; parameter names are not compared, so every rank decides the same, ep ranks
     holding other experts included); with another number of groups the groups are left as they are. The caller may
     override hyperparameters after the load (the training job of :mod:`shardfusion.train` re-applies its flags). A
-    checkpoint saved without an optimizer leaves ``optimizer`` as it is.
+    checkpoint saved without an optimizer leaves ``optimizer`` as it is. ``optimizer`` may be a list of optimizers
+    (see :func:`save`); the state of each parameter goes to the one holding it.
 
     ``rank_state`` (``{key: tensor}``): each value is filled from ``rank/<this rank>/<key>``, in place when shape and
     dtype match (else the entry is replaced by the stored tensor, on the CPU); keys the checkpoint lacks for this
@@ -229,6 +234,7 @@ def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
             ``checkpoint <path> cannot be read: ...`` on one line naming the damaged files, their keys and each failed
             rank's error; the model and optimizer are then partly loaded.
     """
+    optimizers = optimizer_list(optimizer)
     try:
         reader, meta = open_checkpoint(path)
         unreadable = None
@@ -244,8 +250,8 @@ def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
         fragments[f"model/{name}"] = runs
         if p.numel() == 0:  # a parameter of 0 elements is never written
             optional.add(f"model/{name}")
-    if optimizer is not None and meta["optim_state"] is not None:
-        _plan_optimizer(model, optimizer, meta["optim_state"], stored, sd, fragments, optional)
+    if optimizers and meta["optim_state"] is not None:
+        _plan_optimizer(model, optimizers, meta["optim_state"], stored, sd, fragments, optional)
     for name, buf in persistent_buffers(model):
         sd[f"model_buffer/{name}"] = buf.detach()
     replaced: dict[str, torch.Tensor] = {}  # rank_state keys whose stored shape or dtype differs: loaded anew
@@ -268,26 +274,28 @@ def load(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: str
         raise read_error(path, reader, error, with_ranks=dist.is_initialized()) from error
     if rank_state is not None:
         rank_state.update(replaced)
-    if optimizer is not None and meta["optim_state"] is not None:
-        _restore_numbers(model, optimizer, meta["optim_state"])
+    if optimizers and meta["optim_state"] is not None:
+        _restore_numbers(model, optimizers, meta["optim_state"])
         # by index, as torch's Optimizer.load_state_dict: the same decision on every rank (the saved param_names are
         # rank 0's: expert names differ across ep ranks)
-        if len(meta["param_groups"]) == len(optimizer.param_groups):
-            for g, src in zip(optimizer.param_groups, meta["param_groups"]):
+        groups = [g for opt in optimizers for g in opt.param_groups]
+        if len(meta["param_groups"]) == len(groups):
+            for g, src in zip(groups, meta["param_groups"]):
                 g.update({k: v for k, v in src.items() if k not in ("params", "param_names")})
     return meta["extra"]
 
 
-def _restore_numbers(model: nn.Module, optimizer: torch.optim.Optimizer, kinds_by_name: dict) -> None:
+def _restore_numbers(model: nn.Module, optimizers: list, kinds_by_name: dict) -> None:
     """State entries saved from Python numbers: back from their 0-d tensors to ``int`` / ``float`` / ``bool``."""
     names = {id(p): n for n, p in model.named_parameters()}
-    for p, st in optimizer.state.items():
+    for p, st in merged_state(optimizers).items():
         for k, kind in kinds_by_name.get(names.get(id(p)), {}).items():
             if kind in NUMBER_DTYPES:
                 st[k] = {"int": int, "float": float, "bool": bool}[kind](st[k].item())
 
 
-def save_checkpoint(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], root: str, step: int,
+def save_checkpoint(model: nn.Module, optimizer: Union[None, torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
+                    root: str, step: int,
                     keep: int = 3, extra: Optional[dict] = None,
                     rank_state: Optional[dict[str, torch.Tensor]] = None) -> str:
     """:func:`save` to ``root/step-<step>`` atomically and keep the last ``keep`` checkpoints; returns the folder.
