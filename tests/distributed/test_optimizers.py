@@ -1,6 +1,7 @@
 """Optimizers on a sharded model: element-wise ones train as in a single process; an optimizer built before
 fully_shard and optimizers that read a parameter's shape or all parameters together are refused at their first step,
-on every rank, before the step does anything (no collective, no update, no state).
+on every rank, before the step does anything (no collective, no update, no state); so is Muon holding a parameter
+that ``whole_params`` did not keep whole (Muon on whole parameters: tests/distributed/test_whole_params.py).
 
 One W=4 job on (I, O) = (2, 2); each check is a test. Training cases run 3 steps on a global batch of 16 rows (4 per
 rank) and are compared with single-process training of the same model on the whole batch.
@@ -121,6 +122,12 @@ def optimizers_job() -> dict:
 
     model = sf.fully_shard(build(), topo, units=(nn.Linear,))
     out["muon"] = raised(lambda: torch.optim.Muon(model.parameters(), lr=1e-2))
+
+    model = sf.fully_shard(build(), topo, units=(nn.Linear,), whole_params=lambda n, p: n == "0.weight")
+    params = dict(model.named_parameters())
+    opt = torch.optim.Muon([params["0.weight"]], lr=1e-2)  # whole: 2-D on every rank
+    opt.add_param_group({"params": [params["2.weight"]]})  # a 1-D fragment: torch checks only in __init__
+    out["refused"]["muon-fragment"] = _refused_step(model, opt, rank, sf)
     return out
 
 
@@ -166,6 +173,10 @@ def test_optimizer_built_before_fully_shard_is_refused(job):
 
 def test_optimizer_built_between_nested_calls_is_refused(job):
     _assert_refused_before_anything(job, "between-nested", "before fully_shard", "'0.weight'")
+
+
+def test_muon_holding_a_split_parameter_is_refused_at_step(job):
+    _assert_refused_before_anything(job, "muon-fragment", "Muon", "'2.weight'", "whole_params")
 
 
 def test_muon_refuses_fragments_when_built(job):

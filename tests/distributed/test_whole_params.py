@@ -1,7 +1,7 @@
 """Whole parameters for matrix optimizers: ``fully_shard(..., whole_params=f)`` and ``torch.optim.Muon``.
 
 The GPT of the tests (2 blocks, d 32, q/k/v separate; a GPT-MoE of 4 experts for ep 2) is sharded with its block
-matrices whole (``_is_block_matrix``); Muon updates them, AdamW the rest (embeddings, norms, biases), as the public
+matrices whole (``mr.is_block_matrix``); Muon updates them, AdamW the rest (embeddings, norms, biases), as the public
 Muon recipes do. Each layout trains the same global batch for 3 steps with clipping by global norm and is compared
 with one process training the unsharded model with the same two optimizers.
 
@@ -18,147 +18,14 @@ the exact check; the bf16 run checks torch's own Muon.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
+import muon_reference as mr
 from harness import run_distributed
 from reference import assert_close_dicts
 
 JOB_TIMEOUT_S = 300
-STEPS = 3
-SEQ = 16
-GLOBAL_BATCH = 8
-MAX_NORM = 0.5  # below the measured norms (~1-2): clipping is active every step
-RTOL, ATOL = 1e-5, 1e-6  # losses, norms
-PARAM_ATOL = 1e-5  # parameters, fp32 Newton-Schulz; AdamW's parameters in the bf16 run too
-MUON_BF16_ATOL = 1e-3  # the Muon matrices with torch's bf16 Newton-Schulz: see the module docstring
-MUON_LR, ADAMW_LR = 0.02, 1e-3
-
-
-def _config(experts: int = 0):
-    from shardfusion.models import GPTConfig
-    return GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=SEQ, fused_qkv=False, n_experts=experts, top_k=1,
-                     tie_embeddings=True)
-
-
-def _is_block_matrix(name: str, p: torch.Tensor) -> bool:
-    """The parameters Muon updates: the 2-D weights of the blocks (attention, MLP, router, experts)."""
-    return name.startswith("blocks.") and p.dim() == 2
-
-
-def _optimizers(model) -> list[torch.optim.Optimizer]:
-    """Muon on the block matrices, AdamW on the rest. On a sharded model the whole fragments are 2-D (the matrix on
-    its owner, ``(0, n)`` elsewhere) and the element-sharded ones 1-D, so the same rule picks the same parameters."""
-    named = list(model.named_parameters())
-    muon = [p for n, p in named if _is_block_matrix(n, p)]
-    rest = [p for n, p in named if not _is_block_matrix(n, p)]
-    return [torch.optim.Muon(muon, lr=MUON_LR, weight_decay=0.1, adjust_lr_fn="original"),
-            torch.optim.AdamW(rest, lr=ADAMW_LR, weight_decay=0.1)]
-
-
-@contextlib.contextmanager
-def _newton_schulz(fp32: bool):
-    """With ``fp32``: torch's Muon runs its Newton-Schulz iteration (same coefficients, same steps) in fp32."""
-    from torch.optim import _muon
-
-    original = _muon._zeropower_via_newtonschulz
-
-    def fp32_newton_schulz(grad, ns_coefficients, ns_steps, eps):
-        a, b, c = ns_coefficients
-        x = grad.float()
-        tall = grad.size(0) > grad.size(1)
-        x = x.T if tall else x
-        x = x / x.norm().clamp(min=eps)
-        for _ in range(ns_steps):
-            gram = x @ x.T
-            x = a * x + (b * gram + c * gram @ gram) @ x
-        return x.T if tall else x
-
-    if fp32:
-        _muon._zeropower_via_newtonschulz = fp32_newton_schulz
-    try:
-        yield
-    finally:
-        _muon._zeropower_via_newtonschulz = original
-
-
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global batch of ``step``: (GLOBAL_BATCH, SEQ) inputs and targets, int64."""
-    g = torch.Generator().manual_seed(2000 + step)
-    data = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g)
-    return data[:, :-1], data[:, 1:]
-
-
-def _slice(step: int, dp_world: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    per_rank = GLOBAL_BATCH // dp_world
-    x, y = _batch(step)
-    return x[dp_rank * per_rank:(dp_rank + 1) * per_rank], y[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-
-
-def _train(model, optimizers, loss_fn, steps: range) -> dict:
-    """Per step: ``loss_fn(step)`` (forward, backward; returns the global loss), clip by global norm, step both."""
-    import shardfusion as sf
-    from shardfusion._runtime.state import is_sharded
-
-    losses, norms = [], []
-    for step in steps:
-        losses.append(float(loss_fn(step)))
-        clip = sf.clip_grad_norm_ if is_sharded(model) else torch.nn.utils.clip_grad_norm_
-        norms.append(float(clip(model if is_sharded(model) else model.parameters(), MAX_NORM)))
-        for opt in optimizers:
-            opt.step()
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-    return {"losses": losses, "norms": norms}
-
-
-def reference(experts: int = 0, dp_world: int = 1, fp32: bool = True) -> dict:
-    """One process: each step the mean of the losses of the ``dp_world`` slices of the global batch (a MoE routes
-    each slice by itself, as each rank does)."""
-    from shardfusion.models import GPT
-    torch.manual_seed(0)
-    model = GPT(_config(experts))
-
-    def loss_fn(step):
-        total = 0.0
-        for r in range(dp_world):
-            loss = model(*_slice(step, dp_world, r))[1] / dp_world
-            loss.backward()
-            total += float(loss.detach())
-        return total
-
-    with _newton_schulz(fp32):
-        out = _train(model, _optimizers(model), loss_fn, range(STEPS))
-    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return out
-
-
-def _build(layout: dict, whole: bool = True):
-    import shardfusion as sf
-    from shardfusion.models import GPT, Block
-
-    topo = sf.Topology(**layout)
-    torch.manual_seed(0)
-    experts = 4 if topo.ep > 1 else 0
-    model = GPT(_config(experts), ep_group=topo.get_group("ep") if experts else None)
-    model = sf.fully_shard(model, topo, units=(Block,), whole_params=_is_block_matrix if whole else None)
-    return topo, model
-
-
-def _loss_fn(model, topo):
-    import torch.distributed as dist
-    dp_world, dp_rank = topo.dp * topo.sharding, topo.data_parallel_rank
-
-    def loss_fn(step):
-        loss = model(*_slice(step, dp_world, dp_rank))[1]
-        loss.backward()
-        t = loss.detach().clone()
-        dist.all_reduce(t, group=topo.get_data_parallel_group())
-        return float(t) / dp_world
-
-    return loss_fn
 
 
 def _ownership(model, topo) -> dict:
@@ -180,7 +47,7 @@ def sharded(cases: list[tuple[dict, bool]]) -> list[dict]:
     collectives of the optimizer steps."""
     results = []
     for layout, fp32 in cases:
-        with _newton_schulz(fp32):
+        with mr.newton_schulz(fp32):
             results.append(_run(layout) | {"fp32": fp32})
     return results
 
@@ -188,12 +55,12 @@ def sharded(cases: list[tuple[dict, bool]]) -> list[dict]:
 def _run(layout: dict) -> dict:
     import shardfusion as sf
 
-    topo, model = _build(layout)
-    optimizers = _optimizers(model)
-    out = _train(model, optimizers, _loss_fn(model, topo), range(STEPS - 1))
+    topo, model = mr.build(layout)
+    optimizers = mr.optimizers(model)
+    out = mr.train(model, optimizers, mr.sharded_loss_fn(model, topo), range(mr.STEPS - 1))
     # the last step with its optimizer steps counted: Muon works where each matrix lives, no collective
-    out["losses"].append(float(_loss_fn(model, topo)(STEPS - 1)))
-    out["norms"].append(float(sf.clip_grad_norm_(model, MAX_NORM)))
+    out["losses"].append(float(mr.sharded_loss_fn(model, topo)(mr.STEPS - 1)))
+    out["norms"].append(float(sf.clip_grad_norm_(model, mr.MAX_NORM)))
     owned = _ownership(model, topo)  # .grad shapes while the gradients are there
     sf.finish_grad_sync(model)
     with sf.comm.CommCounter() as counter:
@@ -210,21 +77,14 @@ def _assert_matches(got: dict, want: dict) -> None:
     what = f"{got['layout']}, {'fp32' if got['fp32'] else 'bf16'} Newton-Schulz"
     loose = not got["fp32"]  # torch's bf16 iteration: losses after the first step move with the matrices
     for key in ("losses", "norms"):
-        torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(want[key]), rtol=1e-4 if loose else RTOL,
-                                   atol=1e-4 if loose else ATOL, msg=lambda m: f"{what}: {key}: {m}")
-    matrices = [n for n, p in want["params"].items() if _is_block_matrix(n, p)]
+        torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(want[key]), rtol=1e-4 if loose else mr.RTOL,
+                                   atol=1e-4 if loose else mr.ATOL, msg=lambda m: f"{what}: {key}: {m}")
+    matrices = [n for n, p in want["params"].items() if mr.is_block_matrix(n, p)]
     others = [n for n in want["params"] if n not in matrices]
     assert sorted(got["params"]) == sorted(want["params"]), what
-    assert_close_dicts(got["params"], want["params"], what, atol=MUON_BF16_ATOL if loose else PARAM_ATOL,
+    assert_close_dicts(got["params"], want["params"], what, atol=mr.MUON_BF16_ATOL if loose else mr.PARAM_ATOL,
                        names=matrices)
-    assert_close_dicts(got["params"], want["params"], what, atol=PARAM_ATOL, names=others)
-
-
-def max_errors(got: dict, want: dict) -> dict:
-    """Largest absolute differences (losses, norms, parameters): the figures docs/whole-params.md reports."""
-    return {"loss": max(abs(a - b) for a, b in zip(got["losses"], want["losses"])),
-            "norm": max(abs(a - b) for a, b in zip(got["norms"], want["norms"])),
-            "param": max(float((got["params"][n] - v).abs().max()) for n, v in want["params"].items())}
+    assert_close_dicts(got["params"], want["params"], what, atol=mr.PARAM_ATOL, names=others)
 
 
 W4_LAYOUTS = {"fsdp4": dict(sharding=4), "hsdp-outer2-inner2": dict(sharding=4, fsdp_outer_degree=2),
@@ -248,8 +108,8 @@ pytestmark = pytest.mark.timeout(JOB_TIMEOUT_S + 120)
 def test_muon_matches_single_process(w4_results, index):
     name, fp32 = W4_CASES[index]
     layout = W4_LAYOUTS[name]
-    want = reference(experts=4 if layout.get("ep", 1) > 1 else 0, dp_world=4, fp32=fp32)
-    print(W4_IDS[index], max_errors(w4_results[0][index], want))
+    want = mr.reference(experts=4 if layout.get("ep", 1) > 1 else 0, dp_world=4, fp32=fp32)
+    print(W4_IDS[index], mr.max_errors(w4_results[0][index], want))
     for rank in range(4):
         _assert_matches(w4_results[rank][index], want)
 

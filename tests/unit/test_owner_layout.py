@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from shardfusion._runtime.layout import build_owner_layout, newton_schulz_cost, owner_report
+from shardfusion._runtime.layout import build_owner_layout, newton_schulz_cost, owned_shape, owner_report
 
 
 def test_each_parameter_whole_in_exactly_one_shard():
@@ -55,3 +55,28 @@ def test_one_shard_and_bad_arguments():
         build_owner_layout(["a"], [(2, 2)], shard_count=0)
     with pytest.raises(ValueError, match="differ"):
         build_owner_layout(["a"], [(2, 2)], shard_count=2, costs=[1, 2])
+
+
+def test_base_load_balances_over_units():
+    """A GPT block's matrices (4 of d x d, 2 of 4d x d) cannot balance over 4 ranks in one unit (4/3 of the mean at
+    best); carrying each rank's load to the next block's layout balances two blocks exactly."""
+    d = 32
+    shapes = [(d, d)] * 4 + [(4 * d, d), (d, 4 * d)]
+    names = [f"m{i}" for i in range(len(shapes))]
+    first = build_owner_layout(names, shapes, 4)
+    one = owner_report(first)
+    assert one["cost_imbalance"] == pytest.approx(4 / 3)
+    second = build_owner_layout(names, shapes, 4, base_load=one["cost"])
+    total = [a + b for a, b in zip(one["cost"], owner_report(second)["cost"])]
+    assert max(total) == min(total) == 2 * sum(newton_schulz_cost(s) for s in shapes) // 4
+    with pytest.raises(ValueError, match=r"len\(base_load\)\(3\) != shard_count\(4\)"):
+        build_owner_layout(names, shapes, 4, base_load=[0, 0, 0])
+
+
+def test_owned_shape():
+    assert owned_shape((8, 4), 32) == (8, 4)
+    assert owned_shape((8, 4), 0) == (0, 4)
+    assert owned_shape((2, 3, 4), 0) == (0, 3, 4)
+    assert owned_shape((5,), 0) == (0,)
+    assert owned_shape((), 0) == (0,)
+    assert owned_shape((), 1) == ()
