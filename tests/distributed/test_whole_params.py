@@ -14,6 +14,10 @@ matrices are compared with atol 1e-3 (a wrong owner, a lost gradient or a stale 
 step, 20x more). Second with the same iteration in fp32 (``_fp32_newton_schulz``, in the reference too): then every
 parameter agrees to atol 1e-5 and losses and norms to rtol 1e-5 / atol 1e-6, as in the other parity tests: that is
 the exact check; the bf16 run checks torch's own Muon.
+
+``test_whole_params_change_only_the_layout``: with an element-wise optimizer (SGD with momentum) the same run with
+and without ``whole_params`` agrees to 1e-6 (bf16 compute, a meta-device build, ``no_sync`` micro-batches, a penalty
+on ``model.parameters()``, clipping): only the layout differs.
 """
 
 from __future__ import annotations
@@ -147,3 +151,43 @@ def test_each_matrix_is_whole_on_exactly_one_rank_of_its_group(w4_results, index
         assert r["step_collectives"] == 0, f"rank: the optimizer steps issued {r['step_collectives']} collectives"
         for kind, report in r["balance"].items():
             assert report["cost_imbalance"] <= 1.25, f"{W4_CASES[index][0]} {kind}: {report}"
+
+
+def layout_only_job() -> dict:
+    """The same training with and without ``whole_params``, SGD with momentum (element-wise, so only the layout
+    differs): bf16 compute (``MixedPrecisionPolicy``), the model built on meta, 2 micro-batches under ``no_sync``,
+    an L2 penalty on ``model.parameters()`` (a direct gradient into the fragments), clipping. HSDP 2 x 2."""
+    import shardfusion as sf
+    from shardfusion.models import GPT, Block
+
+    topo = sf.Topology(sharding=4, fsdp_outer_degree=2)
+    dp_world, dp_rank = topo.dp * topo.sharding, topo.data_parallel_rank
+    out = {}
+    for whole in (False, True):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = GPT(mr.config())
+        model = sf.fully_shard(model, topo, units=(Block,), whole_params=mr.is_block_matrix if whole else None,
+                               mp_policy=sf.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for step in range(mr.STEPS):
+            x, y = mr.slice_batch(step, dp_world, dp_rank)
+            with sf.no_sync(model):
+                model(x[:1], y[:1])[1].backward()
+            loss = model(x[1:], y[1:])[1]
+            (loss + 1e-3 * sum(p.pow(2).sum() for p in model.parameters())).backward()  # the penalty: per fragment
+            losses.append(float(loss))
+            sf.clip_grad_norm_(model, mr.MAX_NORM)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[whole] = {"losses": losses, "params": sf.full_state_dict(model, buffers=False)}
+    return out
+
+
+def test_whole_params_change_only_the_layout():
+    rs = run_distributed(layout_only_job, 4, timeout=JOB_TIMEOUT_S)
+    for r in rs:
+        torch.testing.assert_close(torch.tensor(r[True]["losses"]), torch.tensor(r[False]["losses"]), rtol=1e-6,
+                                   atol=1e-6)
+        assert_close_dicts(r[True]["params"], r[False]["params"], "whole vs element-sharded", rtol=1e-6, atol=1e-6)
