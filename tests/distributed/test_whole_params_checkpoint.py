@@ -11,7 +11,7 @@ matched to 1e-5):
   model, bitwise again;
 - *local state dicts*: ``model.state_dict()`` of a whole-parameter model holds each matrix in its shape on its owner
   and ``(0, *shape[1:])`` elsewhere; after scrambling the parameters it loads back bitwise on the same rank, and a
-  full state dict (``full_state_dict``) loads into it too.
+  full state dict (``full_state_dict``) loads into it too, and so does a safetensors file (``load_safetensors``).
 
 A W=2 job: ``whole_params`` that is not callable, that chooses a parameter ``replicate_filter`` chooses too, or a
 DTensor (mp 2), and a nested call with another ``whole_params``: a ``ValueError`` on every rank naming the argument.
@@ -76,6 +76,17 @@ def checkpoint_job(root: str) -> dict:
             p.zero_()
     model.load_state_dict(saved, strict=False)  # no buffers in `saved`
     out["full_round_trip"] = (_full(model), saved)
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in saved.items()}, f"{root}/saved.safetensors")
+    dist.barrier()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    sf.load_safetensors(model, f"{root}/saved.safetensors")
+    out["safetensors"] = (_full(model), saved)
     return out
 
 
@@ -92,7 +103,7 @@ def test_resume_across_owner_layouts_matches_single_process(job):
                            atol=mr.PARAM_ATOL)
 
 
-@pytest.mark.parametrize("key", ["into_plain", "back_to_whole", "local_round_trip", "full_round_trip"])
+@pytest.mark.parametrize("key", ["into_plain", "back_to_whole", "local_round_trip", "full_round_trip", "safetensors"])
 def test_whole_parameters_load_bitwise_into_either_layout(job, key):
     for r in job:
         got, want = r[key]
