@@ -9,6 +9,8 @@ import contextlib
 
 import torch
 
+from reference import rank_loss_fn, rows_of, sliced_loss_fn, token_batch
+
 STEPS = 3
 SEQ = 16
 GLOBAL_BATCH = 8
@@ -68,15 +70,12 @@ def newton_schulz(fp32: bool):
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step``: (GLOBAL_BATCH, SEQ) inputs and targets, int64."""
-    g = torch.Generator().manual_seed(2000 + step)
-    data = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g)
-    return data[:, :-1], data[:, 1:]
+    return token_batch(2000 + step, GLOBAL_BATCH, SEQ)
 
 
 def slice_batch(step: int, dp_world: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    per_rank = GLOBAL_BATCH // dp_world
-    x, y = batch(step)
-    return x[dp_rank * per_rank:(dp_rank + 1) * per_rank], y[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    """Data-parallel rank ``dp_rank``'s rows of the global batch of ``step``."""
+    return rows_of(batch(step), dp_world, dp_rank)
 
 
 def train(model, optimizers, loss_fn, steps: range) -> dict:
@@ -103,14 +102,7 @@ def reference(experts: int = 0, dp_world: int = 1, fp32: bool = True) -> dict:
     torch.manual_seed(0)
     model = GPT(config(experts))
 
-    def loss_fn(step):
-        total = 0.0
-        for r in range(dp_world):
-            loss = model(*slice_batch(step, dp_world, r))[1] / dp_world
-            loss.backward()
-            total += float(loss.detach())
-        return total
-
+    loss_fn = sliced_loss_fn(model, slice_batch, dp_world)
     with newton_schulz(fp32):
         out = train(model, optimizers(model), loss_fn, range(STEPS))
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -130,17 +122,8 @@ def build(layout: dict, whole: bool = True):
 
 
 def sharded_loss_fn(model, topo):
-    import torch.distributed as dist
-    dp_world, dp_rank = topo.dp * topo.sharding, topo.data_parallel_rank
-
-    def loss_fn(step):
-        loss = model(*slice_batch(step, dp_world, dp_rank))[1]
-        loss.backward()
-        t = loss.detach().clone()
-        dist.all_reduce(t, group=topo.get_data_parallel_group())
-        return float(t) / dp_world
-
-    return loss_fn
+    """This data-parallel rank's loss of a step (``reference.rank_loss_fn``)."""
+    return rank_loss_fn(model, slice_batch, topo)
 
 
 def max_errors(got: dict, want: dict) -> dict:

@@ -577,3 +577,47 @@ def seeded(factory, seed: int = 0) -> torch.nn.Module:
 def state_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A detached copy of model.state_dict()."""
     return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def token_batch(seed: int, rows: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global batch of byte tokens drawn from ``seed``: (rows, seq) inputs and next-token targets, int64."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (rows, seq + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def rows_of(batch: tuple[torch.Tensor, ...], dp_world: int, dp_rank: int) -> tuple[torch.Tensor, ...]:
+    """Data-parallel rank ``dp_rank``'s contiguous rows of each tensor of ``batch`` (rows divisible by dp_world)."""
+    per_rank = batch[0].shape[0] // dp_world
+    return tuple(t[dp_rank * per_rank:(dp_rank + 1) * per_rank] for t in batch)
+
+
+def sliced_loss_fn(model: torch.nn.Module, slice_fn, dp_world: int):
+    """For one process: ``loss_fn(step)`` running forward and backward on each of the ``dp_world`` slices
+    ``slice_fn(step, dp_world, r)`` of the global batch, each loss divided by ``dp_world`` (the gradient of the mean
+    of the ranks' losses; a MoE routes each slice by itself, as each rank does); returns that mean."""
+    def loss_fn(step: int) -> float:
+        total = 0.0
+        for r in range(dp_world):
+            loss = model(*slice_fn(step, dp_world, r))[1] / dp_world
+            loss.backward()
+            total += float(loss.detach())
+        return total
+
+    return loss_fn
+
+
+def rank_loss_fn(model: torch.nn.Module, slice_fn, topo):
+    """For a sharded run: ``loss_fn(step)`` running forward and backward on this data-parallel rank's slice
+    ``slice_fn(step, dp_world, dp_rank)``; returns the mean loss over the data-parallel ranks (one all-reduce)."""
+    import torch.distributed as dist
+    dp_world, dp_rank = topo.dp * topo.sharding, topo.data_parallel_rank
+
+    def loss_fn(step: int) -> float:
+        loss = model(*slice_fn(step, dp_world, dp_rank))[1]
+        loss.backward()
+        t = loss.detach().clone()
+        dist.all_reduce(t, group=topo.get_data_parallel_group())
+        return float(t) / dp_world
+
+    return loss_fn

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from reference import assert_run_matches, train_adamw
+from reference import assert_run_matches, token_batch, train_adamw
 
 JOB_TIMEOUT_S = 240
 STEPS = 3
@@ -29,9 +29,7 @@ def _config(experts: int = 0):
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(2000 + step)
-    data = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g)
-    return data[:, :-1], data[:, 1:]  # (GLOBAL_BATCH, SEQ) each
+    return token_batch(2000 + step, GLOBAL_BATCH, SEQ)  # (GLOBAL_BATCH, SEQ) each
 
 
 def reference() -> dict:

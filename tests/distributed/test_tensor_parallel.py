@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from reference import assert_run_matches, train_adamw
+from reference import assert_run_matches, rank_loss_fn, rows_of, sliced_loss_fn, token_batch, train_adamw
 
 JOB_TIMEOUT_S = 240
 STEPS = 3
@@ -37,15 +37,12 @@ def _config(experts: int = 0):
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step``: (GLOBAL_BATCH, SEQ) inputs and targets, int64."""
-    g = torch.Generator().manual_seed(1000 + step)
-    data = torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g)
-    return data[:, :-1], data[:, 1:]
+    return token_batch(1000 + step, GLOBAL_BATCH, SEQ)
 
 
 def _slice(step: int, dp_world: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    per_rank = GLOBAL_BATCH // dp_world
-    x, y = _batch(step)
-    return x[dp_rank * per_rank:(dp_rank + 1) * per_rank], y[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    """Data-parallel rank ``dp_rank``'s rows of the global batch of ``step``."""
+    return rows_of(_batch(step), dp_world, dp_rank)
 
 
 def reference(experts: int = 0, dp_world: int = 1) -> dict:
@@ -56,14 +53,7 @@ def reference(experts: int = 0, dp_world: int = 1) -> dict:
     torch.manual_seed(0)
     model = GPT(_config(experts))
 
-    def loss_fn(step):
-        total = 0.0
-        for r in range(dp_world):
-            loss = model(*_slice(step, dp_world, r))[1] / dp_world
-            loss.backward()
-            total += float(loss.detach())
-        return total
-
+    loss_fn = sliced_loss_fn(model, _slice, dp_world)
     out = train_adamw(model, loss_fn, STEPS, LR, MAX_NORM)
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
@@ -71,8 +61,6 @@ def reference(experts: int = 0, dp_world: int = 1) -> dict:
 
 def sharded(layouts: list[dict]) -> list[dict]:
     """One result per layout: ``{"losses", "norms", "params" (full_state_dict, on every rank)}``."""
-    import torch.distributed as dist
-
     import shardfusion as sf
     from shardfusion.models import GPT, Block
     from shardfusion.models.gpt_parallel import parallelize
@@ -84,16 +72,7 @@ def sharded(layouts: list[dict]) -> list[dict]:
         model = GPT(_config(4 if topo.ep > 1 else 0), ep_group=topo.get_group("ep") if topo.ep > 1 else None)
         parallelize(model, topo.get_mesh("mp"))
         model = sf.fully_shard(model, topo, units=(Block,))
-        dp_world, dp_rank = topo.dp * topo.sharding, topo.data_parallel_rank
-
-        def loss_fn(step):
-            loss = model(*_slice(step, dp_world, dp_rank))[1]
-            loss.backward()
-            t = loss.detach().clone()
-            dist.all_reduce(t, group=topo.get_data_parallel_group())
-            return float(t) / dp_world
-
-        out = train_adamw(model, loss_fn, STEPS, LR, MAX_NORM)
+        out = train_adamw(model, rank_loss_fn(model, _slice, topo), STEPS, LR, MAX_NORM)
         out["params"] = sf.full_state_dict(model, buffers=False)
         out["layout"] = layout
         results.append(out)
