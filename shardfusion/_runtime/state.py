@@ -36,7 +36,9 @@ class NamedFragment:
 
     Attributes:
         name: the parameter's first qualified name, relative to the sharded model.
-        param: the fragment, an ``nn.Parameter`` of shape ``(numel,)``: a view of ``buffer.shard``.
+        param: the fragment, an ``nn.Parameter`` view of ``buffer.shard`` of shape ``(numel,)``; in an owner layout
+            (``buffer.owner_layout``, ``whole_params``) the parameter's shape on its owner, ``(0, *shape[1:])``
+            elsewhere.
         shape: the parameter's full shape.
         offset: start of the fragment in the flattened parameter, in elements.
         numel: the fragment's length in elements (0 allowed).
