@@ -82,12 +82,17 @@ class UnitSize:
             expert, divide by ep).
         reshard_after_forward: whether its full buffers are freed after forward and gathered again in backward
             (the root unit never is).
+        whole_shapes, expert_whole_shapes: the shapes of its dense / expert parameters that ``whole_params`` keeps
+            whole on an owner rank (not in ``numel`` / ``expert_numel``): their owner-layout buffer is padded to
+            equal shards, which :func:`plan` lays out for each candidate's inner degree (docs/whole-params.md).
     """
 
     name: str
     numel: int
     expert_numel: int = 0
     reshard_after_forward: bool = True
+    whole_shapes: tuple = ()
+    expert_whole_shapes: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -197,7 +202,8 @@ class Plan:
 # ---- unit sizes from a model -----------------------------------------------------------------------------------------
 def unit_sizes(model: nn.Module, *, units: Optional[Sequence[type]] = None, comm_unit_size: Optional[int] = None,
                reshard_policy: str = "after_forward", reshard_filter="all",
-               expert_filter: Optional[Callable[[str, nn.Parameter], bool]] = None) -> list[UnitSize]:
+               expert_filter: Optional[Callable[[str, nn.Parameter], bool]] = None,
+               whole_params: Optional[Callable[[str, nn.Parameter], bool]] = None) -> list[UnitSize]:
     """The :class:`UnitSize` of every unit ``fully_shard(model, ..., units=units, comm_unit_size=comm_unit_size,
     reshard_policy=..., reshard_filter=..., expert_filter=...)`` would make, the root unit first, without sharding
     anything (the model may be on the meta device; no process group is needed).
@@ -207,7 +213,8 @@ def unit_sizes(model: nn.Module, *, units: Optional[Sequence[type]] = None, comm
     16 bytes of its dtype; the tail padding, which depends on the inner degree, is added by :func:`plan`). Frozen
     parameters and those a ``replicate_filter`` would keep whole are counted as trainable dense ones (the model
     overestimates them). The experts are the ones the model holds: a model built without an ep group holds all of
-    them (divide ``expert_numel`` by ep).
+    them (divide ``expert_numel`` by ep). Parameters ``whole_params`` chooses are listed by shape in
+    ``whole_shapes`` / ``expert_whole_shapes`` instead.
 
     Raises:
         ValueError: ``model`` is not a module or is already sharded; bad ``units``, ``comm_unit_size``,
@@ -238,17 +245,33 @@ def unit_sizes(model: nn.Module, *, units: Optional[Sequence[type]] = None, comm
     out = []
     for (name, _modules, reshard), params in zip(specs, per_unit):
         sizes = {False: 0, True: 0}
+        whole: dict[bool, list] = {False: [], True: []}
         for expert in (False, True):
             by_dtype: dict[torch.dtype, list] = {}
             for pname, p, _ in params:
-                if bool(is_expert(pname, p)) == expert:
+                if bool(is_expert(pname, p)) != expert:
+                    continue
+                if whole_params is not None and whole_params(pname, p):
+                    whole[expert].append(tuple(p.shape))
+                else:
                     by_dtype.setdefault(p.dtype, []).append((pname, tuple(p.shape)))
             for dtype, members in by_dtype.items():
                 align = max(1, ALIGN_BYTES // torch.tensor([], dtype=dtype).element_size())
                 layout = build_layout([n for n, _ in members], [s for _, s in members], 1, align)
                 sizes[expert] += layout.padded_numel
-        out.append(UnitSize(name, sizes[False], sizes[True], bool(reshard)))
+        out.append(UnitSize(name, sizes[False], sizes[True], bool(reshard), tuple(whole[False]), tuple(whole[True])))
     return out
+
+
+def _owner_padded(shapes: tuple, count: int, align: int, load: list[int]) -> int:
+    """The padded elements of the owner layout of ``shapes`` over ``count`` shards (``load``: the cost each shard
+    owns from earlier units, updated), as ``fully_shard(..., whole_params=...)`` lays it out."""
+    from shardfusion._runtime.layout import build_owner_layout, owner_report
+
+    layout = build_owner_layout([str(i) for i in range(len(shapes))], shapes, count, align, base_load=load)
+    for r, c in enumerate(owner_report(layout)["cost"]):
+        load[r] += c
+    return layout.padded_numel
 
 
 # ---- the cost model ----------------------------------------------------------------------------------------------------
@@ -298,7 +321,8 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
          optim_dtype: torch.dtype = torch.float32,
          optim_states: int = 2, other_bytes: int = 0, overlap: bool = True, backend: str = "nccl",
          outer_degrees: Optional[Sequence[int]] = None, prefer: Optional[int] = None,
-         tie_tolerance: float = 0.01) -> Plan:
+         tie_tolerance: float = 0.01,
+         whole_params: Optional[Callable[[str, nn.Parameter], bool]] = None) -> Plan:
     """Predict bytes, time and memory per step for every outer degree and choose one (see [Note: the outer-degree
     cost model] above for every formula).
 
@@ -335,6 +359,8 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
         outer_degrees: the candidates to consider (default: every divisor of ``sharding // ep``).
         prefer: a degree to keep whenever it fits (it must be a candidate).
         tie_tolerance: relative difference of ``step_s`` under which candidates tie (>= 0).
+        whole_params: ``fully_shard``'s (only for a model): the parameters it chooses are laid out in owner layouts
+            for each candidate's inner degree, so their padding counts in the bytes and the memory.
 
     Returns:
         A :class:`Plan`.
@@ -373,17 +399,18 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
     moe_sharding = base.moe_sharding
 
     if isinstance(model_or_units, nn.Module):
-        sizes = unit_sizes(model_or_units, units=units, comm_unit_size=comm_unit_size, reshard_policy=reshard_policy)
+        sizes = unit_sizes(model_or_units, units=units, comm_unit_size=comm_unit_size, reshard_policy=reshard_policy,
+                           whole_params=whole_params)
     else:
         sizes = list(model_or_units)
-        if units is not None or comm_unit_size is not None:
-            raise ValueError("units and comm_unit_size apply to a model, not to a list of UnitSize")
+        if units is not None or comm_unit_size is not None or whole_params is not None:
+            raise ValueError("units, comm_unit_size and whole_params apply to a model, not to a list of UnitSize")
     if not sizes or not all(isinstance(u, UnitSize) for u in sizes):
         raise ValueError(f"model_or_units must be a model or a non-empty list of UnitSize, got {model_or_units!r}")
     for u in sizes:
         if min(u.numel, u.expert_numel) < 0:
             raise ValueError(f"unit {u.name!r}: numel({u.numel}) and expert_numel({u.expert_numel}) must be >= 0")
-    if not any(u.numel or u.expert_numel for u in sizes):
+    if not any(u.numel or u.expert_numel or u.whole_shapes or u.expert_whole_shapes for u in sizes):
         raise ValueError("the units hold no elements: nothing to plan")
 
     valid = [o for o in range(1, moe_sharding + 1) if moe_sharding % o == 0]
@@ -458,13 +485,22 @@ class _Model:
             for i in range(4):
                 row[i + 1] += cost[i] * times
 
+        owner_load = {"inner": [0] * inner, "expert_inner": [0] * expert_inner}  # carried over units, as wrap does
         for u in self.sizes:
             unit_full, unit_grad, unit_reduce = 0, 0, [0.0, 0.0]
-            for numel, g_shard, g_rep in ((u.numel, groups["inner"], groups["replicate"]),
-                                          (u.expert_numel, groups["expert_inner"], groups["expert_replicate"])):
-                if not numel:
+            buffers = []  # (padded elements, shard group, replicate group)
+            for numel, whole, shard_kind, rep_kind in ((u.numel, u.whole_shapes, "inner", "replicate"),
+                                                       (u.expert_numel, u.expert_whole_shapes, "expert_inner",
+                                                        "expert_replicate")):
+                g_shard = groups[shard_kind]
+                if numel:
+                    buffers.append((_round_up(numel, g_shard.size * self.align), g_shard, groups[rep_kind]))
+                if whole:
+                    padded = _owner_padded(whole, g_shard.size, self.align, owner_load[shard_kind])
+                    buffers.append((padded, g_shard, groups[rep_kind]))
+            for padded, g_shard, g_rep in buffers:
+                if not padded:
                     continue
-                padded = _round_up(numel, g_shard.size * self.align)
                 shard = padded // g_shard.size
                 shard_elems += shard
                 if g_shard.size > 1 or self.cast:

@@ -251,3 +251,25 @@ def test_compressed_outer_all_reduce_bytes():
         assert sent(got.traffic["all_reduce"]) == pytest.approx(sent(base.traffic["all_reduce"]) * size / 4)
     with pytest.raises(ValueError, match="outer_comm_dtype"):
         plan(units, outer_comm_dtype="int4", **kw)
+
+
+def test_whole_params_padding_by_hand() -> None:
+    """One unit of three whole matrices (16 x 4, 16 x 4, 8 x 4; Newton-Schulz costs 256, 256, 128): owners by cost,
+    equal shards. Inner 4: one matrix a shard, the fullest 64 elements; inner 2: 16x4 + 8x4 on one shard, 96;
+    inner 1: all 160. The shard (params memory, 4 B each) follows the owner layout of each candidate's inner degree."""
+    units = [UnitSize("", 0, 0, False, whole_shapes=((16, 4), (16, 4), (8, 4)))]
+    got = by_outer(plan(units, **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9))
+    assert {o: c.memory["params"] for o, c in got.items()} == {1: 64 * 4, 2: 96 * 4, 4: 160 * 4}
+    # outer 1: the all-gather moves 3/4 of the padded 256 elements once (the root unit is not resharded)
+    assert got[1].traffic["all_gather"].within_bytes + got[1].traffic["all_gather"].across_bytes == 3 * 64 * 4
+
+    class Blk(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 16), nn.Linear(4, 8, bias=False)
+
+    model = nn.Sequential(Blk(), Blk())
+    sizes = unit_sizes(model, units=(Blk,), whole_params=lambda n, p: p.dim() == 2)
+    assert [(u.numel, u.whole_shapes) for u in sizes] == [(0, ()), (16, ((16, 4), (8, 4))), (16, ((16, 4), (8, 4)))]
+    with pytest.raises(ValueError, match="whole_params apply to a model"):
+        plan(units, **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9, whole_params=lambda n, p: True)
