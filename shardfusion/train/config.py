@@ -34,6 +34,10 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 AUTO = "auto"
 """The --fsdp-outer-degree value that asks the cost model (`shardfusion.plan`) for the degree."""
 
+OPTIMIZERS = ("adamw", "muon")
+"""The --optimizer choices: AdamW on every parameter, or Muon on the 2-D weights of the blocks and AdamW on the rest
+(see `shardfusion.train.job.build_optimizers`)."""
+
 
 def outer_degree_arg(text: str) -> int | str:
     """argparse type of --fsdp-outer-degree: an int, or `auto`.
@@ -134,7 +138,17 @@ class TrainConfig:
     warmup: int = 20
     """Linear warm-up steps (default 20)."""
     weight_decay: float = 0.1
-    """AdamW weight decay on matrices; biases, norms and embeddings get none (default 0.1)."""
+    """AdamW weight decay on matrices (with --optimizer muon: Muon's decoupled weight decay on the blocks'
+    matrices); biases, norms and embeddings get none (default 0.1)."""
+    optimizer: str = "adamw"
+    """adamw: AdamW on every parameter; muon: torch.optim.Muon (momentum 0.95, Nesterov, adjust_lr_fn original) on
+    the 2-D weights of the transformer blocks, each kept whole on one owner rank (sf.fully_shard(whole_params=)),
+    and AdamW (--lr) on embeddings, head, norms and biases; see docs/train-muon.md. A resume must use the saved
+    run's optimizer (default adamw)."""
+    muon_lr: float = 0.05
+    """Muon's peak learning rate with --optimizer muon; the warm-up + cosine schedule scales it like --lr (at each
+    step Muon's lr is --muon-lr x the schedule's fraction of --lr); make train's run learns best near 0.05 of
+    0.01 / 0.02 / 0.05 / 0.1 (docs/train-muon.md) (default 0.05)."""
     clip: float = 1.0
     """Max global gradient norm; 0 turns clipping off, the norm is still reported (default 1.0)."""
     seed: int = 42
@@ -275,6 +289,14 @@ class TrainConfig:
                             ("--save-every", self.save_every), ("--max-restarts", self.max_restarts)):
             if value < 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.muon_lr < 0:
+            raise ValueError(f"--muon-lr must be >= 0, got {self.muon_lr}")
+        if self.optimizer == "muon" and self.mp != 1:
+            raise ValueError(f"--optimizer muon with --mp {self.mp}: Muon needs each matrix whole on one rank, but "
+                             f"tensor parallel splits the blocks' matrices over the mp ranks (DTensors, which "
+                             f"fully_shard(whole_params=) does not take); use --mp 1 or --optimizer adamw")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"need 0 <= --min-lr({self.min_lr}) <= --lr({self.lr})")
         if self.max_restarts and not self.save_every:
@@ -467,6 +489,15 @@ def lr_at(config: TrainConfig, step: int) -> float:
     decay_steps = max(1, config.steps - config.warmup)
     progress = min(1.0, (step - config.warmup) / decay_steps)
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def lr_factor(config: TrainConfig, step: int) -> float:
+    """The schedule of `lr_at` as a fraction of its peak --lr, for optimizer step `step` (0-based): between
+    --min-lr / --lr and 1 (with --lr 0, the schedule's shape with --min-lr 0). Muon's lr at the step is --muon-lr
+    times this."""
+    if config.lr > 0:
+        return lr_at(config, step) / config.lr
+    return lr_at(dataclasses.replace(config, lr=1.0, min_lr=0.0), step)
 
 
 def resolve(config: TrainConfig, *, device: str, world_size: int,

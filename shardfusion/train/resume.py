@@ -1,7 +1,9 @@
 """Checkpoints of the training job (`shardfusion.train`): what a resume needs beyond the model and the optimizer.
 
 A checkpoint of the job is a `shardfusion.checkpoint` folder `OUT/checkpoints/step-N` (published atomically, the
-last `--keep` kept) holding the model, the AdamW state and:
+last `--keep` kept) holding the model, the optimizer state (AdamW's; with `--optimizer muon` Muon's momentum of
+the blocks' matrices and AdamW's state of the rest, under the parameters' names: `shardfusion.checkpoint` takes the
+list `[muon, adamw]`) and:
 
 - `extra` (written once, by rank 0): `step` (optimizer steps done), `elapsed_s` (training seconds so far), the
   world size, `layout` (`Topology.describe()`), the model's record (`JobModel.extra`: `model`, the `GPTConfig`
@@ -33,7 +35,7 @@ order still changes with the world size.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,11 +50,15 @@ CHECKPOINT_DIR = "checkpoints"
 
 RESUME_FIELDS = ("seed", "steps", "lr", "min_lr", "warmup", "weight_decay", "clip", "global_batch_size",
                  "grad_accum", "aux_loss_coef", "data", "data_bytes", "dropout", "param_dtype", "grad_comm_dtype",
-                 "outer_comm_dtype", "expert_policy", "device", "hf_model", "init_from")
+                 "outer_comm_dtype", "expert_policy", "device", "hf_model", "init_from", "optimizer", "muon_lr")
 """TrainConfig fields that decide the learning rate schedule, the data order, the loss or the arithmetic (dtypes,
 device, where expert gradients are summed): a resume with other values continues, but not as the saved run would
 have. The per-rank batch_size is not one of them (it follows from the global one and the world size), except for
-a checkpoint of the per-rank data order, whose saved batch_size is compared too."""
+a checkpoint of the per-rank data order, whose saved batch_size is compared too. `optimizer` is not merely compared:
+a resume with another one is refused (`check_optimizer`)."""
+
+SAVED_OPTIMIZER_DEFAULT = "adamw"
+"""The optimizer of a checkpoint whose settings name none (written before --optimizer existed: AdamW)."""
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -122,6 +128,24 @@ def saved_settings(out: Optional[str]) -> Optional[dict[str, Any]]:
     return {**extra["config"], "data_order": saved_data_order(extra)}
 
 
+def check_optimizer(out: Optional[str], optimizer: str, saved: Optional[dict[str, Any]]) -> None:
+    """Refuse a resume with another --optimizer than the saved run's: the checkpoint holds that optimizer's state
+    (AdamW's exp_avg / exp_avg_sq, or Muon's momentum_buffer on the matrices), which the other cannot continue
+    from. ``saved``: the checkpoint's settings (`saved_settings`; None: no checkpoint, nothing to check); a
+    checkpoint that names no optimizer was written by AdamW (`SAVED_OPTIMIZER_DEFAULT`).
+
+    Raises:
+        ValueError: naming both values, the checkpoint folder and how to go on.
+    """
+    if saved is None:
+        return
+    was = saved.get("optimizer", SAVED_OPTIMIZER_DEFAULT)
+    if was != optimizer:
+        raise ValueError(f"--optimizer {optimizer}: the checkpoint in --out {out} was written with --optimizer "
+                         f"{was}, whose state {optimizer} cannot continue from; resume with --optimizer {was}, use "
+                         f"another --out, or move the checkpoint away")
+
+
 def check_resume(out: str, meta_model: Callable[[], nn.Module]) -> None:
     """Refuse, before any worker starts, a resume whose model has other parameters than the checkpoint in ``out``:
     ``meta_model()`` builds the model on the meta device (no memory, no process group; see
@@ -150,11 +174,14 @@ def check_resume(out: str, meta_model: Callable[[], nn.Module]) -> None:
                          f"--out, or move the checkpoint away")
 
 
-def save(model: nn.Module, optimizer: torch.optim.Optimizer, out: str, *, step: int, keep: int, config: Any,
-         model_extra: dict[str, dict[str, Any]], layout: str, elapsed_s: float, device: torch.device,
+def save(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], out: str, *, step: int, keep: int,
+         config: Any, model_extra: dict[str, dict[str, Any]], layout: str, elapsed_s: float, device: torch.device,
          data_order: int) -> str:
     """Publish ``out/checkpoints/step-<step>`` (see `shardfusion.checkpoint.save_checkpoint`); returns its path.
-    Collective. ``model_extra``: the model's record (`JobModel.extra`), merged into the checkpoint's ``extra``;
+    Collective. ``optimizers``: the run's optimizers (`shardfusion.train.job.build_optimizers`: ``[adamw]`` or
+    ``[muon, adamw]``), each parameter in one of them; the checkpoint keeps their states under the parameters'
+    names, so it loads into any layout. ``model_extra``: the model's record (`JobModel.extra`), merged into the
+    checkpoint's ``extra``;
     ``data_order``: the sampler's (`shardfusion.train.data.DATA_ORDERS`).
 
     Raises:
@@ -164,15 +191,16 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, out: str, *, step: 
     extra = {"step": step, "elapsed_s": elapsed_s, "world_size": dist.get_world_size(), "layout": layout,
              **model_extra, "config": {name: getattr(config, name) for name in RESUME_FIELDS},
              "data_order": data_order}
-    return ckpt.save_checkpoint(model, optimizer, os.path.join(out, CHECKPOINT_DIR), step, keep=keep, extra=extra,
-                                rank_state=rng_state(device))
+    return ckpt.save_checkpoint(model, list(optimizers), os.path.join(out, CHECKPOINT_DIR), step, keep=keep,
+                                extra=extra, rank_state=rng_state(device))
 
 
-def restore(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, *, config: Any,
+def restore(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], path: str, *, config: Any,
             model_extra: dict[str, dict[str, Any]], layout: str,
             device: torch.device) -> tuple[int, float, list[str], int]:
-    """Load the checkpoint at `path` into `model` and `optimizer` (any layout) and this rank's RNG states.
-    Collective. The optimizer's hyperparameters are the saved ones afterwards: the caller re-applies its own.
+    """Load the checkpoint at `path` into `model` and `optimizers` (the list `save` took; any layout: with Muon's
+    whole matrices on other owner ranks too) and this rank's RNG states. Collective. The optimizers'
+    hyperparameters are the saved ones afterwards: the caller re-applies its own.
     ``model_extra``: this run's model record (`JobModel.extra`), compared field by field with the saved one.
 
     Returns (steps done, training seconds so far, notes, data order): the notes name every way in which the
@@ -181,24 +209,29 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, path: str, *, co
 
     Raises:
         ValueError: on every rank: the checkpoint does not match the model or cannot be read (see
-            `shardfusion.checkpoint.load`), it was not written by the training job, or it records an unknown data
-            order; the message says how to go on.
+            `shardfusion.checkpoint.load`), it was not written by the training job, it records an unknown data
+            order or another --optimizer (`check_optimizer`; the model and optimizers are then loaded but unusable);
+            the message says how to go on.
     """
     rng = rng_state(device)
     try:
-        extra = ckpt.load(model, optimizer, path, rank_state=rng)
+        extra = ckpt.load(model, list(optimizers), path, rank_state=rng)
     except ValueError as error:
         raise ValueError(f"cannot resume from {path}: {error}. Resume with the model flags of the saved run, use "
                          f"another --out, or move the checkpoint away") from error
     if not isinstance(extra, dict) or "step" not in extra:
         raise ValueError(f"cannot resume from {path}: it holds no training state (no step in its extra), so it was "
                          f"not written by shardfusion.train; use another --out")
+    if isinstance(extra.get("config"), dict):  # preflight refused this already; a worker started otherwise too
+        check_optimizer(os.path.dirname(os.path.dirname(path)), config.optimizer, extra["config"])
     set_rng_state(rng, device)
     try:
         order = saved_data_order(extra)
     except ValueError as error:
         raise ValueError(f"cannot resume from {path}: {error}") from None
     compared = RESUME_FIELDS + (("batch_size",) if order == DATA_ORDER_PER_RANK else ())
+    if config.optimizer != "muon":
+        compared = tuple(name for name in compared if name != "muon_lr")  # unused by AdamW alone
     notes = [f"--{name.replace('_', '-')} was {old!r}, now {getattr(config, name)!r}"
              for name, old in extra.get("config", {}).items()
              if name in compared and getattr(config, name) != old]

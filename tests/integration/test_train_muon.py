@@ -1,0 +1,132 @@
+"""The training job with `--optimizer muon`, as whole runs of `python -m shardfusion.train` (gloo workers, a tiny
+GPT-MoE: 4 experts at ep 2, so Muon's matrices lie whole on their owners in dense and expert buffers alike).
+
+Reference: one muon run of 6 steps on 2 workers saving at steps 3 and 6. Checked against it: the first loss equals
+an AdamW run's (the same weights and batch: the owner layout changes where a matrix lives, not its values); the
+loss goes down; Muon holds the blocks' matrices (momentum_buffer in the checkpoint) and AdamW the rest (exp_avg);
+--stop-after 3 and a second run resume exactly (the step-6 checkpoint equal bitwise); a resume of the step-3
+checkpoint on 4 workers with inner degree 4 (other owners for every matrix) continues the run: its first step's
+loss is the reference's to fp32 rounding and its last within the bf16 Newton-Schulz tolerance; a resume with
+another --optimizer is refused before any worker starts, both ways.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import TRAIN_TIMEOUT_S, run_train
+from shardfusion.checkpoint import read_all
+from shardfusion.train.metrics import read_metrics
+
+STEPS, HALF = 6, 3
+FLAGS = ["--preset", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--steps", str(STEPS), "--warmup", "2",
+         "--eval-every", str(HALF), "--eval-batches", "2", "--data-bytes", "300000", "--sample-tokens", "0",
+         "--no-progress", "--experts", "4", "--ep", "2"]
+MUON = [*FLAGS, "--optimizer", "muon", "--muon-lr", "0.02", "--save-every", str(HALF)]  # the tolerances' lr
+# Resumed on 4 workers (inner 4, no outer): the first resumed step is a forward of the loaded weights on the same
+# batch (sums in another order: fp32 rounding); the last differs by what the bf16 Newton-Schulz makes of gradients
+# that differ in rounding (the lead's parity test: ~5e-4 on the weights after 3 steps). Measured on the two steps
+# after the resumed one: 3.4e-5 and 2.3e-5 relative; with Muon's momentum dropped at the resume (its state started
+# afresh, AdamW's loaded) 8.1e-4 and 7.2e-4.
+FIRST_RTOL, LAST_RTOL = 1e-5, 2e-4
+
+
+def _ok(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result.stdout
+
+
+def _refused(result: subprocess.CompletedProcess) -> str:
+    """The one usage-error line of a run refused before any worker started."""
+    assert result.returncode == 2 and "Traceback" not in result.stdout + result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("shardfusion-train: error: ")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("muon")
+    return out, _ok(run_train([*MUON, "--nproc", "2", "--out", str(out)]))
+
+
+@pytest.fixture(scope="module")
+def adamw_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One AdamW step with the reference's other flags, saved (--stop-after)."""
+    out = tmp_path_factory.mktemp("adamw")
+    _ok(run_train([*FLAGS, "--nproc", "2", "--stop-after", "1", "--out", str(out)]))
+    return out
+
+
+@pytest.mark.timeout(2 * TRAIN_TIMEOUT_S + 30)
+def test_muon_learns_from_the_adamw_start(reference: tuple[Path, str], adamw_run: Path) -> None:
+    out, stdout = reference
+    adamw = adamw_run
+    train, val = read_metrics(out / "metrics.jsonl")
+    adamw_train, adamw_val = read_metrics(adamw / "metrics.jsonl")
+    assert train[0]["loss"] == adamw_train[0]["loss"] and val[0]["val_loss"] == adamw_val[0]["val_loss"]
+    assert train[-1]["loss"] < train[0]["loss"] - 0.05 and val[-1]["val_loss"] < val[0]["val_loss"]
+    for record in train:  # Muon's lr follows the same schedule as AdamW's, scaled to --muon-lr
+        assert record["muon_lr"] == pytest.approx(0.02 * record["lr"] / 3e-3, rel=1e-12)
+    assert "muon_lr" not in adamw_train[0]
+    # Muon holds the blocks' matrices (dense and expert), AdamW the rest
+    state = read_all(str(out / "checkpoints" / f"step-{STEPS}"))
+    for name in ("blocks.0.attn.q.weight", "blocks.1.mlp.router.weight", "blocks.0.mlp.experts.3.fc.weight"):
+        assert f"optim/{name}/momentum_buffer" in state and f"optim/{name}/exp_avg" not in state, name
+    for name in ("wte.weight", "wpe.weight", "blocks.0.ln_1.weight", "blocks.0.attn.q.bias", "ln_f.bias"):
+        assert f"optim/{name}/exp_avg" in state and f"optim/{name}/momentum_buffer" not in state, name
+    # the owners' balance: printed once at start, recorded in config.json and summary.json
+    assert stdout.count("--optimizer muon: Muon (lr 0.02) on 18 matrices") == 1, stdout[-3000:]
+    config = json.loads((out / "config.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    assert config["optimizer"] == summary["optimizer"] == "muon"
+    assert summary["owner_balance"] == config["owner_balance"] and set(config["owner_balance"]) == {"dense", "expert"}
+    # per shard of the inner group: 2 dense shards; the experts' group is ep 2 of 2 ranks: one shard (no padding)
+    assert [len(config["owner_balance"][kind]["cost"]) for kind in ("dense", "expert")] == [2, 1]
+    for report in config["owner_balance"].values():
+        assert 1.0 <= report["cost_imbalance"] <= 1.25
+        assert 0.0 <= report["padding_fraction"] < 0.05
+
+
+@pytest.mark.timeout(3 * TRAIN_TIMEOUT_S + 30)
+def test_muon_resume_exact_and_at_another_world_size(reference: tuple[Path, str], tmp_path: Path) -> None:
+    out, _ = reference
+    split, wider = tmp_path / "split", tmp_path / "wider"
+    _ok(run_train([*MUON, "--nproc", "2", "--stop-after", str(HALF), "--out", str(split)]))
+    shutil.copytree(split, wider)
+    second = _ok(run_train([*MUON, "--nproc", "2", "--out", str(split)]))
+    assert f"resuming at step {HALF} from" in second and "not an exact resume" not in second
+    ours = read_all(str(split / "checkpoints" / f"step-{STEPS}"))
+    theirs = read_all(str(out / "checkpoints" / f"step-{STEPS}"))
+    assert ours.keys() == theirs.keys() and any(k.endswith("/momentum_buffer") for k in ours)
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+    ref_train, _ = read_metrics(out / "metrics.jsonl")
+    assert [r["loss"] for r in read_metrics(split / "metrics.jsonl")[0]] == [r["loss"] for r in ref_train]
+
+    # 4 workers, inner 4: every owner layout differs from the saved run's (inner 2); the checkpoint reshards
+    third = _ok(run_train([*MUON, "--nproc", "4", "--fsdp-outer-degree", "1", "--out", str(wider)]))
+    assert f"resuming at step {HALF} from" in third and "world size was 2, now 4" in third, third[-3000:]
+    train, _ = read_metrics(wider / "metrics.jsonl")
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    assert train[HALF]["loss"] == pytest.approx(ref_train[HALF]["loss"], rel=FIRST_RTOL)
+    for mine, ref in zip(train[HALF + 1:], ref_train[HALF + 1:]):
+        assert mine["loss"] == pytest.approx(ref["loss"], rel=LAST_RTOL), mine["step"]
+    assert train[-1]["loss"] != ref_train[-1]["loss"]  # it did run in another layout
+    assert len(json.loads((wider / "config.json").read_text())["owner_balance"]["dense"]["cost"]) == 4
+
+
+@pytest.mark.timeout(2 * TRAIN_TIMEOUT_S + 30)
+def test_resume_with_another_optimizer_is_refused(reference: tuple[Path, str], adamw_run: Path) -> None:
+    out, _ = reference
+    error = _refused(run_train([*FLAGS, "--nproc", "2", "--optimizer", "adamw", "--out", str(out)]))
+    assert error.startswith("shardfusion-train: error: --optimizer adamw: the checkpoint in --out") and \
+        "was written with --optimizer muon" in error and "resume with --optimizer muon" in error, error
+    error = _refused(run_train([*MUON, "--nproc", "2", "--out", str(adamw_run)]))
+    assert "--optimizer muon: the checkpoint" in error and "was written with --optimizer adamw" in error, error
