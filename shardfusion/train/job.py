@@ -254,10 +254,9 @@ def plan_outer_degree(config: TrainConfig, device: torch.device, world: int) -> 
     state, --param-dtype / --grad-comm-dtype, --grad-accum micro-batches, --reshard-policy, --prefetch,
     --expert-policy, and the budget `--max-memory-per-rank` (default `shardfusion.plan.default_memory_budget`,
     the least over the ranks). A run that resumes a checkpoint keeps the degree of the run it resumes (from
-    OUT/config.json) when that fits, so the resume stays exact. With --optimizer muon the inputs are the same: the
-    plan ignores the owner layouts' padding (under 1 % of the dense elements at make train's shape, measured by
-    `sf.owner_balance`), the second dense buffer per unit (its extra collectives' latency) and counts AdamW's two
-    states where Muon keeps one per matrix element (docs/train-muon.md).
+    OUT/config.json) when that fits, so the resume stays exact. With --optimizer muon the plan lays the Muon
+    matrices out in owner layouts for each candidate's inner degree (their padding counted: `whole_params`); it
+    still counts AdamW's two states where Muon keeps one per matrix element (docs/train-muon.md).
 
     Raises:
         ValueError: on every rank: no degree fits the budget (naming --max-memory-per-rank and the smallest need),
@@ -271,8 +270,11 @@ def plan_outer_degree(config: TrainConfig, device: torch.device, world: int) -> 
     bandwidth = sf.measure_bandwidth(local, device=device)
     t_probe = time.perf_counter() - t_probe
     meta = job_model.build(config, None, device)  # on meta, every expert
-    sizes = [dataclasses.replace(u, expert_numel=u.expert_numel // config.ep)
-             for u in sf.unit_sizes(meta.module, units=meta.units, reshard_policy=config.reshard_policy)]
+    whole = muon_matrices(meta.module, meta.units) if config.optimizer == "muon" else None
+    sizes = [dataclasses.replace(u, expert_numel=u.expert_numel // config.ep,  # one ep rank's experts (alike)
+                                 expert_whole_shapes=u.expert_whole_shapes[:len(u.expert_whole_shapes) // config.ep])
+             for u in sf.unit_sizes(meta.module, units=meta.units, reshard_policy=config.reshard_policy,
+                                    whole_params=whole)]
     budget = config.max_memory_per_rank
     if budget is None:
         least = torch.tensor([default_memory_budget(device, local)], dtype=torch.float64,

@@ -130,3 +130,32 @@ def test_resume_with_another_optimizer_is_refused(reference: tuple[Path, str], a
         "was written with --optimizer muon" in error and "resume with --optimizer muon" in error, error
     error = _refused(run_train([*MUON, "--nproc", "2", "--out", str(adamw_run)]))
     assert "--optimizer muon: the checkpoint" in error and "was written with --optimizer adamw" in error, error
+
+
+def test_outer_degree_auto_counts_the_owner_layouts(tmp_path: Path) -> None:
+    """--fsdp-outer-degree auto with muon (4 ranks as 2 nodes of 2, the dense tiny GPT): the cost model lays the
+    Muon matrices out in owner layouts for each candidate (their padding, their own buffer per unit), so for the
+    chosen degree its collectives per step and their bytes are the accounting's."""
+    import dataclasses
+
+    from shardfusion.models.gpt import GPT, PRESETS, Block
+    from shardfusion.plan import Bandwidth, plan, unit_sizes
+    from shardfusion.train.job import muon_matrices
+
+    out = tmp_path / "run"
+    _ok(run_train(["--preset", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--steps", "1",
+                   "--eval-every", "100", "--data-bytes", "300000", "--sample-tokens", "0", "--no-progress",
+                   "--experts", "0", "--optimizer", "muon", "--nproc", "4", "--ranks-per-node", "2",
+                   "--fsdp-outer-degree", "auto", "--out", str(out)]))
+    outer = json.loads((out / "config.json").read_text())["fsdp_outer_degree"]
+    with torch.device("meta"):
+        model = GPT(dataclasses.replace(PRESETS["tiny"], n_experts=0, seq_len=32, fused_qkv=False))
+    sizes = unit_sizes(model, units=(Block,), whole_params=muon_matrices(model, (Block,)))
+    chosen = next(c for c in plan(sizes, world_size=4, local_world_size=2, bandwidth=Bandwidth(1e9, 1e8),
+                                  max_memory_per_rank=2**40).candidates if c.outer == outer)
+    comm = read_metrics(out / "metrics.jsonl")[0][0]["comm"]
+    for op, category in (("all_gather", "inner_all_gather"), ("reduce_scatter", "inner_reduce_scatter"),
+                         ("all_reduce", "replicate_all_reduce")):
+        predicted, measured = chosen.traffic[op], comm[category]
+        assert predicted.count == measured["count"], (outer, op, predicted, measured)
+        assert predicted.within_bytes + predicted.across_bytes == pytest.approx(measured["wire_bytes"], rel=1e-9)
