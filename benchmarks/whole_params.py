@@ -21,7 +21,8 @@ Memory per rank: the bytes of the distinct storages behind the parameters (fragm
 included), the gradients and the optimizer states, after a step with the gradients still there; and the process's
 peak RSS (``ru_maxrss``), meaningful when each variant runs in processes of its own (``--launch per-variant``, the
 default). Bytes per step by category from ``sf.comm.CommCounter`` over one more step. Writes
-``benchmarks/results/whole-params.md`` (and ``.json`` beside it), one section per model.
+``benchmarks/results/whole-params.md`` (and ``.json`` beside it), one section per model (``--append``: after the
+runs already there). docs/whole-params-benchmark.md explains the columns and the theory.
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ def _measure(opts: dict, model_kind: str, variant: str) -> dict:
         step(opts["warmup"] + opts["steps"], False)
     out = {"rank": rank, "median_s": {k: statistics.median(v) for k, v in times.items()},
            "times_s": times, "losses": losses, "memory": memory, "comm": counter.summary(),
-           "prediction": _gather_prediction(model), "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "prediction": _gather_prediction(model),
+           "maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # ru_maxrss: KiB on Linux
            "layout": topo.describe()}
     if variant == "whole":
         out["balance"] = sf.owner_balance(model)
@@ -344,8 +346,10 @@ def _section(opts: dict, model_kind: str, results: dict) -> tuple[str, dict]:
     agree = _agreement(a[0]["final_params"], b[0]["final_params"])
     lines.append(f"(a) and (b) do the same arithmetic (one Muon step per matrix, on its owner or on every rank): after "
                  f"the {opts['warmup'] + opts['steps'] + 1} steps their parameters differ by at most "
-                 f"{agree['matrices']:.1e} on the matrices and {agree['rest']:.1e} on the rest (fp32 rounding of the "
-                 "gradient reduction order, through Muon's bf16 Newton-Schulz).")
+                 f"{agree['matrices']:.1e} on the matrices (at `{agree['matrices_at']}`) and {agree['rest']:.1e} on "
+                 f"the rest (at `{agree['rest_at']}`): fp32 rounding of the gradient reduction order, through Muon's "
+                 "bf16 Newton-Schulz" + (", and with experts, tokens whose top-1 expert flips with it." if cfg.n_experts
+                                         else "."))
     first = {v: rows[v][0]["losses"][0] for v in VARIANTS}
     last = {v: rows[v][0]["losses"][-1] for v in VARIANTS}
     lines.append(f"First loss (rank 0): {', '.join(f'{v} {first[v]:.4f}' for v in VARIANTS)} (same model, same "
@@ -357,10 +361,12 @@ def _section(opts: dict, model_kind: str, results: dict) -> tuple[str, dict]:
 
 def _agreement(x: dict, y: dict) -> dict:
     """The largest absolute difference between two full state dicts, on the block matrices and on the rest."""
-    out = {"matrices": 0.0, "rest": 0.0}
+    out = {"matrices": 0.0, "rest": 0.0, "matrices_at": "", "rest_at": ""}
     for name, t in x.items():
         key = "matrices" if is_block_matrix(name, t) else "rest"
-        out[key] = max(out[key], float((t - y[name]).abs().max()) if t.numel() else 0.0)
+        diff = float((t - y[name]).abs().max()) if t.numel() else 0.0
+        if diff >= out[key]:
+            out[key], out[f"{key}_at"] = diff, name
     return out
 
 
@@ -389,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launch", choices=("per-variant", "once"), default="per-variant",
                         help="fresh processes per variant (max RSS per variant) or one launch for all")
     parser.add_argument("--out", type=Path, default=RESULTS, help="the markdown report (a .json beside it)")
+    parser.add_argument("--append", action="store_true",
+                        help="append this run (command, machine, sections) to the report instead of replacing it")
     parser.add_argument("--no-write", action="store_true", help="print only; do not write the results file")
     opts = vars(parser.parse_args(argv))
     opts["models"] = [m for m in opts["models"].split(",") if m]
@@ -407,8 +415,8 @@ def main(argv: list[str] | None = None) -> int:
            f"--n-layer {opts['n_layer']}", f"--d-model {opts['d_model']}", f"--n-head {opts['n_head']}",
            f"--seq {opts['seq']}", f"--batch {opts['batch']}", f"--experts {opts['experts']}", f"--ep {opts['ep']}",
            f"--warmup {opts['warmup']}", f"--steps {opts['steps']}", f"--launch {opts['launch']}"]
-    head = ["# Muon with whole parameters: one owner rank against every rank, and AdamW element-sharded\n",
-            f"`{' '.join(cmd)}`\n",
+    title = "# Muon with whole parameters: one owner rank against every rank, and AdamW element-sharded\n"
+    head = [f"`{' '.join(cmd)}`\n",
             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores shared by "
             f"{opts['nproc']} gloo ranks (OMP_NUM_THREADS=1 each), torch {torch.__version__}; load average "
             f"(1, 5, 15 min) {load_before} before, {_load()} after; {time.time() - t0:.0f} s. With more ranks than "
@@ -420,13 +428,17 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(head) + "\n" + "\n".join(sections)
     print(text)
     if not opts["no_write"]:
-        opts["out"].parent.mkdir(parents=True, exist_ok=True)
-        opts["out"].write_text(text)
-        data = {"benchmark": "whole_params", "options": {k: str(v) if isinstance(v, Path) else v
-                                                         for k, v in opts.items()},
-                "summary": summary, "results": {k: [{f: v for f, v in r.items() if f != "final_params"} for r in rows]
-                                                 for k, rows in results.items()}}
-        opts["out"].with_suffix(".json").write_text(json.dumps(data, indent=1))
+        out = opts["out"]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        old = out.read_text() if opts["append"] and out.exists() else ""
+        out.write_text((old + "\n---\n\n" if old.startswith(title) else title + "\n") + text)
+        run = {"options": {k: str(v) if isinstance(v, Path) else v for k, v in opts.items()}, "summary": summary,
+               "results": {k: [{f: v for f, v in r.items() if f != "final_params"} for r in rows]
+                           for k, rows in results.items()}}
+        js = out.with_suffix(".json")
+        runs = json.loads(js.read_text())["runs"] if opts["append"] and js.exists() and old.startswith(title) else []
+        data = {"benchmark": "whole_params", "runs": runs + [run], **run}  # the latest run also at the top level
+        js.write_text(json.dumps(data, indent=1))
     return 0
 
 

@@ -82,11 +82,12 @@ def test_memory_smoke(tmp_path):
 @pytest.mark.timeout(150)
 def test_whole_params_smoke(tmp_path):
     out = tmp_path / "whole-params.md"
-    cmd = [sys.executable, "-m", "benchmarks.whole_params", "--nproc", "2", "--models", "dense", "--n-layer", "1", "--d-model", "32",
-           "--n-head", "2", "--seq", "16", "--batch", "1", "--warmup", "1", "--steps", "1", "--launch", "once",
-           "--out", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.whole_params", "--nproc", "2", "--models", "dense", "--n-layer", "1",
+           "--d-model", "32", "--n-head", "2", "--seq", "16", "--batch", "1", "--warmup", "1", "--steps", "1",
+           "--launch", "once", "--out", str(out)]
     proc = run_command(cmd, timeout=140, env={**clean_env(), "GLOO_SOCKET_IFNAME": "lo"})
-    assert proc.returncode == 0, f"whole_params failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (f"whole_params failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-3000:]}")
     md = out.read_text()
     data = json.loads(out.with_suffix(".json").read_text())
     for label in ("(a) Muon, whole_params", "(b) Muon, replicate_filter", "(c) AdamW, element-sharded"):
