@@ -4,7 +4,12 @@ measures is self-consistent (the collective counts of the HSDP layout, the same 
 
 benchmarks/memory.py runs end to end (2 gloo workers per variant, a tiny GPT, one step) and writes a well-formed
 JSON and markdown report with positive figures. No memory size is asserted: the sizes are what the benchmark
-reports."""
+reports.
+
+benchmarks/whole_params.py runs end to end (2 gloo workers in one launch, a 1-block GPT, one step per variant) and
+writes its table with the three variants. No timing is asserted; what is exact is: the all-gather bytes the layouts
+predict are the measured ones, the Muon state of (a) is the largest owner's share of (b)'s, the same first loss in
+every variant, and Muon on owner ranks and Muon on every rank reach the same parameters."""
 
 from __future__ import annotations
 
@@ -72,3 +77,34 @@ def test_memory_smoke(tmp_path):
                 assert ph["live_bytes"] > 0 and ph["theory_live_bytes"] > 0
         assert row["phases"]["steps"]["theory_hwm_bytes"] > 0
         assert len(row["losses"]) == 1 and 0 < row["losses"][0] < 10  # ln(256) = 5.5 at the start
+
+
+@pytest.mark.timeout(150)
+def test_whole_params_smoke(tmp_path):
+    out = tmp_path / "whole-params.md"
+    cmd = [sys.executable, "-m", "benchmarks.whole_params", "--nproc", "2", "--models", "dense", "--n-layer", "1",
+           "--d-model", "32", "--n-head", "2", "--seq", "16", "--batch", "1", "--warmup", "1", "--steps", "1",
+           "--launch", "once", "--out", str(out)]
+    proc = run_command(cmd, timeout=140, env={**clean_env(), "GLOO_SOCKET_IFNAME": "lo"})
+    assert proc.returncode == 0, (f"whole_params failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-3000:]}")
+    md = out.read_text()
+    data = json.loads(out.with_suffix(".json").read_text())
+    for label in ("(a) Muon, whole_params", "(b) Muon, replicate_filter", "(c) AdamW, element-sharded"):
+        assert sum(line.startswith(f"| {label}") for line in md.splitlines()) == 2 + 1, label  # 2 ranks + bytes
+    summary = data["summary"]["dense"]
+    assert all(summary["gather_prediction_matches"].values()), summary["gather_prediction_matches"]
+    ratios = summary["ratios"]
+    assert ratios["muon_state_a_over_b"]["measured"] == pytest.approx(ratios["muon_state_a_over_b"]["theory"])
+    assert ratios["muon_state_a_over_b"]["measured"] < 0.75  # 6 matrices over 2 owners
+    assert ratios["memory_a_over_b"]["measured"] == pytest.approx(ratios["memory_a_over_b"]["theory"], rel=0.05)
+    assert summary["balance"]["dense"]["cost"] == [196608, 196608]  # each: one 128 x 32, two 32 x 32
+    rows = {v: data["results"][f"dense/{v}"] for v in ("whole", "replicated", "adamw")}
+    for rank in range(2):
+        first = {v: rows[v][rank]["losses"][0] for v in rows}
+        assert max(first.values()) - min(first.values()) < 1e-6, first  # same model, same data
+        assert rows["whole"][rank]["losses"][-1] == pytest.approx(rows["replicated"][rank]["losses"][-1], abs=1e-3)
+        assert all(t > 0 for t in rows["whole"][rank]["median_s"].values())
+    # one Muon step of lr 0.02 moves a matrix entry by ~0.02: a matrix updated wrongly or not at all shows
+    assert summary["params_max_diff_a_b"]["matrices"] < 2e-3, summary["params_max_diff_a_b"]
+    assert summary["params_max_diff_a_b"]["rest"] < 1e-5, summary["params_max_diff_a_b"]
