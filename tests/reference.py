@@ -96,9 +96,9 @@ class Case:
 def make_optimizer(case: Case, named_params) -> torch.optim.Optimizer:
     """The optimizer of `case` over `named_params` ((name, parameter) pairs, fragments in a sharded run).
 
-    "adamw_groups" splits the parameters by name with the training job's rule (`shardfusion.train.job.no_decay`:
+    "adamw_groups" splits the parameters by name with the training job's rule (`shardfusion.train.optim.no_decay`:
     biases, norms and embeddings are exempt), so the tests and the job use one rule."""
-    from shardfusion.train.job import no_decay
+    from shardfusion.train.optim import no_decay
 
     named = list(named_params)
     if case.optim == "sgd":

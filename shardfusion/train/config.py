@@ -36,7 +36,7 @@ AUTO = "auto"
 
 OPTIMIZERS = ("adamw", "muon")
 """The --optimizer choices: AdamW on every parameter, or Muon on the 2-D weights of the blocks and AdamW on the rest
-(see `shardfusion.train.job.build_optimizers`)."""
+(see `shardfusion.train.optim.build_optimizers`)."""
 
 
 def outer_degree_arg(text: str) -> int | str:

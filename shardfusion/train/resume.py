@@ -178,7 +178,7 @@ def save(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], out: str
          config: Any, model_extra: dict[str, dict[str, Any]], layout: str, elapsed_s: float, device: torch.device,
          data_order: int) -> str:
     """Publish ``out/checkpoints/step-<step>`` (see `shardfusion.checkpoint.save_checkpoint`); returns its path.
-    Collective. ``optimizers``: the run's optimizers (`shardfusion.train.job.build_optimizers`: ``[adamw]`` or
+    Collective. ``optimizers``: the run's optimizers (`shardfusion.train.optim.build_optimizers`: ``[adamw]`` or
     ``[muon, adamw]``), each parameter in one of them; the checkpoint keeps their states under the parameters'
     names, so it loads into any layout. ``model_extra``: the model's record (`JobModel.extra`), merged into the
     checkpoint's ``extra``;

@@ -92,7 +92,7 @@ def test_parity_world8(w8_results, case):
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 def test_parameter_groups_split_by_name(w4_results):
     """The two-group AdamW really has both groups populated (else the test above proves less than it says)."""
-    from shardfusion.train.job import no_decay
+    from shardfusion.train.optim import no_decay
 
     names = case_results(w4_results, W4_CASES[0].name)[0]["names"]
     assert any(no_decay(n) for n in names) and any(not no_decay(n) for n in names), names

@@ -140,7 +140,7 @@ def test_outer_degree_auto_counts_the_owner_layouts(tmp_path: Path) -> None:
 
     from shardfusion.models.gpt import GPT, PRESETS, Block
     from shardfusion.plan import Bandwidth, plan, unit_sizes
-    from shardfusion.train.job import muon_matrices
+    from shardfusion.train.optim import muon_matrices
 
     out = tmp_path / "run"
     _ok(run_train(["--preset", "tiny", "--seq-len", "32", "--global-batch-size", "8", "--steps", "1",

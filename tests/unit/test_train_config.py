@@ -9,7 +9,7 @@ import pytest
 
 from shardfusion.train.config import TrainConfig, build_parser, check_run, lr_at, parse_args, resolve
 from shardfusion.train.data import DATA_ORDER, DATA_ORDER_PER_RANK, min_corpus_bytes
-from shardfusion.train.job import no_decay
+from shardfusion.train.optim import no_decay
 from shardfusion.train.resume import saved_data_order
 
 

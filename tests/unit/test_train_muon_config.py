@@ -11,7 +11,7 @@ import torch
 
 from shardfusion.models.gpt import GPT, PRESETS, Block
 from shardfusion.train.config import TrainConfig, lr_at, lr_factor, parse_args
-from shardfusion.train.job import build_optimizers, muon_matrices, set_learning_rates
+from shardfusion.train.optim import build_optimizers, muon_matrices, set_learning_rates
 from shardfusion.train.resume import check_optimizer
 
 
