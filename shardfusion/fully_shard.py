@@ -77,9 +77,10 @@ def fully_shard(
     names, 1-D fragments (views into the shard, possibly of 0 elements), so element-wise ``torch.optim`` optimizers
     (SGD, Adam, AdamW, Adamax, Adagrad, Adadelta, RMSprop, Rprop, ASGD, NAdam, RAdam) work unchanged and give the
     single-process result; build the optimizer after ``fully_shard``, from ``model.parameters()``. Optimizers that
-    read a parameter's shape or all parameters together (``LBFGS``, ``Adafactor``, ``Muon``, ``SparseAdam`` and
-    their subclasses) are refused at their first step with ``ValueError`` on every rank, as is an optimizer holding
-    parameters from before ``fully_shard`` (matrix optimizers such as Muon are planned work). Cast or move the model
+    read a parameter's shape or all parameters together (``LBFGS``, ``Adafactor``, ``SparseAdam`` and their
+    subclasses) are refused at their first step with ``ValueError`` on every rank, as is an optimizer holding
+    parameters from before ``fully_shard``; ``Muon`` runs on the parameters ``whole_params`` keeps whole (below) and
+    is refused holding any other. Cast or move the model
     (``.to(dtype)``, ``.double()``, ``.half()``, ``.to(device)``) before wrapping: afterwards the next forward raises
     ``ValueError``. Gradients become the gradient of the mean loss over the global batch (summed over the data-parallel
     world and the context ranks, divided by ``Topology.gradient_divisor`` = ``dp * sharding * sep * cp``); they are

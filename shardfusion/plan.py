@@ -218,7 +218,7 @@ def unit_sizes(model: nn.Module, *, units: Optional[Sequence[type]] = None, comm
 
     Raises:
         ValueError: ``model`` is not a module or is already sharded; bad ``units``, ``comm_unit_size``,
-            ``reshard_policy`` or ``reshard_filter`` (as ``fully_shard`` raises them).
+            ``whole_params``, ``reshard_policy`` or ``reshard_filter`` (as ``fully_shard`` raises them).
     """
     from shardfusion._runtime import wrap  # the unit rules of fully_shard itself
     from shardfusion._runtime.layout import build_layout
@@ -228,6 +228,8 @@ def unit_sizes(model: nn.Module, *, units: Optional[Sequence[type]] = None, comm
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
     if is_sharded(model):
         raise ValueError(f"model ({type(model).__name__}) is already sharded: plan before fully_shard")
+    if whole_params is not None and not callable(whole_params):
+        raise ValueError(f"whole_params must be None or a callable (name, param) -> bool, got {whole_params!r}")
     options = wrap.WrapOptions(None, MixedPrecisionPolicy(), None, True, expert_filter, "replicate", 1,
                                reshard_policy, reshard_filter)
     wrap._check_units(units, comm_unit_size)

@@ -23,11 +23,13 @@ flattened parameter) is one DCP chunk with ``offsets=(start,)`` and ``sizes=(end
     meta                         bytes      {"version", "world_size", "shapes": {name: shape},
                                             "buffer_shapes": {name: shape},
                                             "optim_state": {name: {key: kind}} or None (saved without optimizer),
-                                            "param_groups": [...], "extra"}
+                                            "param_groups": [...], "extra",
+                                            "optimizers": [class name of each optimizer, in order]}
 
 ``param_groups``: each optimizer group's hyperparameters (every entry but ``params``) plus ``"param_names"``, rank 0's
 names of the group's parameters, recorded for information only (expert names differ across ep ranks; :func:`load`
-matches groups by index).
+matches groups by index). ``optimizers``: :func:`load` refuses other optimizers than those saved, or another order
+(a checkpoint without the entry is not checked).
 
 ``optim_state`` kinds: ``"element"`` (per-element), ``"tensor"`` (0-d tensor), ``"int"`` / ``"float"`` / ``"bool"``
 (a Python number, stored as a 0-d int64 / float64 / bool tensor). A parameter without optimizer state (e.g. it never
@@ -140,7 +142,8 @@ def save(model: nn.Module, optimizer: Union[None, torch.optim.Optimizer, Sequenc
                       "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                       "shapes": info["shapes"], "buffer_shapes": info["buffer_shapes"],
                       "optim_state": info["optim_state"] if optimizers else None,
-                      "param_groups": groups, "extra": extra}
+                      "param_groups": groups, "extra": extra,
+                      "optimizers": [type(opt).__name__ for opt in optimizers]}
     try:
         dcp.save(sd, storage_writer=FileSystemWriter(path), planner=FragmentSavePlanner(fragments),
                  no_dist=not dist.is_initialized())
@@ -166,6 +169,21 @@ def _check_keys(info: dict, meta: dict, path: str) -> None:
     problems = [p for p in problems if p] + info["problems"]
     if problems:
         raise ValueError(f"checkpoint {path!r} does not match the model: {'; '.join(problems)}")
+
+
+def _check_optimizers(optimizers: list, meta: dict, path: str) -> None:
+    """The optimizers given to :func:`load` are those the checkpoint was saved with, in the same order (their class
+    names, recorded since the list of optimizers; older checkpoints are not checked): otherwise each group would
+    take another optimizer's hyperparameters and each parameter another optimizer's state. The same decision on
+    every rank (the names come from the checkpoint and the arguments)."""
+    saved = meta.get("optimizers")
+    if not optimizers or meta.get("optim_state") is None or saved is None:
+        return
+    given = [type(opt).__name__ for opt in optimizers]
+    if given != saved:
+        raise ValueError(f"checkpoint {path!r} was saved with optimizers {saved}, in this order; load was given "
+                         f"{given}: pass the same optimizers in the same order, or optimizer=None to load the "
+                         "parameters only")
 
 
 def _plan_optimizer(model: nn.Module, optimizers: list[torch.optim.Optimizer], kinds_by_name: dict, stored: dict,
@@ -241,6 +259,7 @@ def load(model: nn.Module, optimizer: Union[None, torch.optim.Optimizer, Sequenc
     except ValueError as error:  # maybe on some ranks only (a file system not shared by every node)
         reader, meta, unreadable = None, None, str(error)
     _check_keys(model_info(model, None, rank_state, unreadable), meta, path)
+    _check_optimizers(optimizers, meta, path)
     stored = reader.read_metadata().state_dict_metadata
     sd: dict[str, Any] = {"meta": None}
     fragments: dict[str, list] = {}

@@ -9,6 +9,7 @@ matched to 1e-5):
 - *whole to element-sharded and back*: the FSDP-4 checkpoint loaded (model only) into the same model without
   ``whole_params`` gives bitwise the saved ``full_state_dict``; saved from there and loaded into a whole-parameter
   model, bitwise again;
+- *other optimizers*: a load given the optimizers in another order, or AdamW alone, is refused;
 - *local state dicts*: ``model.state_dict()`` of a whole-parameter model holds each matrix in its shape on its owner
   and ``(0, *shape[1:])`` elsewhere; after scrambling the parameters it loads back bitwise on the same rank, and a
   full state dict (``full_state_dict``) loads into it too, and so does a safetensors file (``load_safetensors``).
@@ -52,6 +53,11 @@ def checkpoint_job(root: str) -> dict:
         ckpt.load(model, opts, f"{root}/whole-fsdp4")
         resumed = mr.train(model, opts, mr.sharded_loss_fn(model, topo), range(mr.STEPS - 1, mr.STEPS))
         out["resumed"] = {"losses": resumed["losses"], "params": _full(model)}
+
+    opts = mr.optimizers(model)  # the right optimizers, in another order; or AdamW alone over every parameter
+    out["reversed"] = raised(lambda: ckpt.load(model, opts[::-1], f"{root}/whole-fsdp4"))
+    out["adamw_only"] = raised(lambda: ckpt.load(model, torch.optim.AdamW(model.parameters()),
+                                                 f"{root}/whole-fsdp4"))
 
     topo, plain = mr.build(dict(sharding=4), whole=False)
     ckpt.load(plain, None, f"{root}/whole-fsdp4")
@@ -108,6 +114,15 @@ def test_whole_parameters_load_bitwise_into_either_layout(job, key):
     for r in job:
         got, want = r[key]
         assert_bitwise(got, want, f"{key}, inner rank {r['inner_rank']}")
+
+
+@pytest.mark.parametrize("key", ["reversed", "adamw_only"])
+def test_other_optimizers_than_saved_are_refused(job, key):
+    """Saved with [Muon, AdamW]: a load given them in another order, or AdamW alone, would give each group another
+    optimizer's hyperparameters and each parameter another optimizer's state: refused on every rank."""
+    for r in job:
+        kind, msg = r[key]
+        assert kind == "ValueError" and "['Muon', 'AdamW']" in msg and "same order" in msg, (kind, msg)
 
 
 def test_local_state_dict_holds_whole_matrices_on_owners(job):

@@ -271,5 +271,7 @@ def test_whole_params_padding_by_hand() -> None:
     model = nn.Sequential(Blk(), Blk())
     sizes = unit_sizes(model, units=(Blk,), whole_params=lambda n, p: p.dim() == 2)
     assert [(u.numel, u.whole_shapes) for u in sizes] == [(0, ()), (16, ((16, 4), (8, 4))), (16, ((16, 4), (8, 4)))]
+    with pytest.raises(ValueError, match="whole_params must be None or a callable"):
+        unit_sizes(model, units=(Blk,), whole_params="matrices")
     with pytest.raises(ValueError, match="whole_params apply to a model"):
         plan(units, **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9, whole_params=lambda n, p: True)
