@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from shardfusion._runtime.layout import newton_schulz_cost, owner_report
+from shardfusion._runtime.layout import owner_report
 from shardfusion._runtime.state import flat_buffers
 
 
@@ -40,7 +40,7 @@ def owner_balance(model: nn.Module) -> dict:
             continue
         kind = "expert" if buffer.is_expert else "dense"
         count = buffer.layout.shard_count
-        report = owner_report(buffer.layout, [newton_schulz_cost(s.shape) for s in buffer.layout.slots])
+        report = owner_report(buffer.layout)  # the Newton-Schulz cost of each slot
         acc = out.setdefault(kind, {"cost": [0] * count, "numel": [0] * count, "padding": 0, "padded_numel": 0})
         for r in range(count):
             acc["cost"][r] += report["cost"][r]

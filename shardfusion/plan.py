@@ -268,12 +268,9 @@ def unit_sizes(model: nn.Module, *, units: Optional[Sequence[type]] = None, comm
 def _owner_padded(shapes: tuple, count: int, align: int, load: list[int]) -> int:
     """The padded elements of the owner layout of ``shapes`` over ``count`` shards (``load``: the cost each shard
     owns from earlier units, updated), as ``fully_shard(..., whole_params=...)`` lays it out."""
-    from shardfusion._runtime.layout import build_owner_layout, owner_report
+    from shardfusion._runtime.layout import build_carried_owner_layout
 
-    layout = build_owner_layout([str(i) for i in range(len(shapes))], shapes, count, align, base_load=load)
-    for r, c in enumerate(owner_report(layout)["cost"]):
-        load[r] += c
-    return layout.padded_numel
+    return build_carried_owner_layout([str(i) for i in range(len(shapes))], shapes, count, align, load).padded_numel
 
 
 # ---- the cost model ----------------------------------------------------------------------------------------------------

@@ -210,6 +210,17 @@ def build_owner_layout(
     return FlatLayout(slots, shard * shard_count, shard_count)
 
 
+def build_carried_owner_layout(names: Sequence[str], shapes: Sequence[Sequence[int]], shard_count: int, align: int,
+                               load: list[int]) -> FlatLayout:
+    """:func:`build_owner_layout` with ``base_load=load``, then ``load`` (per shard, the cost owned so far by earlier
+    units over the same group) updated in place with this layout's costs: how ``fully_shard`` and ``sf.plan`` lay out
+    a model's owner buffers unit after unit."""
+    layout = build_owner_layout(names, shapes, shard_count, align, base_load=load)
+    for r, c in enumerate(owner_report(layout)["cost"]):
+        load[r] += c
+    return layout
+
+
 def owner_report(layout: FlatLayout, costs: Sequence[int] | None = None) -> dict:
     """How an owner layout (:func:`build_owner_layout`) balances its shards: per shard the cost and the elements of
     the parameters it owns, ``cost_imbalance`` (the largest cost / the mean, 1.0 = perfect), and ``padding`` (elements

@@ -20,7 +20,7 @@ from shardfusion import comm
 from shardfusion._runtime import materialize
 from shardfusion._runtime import tensor_parallel as tp
 from shardfusion._runtime.flat_buffer import FlatBuffer
-from shardfusion._runtime.layout import build_layout, build_owner_layout, owner_report
+from shardfusion._runtime.layout import build_carried_owner_layout, build_layout
 from shardfusion._runtime.optimizer_hook import REPLACED_PARAMS
 from shardfusion._runtime.state import is_sharded, sharded_ancestor
 from shardfusion._runtime.unit import Unit
@@ -382,11 +382,8 @@ class _GroupPlan:
         count = comm.group_size(shard_group)
         if placement != "owner":
             return build_layout(names, shapes, count, align)
-        load = self.owner_load.setdefault(id(shard_group), [0] * count)
-        layout = build_owner_layout(names, shapes, count, align, base_load=load)
-        for r, c in enumerate(owner_report(layout)["cost"]):
-            load[r] += c
-        return layout
+        return build_carried_owner_layout(names, shapes, count, align,
+                                          self.owner_load.setdefault(id(shard_group), [0] * count))
 
     def kind(self, name: str, p: nn.Parameter) -> tuple:
         """The key of the flat buffer ``p`` goes into: (dtype, device, trainable, placement, tensor parallel,
