@@ -56,7 +56,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd.graph import get_gradient_edge, register_multi_grad_hook
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from shardfusion import comm
 from shardfusion._runtime.local_state_dict import persistent_buffers
@@ -140,7 +140,7 @@ class Scheduler:
         for unit in self.units:
             if unit is not root_unit:
                 for m in unit.modules:
-                    handles.append(m.register_forward_pre_hook(self._make_pre_forward(unit)))
+                    handles.append(m.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True))
                 last = unit.modules[-1]
                 handles.append(last.register_forward_hook(self._make_post_forward(unit)))
                 for m in unit.modules[:-1]:
@@ -202,10 +202,35 @@ class Scheduler:
 
     def _make_pre_forward(self, unit: Unit):
         @torch.compiler.disable
-        def hook(module, args):
+        def hook(module, args, kwargs):
             self._pre_forward(unit)
+            if unit.holds_frozen and torch.is_grad_enabled() and not _in_backward():
+                return self._register_inputs_grad(unit, args, kwargs)
+            return None
 
         return hook
+
+    def _register_inputs_grad(self, unit: Unit, args, kwargs):
+        """Pass the module's floating-point inputs that require grad through :class:`_InputsGradDone`, whose backward
+        runs once their gradients are computed: from then on this graph no longer reads the unit's frozen
+        parameters (FSDP2 frees a module's parameters at the same point). Returns the new ``(args, kwargs)``."""
+        leaves, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return None
+        outs = _InputsGradDone.apply(self, unit, *[leaves[i] for i in idx])
+        for i, t in zip(idx, outs):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def _inputs_grad_done(self, unit: Unit, node) -> None:
+        unit.inputs_node_fired(node)
+        self._reshard_if_done(unit)
+
+    def _reshard_if_done(self, unit: Unit) -> None:
+        """Free ``unit`` in the middle of backward once nothing in this backward reads or gathers it again."""
+        if unit is not self.units[0] and unit.backward_done() and self._gather_done(unit):
+            self._reshard(unit)
 
     def _pre_forward(self, unit: Unit) -> None:
         unit.unshard()
@@ -298,9 +323,10 @@ class Scheduler:
         def hook(param):
             self._views_accumulated = True
             group.keep_grad_in_buffer(view_index)
-            if unit.grad_arrived():
-                if unit is not self.units[0] and self._gather_done(unit):
-                    self._reshard(unit)
+            ready = unit.grad_arrived()
+            if ready or unit.holds_frozen:
+                self._reshard_if_done(unit)
+            if ready:
                 self._issue_ready_reduces()
 
         return hook
@@ -475,6 +501,24 @@ class Scheduler:
                 g.sync_replicas()
         if self._backwards_this_step:
             self._backwards_last_step, self._backwards_this_step = self._backwards_this_step, 0
+
+
+class _InputsGradDone(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward tells the scheduler that their gradients are computed, so
+    the unit's frozen parameters are no longer needed by this graph. The node is recorded in the unit by a weak
+    reference: a graph freed without a backward drops it."""
+
+    @staticmethod
+    def forward(ctx, scheduler, unit, *tensors):
+        ctx.scheduler, ctx.unit = scheduler, unit
+        unit.add_inputs_node(ctx)
+        return tensors
+
+    @staticmethod
+    @torch.compiler.disable
+    def backward(ctx, *grads):
+        ctx.scheduler._inputs_grad_done(ctx.unit, ctx)
+        return (None, None, *grads)
 
 
 def _check_not_in_flight(group, index: int) -> None:

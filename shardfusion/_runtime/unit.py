@@ -20,6 +20,8 @@ its gradient) -> REDUCING (reduce-scatter issued) -> IDLE (flushed at the end of
 from __future__ import annotations
 
 import enum
+import weakref
+
 import torch.nn as nn
 
 from shardfusion._runtime.flat_buffer import FlatBuffer
@@ -67,6 +69,14 @@ class Unit:
         self.ran_forward = False
         self._grads_arrived = 0
         self._grads_expected = 0
+        # Frozen parameters (a frozen buffer, or views frozen after wrapping) may be read by backward after every
+        # trainable gradient has arrived (the gradient of the unit's inputs needs the weight): such a unit is freed
+        # in backward only once the gradients of its inputs exist. ``holds_frozen`` is set at each unshard; the
+        # pending input registrations are weak references to the autograd nodes that fire then (see
+        # ``Scheduler._register_inputs_grad``), dead once their graph is freed (a forward never backpropagated).
+        self.holds_frozen = False
+        self._inputs_pending: dict[int, weakref.ref] = {}
+        self._inputs_registered = False
 
     def add_group(self, group: FlatBuffer, registrations: list[list[tuple[nn.Module, str]]]) -> None:
         """Attach a flat buffer and register its fragments in the modules."""
@@ -156,6 +166,31 @@ class Unit:
         self.reduce_state = ReduceState.IDLE
         self._grads_arrived = 0
         self.ran_forward = False
+        self._inputs_registered = bool(self._live_inputs())
+
+    # ---- frozen parameters in backward ---------------------------------------------------------------------------
+    def add_inputs_node(self, node) -> None:
+        """Record an autograd node over this unit's forward inputs that fires once their gradients are computed."""
+        self._inputs_pending[id(node)] = weakref.ref(node)
+        self._inputs_registered = True
+
+    def inputs_node_fired(self, node) -> None:
+        """The gradients of the inputs recorded by ``node`` have been computed."""
+        self._inputs_pending.pop(id(node), None)
+
+    def _live_inputs(self) -> list:
+        self._inputs_pending = {k: r for k, r in self._inputs_pending.items() if r() is not None}
+        return list(self._inputs_pending)
+
+    def backward_done(self) -> bool:
+        """Whether this backward can no longer read this unit's full buffers: every trainable view got its gradient
+        and, if the unit holds frozen parameters, the gradients of its inputs have been computed (a unit whose inputs
+        need no gradient keeps them until the end of backward)."""
+        if self._grads_arrived < self._grads_expected:
+            return False
+        if not self.holds_frozen:
+            return self._grads_expected > 0
+        return self._inputs_registered and not self._live_inputs()
 
     def _sync_requires_grad(self) -> None:
         """Give each full view the ``requires_grad`` of its fragment (the user may freeze after wrapping).
@@ -165,8 +200,10 @@ class Unit:
                 buffer); freeze or unfreeze before wrapping instead.
         """
         expected = 0
+        frozen = False
         for g in self.groups:
             for slot, frag, view in zip(g.layout.slots, g.fragments, g.full_views):
+                frozen |= not frag.requires_grad and slot.numel > 0 and g.full is not g.shard
                 if not g.requires_grad:
                     if frag.requires_grad:
                         raise RuntimeError(
@@ -177,6 +214,7 @@ class Unit:
                     view.requires_grad_(frag.requires_grad)
                 expected += frag.requires_grad
         self._grads_expected = expected
+        self.holds_frozen = frozen
 
     def _put(self, use_full: bool) -> None:
         for g, regs in zip(self.groups, self.registrations):
