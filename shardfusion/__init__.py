@@ -19,6 +19,7 @@ Public API (v0; the design: docs/design.md)::
 
 from shardfusion import checkpoint, comm, topology
 from shardfusion import moe
+from shardfusion.amp import install_grad_scaler_sync
 from shardfusion.checkpoint.streaming import load_safetensors
 from shardfusion.clip import clip_grad_norm_, install_torch_clip_wrappers
 from shardfusion.fully_shard import (
@@ -37,6 +38,7 @@ from shardfusion.state_dict import full_state_dict
 from shardfusion.topology import Topology
 
 install_torch_clip_wrappers()  # torch.nn.utils.clip_grad_norm_ / clip_grad_value_ on fragments: see shardfusion.clip
+install_grad_scaler_sync()  # torch.amp.GradScaler agrees on found_inf over the ranks: see shardfusion.amp
 
 __all__ = [
     "Bandwidth",

@@ -474,6 +474,8 @@ class Scheduler:
         self._backwards_this_step += reduced
         for u in self.units:
             u.finish_backward(reduced=reduced)
+        if reduced and not creates_graph and self._finalizes():
+            self.wait_replicas()  # the gradients are final when this backward returns (as DDP and FSDP2 give them)
         self._graph_kept, self._creates_graph, self._views_accumulated = creates_graph, False, False
         for u in self.units:
             self._reshard(u)
@@ -492,13 +494,26 @@ class Scheduler:
         for u in self.units:
             u.reshard()
 
-    def finish_grad_sync(self) -> None:
-        """All-reduce this step's sharded gradients over their replicate groups (once per step; idempotent), and
-        remember how many reducing backwards the step had (the prediction of the next step's last one)."""
+    def _finalizes(self) -> bool:
+        """Whether the backward ending now leaves the step's gradients final: the one taken for the step's last
+        (``_overlap``: predicted, or ``set_is_last_backward(model, True)``), or, before the first step boundary
+        (nothing to predict from) and without an override, every reducing backward."""
+        if self._overlap:
+            return True
+        return self.is_last_backward is None and self._backwards_last_step is None
+
+    def wait_replicas(self) -> None:
+        """All-reduce this step's pending sharded gradients over their replicate groups, waiting for those already in
+        flight, and publish them in the fragments' ``.grad`` (idempotent: nothing pending, nothing issued)."""
         self._sync_queue.join()  # before anything else is issued on a replicate group from this thread
         for u in self._reduce_order:
             for g in u.trainable_groups:
                 g.sync_replicas()
+
+    def finish_grad_sync(self) -> None:
+        """The step boundary: :meth:`wait_replicas` (a no-op when the step's last backward already finished them), and
+        remember how many reducing backwards the step had (the prediction of the next step's last one)."""
+        self.wait_replicas()
         if self._backwards_this_step:
             self._backwards_last_step, self._backwards_this_step = self._backwards_this_step, 0
 

@@ -81,11 +81,17 @@ def test_overlapped_equals_synchronous_bitwise(equality_results, kind, micro):
             for overlap in (False, True, None):
                 run = r[(kind, micro, prefetch, overlap)]
                 for n, t in run["params"].items():
-                    assert torch.equal(t, base[n]), f"{kind} K={micro} prefetch={prefetch} overlap={overlap}: {n}"
+                    what = f"{kind} K={micro} prefetch={prefetch} overlap={overlap}: {n}"
+                    if overlap is None and micro > 1:
+                        # The first step all-reduces each of its K backwards' gradients (final after each: nothing
+                        # predicts the last yet): a sum of K all-reduces instead of one, equal up to rounding.
+                        torch.testing.assert_close(t, base[n], rtol=1e-5, atol=1e-7, msg=lambda m: f"{what}: {m}")
+                    else:
+                        assert torch.equal(t, base[n]), what
                 B = run["buffers"]
                 expected = [(B if overlap else 0, B)] * STEPS  # (during backward, in the step)
-                if overlap is None:  # predicted from the previous step: none in the first
-                    expected = [(0, B)] + [(B, B)] * (STEPS - 1)
+                if overlap is None:  # predicted from the previous step; in the first each backward ends with them
+                    expected = [(0, micro * B)] + [(B, B)] * (STEPS - 1)
                 assert run["all_reduces"] == expected, (
                     f"{kind} K={micro} prefetch={prefetch} overlap={overlap}: replicate all-reduces per step "
                     f"{run['all_reduces']}, buffers {run['buffers']}")
@@ -144,11 +150,13 @@ def test_a_wrong_last_backward_is_correct(mispredicted, mode):
 def test_a_wrong_prediction_costs_one_more_all_reduce_per_buffer(mispredicted):
     for r in mispredicted:
         B = r["predicted"]["buffers"]
-        # step 0: nothing to predict from; step 1 (K=2): the first backward taken for the last, the second late;
-        # step 2 (K=1): the previous step had 2, so none taken; step 3 (K=3): the first taken, the other two late
+        # step 0: nothing to predict from, the backward ends with them; step 1 (K=2): the first backward taken for
+        # the last, the second's gradient all-reduced at the step boundary; step 2 (K=1): the previous step had 2, so
+        # none taken; step 3 (K=3): the first taken, the other two summed and all-reduced at the boundary
         assert r["predicted"]["counts"] == [(0, B), (B, 2 * B), (0, B), (B, 2 * B)], r["predicted"]["counts"]
         assert r["sync"]["counts"] == [(0, B)] * len(SCHEDULE), r["sync"]["counts"]
-        assert r["wrong"]["counts"] == [(B, B), (B, 2 * B), (B, B), (B, 2 * B)], r["wrong"]["counts"]
+        # every backward said to be the last leaves final gradients: each one's all-reduces, overlapped
+        assert r["wrong"]["counts"] == [(B * k, B * k) for k in SCHEDULE], r["wrong"]["counts"]
 
 
 def _bound_job() -> dict:

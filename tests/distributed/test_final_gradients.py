@@ -1,0 +1,123 @@
+"""Gradients are final when the step's last ``backward()`` returns, as DDP and FSDP2 give them: the fragments'
+``.grad`` then hold the gradient of the mean loss over the global batch, outer (replicate) all-reduce included.
+
+One W=4 job, FSDP 4 and HSDP 2 x 2, a three-Linear model, against one process on the global batch:
+
+- a hand-written update ``p -= lr * p.grad`` with no optimizer at all (so no step boundary ever runs);
+- a hand-written gradient norm read right after ``backward()`` (every step: the first, before anything is predicted,
+  and the later ones, whose last backward is predicted from the step before), then torch's AdamW;
+- the same with two micro-batches per step and gradient sync on: after the second (last) backward the norm is the
+  global one. The first micro-batch's gradients are not final from the second step on (they wait for the last
+  backward's all-reduce, one per step), as documented.
+
+Before the fix the outer all-reduce ran at ``optimizer.step()``: under HSDP the hand-written norm was that of one
+replica's half of the batch, and the hand-written update diverged from the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from harness import run_distributed
+from reference import global_randn, rank_randn
+
+WORLD = 4
+TAG = 71
+STEPS, LR = 3, 0.05
+LAYOUTS = (1, 2)  # fsdp_outer_degree
+JOB_TIMEOUT_S = 180
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def batch(step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    return rank_randn(TAG, 10 * step + micro, rank, 2, 8), rank_randn(TAG + 1, 10 * step + micro, rank, 2, 4)
+
+
+def global_batch(step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    return global_randn(TAG, 10 * step + micro, WORLD, 2, 8), global_randn(TAG + 1, 10 * step + micro, WORLD, 2, 4)
+
+
+def reference(micro_batches: int, optimizer: bool) -> dict:
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR) if optimizer else None
+    norms = []
+    for step in range(STEPS):
+        for m in range(micro_batches):
+            x, y = global_batch(step, m)
+            (F.mse_loss(model(x), y) / micro_batches).backward()
+        norms.append(math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters())))
+        if opt is None:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= LR * p.grad
+            model.zero_grad()
+        else:
+            opt.step()
+            opt.zero_grad()
+    return {"norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def final_gradients_job() -> dict:
+    import torch.distributed as dist
+    import shardfusion as sf
+
+    out = {}
+    for outer in LAYOUTS:
+        topo = sf.Topology(sharding=WORLD, fsdp_outer_degree=outer)
+        rank = topo.data_parallel_rank
+        inner_group = topo.get_fsdp_inner_group()
+        for micro_batches, optimizer in ((1, False), (1, True), (2, True)):
+            model = sf.fully_shard(build(), topo, units=(nn.Linear,))
+            opt = torch.optim.AdamW(model.parameters(), lr=LR) if optimizer else None
+            norms = []
+            for step in range(STEPS):
+                for m in range(micro_batches):
+                    x, y = batch(step, rank, m)
+                    (F.mse_loss(model(x), y) / micro_batches).backward()
+                # A hand-written norm: every element once over one replica's shards (the replicas are identical).
+                sq = torch.zeros(())
+                for p in model.parameters():
+                    if p.grad is not None:
+                        sq += p.grad.pow(2).sum()
+                dist.all_reduce(sq, group=inner_group)
+                norms.append(math.sqrt(float(sq)))
+                if opt is None:
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p -= LR * p.grad
+                    model.zero_grad()
+                else:
+                    opt.step()
+                    opt.zero_grad()
+            out[(outer, micro_batches, optimizer)] = {"norms": norms, "params": sf.full_state_dict(model)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(final_gradients_job, WORLD, timeout=JOB_TIMEOUT_S)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+@pytest.mark.parametrize("micro_batches,optimizer", [(1, False), (1, True), (2, True)])
+def test_gradients_final_when_last_backward_returns(results, micro_batches, optimizer):
+    ref = reference(micro_batches, optimizer)
+    for outer in LAYOUTS:
+        what = f"outer {outer}, {micro_batches} micro-batch(es), {'AdamW' if optimizer else 'hand-written update'}"
+        for rank, r in enumerate(results):
+            got = r[(outer, micro_batches, optimizer)]
+            for step, (a, b) in enumerate(zip(got["norms"], ref["norms"])):
+                assert abs(a - b) <= 1e-5 * max(1.0, b), (
+                    f"{what}, rank {rank}, step {step}: norm read after backward {a} != reference {b}")
+            for n, want in ref["params"].items():
+                torch.testing.assert_close(got["params"][n], want, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{what}, rank {rank}: {n}: {m}")
