@@ -230,9 +230,11 @@ def get_units(model: nn.Module) -> list[Unit]:
 def finish_grad_sync(model: nn.Module) -> None:
     """Finish this step's gradient synchronization: all-reduce sharded gradients over the replicate group.
 
-    Called automatically before any ``torch.optim`` optimizer steps on the model's parameters and by
-    :func:`shardfusion.clip_grad_norm_`; call it yourself before reading ``.grad`` of the fragments. Idempotent.
-    Every rank of the model must call it (it is collective).
+    The step's last backward already waits for it before it returns, so gradients are final then (see
+    :func:`set_is_last_backward` for which backward that is). Called again before any ``torch.optim`` optimizer
+    steps on the model's parameters, by :func:`shardfusion.clip_grad_norm_` and by ``torch.amp.GradScaler.unscale_``;
+    call it yourself after a backward that was not taken for the last. Idempotent. Every rank of the model must call
+    it (it is collective).
     """
     sharded_state(model).finish_grad_sync()
 
@@ -251,11 +253,12 @@ def set_is_last_backward(model: nn.Module, is_last_backward: Optional[bool]) -> 
     ``set_requires_all_reduce`` for HSDP maps to the same thing here); ``None`` (the default): predicted.
 
     The last backward of a step issues each unit's replicate (outer) all-reduce as soon as its reduce-scatter is
-    done, overlapped with the rest of the backward; ``finish_grad_sync`` then only waits. By default the last
-    backward is predicted from the number of reducing backwards of the previous step (a constant number of
-    micro-batches: exactly one all-reduce per buffer per step, overlapped; before the first optimizer step none is
-    predicted and they run at the step boundary). True marks the following backwards as last; False runs the
-    all-reduces at the step boundary. A wrong prediction or setting (another backward after the one taken for the
+    done, overlapped with the rest of the backward, and waits for them at its end: the fragments' ``.grad`` are
+    final when it returns, as with DDP and FSDP2. By default the last backward is predicted from the number of
+    reducing backwards of the previous step (a constant number of micro-batches: exactly one all-reduce per buffer
+    per step, overlapped); before the first optimizer step none is predicted and every reducing backward ends with
+    the all-reduces (K micro-batches with gradient sync on cost K in that step). True marks the following backwards
+    as last; False runs the all-reduces at the step boundary (``optimizer.step()``, clipping, ``finish_grad_sync``). A wrong prediction or setting (another backward after the one taken for the
     last) is correct: the later gradients of a buffer whose all-reduce was issued are all-reduced by themselves at
     the step boundary (one more all-reduce of that buffer). Results are bitwise those of the step-boundary path when
     the last backward is the one taken; after a wrong one, the sum of two all-reduces may round differently.
