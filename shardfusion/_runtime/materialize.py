@@ -19,8 +19,8 @@ given (even with no tensors of its own), is initialized in turn:
    broadcasts its parameters, so replicas start equal even from differently seeded generators
    (docs/field-cases.md, F7); this rank copies its fragment into the shard and the full tensor is freed. A shared
    parameter (a tied embedding and head) stays full from its first registering module to its last: every
-   registering module's init runs on the one tensor, in module order, so the last writer wins, as when the inits of
-   eager construction run after the tie (and draws from the random generator are what they would be);
+   registering module's init runs on the one tensor, in module order, so the last writer wins (eager construction
+   when its inits run after the tie; each init draws from the generator what it draws there);
 4. the module gets its meta parameters back; ``fully_shard`` then registers the fragments in their place.
 
 Peak memory is the shards plus one module's parameters (plus one broadcast buffer per module, and the shared
