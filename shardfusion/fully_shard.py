@@ -97,9 +97,11 @@ def fully_shard(
     :func:`shardfusion.full_state_dict`).
 
     Meta-device models: a model built (all or partly) under ``with torch.device("meta")`` is materialized here,
-    module by module in ``model.modules()`` order: a module's own meta parameters are allocated full on ``device``,
-    initialized by ``init_fn(module)`` or else the module's ``reset_parameters()``, broadcast from the first rank
-    holding them, copied into this rank's shard and freed (peak: the shards plus one module's parameters). For layers
+    module by module in ``model.named_modules()`` order: a module's own meta parameters are allocated full on
+    ``device``, initialized by ``init_fn(module)`` or else the module's ``reset_parameters()``, broadcast from the
+    first rank holding them, copied into this rank's shard and freed (peak: the shards plus one module's
+    parameters). A parameter registered by several modules (a tied embedding and head) is one tensor on which each
+    of them runs its init in that order (the last writer wins); it is broadcast after the last. For layers
     that draw their values in ``reset_parameters`` (``torch.nn`` layers, :class:`shardfusion.models.gpt.GPT`,
     :class:`shardfusion.moe.MoE`) the result equals eager construction under the same seed, bitwise; docs/design.md
     ("Models larger than one rank") says when that holds and what to do otherwise. An eager model's original
@@ -149,8 +151,11 @@ def fully_shard(
             tensors ``cuda:LOCAL_RANK`` under NCCL, ``cpu`` under gloo. Given: tensors elsewhere are copied to it
             (shard by shard, so an eager CPU model can be sharded onto GPUs).
         init_fn: ``init_fn(module)``, called under ``torch.no_grad()`` for each module with parameters or buffers of
-            its own on the meta device, once their storage is allocated (values uninitialized), instead of its
-            ``reset_parameters()``; e.g. ``model._init_weights`` for a transformers model.
+            its own on the meta device, in ``model.named_modules()`` order, once their storage is allocated (values
+            uninitialized, or those of the earlier modules' inits for a shared parameter), instead of its
+            ``reset_parameters()``; also for ``model`` itself, first, when it has no tensors of its own (its
+            submodules' are still on meta then); e.g. ``model._init_weights`` for a transformers model. Only
+            called when the model has meta tensors.
         outer_comm_dtype: the wire format of the replicate (HSDP outer, cross-node) all-reduce only: ``None``
             (default: ``mp_policy.grad_comm_dtype``), ``torch.bfloat16`` / ``torch.float16`` (half the bytes), or
             ``"int8"``: block-wise int8 with one fp32 scale per 256 elements (about 0.254 x the bytes of fp32),

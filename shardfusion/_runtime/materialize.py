@@ -3,26 +3,29 @@
 [Note: meta-device initialization]
 A model built under ``with torch.device("meta")`` has shapes and no storage, so a model larger than one rank can be
 described on every rank. ``fully_shard`` lays its flat buffers out from the shapes alone (shards of zeros on
-``device``), then materializes the model module by module, in ``model.modules()`` order. For each module with
-parameters or buffers of its own on the meta device:
+``device``), then materializes the model module by module, in *module order*: the order of
+``model.named_modules()`` (the root first, then depth first in registration order, a module registered twice
+once). Each module with parameters or buffers of its own on the meta device, and the root whenever ``init_fn`` is
+given (even with no tensors of its own), is initialized in turn:
 
-1. its own meta parameters are allocated full on ``device`` (``torch.empty``) and put in the module for the moment;
-   its meta buffers are allocated for good (done first, for the whole model, so buffer identities are fixed before
-   the wrap reads them);
+1. its own meta parameters are allocated full on ``device`` (``torch.empty``) and put in the module for the moment,
+   except a shared parameter already allocated by an earlier module, which it gets as that one tensor (values from
+   the earlier modules' inits); its meta buffers are allocated for good (done first, for the whole model, so buffer
+   identities are fixed before the wrap reads them);
 2. ``init_fn(module)`` runs if given, else ``module.reset_parameters()``, under ``torch.no_grad()``. Parameters and
    buffers of the module that were not on meta keep their values (saved and put back);
-3. each parameter seen here first is broadcast from the first rank of the ranks that hold it (the data-parallel
-   group; for experts the ranks with the same experts), as the eager wrap broadcasts its parameters, so replicas
-   start equal even from differently seeded generators (docs/field-cases.md, F7); this rank copies its fragment into
-   the shard and the full tensor is freed. A parameter seen again (a tied weight, at its second module) is
-   initialized on a scratch copy that is thrown away: the first module's values stay, and the random generator
-   draws what eager construction draws (whose values are those of the module that created the parameter: the same
-   when a later module is tied to an earlier one's parameter);
-4. the module gets its meta parameter back; ``fully_shard`` then registers the fragments in its place.
+3. each parameter whose last registering module (in module order) this is gets broadcast from the first rank of
+   the ranks that hold it (the data-parallel group; for experts the ranks with the same experts), as the eager wrap
+   broadcasts its parameters, so replicas start equal even from differently seeded generators
+   (docs/field-cases.md, F7); this rank copies its fragment into the shard and the full tensor is freed. A shared
+   parameter (a tied embedding and head) stays full from its first registering module to its last: every
+   registering module's init runs on the one tensor, in module order, so the last writer wins (eager construction
+   when its inits run after the tie; each init draws from the generator what it draws there);
+4. the module gets its meta parameters back; ``fully_shard`` then registers the fragments in their place.
 
-Peak memory is the shards plus one module's parameters (plus one broadcast buffer per module), never one unit's full
-buffer. Why this equals eager construction, for which models, and what to do otherwise is in docs/design.md
-("Models larger than one rank").
+Peak memory is the shards plus one module's parameters (plus one broadcast buffer per module, and the shared
+parameters between their first and last registering modules), never one unit's full buffer. Why this equals eager
+construction, for which models, and what to do otherwise is in docs/design.md ("Models larger than one rank").
 """
 
 from __future__ import annotations
@@ -136,7 +139,8 @@ def place_buffers(model: nn.Module, device: Optional[torch.device]) -> dict[int,
 
 def initialize(model: nn.Module, slot_of: dict, needs_init: dict[int, set[str]], device: Optional[torch.device],
                init_fn: Optional[InitFn]) -> None:
-    """Materialize the meta parameters module by module and fill their fragments (see the note above).
+    """Materialize the meta parameters module by module, in module order, and fill their fragments (see the note
+    above).
 
     Args:
         slot_of: ``id(original parameter) -> (FlatBuffer, slot index)`` for every parameter of the model.
@@ -145,10 +149,13 @@ def initialize(model: nn.Module, slot_of: dict, needs_init: dict[int, set[str]],
     Raises:
         ValueError: ``init_fn`` or ``reset_parameters`` left a tensor on meta or changed a parameter's shape.
     """
-    done: set[int] = set()
-    for name, m in model.named_modules():
+    modules = list(model.named_modules())
+    last_at = {id(p): i for i, (_, m) in enumerate(modules) for p in m._parameters.values()
+               if p is not None and p.is_meta}  # a meta parameter -> its last registering module
+    shared: dict[int, torch.Tensor] = {}  # a meta parameter -> its full tensor, from its first to its last module
+    for i, (name, m) in enumerate(modules):
         metas = [a for a, p in m._parameters.items() if p is not None and p.is_meta]
-        if not metas and id(m) not in needs_init:
+        if not metas and id(m) not in needs_init and not (m is model and init_fn is not None):
             continue
         originals = dict(m._parameters)
         kept = {a: p.detach().clone() for a, p in originals.items() if p is not None and not p.is_meta}
@@ -156,25 +163,28 @@ def initialize(model: nn.Module, slot_of: dict, needs_init: dict[int, set[str]],
         kept_buffers = {b: t.clone() for b, t in m._buffers.items() if t is not None and b not in were_meta}
         for a in metas:
             p = originals[a]
-            real = nn.Parameter(torch.empty_like(p, device=target_device(p, device)), requires_grad=p.requires_grad)
-            m._parameters[a] = real
+            if id(p) not in shared:  # else allocated, and initialized, by an earlier module registering it
+                shared[id(p)] = nn.Parameter(torch.empty_like(p, device=target_device(p, device)),
+                                             requires_grad=p.requires_grad)
+            m._parameters[a] = shared[id(p)]
         with torch.no_grad():
             (init_fn or type(m).reset_parameters)(m)
             for a, value in kept.items():
                 m._parameters[a].copy_(value)
             for b, value in kept_buffers.items():
                 m._buffers[b].copy_(value)
-        fresh = []
         for a in metas:
             p, value = originals[a], m._parameters[a]
             if value is None or value.is_meta or value.shape != p.shape:
                 got = "None" if value is None else f"{tuple(value.shape)} on {value.device}"
                 raise ValueError(f"initializing module {name or '<root>'!r} ({type(m).__name__}) left parameter "
                                  f"{a!r} as {got}; it must be {tuple(p.shape)} with values")
-            if id(p) not in done:  # else a tied weight seen again: its scratch copy is dropped
-                done.add(id(p))
-                fresh.append((p, value))
+            shared[id(p)] = value  # the init may have put another tensor in its place: that one is the value
             m._parameters[a] = p
+        # Parameters whose last registering module this is have their final values; the others wait, full, for the
+        # later modules' inits to run on them.
+        done = {id(originals[a]): originals[a] for a in metas if last_at[id(originals[a])] == i}
+        fresh = [(p, shared.pop(key)) for key, p in done.items()]
         for b_name, b in m._buffers.items():
             if b is not None and b.is_meta:
                 raise ValueError(f"initializing module {name or '<root>'!r} ({type(m).__name__}) left buffer "

@@ -28,28 +28,47 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
 from shardfusion import comm
 
-if TYPE_CHECKING:
-    from shardfusion._runtime.flat_buffer import FlatBuffer
+
+class SyncedBuffer(Protocol):
+    """What :class:`OverlappedSync` reads of its buffer, a ``flat_buffer.FlatBuffer`` (declared here, not imported:
+    ``flat_buffer`` imports this module)."""
+
+    grad_divisor: float
+    """What the reduced gradient is divided by (the data-parallel size)."""
+
+    @property
+    def _predivide(self) -> bool:
+        """Whether the gradient was divided before the reduce-scatter (else its output is divided here)."""
+        ...
+
+    def _collective(self, op: str) -> str:
+        """``op`` and whose buffer it moves, for error messages."""
+        ...
+
+    def start_all_reduce_replicas(self, grad: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Issue the all-reduce of ``grad`` ((S,)) over the replicate group: ``(result, work or None)``."""
+        ...
 
 
 class OverlappedSync:
     """One buffer's handed-off step: finish its reduce-scatter (if still running) and all-reduce the step's gradient.
 
     Args:
-        buffer: the :class:`FlatBuffer` (read for its groups, divisor and dtypes; not modified).
+        buffer: the :class:`SyncedBuffer` (a ``FlatBuffer``; read for its groups, divisor and dtypes; not
+            modified).
         target: ``(S,)`` the step's gradient accumulator in the shard's dtype; the reduce-scatter output is added into
             it before the all-reduce.
         reduce_work: the reduce-scatter's work handle, or None (already waited for).
         reduce_out: ``(S,)`` the reduce-scatter's output in ``grad_comm_dtype``, or None (already added).
     """
 
-    def __init__(self, buffer: "FlatBuffer", target: torch.Tensor, reduce_work: Any,
+    def __init__(self, buffer: SyncedBuffer, target: torch.Tensor, reduce_work: Any,
                  reduce_out: Optional[torch.Tensor]) -> None:
         self.buffer, self.target = buffer, target
         self._reduce_work, self._reduce_out = reduce_work, reduce_out

@@ -4,21 +4,29 @@
 later call that absorbs the model takes it off (:func:`detach`); the public API, clipping, state dicts and checkpoints
 reach the flat buffers and fragments through :func:`sharded_state`, :func:`flat_buffers`, :func:`named_fragments`,
 :func:`fragment_holders` and :func:`fragments_by_buffer`, never through the model's attributes, its units or their buffers' lists.
-"""
+The Scheduler is typed here as :class:`RuntimeState`, what this module reads of it, not imported: ``scheduler``
+imports modules that import this one."""
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only; neither module imports this one, directly or through others
     from shardfusion._runtime.flat_buffer import FlatBuffer
-    from shardfusion._runtime.scheduler import Scheduler
+    from shardfusion._runtime.unit import Unit
+
+
+class RuntimeState(Protocol):
+    """A sharded model's runtime state, the :class:`~shardfusion._runtime.scheduler.Scheduler` that ``fully_shard``
+    attaches; this module reads only its units (the root unit first)."""
+
+    units: Sequence["Unit"]
 
 STATE_ATTR = "_sf_state"
 """The attribute of a sharded model that holds its :class:`~shardfusion._runtime.scheduler.Scheduler`."""
@@ -59,7 +67,7 @@ class NamedFragment:
     tp_spec: object = None
 
 
-def attach(model: nn.Module, state: "Scheduler") -> None:
+def attach(model: nn.Module, state: "RuntimeState") -> None:
     """Make ``state`` the runtime state of ``model`` (the end of ``fully_shard``): its fragments know their owner, its
     submodules know they are inside a sharded model."""
     setattr(model, STATE_ATTR, state)
@@ -71,7 +79,7 @@ def attach(model: nn.Module, state: "Scheduler") -> None:
             _INSIDE[m] = (type(model).__name__, name)
 
 
-def detach(model: nn.Module) -> "Scheduler":
+def detach(model: nn.Module) -> "RuntimeState":
     """Take the runtime state off ``model`` (a later ``fully_shard`` call absorbs it) and return it.
 
     Raises:
@@ -82,7 +90,7 @@ def detach(model: nn.Module) -> "Scheduler":
     return state
 
 
-def sharded_state(model: nn.Module) -> "Scheduler":
+def sharded_state(model: nn.Module) -> "RuntimeState":
     """The runtime state of a model passed to ``fully_shard``.
 
     Raises:
@@ -142,11 +150,12 @@ def fragment_holders(model: nn.Module) -> list[nn.Module]:
     return list(holders.values())
 
 
-def fragments_by_buffer(params: Iterable[torch.Tensor]) -> tuple[list["Scheduler"], list[tuple["FlatBuffer", list]]]:
+def fragments_by_buffer(
+        params: Iterable[torch.Tensor]) -> tuple[list["RuntimeState"], list[tuple["FlatBuffer", list]]]:
     """The fragments among ``params``: the sharded models' states they belong to (in order of first appearance) and
     ``(FlatBuffer, [its fragments among params])`` pairs; both lists are empty when none is a fragment."""
     params = list(params)
-    states: dict[int, "Scheduler"] = {}
+    states: dict[int, "RuntimeState"] = {}
     for p in params:
         s = _FRAGMENT_OWNER.get(p)
         if s is not None:
@@ -160,11 +169,11 @@ def fragments_by_buffer(params: Iterable[torch.Tensor]) -> tuple[list["Scheduler
     return list(states.values()), list(pairs.values())
 
 
-def fragment_owner(param: torch.Tensor) -> Optional["Scheduler"]:
+def fragment_owner(param: torch.Tensor) -> Optional["RuntimeState"]:
     """The runtime state of the sharded model whose fragment ``param`` is, else ``None``."""
     return _FRAGMENT_OWNER.get(param)
 
 
-def _buffers(state: "Scheduler", trainable_only: bool = False) -> Iterator["FlatBuffer"]:
+def _buffers(state: "RuntimeState", trainable_only: bool = False) -> Iterator["FlatBuffer"]:
     for unit in state.units:
         yield from (unit.trainable_groups if trainable_only else unit.groups)

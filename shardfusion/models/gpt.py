@@ -117,17 +117,24 @@ class NormalLinear(nn.Linear):
     """``nn.Linear`` whose ``reset_parameters`` draws the weight from ``N(0, init_std)`` and zeroes the bias (GPT-2's
     initialization). Every draw happens in ``reset_parameters``, in module order, so a GPT built on the meta device
     and initialized by ``fully_shard`` equals one built eagerly under the same seed (docs/design.md, "Models larger
-    than one rank")."""
+    than one rank").
+
+    ``weight_tied`` (default False) is set by a model that replaces the weight by another module's after
+    construction (the GPT's tied lm head): ``reset_parameters`` then draws what construction drew into a scratch
+    tensor and leaves the weight, the other module's, as it is, as eager construction does (the tie replaced the
+    draw). Meta-device initialization runs every registering module's init on a tied weight, in module order."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, init_std: float = INIT_STD,
                  device=None, dtype=None) -> None:
         self.init_std = init_std
+        self.weight_tied = False
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Weight ~ N(0, init_std), bias 0."""
-        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        """Weight ~ N(0, init_std) (with ``weight_tied``: the draw goes to a scratch tensor), bias 0."""
+        target = torch.empty_like(self.weight) if self.weight_tied else self.weight
+        nn.init.normal_(target, mean=0.0, std=self.init_std)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
@@ -246,8 +253,10 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.d_model)
         self.lm_head = NormalLinear(config.d_model, VOCAB_SIZE, bias=False)
         if config.tie_embeddings:
-            # One Parameter registered in two modules: named_parameters() yields it once, as "wte.weight".
+            # One Parameter registered in two modules: named_parameters() yields it once, as "wte.weight". The head's
+            # draw above is replaced; weight_tied keeps its later reset_parameters off the embedding's values.
             self.lm_head.weight = self.wte.weight
+            self.lm_head.weight_tied = True
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -258,16 +267,11 @@ class GPT(nn.Module):
         Dense parameters (the MoE routers included) are drawn from the global RNG; experts are not, since a rank holds
         only some: each expert is drawn from a generator of its own, seeded from the seed its MoE drew once
         (`shardfusion.moe.MoE`), so the same seed gives the same model at any ep. The tied lm head draws into a
-        scratch tensor, as at construction, where its draw is replaced by the embedding."""
+        scratch tensor (`NormalLinear.weight_tied`), as at construction, where its draw is replaced by the
+        embedding. This is what `fully_shard` does for a GPT built on the meta device."""
         for module in self.modules():
-            if module is self or not hasattr(module, "reset_parameters"):
-                continue
-            if module is self.lm_head and self.config.tie_embeddings:
-                scratch = NormalLinear(self.config.d_model, VOCAB_SIZE, bias=False, device="meta")
-                scratch.weight = nn.Parameter(torch.empty_like(self.lm_head.weight))
-                scratch.reset_parameters()
-                continue
-            module.reset_parameters()
+            if module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
 
     def moe_layers(self) -> list[MoE]:
         """The MoE layers, in block order (empty for a dense GPT)."""

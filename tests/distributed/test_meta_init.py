@@ -3,8 +3,10 @@ and materialized by ``fully_shard`` equals the same model built eagerly under th
 initialized is refused at wrap time on every rank.
 
 The reference is the plain model built eagerly in the same process under the same seed (every expert held: no ep
-group), compared with ``full_state_dict`` of the sharded one. One W=4 job runs every layout and case; each check is
-a test.
+group), compared with ``full_state_dict`` of the sharded one. Tied parameters: every registering module's init runs
+on the one tensor in ``named_modules()`` order (last writer wins), also where the first one's init leaves it alone;
+a root with no parameters of its own still gets ``init_fn``. One W=4 job runs every layout and case; each check is a
+test.
 """
 
 from __future__ import annotations
@@ -59,6 +61,57 @@ class Net(nn.Module):
         self.rot = Rotary()
         self.scale = Scale() if with_scale else None
         self.out = nn.Linear(8, 8)
+
+
+class Lookup(nn.Module):
+    """An embedding whose table is another module's (tied to the head after construction): its reset_parameters
+    draws nothing and writes nothing, so a meta build must get the table's values from the head's init."""
+
+    def __init__(self, vocab: int = 12, dim: int = 8) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(vocab, dim))
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class TiedLookup(nn.Module):
+    """emb (first in module order) tied to the table head (a plain Linear) creates: ``emb.weight = head.weight``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = Lookup()
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 12, bias=False)
+        self.emb.weight = self.head.weight
+
+
+class TiedLM(nn.Module):
+    """The usual tie, ``head.weight = emb.weight`` (nn.Embedding first, nn.Linear head), and no parameter of the root's
+    own."""
+
+    def __init__(self, pad_first: bool = False) -> None:
+        super().__init__()
+        if pad_first:  # the head registers the table first, the embedding (which zeroes its padding row) after it
+            self.head = nn.Linear(8, 12, bias=False)
+            self.mid = nn.Linear(8, 8)
+            self.emb = nn.Embedding(12, 8, padding_idx=0)
+            self.emb.weight = self.head.weight
+        else:
+            self.emb = nn.Embedding(12, 8)
+            self.mid = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 12, bias=False)
+            self.head.weight = self.emb.weight
+
+
+def _linear_only(m: nn.Module) -> None:
+    """An init_fn that initializes the Linear layers only (and the padding row of an Embedding that has one)."""
+    if isinstance(m, nn.Linear):
+        nn.init.normal_(m.weight, std=0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Embedding) and m.padding_idx is not None:
+        m.weight[m.padding_idx].zero_()
 
 
 def _gpt(experts: int, ep_group=None):
@@ -212,11 +265,50 @@ def _refusals() -> dict:
     return errors
 
 
+def _tied() -> dict:
+    """Tied parameters under meta init: every registering module's init runs on the one tensor, in module order
+    (last writer wins). References: eager construction (reset_parameters), or an eager build whose modules get
+    init_fn in module order on the tied model (init_fn); each case also checks the generator's end state."""
+    import shardfusion as sf
+
+    topo = sf.Topology(sharding=4, fsdp_outer_degree=2)
+    out = {}
+    cases = {"reset-noop-first": (TiedLookup, None), "init-fn-noop-first": (TiedLM, _linear_only),
+             "init-fn-composed": (lambda: TiedLM(pad_first=True), _linear_only)}
+    for case, (build, init_fn) in cases.items():
+        torch.manual_seed(SEED)
+        eager = build()
+        if init_fn is not None:
+            torch.manual_seed(SEED)
+            with torch.no_grad():
+                for m in eager.modules():
+                    init_fn(m)
+        ref, rng_after_eager = _reference(eager), torch.get_rng_state()
+        torch.manual_seed(SEED)
+        with torch.device("meta"):
+            model = build()
+        full = sf.full_state_dict(sf.fully_shard(model, topo, init_fn=init_fn))
+        out[case] = {"diff": _equal(full, ref), "n": len(ref), "finite": all(v.isfinite().all() for v in full.values()),
+                     "rng_equal": torch.equal(torch.get_rng_state(), rng_after_eager)}
+
+    calls = []  # a root with no parameters of its own still gets init_fn, first (module order)
+
+    def recording(m: nn.Module) -> None:
+        calls.append(type(m).__name__)
+        _linear_only(m)
+
+    with torch.device("meta"):
+        model = TiedLM()
+    sf.fully_shard(model, topo, init_fn=recording)
+    out["root-calls"] = calls
+    return out
+
+
 def _job() -> dict:
     import torch.distributed as dist
 
     return {"rank": dist.get_rank(), "layouts": _layouts(), "seeds": _seeds_differ(), "train": _train_meta_vs_eager(),
-            "buffers": _buffers_and_partial(), "refusals": _refusals()}
+            "buffers": _buffers_and_partial(), "refusals": _refusals(), "tied": _tied()}
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +326,19 @@ def test_meta_init_equals_eager_construction_bitwise(job, layout):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_meta_init_leaves_the_generator_where_eager_construction_does(job, layout):
     assert all(r["layouts"][layout]["rng_equal"] for r in job)
+
+
+@pytest.mark.parametrize("case", ["reset-noop-first", "init-fn-noop-first", "init-fn-composed"])
+def test_tied_parameter_gets_every_registering_modules_init_in_module_order(job, case):
+    for r in job:  # fails if the tied table is left uninitialized or keeps only its first module's init
+        got = r["tied"][case]
+        assert got["n"] > 0 and got["diff"] == [] and got["finite"], f"rank {r['rank']}: {case}: {got}"
+        assert got["rng_equal"], f"rank {r['rank']}: {case}: the generator ends elsewhere than in the eager build"
+
+
+def test_root_without_parameters_of_its_own_gets_init_fn_first(job):
+    for r in job:
+        assert r["tied"]["root-calls"] == ["TiedLM", "Embedding", "Linear", "Linear"], r["tied"]["root-calls"]
 
 
 def test_differently_seeded_ranks_all_get_rank0s_model(job):

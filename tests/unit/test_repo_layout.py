@@ -60,6 +60,127 @@ def test_library_imports_torch_alone() -> None:
             assert name.split(".")[0] not in lazy, f"{path.relative_to(REPO)} imports {name} at module level"
 
 
+def _module_names(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the package at ``root`` (a package as its ``__init__.py``)."""
+    out = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_graph(root: Path, annotations: bool = False) -> dict[str, dict[str, int]]:
+    """The package's import graph: module -> {module of the package it imports: line of the first such import}.
+
+    Imports at module level and inside functions count alike; those under ``if TYPE_CHECKING:`` only with
+    ``annotations``. ``from a import b`` is an edge to ``a.b`` where that is a module, else to ``a``; relative imports
+    are resolved. The parent packages that Python initializes on the way (``a`` for ``import a.b``) are not edges.
+    """
+    modules = _module_names(root)
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: dict[str, int] = {}
+
+        def add(target: str, line: int) -> None:
+            if target in modules and target != name:
+                edges.setdefault(target, line)
+
+        def visit(node: ast.AST) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.If) and _is_type_checking(child.test) and not annotations:
+                    for stmt in child.orelse:
+                        visit_node(stmt)
+                    continue
+                visit_node(child)
+
+        def visit_node(node: ast.AST) -> None:
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    add(alias.name, node.lineno)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                for alias in node.names:
+                    add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base, node.lineno)
+            visit(node)
+
+        visit(ast.parse(path.read_text()))
+        graph[name] = edges
+    return graph
+
+
+def _cycle(graph: dict[str, dict[str, int]]) -> list[str]:
+    """One import cycle of ``graph`` as ``[a, b, ..., a]``, or ``[]`` when it has none (depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def search(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = search(nxt)
+                if found:
+                    return found
+        state[node] = 2
+        path.pop()
+        return []
+
+    for start in sorted(graph):
+        if start not in state:
+            found = search(start)
+            if found:
+                return found
+    return []
+
+
+def _describe_cycle(graph: dict[str, dict[str, int]], cycle: list[str]) -> str:
+    steps = [f"{a} (line {graph[a][b]}) -> {b}" for a, b in zip(cycle, cycle[1:])]
+    return "import cycle: " + "; ".join(steps)
+
+
+def test_library_has_no_import_cycle() -> None:
+    # Every module of shardfusion/, imports in functions included (a lazy import does not hide a cycle).
+    graph = _import_graph(LIBRARY)
+    assert "shardfusion._runtime.flat_buffer" in graph and graph["shardfusion._runtime.unit"], graph
+    cycle = _cycle(graph)
+    assert not cycle, _describe_cycle(graph, cycle)
+
+
+def test_runtime_has_no_import_cycle_even_through_annotations() -> None:
+    # shardfusion/_runtime/ is layered: not even an `if TYPE_CHECKING:` import goes back up (issue 22, item 8).
+    graph = {m: {t: line for t, line in edges.items() if t.startswith("shardfusion._runtime.")}
+             for m, edges in _import_graph(LIBRARY, annotations=True).items() if m.startswith("shardfusion._runtime.")}
+    cycle = _cycle(graph)
+    assert not cycle, _describe_cycle(graph, cycle)
+
+
+def test_the_cycle_check_finds_cycles(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("from pkg.sub import low\n")
+    (package / "a.py").write_text("def f():\n    from pkg import b\n")
+    (package / "b.py").write_text("from .sub import low\n")
+    (package / "sub" / "low.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a\n")
+    assert _cycle(_import_graph(package)) == []
+    graph = _import_graph(package, annotations=True)
+    assert graph["pkg.b"] == {"pkg.sub.low": 1} and graph["pkg.sub.low"] == {"pkg.a": 3}
+    assert _cycle(graph) == ["pkg.a", "pkg.b", "pkg.sub.low", "pkg.a"], _describe_cycle(graph, _cycle(graph))
+
+
 def test_import_shardfusion_loads_no_job_module() -> None:
     # torch itself may import numpy or tqdm when they are installed; the lazily imported extras must stay unloaded
     lazy = sorted(set().union(*LAZY_EXTRAS.values()))
