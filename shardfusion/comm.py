@@ -227,16 +227,26 @@ LIKELY_CAUSES = (
 
 
 def _is_timeout(error: BaseException) -> bool:
+    """A backend timeout, or a peer that closed the connection (gloo closes its pairs when a collective of its
+    times out, so the ranks that wait in another collective with it fail at the same moment)."""
     text = str(error).lower()
-    return "timed out" in text or "timeout" in text
+    return "timed out" in text or "timeout" in text or _is_closed(text)
+
+
+def _is_closed(text: str) -> bool:
+    return "connection closed by peer" in text or "connection reset by peer" in text
 
 
 def timeout_error(what: str, error: BaseException) -> RuntimeError:
     """The ``RuntimeError`` a backend timeout of ``what`` becomes on this rank: ``what``, the rank, the likely
     causes (``LIKELY_CAUSES``) and the backend's own error (shortened)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    explained = RuntimeError(f"{what} timed out on rank {rank}: {LIKELY_CAUSES}. Backend error: "
-                             f"{type(error).__name__}: {str(error)[:300]}")
+    if _is_closed(str(error).lower()):
+        head = (f"{what} failed on rank {rank}: a peer closed the connection, either because it timed out in a "
+                "collective this rank is not in (see that rank's error) or because it crashed. If it timed out")
+    else:
+        head = f"{what} timed out on rank {rank}"
+    explained = RuntimeError(f"{head}: {LIKELY_CAUSES}. Backend error: {type(error).__name__}: {str(error)[:300]}")
     explained.shardfusion_explained = True
     return explained
 
@@ -281,10 +291,11 @@ def _what(op: str, group: ProcessGroup, what: Optional[str]) -> str:
 
 
 def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Optional[ProcessGroup], async_op: bool = False,
-               category: Optional[str] = None):
+               category: Optional[str] = None, what: Optional[str] = None):
     """All-gather equal 1-D shards into ``full`` (``full.numel() == shard.numel() * group size``).
 
     ``category``: record it under this accounting category instead of the one the rules give (see ``_record``).
+    ``what``: what a timeout of a synchronous call names (default: the op and the group).
     Returns a work handle when ``async_op`` and a collective was issued, else ``None``.
 
     Raises:
@@ -296,7 +307,7 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Optional[ProcessG
             full.copy_(shard)
         return None
     return _issue(_record("all_gather", group, full, category=category), _all_gather_base, full, shard, group=group,
-                  async_op=async_op)
+                  async_op=async_op, what=what)
 
 
 def all_to_all_equal(output: torch.Tensor, input: torch.Tensor, group: Optional[ProcessGroup],
