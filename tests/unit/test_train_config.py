@@ -279,3 +279,17 @@ def test_checkpoint_flags_rejected(capsys: pytest.CaptureFixture) -> None:
 ])
 def test_weight_decay_groups_by_name(name: str, exempt: bool) -> None:
     assert no_decay(name) is exempt
+
+
+def test_preflight_prints_the_warnings_before_any_worker_starts(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardfusion.train import job
+
+    monkeypatch.setattr(job, "cpu_cores", lambda: 2)
+    config = job.preflight(parse_args(["--nproc", "64", "--seq-len", "100000", "--device", "cpu",
+                                       "--out", str(tmp_path / "run")]), torchrun=False)
+    assert (config.nproc, config.warmup) == (64, 20)
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0:2] for line in printed] == [["shardfusion", " warning"]] * 2, printed
+    assert printed[0].startswith("shardfusion: warning: --nproc 64 starts 64 CPU workers on 2 cores")
+    assert printed[1].startswith("shardfusion: warning: --seq-len 100000: the attention alone needs about 4.9e+14")
