@@ -10,6 +10,11 @@ from it and cross-check the totals with ``torch.distributed.tensor.debug.CommDeb
 An asynchronous call returns the torch work handle itself when no counter is active, else a thin wrapper with the
 same ``wait()`` and ``is_completed()`` (anything else is passed through) that adds the time spent in ``wait()`` to
 the record.
+
+A backend timeout of any of them (in the call, in :func:`wait`, or in the object collectives issued through
+:func:`explain_timeout`) becomes a ``RuntimeError`` that names the collective, the rank and the likely cause, calls
+made on some ranks only (:func:`timeout_error`, ``LIKELY_CAUSES``). :func:`rendezvous` bounds the start of calls whose
+own collectives are not shardfusion's (``torch.distributed.checkpoint``).
 """
 
 from __future__ import annotations
@@ -573,8 +578,9 @@ def rendezvous(what: str, timeout: Optional[datetime.timedelta]) -> None:
     process-group timeout), before a call whose own collectives shardfusion cannot bound (e.g.
     ``torch.distributed.checkpoint``'s): a call made on some ranks only then fails within the timeout, on the ranks
     that came, instead of hanging in it. Through the default group's store (no collective of any process group,
-    whose order it would change): each rank sets one key of its ``n``-th rendezvous and waits for every rank's.
-    ``what`` names the call; the ranks' names are compared too. Nothing to do without a group or with one rank.
+    whose order it would change): each rank sets one key of its ``n``-th rendezvous and waits for every rank's; the
+    last rank to read them removes them. ``what`` names the call; the ranks' names are compared too. Nothing to do
+    without a group or with one rank.
 
     Raises:
         RuntimeError: on the ranks that came: some rank did not come within ``timeout`` (the message names the
@@ -583,6 +589,7 @@ def rendezvous(what: str, timeout: Optional[datetime.timedelta]) -> None:
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
+    bound = "the Topology timeout" if timeout else "torch's default process-group timeout"
     timeout = timeout or dist.distributed_c10d.default_pg_timeout
     n = _rendezvous_calls[0] = _rendezvous_calls[0] + 1
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -593,14 +600,15 @@ def rendezvous(what: str, timeout: Optional[datetime.timedelta]) -> None:
         store.wait(keys, timeout)
     except RuntimeError as e:
         absent = [r for r, key in enumerate(keys) if not store.check([key])]
-        if not absent:  # every rank came just as the wait gave up
-            absent = None
-        if absent is not None:
+        if absent:  # (none: every rank came just as the wait gave up)
             raise RuntimeError(
-                f"{what} on rank {rank}: ranks {absent} of {world} did not call it within {timeout} (the "
-                f"Topology timeout): it is collective, every rank must call it, not only some (e.g. under "
-                f"`if rank == 0:`). The absent ranks get their error in their next collective.") from e
+                f"{what} on rank {rank}: ranks {absent} of {world} did not call it within {timeout} ({bound}): it "
+                f"is collective, every rank must call it, not only some (e.g. under `if rank == 0:`). The absent "
+                f"ranks get their error in their next collective.") from e
     called = [v.decode() for v in store.multi_get(keys)]
+    if store.add(f"shardfusion/rendezvous/{n}/read", 1) == world:  # the last rank to read removes the keys
+        for key in (*keys, f"shardfusion/rendezvous/{n}/read"):
+            store.delete_key(key)
     if len(set(called)) > 1:
         by_call: dict[str, list[int]] = {}
         for r, name in enumerate(called):
