@@ -14,7 +14,6 @@ State dicts of a sharded model, in short (details: [Note: local state dicts] in 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from shardfusion import comm
