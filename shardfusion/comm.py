@@ -10,10 +10,17 @@ from it and cross-check the totals with ``torch.distributed.tensor.debug.CommDeb
 An asynchronous call returns the torch work handle itself when no counter is active, else a thin wrapper with the
 same ``wait()`` and ``is_completed()`` (anything else is passed through) that adds the time spent in ``wait()`` to
 the record.
+
+A backend timeout of any of them (in the call, in :func:`wait`, or in the object collectives issued through
+:func:`explain_timeout`) becomes a ``RuntimeError`` that names the collective, the rank and the likely cause, calls
+made on some ranks only (:func:`timeout_error`, ``LIKELY_CAUSES``). :func:`rendezvous` bounds the start of calls whose
+own collectives are not shardfusion's (``torch.distributed.checkpoint``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import math
 import time
 from dataclasses import dataclass
@@ -193,48 +200,107 @@ def _record(op: str, group: ProcessGroup, tensor: torch.Tensor,
     return rec
 
 
-def _issue(rec: Optional[CommRecord], call, *args, async_op: bool = False, **kwargs):
+def _issue(rec: Optional[CommRecord], call, *args, async_op: bool = False, what: Optional[str] = None, **kwargs):
     """``call(*args, async_op=async_op, **kwargs)``, timed into ``rec`` (if any); an async handle comes back
-    wrapped in :class:`TimedWork` when there is a record."""
-    if rec is None:
-        return call(*args, async_op=async_op, **kwargs)
+    wrapped in :class:`TimedWork` when there is a record. A backend timeout raised by the call (a synchronous
+    collective) becomes :func:`timeout_error` naming ``what`` (default: the op and the group); an asynchronous one
+    is explained where it is waited for (:func:`wait`)."""
     t0 = time.perf_counter()
     try:
         work = call(*args, async_op=async_op, **kwargs)
+    except RuntimeError as e:
+        if getattr(e, "shardfusion_explained", False) or not _is_timeout(e):
+            raise
+        raise timeout_error(_what(call.__name__, kwargs["group"], what), e) from e
     finally:
-        rec.wait_s += time.perf_counter() - t0
-    return TimedWork(work, rec) if async_op and work is not None else work
+        if rec is not None:
+            rec.wait_s += time.perf_counter() - t0
+    return TimedWork(work, rec) if rec is not None and async_op and work is not None else work
 
 
-def wait(work: Any, what: str) -> None:
-    """``work.wait()``; a backend timeout becomes a ``RuntimeError`` that names ``what`` (the collective and the unit
-    it serves, e.g. ``"all_gather of unit 'blocks.1'"``) and the likely cause.
+LIKELY_CAUSES = (
+    "the ranks' collectives no longer match, so one rank waits for a collective that another rank is not in. Most "
+    "likely some ranks made a call the others did not: a forward (an evaluation under `if rank == 0:`: its "
+    "all-gathers and buffer broadcast are collectives of every rank), a checkpoint save or load, "
+    "sf.full_state_dict or another collective called on some ranks only; or the ranks ran different units in "
+    "forward or backward (e.g. LayerDrop or an early exit that skips a unit on some ranks). Every rank must make the "
+    "same calls and run the same units in the same order: evaluate on every rank (each on its slice, or all on the "
+    "same batch), or on a plain model loaded from sf.full_state_dict; to skip a layer, run it and zero its "
+    "contribution instead"
+)
+"""Why a collective of shardfusion times out, as every timeout error says it."""
 
-    A collective that times out has usually been issued on some ranks only: the ranks ran different units in forward
-    or backward (LayerDrop, early exit, a branch taken on some ranks), so their all-gathers and reduce-scatters no
-    longer match. Other errors pass through unchanged.
+
+def _is_timeout(error: BaseException) -> bool:
+    """A backend timeout, or a peer that closed the connection (gloo closes its pairs when a collective of its
+    times out, so the ranks that wait in another collective with it fail at the same moment)."""
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text or _is_closed(text)
+
+
+def _is_closed(text: str) -> bool:
+    return "connection closed by peer" in text or "connection reset by peer" in text
+
+
+def timeout_error(what: str, error: BaseException) -> RuntimeError:
+    """The ``RuntimeError`` a backend timeout of ``what`` becomes on this rank: ``what``, the rank, the likely
+    causes (``LIKELY_CAUSES``) and the backend's own error (shortened)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if _is_closed(str(error).lower()):
+        head = (f"{what} failed on rank {rank}: a peer closed the connection, either because it timed out in a "
+                "collective this rank is not in (see that rank's error) or because it crashed. If it timed out")
+    else:
+        head = f"{what} timed out on rank {rank}"
+    explained = RuntimeError(f"{head}: {LIKELY_CAUSES}. Backend error: {type(error).__name__}: {str(error)[:300]}")
+    explained.shardfusion_explained = True
+    return explained
+
+
+@contextlib.contextmanager
+def explain_timeout(what: str):
+    """Run the block; a backend timeout raised in it becomes :func:`timeout_error` (``what``: the collective and what
+    it serves, e.g. ``"all_gather_object of the load_state_dict check"``). For the collectives shardfusion issues on
+    torch's API directly (object collectives); other errors, and errors already explained, pass through unchanged.
 
     Raises:
         RuntimeError: the backend reported a timeout (the original error is chained as ``__cause__``).
     """
     try:
-        work.wait()
+        yield
     except RuntimeError as e:
-        text = str(e).lower()
-        if "timed out" not in text and "timeout" not in text:
+        if getattr(e, "shardfusion_explained", False) or not _is_timeout(e):
             raise
-        raise RuntimeError(
-            f"{what} timed out on rank {dist.get_rank()}: the ranks most likely ran different units in forward or "
-            "backward (e.g. LayerDrop or an early exit that skips a unit on some ranks), so their collectives no "
-            "longer match. Every rank must run the same units in the same order; to skip a layer, run it and zero "
-            f"its contribution instead. Backend error: {type(e).__name__}: {str(e)[:300]}") from e
+        raise timeout_error(what, e) from e
+
+
+def wait(work: Any, what: str) -> None:
+    """``work.wait()``; a backend timeout becomes a ``RuntimeError`` that names ``what`` (the collective and the unit
+    it serves, e.g. ``"all_gather of unit 'blocks.1'"``) and the likely cause (``LIKELY_CAUSES``).
+
+    A collective that times out has usually been issued on some ranks only: a forward or an evaluation run on some
+    ranks (``if rank == 0:``), another collective call made on some ranks only, or ranks that ran different units
+    (LayerDrop, early exit, a branch taken on some ranks), so their all-gathers and reduce-scatters no longer match.
+    Other errors pass through unchanged.
+
+    Raises:
+        RuntimeError: the backend reported a timeout (the original error is chained as ``__cause__``).
+    """
+    with explain_timeout(what):
+        work.wait()
+
+
+def _what(op: str, group: ProcessGroup, what: Optional[str]) -> str:
+    if what is not None:
+        return what
+    return f"{op} over ranks {list(dist.get_process_group_ranks(group))}"
 
 
 def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Optional[ProcessGroup], async_op: bool = False,
-               category: Optional[str] = None):
+               category: Optional[str] = None, what: Optional[str] = None):
     """All-gather equal 1-D shards into ``full`` (``full.numel() == shard.numel() * group size``).
 
     ``category``: record it under this accounting category instead of the one the rules give (see ``_record``).
+    ``what``: what a timeout of a synchronous call names (default: the op and the group).
     Returns a work handle when ``async_op`` and a collective was issued, else ``None``.
 
     Raises:
@@ -246,7 +312,7 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Optional[ProcessG
             full.copy_(shard)
         return None
     return _issue(_record("all_gather", group, full, category=category), _all_gather_base, full, shard, group=group,
-                  async_op=async_op)
+                  async_op=async_op, what=what)
 
 
 def all_to_all_equal(output: torch.Tensor, input: torch.Tensor, group: Optional[ProcessGroup],
@@ -342,17 +408,23 @@ def all_reduce(tensor: torch.Tensor, group: Optional[ProcessGroup], op=dist.Redu
                   group=group, async_op=async_op)
 
 
-def broadcast(tensor: torch.Tensor, group: Optional[ProcessGroup], group_src: int = 0) -> None:
-    """Broadcast ``tensor`` in place from the group's rank ``group_src``; nothing is issued for a group of one."""
+def broadcast(tensor: torch.Tensor, group: Optional[ProcessGroup], group_src: int = 0,
+              what: Optional[str] = None) -> None:
+    """Broadcast ``tensor`` in place from the group's rank ``group_src``; nothing is issued for a group of one.
+    ``what``: what a timeout error names (default: the op and the group)."""
     if group_size(group) == 1:
         return
-    _issue(_record("broadcast", group, tensor), dist.broadcast, tensor, group=group, group_src=group_src)
+    _issue(_record("broadcast", group, tensor), dist.broadcast, tensor, group=group, group_src=group_src,
+           what=what)
 
 
-def broadcast_coalesced(tensors: list[torch.Tensor], group: Optional[ProcessGroup], group_src: int = 0) -> None:
+def broadcast_coalesced(tensors: list[torch.Tensor], group: Optional[ProcessGroup], group_src: int = 0,
+                        what: str = "broadcast of the module buffers") -> None:
     """Broadcast ``tensors`` in place from the group's rank ``group_src``: one collective per (dtype, device).
 
-    Used for module buffers (DDP's ``broadcast_buffers`` idea: replicas keep identical BatchNorm statistics).
+    Used for module buffers (DDP's ``broadcast_buffers`` idea: replicas keep identical BatchNorm statistics), at
+    every training forward and the first forward after training ones (an evaluation): a forward run on some ranks
+    only times out here, with ``what`` and the likely cause (:func:`timeout_error`).
     """
     if group_size(group) == 1:
         return
@@ -363,7 +435,9 @@ def broadcast_coalesced(tensors: list[torch.Tensor], group: Optional[ProcessGrou
     with torch.no_grad():
         for same in by_kind.values():
             flat = torch.cat([t.reshape(-1) for t in same])
-            broadcast(flat, group, group_src)
+            broadcast(flat, group, group_src,
+                      what=f"{what} ({len(same)} {flat.dtype} tensors, over ranks "
+                           f"{dist.get_process_group_ranks(group)})")
             offset = 0
             for t in same:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
@@ -478,8 +552,67 @@ def call_on_rank0(action: Callable[[], Any], what: str) -> Any:
             error = f"{what}: {type(e).__name__}: {e}"
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [(value, error)]
-        dist.broadcast_object_list(box, src=0)
+        with explain_timeout(f"broadcast_object_list of rank 0's result ({what})"):
+            dist.broadcast_object_list(box, src=0)
         value, error = box[0]
     if error is not None:
         raise ValueError(error)
     return value
+
+
+def all_gather_object(obj: Any, group: Optional[ProcessGroup], what: str) -> list:
+    """``obj`` of every rank of ``group`` (None: the default group), in group-rank order: one
+    ``all_gather_object`` (not recorded by a CommCounter), whose timeout names ``what`` and the likely cause
+    (:func:`timeout_error`)."""
+    every = [None] * dist.get_world_size(group)
+    with explain_timeout(f"all_gather_object of {what}"):
+        dist.all_gather_object(every, obj, group=group)
+    return every
+
+
+_rendezvous_calls = [0]  # rendezvous made by this process: the n-th of every rank meet
+
+
+def rendezvous(what: str, timeout: Optional[datetime.timedelta]) -> None:
+    """Wait until every rank of the default group has come here, at most ``timeout`` (None: torch's default
+    process-group timeout), before a call whose own collectives shardfusion cannot bound (e.g.
+    ``torch.distributed.checkpoint``'s): a call made on some ranks only then fails within the timeout, on the ranks
+    that came, instead of hanging in it. Through the default group's store (no collective of any process group,
+    whose order it would change): each rank sets one key of its ``n``-th rendezvous and waits for every rank's; the
+    last rank to read them removes them. ``what`` names the call; the ranks' names are compared too. Nothing to do
+    without a group or with one rank.
+
+    Raises:
+        RuntimeError: on the ranks that came: some rank did not come within ``timeout`` (the message names the
+            call, the absent ranks and the likely cause: a call under ``if rank == 0:``), or the ranks came from
+            different calls (each named with its ranks).
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    bound = "the Topology timeout" if timeout else "torch's default process-group timeout"
+    timeout = timeout or dist.distributed_c10d.default_pg_timeout
+    n = _rendezvous_calls[0] = _rendezvous_calls[0] + 1
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
+    keys = [f"shardfusion/rendezvous/{n}/{r}" for r in range(world)]
+    store.set(keys[rank], what)
+    try:
+        store.wait(keys, timeout)
+    except RuntimeError as e:
+        absent = [r for r, key in enumerate(keys) if not store.check([key])]
+        if absent:  # (none: every rank came just as the wait gave up)
+            raise RuntimeError(
+                f"{what} on rank {rank}: ranks {absent} of {world} did not call it within {timeout} ({bound}): it "
+                f"is collective, every rank must call it, not only some (e.g. under `if rank == 0:`). The absent "
+                f"ranks get their error in their next collective.") from e
+    called = [v.decode() for v in store.multi_get(keys)]
+    if store.add(f"shardfusion/rendezvous/{n}/read", 1) == world:  # the last rank to read removes the keys
+        for key in (*keys, f"shardfusion/rendezvous/{n}/read"):
+            store.delete_key(key)
+    if len(set(called)) > 1:
+        by_call: dict[str, list[int]] = {}
+        for r, name in enumerate(called):
+            by_call.setdefault(name, []).append(r)
+        raise RuntimeError(f"{what} on rank {rank}: the ranks came from different collective calls, "
+                           + "; ".join(f"ranks {rs}: {name}" for name, rs in by_call.items())
+                           + ": every rank must make the same calls in the same order")

@@ -16,6 +16,8 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from shardfusion import comm
+
 
 @dataclass(frozen=True)
 class Bandwidth:
@@ -124,15 +126,16 @@ def _timed(tensor: torch.Tensor, group, times: int) -> float:
         if tensor.is_cuda:
             torch.cuda.synchronize(tensor.device)
 
-    dist.all_reduce(tensor, group=group)
-    sync()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(times):
+    with comm.explain_timeout("the bandwidth probe's all-reduces (sf.probe, for sf.plan)"):
         dist.all_reduce(tensor, group=group)
-    sync()
-    slowest = torch.tensor([(time.perf_counter() - t0) / times], dtype=torch.float64, device=tensor.device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(times):
+            dist.all_reduce(tensor, group=group)
+        sync()
+        slowest = torch.tensor([(time.perf_counter() - t0) / times], dtype=torch.float64, device=tensor.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return float(slowest.item())
 
 

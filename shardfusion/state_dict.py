@@ -14,7 +14,6 @@ State dicts of a sharded model, in short (details: [Note: local state dicts] in 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from shardfusion import comm
@@ -72,8 +71,7 @@ def _gather_over_ep(mine: dict[str, torch.Tensor], ep_group) -> dict[str, torch.
     size = comm.group_size(ep_group)
     if size == 1:
         return mine
-    every: list = [None] * size
-    dist.all_gather_object(every, {n: t.cpu() for n, t in mine.items()}, group=ep_group)
+    every = comm.all_gather_object({n: t.cpu() for n, t in mine.items()}, ep_group, "the experts of every ep rank")
     out: dict[str, torch.Tensor] = {}
     owner: dict[str, int] = {}
     for j, part in enumerate(every):

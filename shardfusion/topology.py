@@ -222,7 +222,9 @@ class Topology:
 
     ``Topology(*, dp=1, pp=1, sharding=-1, sep=1, cp=1, mp=1, ep=1, fsdp_outer_degree=1, timeout=None)``, keywords
     only: degrees as in :class:`Degrees` (``sharding=-1`` takes the rest of the world); ``timeout`` (a ``timedelta``
-    or seconds) applies to every group it creates. Groups of size 1 are real groups too. Kinds whose ranks coincide for these degrees (e.g.
+    or seconds) applies to every group it creates and to the rendezvous that starts each ``sf.checkpoint`` save and
+    load (``comm.rendezvous``); a collective that times out raises an error naming it and the likely cause
+    (``comm.timeout_error``); the default group keeps its own timeout. Groups of size 1 are real groups too. Kinds whose ranks coincide for these degrees (e.g.
     ``sharding`` and ``moe_sharding`` when ep is 1) share one group object.
 
     Raises:

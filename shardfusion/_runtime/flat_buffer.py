@@ -297,7 +297,7 @@ class FlatBuffer:
         """The whole flat buffer as a new ``(P,)`` tensor in the shard's dtype, apart from ``full`` (an all-gather over
         ``shard_group``: collective). Parameter ``i`` is ``[slot.offset:slot.end]`` of ``layout.slots[i]``."""
         out = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.shard.device)  # (P,)
-        comm.all_gather(out, self.shard, self.shard_group)
+        comm.all_gather(out, self.shard, self.shard_group, what=self._collective("all_gather"))
         return out
 
     # ---- gradients ---------------------------------------------------------------------------------------------

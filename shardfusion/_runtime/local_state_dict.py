@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from shardfusion import comm
 from shardfusion._runtime import tensor_parallel as tp
 from shardfusion._runtime.state import fragment_holders, named_fragments
 
@@ -121,8 +122,7 @@ class LocalStateDict:
     def _before_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                      error_msgs) -> None:
         problems = self._problems(state_dict, prefix, local_metadata)
-        every = [None] * self.world_size
-        dist.all_gather_object(every, (self.rank, problems, self.expert_names))
+        every = comm.all_gather_object((self.rank, problems, self.expert_names), None, "the load_state_dict checks")
         refused = [(r, p) for r, p, _ in every if p]
         if refused:
             raise ValueError(_refusal(type(module).__name__, refused))

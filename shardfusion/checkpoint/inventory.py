@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from shardfusion import comm
 from shardfusion._runtime import tensor_parallel as tp
 from shardfusion._runtime.local_state_dict import persistent_buffers
 from shardfusion._runtime.state import named_fragments as model_fragments
@@ -140,8 +141,7 @@ def model_info(model: nn.Module, optimizer=None,
                                     f"{type(value).__name__}")
     every = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
+        every = comm.all_gather_object(mine, None, "what every rank holds (checkpoint)")
     out: dict[str, Any] = {"shapes": {}, "buffer_shapes": {}, "optim_state": {}, "problems": [], "unreadable": [],
                            "nonpersistent": set()}
     for part in every:

@@ -80,7 +80,8 @@ from shardfusion.checkpoint.inventory import (NUMBER_DTYPES, global_rank, merged
                                               named_fragments, optimizer_list, param_names, scalar_tensor, state_kind)
 from shardfusion.checkpoint.planners import FragmentLoadPlanner, FragmentSavePlanner
 from shardfusion.checkpoint.read import failure_text, open_checkpoint, read_error
-from shardfusion.comm import call_on_rank0
+from shardfusion._runtime.state import sharded_state
+from shardfusion.comm import call_on_rank0, rendezvous
 
 __all__ = ["FORMAT_VERSION", "save", "load", "save_checkpoint", "load_full_state"]
 
@@ -93,7 +94,8 @@ def save(model: nn.Module, optimizer: Union[None, torch.optim.Optimizer, Sequenc
     """Write ``model`` (parameters and buffers), ``optimizer``'s state and hyperparameters, the picklable ``extra``
     and this rank's ``rank_state`` to the directory ``path`` (keys: see the module docstring).
 
-    Collective over the default process group. Each fragment is written once (by its canonical holder). Optimizer
+    Collective over the default process group; it starts with a rendezvous of every rank bounded by the Topology
+    timeout (``comm.rendezvous``). Each fragment is written once (by its canonical holder). Optimizer
     state entries may be tensors of the fragment's shape (saved per element, any dtype), 0-d tensors or Python
     numbers (saved once); ``None`` entries are skipped. ``rank_state`` (``{key: tensor}``, any shape, dtype and
     device, e.g. ``{"cpu_rng": torch.get_rng_state()}``) is stored under ``rank/<global rank>/<key>``; ranks may pass
@@ -102,12 +104,26 @@ def save(model: nn.Module, optimizer: Union[None, torch.optim.Optimizer, Sequenc
     groups in order, so a load takes the same list.
 
     Raises:
+        RuntimeError: on the ranks that called it, within the Topology timeout: some rank did not call it (e.g. a
+            save under ``if rank == 0:``); the message names the call and the absent ranks.
         ValueError: on every rank, before anything is written: ``optimizer`` not an optimizer or a list of them (a
             parameter in two), an optimizer state entry of another kind, a
             plain tensor marked ``tensor_model_parallel`` with mp > 1, or a ``rank_state`` value that is not a tensor (each named with
             its rank); after the write, on every rank: a rank could not write its files (disk full, not writable:
             ``checkpoint <path> cannot be written: rank r: ...``), and the folder is then incomplete.
     """
+    _meet(model, "save")
+    _save(model, optimizer, path, extra, rank_state)
+
+
+def _meet(model: nn.Module, call: str) -> None:
+    """The rendezvous that starts every checkpoint call: DCP's own collectives are not bounded by the Topology
+    timeout, so a call made on some ranks only fails here, within it, naming the call (``comm.rendezvous``)."""
+    rendezvous(f"sf.checkpoint.{call}", sharded_state(model).topology.timeout)
+
+
+def _save(model: nn.Module, optimizer, path: str, extra: Optional[dict],
+          rank_state: Optional[dict[str, torch.Tensor]]) -> None:
     optimizers = optimizer_list(optimizer)
     info = model_info(model, optimizers, rank_state)
     if info["problems"]:
@@ -242,9 +258,11 @@ def load(model: nn.Module, optimizer: Union[None, torch.optim.Optimizer, Sequenc
     rank (e.g. it was saved by a smaller world size) are removed from the dict, so the caller knows what was not
     restored.
 
-    Collective over the default process group.
+    Collective over the default process group; it starts with a rendezvous of every rank bounded by the Topology
+    timeout, as :func:`save`.
 
     Raises:
+        RuntimeError: on the ranks that called it, within the Topology timeout: some rank did not call it.
         ValueError: on every rank, before any read of tensors: an unreadable folder, another format version,
             parameters or buffers missing from the checkpoint or from the model, shapes that differ, a plain
             tensor marked ``tensor_model_parallel`` with mp > 1, a ``rank_state`` value that is not a tensor (each named). On every
@@ -252,6 +270,7 @@ def load(model: nn.Module, optimizer: Union[None, torch.optim.Optimizer, Sequenc
             ``checkpoint <path> cannot be read: ...`` on one line naming the damaged files, their keys and each failed
             rank's error; the model and optimizer are then partly loaded.
     """
+    _meet(model, "load")
     optimizers = optimizer_list(optimizer)
     try:
         reader, meta = open_checkpoint(path)
@@ -331,14 +350,17 @@ def save_checkpoint(model: nn.Module, optimizer: Union[None, torch.optim.Optimiz
     step: the one in flight has been renamed by then) are deleted too.
 
     Raises:
+        RuntimeError: on the ranks that called it, within the Topology timeout: some rank did not call it (e.g. under
+            ``if rank == 0:``), before rank 0 touches ``root``.
         ValueError: ``keep`` < 1 or ``step`` < 0; on every rank: rank 0 cannot create ``root`` or publish the
             checkpoint (e.g. not writable; the error names the path); anything :func:`save` raises.
     """
     if keep < 1 or step < 0:
         raise ValueError(f"save_checkpoint: keep must be >= 1 and step >= 0, got keep={keep}, step={step}")
     final, tmp = os.path.join(root, f"step-{step}"), os.path.join(root, f"tmp-step-{step}")
+    _meet(model, "save_checkpoint")
     call_on_rank0(lambda: prepare(root, step), f"cannot prepare {tmp!r}")
-    save(model, optimizer, tmp, extra=extra, rank_state=rank_state)
+    _save(model, optimizer, tmp, extra, rank_state)
     call_on_rank0(lambda: publish(root, step, keep), f"cannot publish {tmp!r} as {final!r}")
     return final
 

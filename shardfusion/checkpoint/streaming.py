@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from shardfusion import comm
 from shardfusion._runtime.local_state_dict import persistent_buffers
 from shardfusion._runtime.state import named_fragments, sharded_state
 
@@ -287,9 +288,7 @@ def _gather(obj: Any) -> list:
     """``obj`` of every rank of the default group (one ``all_gather_object``; none without a group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, obj)
-    return every
+    return comm.all_gather_object(obj, None, "the safetensors load's checks")
 
 
 def _few(names: list[str]) -> str:

@@ -135,8 +135,9 @@ class TrainConfig:
     """Peak learning rate, reached at the end of warm-up (default 3e-3)."""
     min_lr: float = 3e-4
     """Learning rate at the end of the cosine decay (default 3e-4)."""
-    warmup: int = 20
-    """Linear warm-up steps (default 20)."""
+    warmup: int | None = None
+    """Linear warm-up steps, at most --steps (default: 20, or --steps when it is smaller; a resumed run keeps its
+    checkpoint's)."""
     weight_decay: float = 0.1
     """AdamW weight decay on matrices (with --optimizer muon: Muon's decoupled weight decay on the blocks'
     matrices); biases, norms and embeddings get none (default 0.1)."""
@@ -284,7 +285,11 @@ class TrainConfig:
                             ("--data-bytes", self.data_bytes), ("--steps", self.steps)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
-        for flag, value in (("--warmup", self.warmup), ("--clip", self.clip),
+        if self.warmup is not None and not 0 <= self.warmup <= self.steps:
+            raise ValueError(f"--warmup {self.warmup} must be between 0 and --steps {self.steps}: the learning rate "
+                             f"rises linearly over the warm-up steps, and a longer warm-up would end the run before "
+                             f"it reaches --lr; use --warmup {min(self.steps, DEFAULT_WARMUP)} or less (0: none)")
+        for flag, value in (("--clip", self.clip),
                             ("--sample-tokens", self.sample_tokens), ("--weight-decay", self.weight_decay),
                             ("--save-every", self.save_every), ("--max-restarts", self.max_restarts)):
             if value < 0:
@@ -330,6 +335,9 @@ class TrainConfig:
         if self.reshard_policy not in RESHARD_POLICIES:
             raise ValueError(f"--reshard-policy must be {' or '.join(RESHARD_POLICIES)}, got {self.reshard_policy!r}")
 
+
+DEFAULT_WARMUP = 20
+"""--warmup when it is not given, at most --steps (and no checkpoint is resumed)."""
 
 DEFAULT_BATCH_SIZE = 16
 """--batch-size when neither --batch-size nor --global-batch-size is given (and no checkpoint is resumed)."""
@@ -446,6 +454,40 @@ def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
                          f"smaller --seq-len")
 
 
+SLOW_ATTENTION_FLOPS = {"cpu": 1e12, "cuda": 1e15}
+"""Attention work of one optimizer step per rank, in FLOPs, above which `seq_len_warning` warns, by device: on CPU,
+at the tens of GFLOP/s a core gives, 1e12 is tens of seconds or more per step."""
+
+
+def attention_flops(config: TrainConfig) -> float:
+    """The causal attention's FLOPs of one optimizer step on one rank (forward and backward): 6 x n_layer x seq_len^2
+    x d_model per sequence (q k^T and the weighted sum of v, 2 x seq_len^2 x d_model each, halved by the causal mask,
+    times 3 with the backward), x --batch-size x --grad-accum sequences, / (--mp x --cp). It grows with the square of
+    --seq-len, while everything else grows linearly. config must be `resolve`d."""
+    model = config.model_config()
+    per_sequence = 6.0 * model.n_layer * model.seq_len ** 2 * model.d_model
+    return per_sequence * config.batch_size * config.grad_accum / (max(1, config.mp) * max(1, config.cp))
+
+
+def seq_len_warning(config: TrainConfig) -> str | None:
+    """A warning when --seq-len makes each step's attention work (`attention_flops`) exceed
+    `SLOW_ATTENTION_FLOPS` on the run's device, else None (also for --init-from, whose shape is not the flags').
+    A --seq-len the corpus cannot serve is an error of `check_run` instead. config must be `resolve`d."""
+    if config.init_from is not None:
+        return None
+    flops, limit = attention_flops(config), SLOW_ATTENTION_FLOPS.get(config.device, SLOW_ATTENTION_FLOPS["cpu"])
+    if flops <= limit:
+        return None
+    model = config.model_config()
+    # the longest sequence that keeps the attention under the limit, as a power of two
+    fits = model.seq_len * math.sqrt(limit / flops)
+    shorter = 2 ** max(0, math.floor(math.log2(fits)))
+    return (f"--seq-len {model.seq_len}: the attention alone needs about {flops:.1e} FLOPs per rank per optimizer "
+            f"step (6 x n_layer {model.n_layer} x seq_len^2 x d_model {model.d_model} x {config.batch_size} "
+            f"sequences x --grad-accum {config.grad_accum}), above {limit:.0e} on {config.device}: expect a slow "
+            f"run (it grows with the square of --seq-len); --seq-len {shorter} or less stays under it")
+
+
 PRETRAINED_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 """The weight files a --init-from folder holds (one of them): one safetensors file, or the index of several."""
 
@@ -482,12 +524,22 @@ def check_pretrained(config: TrainConfig) -> None:
         raise ValueError(f"{flag} holds no weights: neither {' nor '.join(PRETRAINED_WEIGHTS)}")
 
 
+def warmup_steps(config: TrainConfig, saved: dict[str, Any] | None = None) -> int:
+    """--warmup, or when it is not given the saved run's (saved: a resumed checkpoint's settings), else
+    `DEFAULT_WARMUP`; never more than --steps."""
+    if config.warmup is not None:
+        return config.warmup
+    saved_warmup = (saved or {}).get("warmup")
+    return min(config.steps, DEFAULT_WARMUP if saved_warmup is None else saved_warmup)
+
+
 def lr_at(config: TrainConfig, step: int) -> float:
     """Learning rate for optimizer step `step` (0-based): linear warm-up to lr, then cosine down to min_lr."""
-    if step < config.warmup:
-        return config.lr * (step + 1) / config.warmup
-    decay_steps = max(1, config.steps - config.warmup)
-    progress = min(1.0, (step - config.warmup) / decay_steps)
+    warmup = warmup_steps(config)
+    if step < warmup:
+        return config.lr * (step + 1) / warmup
+    decay_steps = max(1, config.steps - warmup)
+    progress = min(1.0, (step - warmup) / decay_steps)
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
@@ -502,7 +554,7 @@ def lr_factor(config: TrainConfig, step: int) -> float:
 
 def resolve(config: TrainConfig, *, device: str, world_size: int,
             saved: dict[str, Any] | None = None) -> TrainConfig:
-    """Fill the run-time defaults: device, ep, fsdp_outer_degree, out and the batch sizes.
+    """Fill the run-time defaults: device, ep, fsdp_outer_degree, out, warmup (`warmup_steps`) and the batch sizes.
 
     ep: 1 for a Hugging Face model; else 2 when --experts and the sharding degree (world size / mp) are even, else 1.
     fsdp_outer_degree: 2 when the world size is >= 4 and 2 divides the expert sharding degree world_size / mp / ep,
@@ -522,7 +574,8 @@ def resolve(config: TrainConfig, *, device: str, world_size: int,
         outer = 2 if world_size >= 4 and moe_sharding % 2 == 0 else 1
     out = config.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
     config = resolve_batch(config, dp_world=data_parallel_size(config, world_size), saved=saved)
-    return dataclasses.replace(config, device=device, ep=ep, fsdp_outer_degree=outer, out=out)
+    return dataclasses.replace(config, device=device, ep=ep, fsdp_outer_degree=outer, out=out,
+                               warmup=warmup_steps(config, saved))
 
 
 def resolve_batch(config: TrainConfig, *, dp_world: int, saved: dict[str, Any] | None = None) -> TrainConfig:

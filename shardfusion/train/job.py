@@ -44,15 +44,15 @@ from shardfusion.comm import call_on_rank0
 from shardfusion.plan import default_memory_budget
 from shardfusion.train.data import (DATA_ORDER, DATA_ORDER_PER_RANK, BatchSampler, context_parallel_slice, load_corpus,
                                     split_corpus)
-from shardfusion.train.launch import (default_nproc, exit_now, init_worker, launch, pick_device, restart_problem,
-                                threads_per_worker, under_torchrun)
+from shardfusion.train.launch import (cpu_cores, default_nproc, exit_now, init_worker, launch, nproc_warning,
+                                      pick_device, restart_problem, threads_per_worker, under_torchrun)
 from shardfusion.train.metrics import (MetricsLog, comm_step_record, expert_balance, format_summary, plot_losses,
                                  summarize)
 from shardfusion.train import job_model
 from shardfusion.train.job_model import JobModel, Losses
 from shardfusion.train.outputs import open_outputs
 from shardfusion.train.config import (AUTO, DTYPES, TrainConfig, check_batch, check_run, parse_args, resolve,
-                                      usage_error)
+                                      seq_len_warning, usage_error)
 from shardfusion.train.optim import (balance_record, build_optimizers, format_balance, muon_matrices,  # noqa: F401
                                      no_decay, param_groups, set_learning_rates)
 
@@ -443,6 +443,11 @@ def preflight(config: TrainConfig, *, torchrun: bool) -> TrainConfig:
     train_state.check_optimizer(config.out, config.optimizer, saved)
     config = _saved_qkv_layout(config)
     check_run(config, world_size=world, world=label)
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun every worker runs this: one prints
+        for warning in (nproc_warning(local, device, cpu_cores(), "--nproc-per-node" if torchrun else "--nproc"),
+                        seq_len_warning(config)):
+            if warning:
+                print(f"shardfusion: warning: {warning}", flush=True)
     if job_model.is_hf(config):
         meta = job_model.checked_meta_model(config)  # transformers present, the config and the units usable
         train_state.check_resume(config.out, lambda: meta)

@@ -71,6 +71,29 @@ def default_nproc(device: str) -> int:
     return max(1, torch.cuda.device_count()) if device == "cuda" else 4
 
 
+WORKERS_PER_CORE = 2
+"""Local CPU workers per core above which `nproc_warning` warns (the default 4 workers on a 2-core machine are 2)."""
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask; os.cpu_count() where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def nproc_warning(nproc: int, device: str, cores: int, flag: str = "--nproc") -> str | None:
+    """A warning when `nproc` local CPU workers are more than `WORKERS_PER_CORE` per core of the `cores`, else None
+    (and on CUDA, where a worker per GPU is checked elsewhere). `flag` names where nproc comes from."""
+    if device != "cpu" or nproc <= WORKERS_PER_CORE * cores:
+        return None
+    return (f"{flag} {nproc} starts {nproc} CPU workers on {cores} cores ({nproc / cores:.0f} per core): each gets "
+            f"a sliver of a core, start-up and every collective wait for the slowest, and memory holds {nproc} "
+            f"copies of torch; the run is slower than with {WORKERS_PER_CORE * cores} or fewer "
+            f"({flag} {WORKERS_PER_CORE * cores})")
+
+
 def free_port() -> int:
     """A TCP port on localhost that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from shardfusion.train.config import TrainConfig, build_parser, check_run, lr_at, parse_args, resolve
+from shardfusion.train.config import (DEFAULT_WARMUP, SLOW_ATTENTION_FLOPS, TrainConfig, attention_flops,
+                                      build_parser, check_run, lr_at, parse_args, resolve, seq_len_warning)
+from shardfusion.train.launch import WORKERS_PER_CORE, nproc_warning
 from shardfusion.train.data import DATA_ORDER, DATA_ORDER_PER_RANK, min_corpus_bytes
 from shardfusion.train.optim import no_decay
 from shardfusion.train.resume import saved_data_order
@@ -198,6 +200,59 @@ def test_lr_schedule() -> None:
     assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
 
 
+def test_warmup_longer_than_the_run_is_a_usage_error(capsys: pytest.CaptureFixture) -> None:
+    assert flag_error(capsys, ["--warmup", "500", "--steps", "1"]) == (
+        "--warmup 500 must be between 0 and --steps 1: the learning rate rises linearly over the warm-up steps, and "
+        "a longer warm-up would end the run before it reaches --lr; use --warmup 1 or less (0: none)")
+    assert flag_error(capsys, ["--warmup", "-1"]).startswith("--warmup -1 must be between 0 and --steps 200")
+    assert parse_args(["--warmup", "5", "--steps", "5"]).warmup == 5  # ends at --lr on the last step
+
+    def warmup(saved=None, **fields) -> int:
+        return resolve(TrainConfig(**fields), device="cpu", world_size=4, saved=saved).warmup
+
+    # not given: DEFAULT_WARMUP, at most --steps; a resumed run keeps the saved one (at most --steps too)
+    assert DEFAULT_WARMUP == 20
+    assert (warmup(), warmup(steps=3), warmup(steps=3, warmup=0)) == (20, 3, 0)
+    assert (warmup(saved={"warmup": 7}), warmup(saved={"warmup": 7}, steps=5), warmup(saved={"warmup": 7}, warmup=2)) \
+        == (7, 5, 2)
+    assert lr_at(TrainConfig(steps=4, lr=1.0), 0) == pytest.approx(0.25)  # unresolved: the same warm-up of 4 steps
+
+
+def test_nproc_above_the_cores_warns() -> None:
+    assert WORKERS_PER_CORE == 2
+    assert nproc_warning(64, "cpu", 2) == (
+        "--nproc 64 starts 64 CPU workers on 2 cores (32 per core): each gets a sliver of a core, start-up and every "
+        "collective wait for the slowest, and memory holds 64 copies of torch; the run is slower than with 4 or "
+        "fewer (--nproc 4)")
+    assert nproc_warning(5, "cpu", 2, "--nproc-per-node").startswith("--nproc-per-node 5 starts 5 CPU workers on 2")
+    assert nproc_warning(4, "cpu", 2) is None  # the default run on two cores
+    assert nproc_warning(64, "cuda", 2) is None  # one worker per GPU, checked against the GPUs
+
+
+def test_seq_len_too_long_warns_and_one_the_corpus_cannot_serve_is_an_error(tmp_path: Path) -> None:
+    def config(device: str = "cpu", **fields) -> TrainConfig:
+        return resolve(TrainConfig(**fields), device=device, world_size=4)
+
+    long = config(seq_len=100_000)  # small preset: 4 layers of width 128, 16 sequences per rank
+    assert attention_flops(long) == pytest.approx(6 * 4 * 100_000 ** 2 * 128 * 16)
+    assert seq_len_warning(long) == (
+        "--seq-len 100000: the attention alone needs about 4.9e+14 FLOPs per rank per optimizer step (6 x n_layer 4 "
+        "x seq_len^2 x d_model 128 x 16 sequences x --grad-accum 1), above 1e+12 on cpu: expect a slow run (it "
+        "grows with the square of --seq-len); --seq-len 4096 or less stays under it")
+    assert attention_flops(config(seq_len=4096)) < SLOW_ATTENTION_FLOPS["cpu"] < attention_flops(config(seq_len=8192))
+    assert seq_len_warning(config(seq_len=4096)) is None and seq_len_warning(config()) is None
+    assert seq_len_warning(config("cuda", seq_len=8192)) is None  # a GPU does 1e12 FLOPs in well under a second
+    assert attention_flops(config(seq_len=8192, cp=2, mp=2)) == attention_flops(config(seq_len=8192)) / 4
+    # impossible: each split of the corpus must hold one window of seq_len + 1 bytes (check_run, before launch)
+    with pytest.raises(ValueError, match=r"^--data-bytes 16000000 is too small: .* each split needs seq_len \+ 1 = "
+                                         r"1000001 bytes; use --data-bytes >= 20000020 or a smaller --seq-len$"):
+        check_run(config(seq_len=1_000_000), world_size=4, world="--nproc 4")
+    (tmp_path / "corpus.txt").write_bytes(b"x" * 1000)
+    with pytest.raises(ValueError, match=r"holds only 1000 bytes, which split into 950 train / 50 val bytes, but "
+                                         r"each split needs seq_len \+ 1 = 129 bytes"):
+        check_run(config(data=str(tmp_path / "corpus.txt")), world_size=4, world="--nproc 4")
+
+
 def test_checkpoint_flags_rejected(capsys: pytest.CaptureFixture) -> None:
     assert flag_error(capsys, ["--keep", "0"]) == (
         "--keep must be >= 1 (the latest checkpoint is always kept), got 0")
@@ -224,3 +279,17 @@ def test_checkpoint_flags_rejected(capsys: pytest.CaptureFixture) -> None:
 ])
 def test_weight_decay_groups_by_name(name: str, exempt: bool) -> None:
     assert no_decay(name) is exempt
+
+
+def test_preflight_prints_the_warnings_before_any_worker_starts(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardfusion.train import job
+
+    monkeypatch.setattr(job, "cpu_cores", lambda: 2)
+    config = job.preflight(parse_args(["--nproc", "64", "--seq-len", "100000", "--device", "cpu",
+                                       "--out", str(tmp_path / "run")]), torchrun=False)
+    assert (config.nproc, config.warmup) == (64, 20)
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0:2] for line in printed] == [["shardfusion", " warning"]] * 2, printed
+    assert printed[0].startswith("shardfusion: warning: --nproc 64 starts 64 CPU workers on 2 cores")
+    assert printed[1].startswith("shardfusion: warning: --seq-len 100000: the attention alone needs about 4.9e+14")
