@@ -289,6 +289,10 @@ class Topology:
         for group, kinds in self._kinds_of.items():
             comm.label_group(group, kinds)
         comm.label_group(dist.group.WORLD, "world")
+        # A world group of its own for the agreement on the forward mode (``check_forward_mode``), on gloo and the
+        # CPU whatever the backend: it never carries a collective of the step, so a rank that enters it alone waits
+        # there, with the Topology timeout, instead of pairing with another rank's all-gather.
+        self._control = dist.new_group(backend="gloo", timeout=timeout)
 
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         spanning = _inner_kinds_spanning_nodes(d, int(local)) if local.isdigit() and int(local) > 0 else []
@@ -316,6 +320,37 @@ class Topology:
         label = f"{kind}_reduce" if twin and name is None else kind
         self._kinds_of.setdefault(cache[key], []).append(label)
         return cache[key]
+
+    def check_forward_mode(self, training: bool, grad_enabled: bool) -> None:
+        """Agree over every rank on the mode of the forward about to start (``module.training``, grad mode): a
+        sharded model calls it at a forward whose mode differs from its previous forward's (and at its first), so an
+        evaluation run on some ranks only (under ``if rank == 0:``) stops here instead of consuming the all-gathers of
+        the other ranks' training forward (which pair up silently, then mismatch and crash the backend). Collective
+        over the world, on a gloo group of its own (two int64 per rank), left out of the communication accounting.
+
+        Raises:
+            ValueError: on every rank, the ranks started forwards of different modes (each mode named with its ranks).
+            RuntimeError: within the Topology timeout, on the ranks that came: some rank did not start a forward in
+                another mode at the same time (``comm.timeout_error``).
+        """
+        mine = torch.tensor([int(training), int(grad_enabled)], dtype=torch.int64)  # (2,)
+        every = torch.empty(self.world_size, 2, dtype=torch.int64)  # (W, 2)
+        what = (f"the agreement on the forward mode ({'train' if training else 'eval'} mode, grad "
+                f"{'enabled' if grad_enabled else 'disabled'}) that starts a forward in another mode than the last")
+        if self.world_size > 1:  # not in the communication accounting: 16 bytes per rank at a change of mode
+            with comm.explain_timeout(what):
+                dist.all_gather_into_tensor(every.view(-1), mine, group=self._control)
+        else:
+            every.copy_(mine)
+        modes: dict[tuple[int, int], list[int]] = {}
+        for r, (t, g) in enumerate(every.tolist()):
+            modes.setdefault((t, g), []).append(r)
+        if len(modes) > 1:
+            shown = "; ".join(f"ranks {rs}: {'train' if t else 'eval'} mode, grad {'enabled' if g else 'disabled'}"
+                              for (t, g), rs in modes.items())
+            raise ValueError(f"the ranks started forwards of different modes ({shown}): every rank must run the same "
+                             "forwards, evaluation included (not under `if rank == 0:`); evaluate on every rank and "
+                             "reduce the result, or evaluate a plain copy from sf.full_state_dict on one rank")
 
     @property
     def mesh(self) -> DeviceMesh:

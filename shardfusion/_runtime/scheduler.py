@@ -93,6 +93,7 @@ class Scheduler:
         self.topology = topology
         self.broadcast_buffers = broadcast_buffers
         self._buffers_trained = False  # a training forward ran since the last buffer broadcast (see _root_pre_forward)
+        self._forward_mode: tuple[bool, bool] | None = None  # (training, grad enabled) of the last root forward
         self.expert_buffers = expert_buffers  # ids of the buffers that belong to experts (distinct across ep)
         self.requires_gradient_sync = True
         self._reduce_order = [u for u in reversed(units) if u.trainable_groups]
@@ -164,6 +165,10 @@ class Scheduler:
         for u in self.units:  # a model cast or moved after fully_shard raises here, before anything runs
             u.check_fragments()
         if not _in_backward():
+            mode = (bool(module.training), torch.is_grad_enabled())
+            if mode != self._forward_mode:  # e.g. an evaluation: every rank must start it (Topology.check_forward_mode)
+                self.topology.check_forward_mode(*mode)
+                self._forward_mode = mode
             # A forward without a following backward (evaluation) may have left units gathered: start clean.
             for u in self.units[1:]:
                 self._reshard(u)

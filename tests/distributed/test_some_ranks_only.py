@@ -8,8 +8,10 @@ two busy cores) is the Topology's. Every rank sleeps past the timeout before lea
 another's collective first.
 
 * eval on rank 0 of a model with a buffer (a RoPE-like cache, broadcast at every training forward and at the first
-  evaluation after training), the other ranks going on to their next training step, or to ``sf.full_state_dict``:
-  every rank raises the explained error (the buffer broadcast on rank 0, an all-gather on the others).
+  evaluation after training), or of one without buffers (whose evaluation all-gathers paired silently with the other
+  ranks' training forward, then mismatched and aborted gloo), the other ranks going on to their next training step,
+  or to ``sf.full_state_dict``: every rank raises the explained error (rank 0 in the agreement on the forward mode
+  that starts a forward of another mode, ``Topology.check_forward_mode``; the others in an all-gather).
 * ``sf.checkpoint.save_checkpoint`` on rank 0 only: rank 0 raises, naming the call and the absent ranks, before it
   touches the folder; the other ranks, gone on to a training step, raise the explained error there.
 """
@@ -33,6 +35,19 @@ JOB_TIMEOUT_S = 120  # the harness gives the default group half of it: 60 s, far
 CAUSE_WORDS = (" on rank ", "some ranks only", "if rank == 0:", "evaluation", "same calls")
 
 
+class PlainNet(nn.Module):
+    """Three Linear units and no buffer: nothing but all-gathers in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):  # x: (T, 8)
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x
+
+
 class RopeNet(nn.Module):
     """Three Linear units and a non-persistent cache buffer, as rotary embeddings keep their cos/sin tables."""
 
@@ -47,12 +62,12 @@ class RopeNet(nn.Module):
         return x
 
 
-def _setup():
+def _setup(net: str = "rope"):
     import shardfusion as sf
 
     topo = sf.Topology(sharding=WORLD, timeout=TOPOLOGY_TIMEOUT_S)
     torch.manual_seed(0)
-    model = sf.fully_shard(RopeNet(), topo, units=(nn.Linear,))
+    model = sf.fully_shard(RopeNet() if net == "rope" else PlainNet(), topo, units=(nn.Linear,))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def train_step():
@@ -68,7 +83,7 @@ def some_ranks_only_job(case: str, root: str) -> tuple:
     import torch.distributed as dist
     import shardfusion as sf
 
-    model, train_step = _setup()
+    model, train_step = _setup("plain" if case.endswith("_plain") else "rope")
     rank = dist.get_rank()
     train_step()  # every rank: the buffers have been trained, so the evaluation broadcasts them
     dist.barrier()
@@ -80,7 +95,7 @@ def some_ranks_only_job(case: str, root: str) -> tuple:
                 with torch.no_grad():
                     model(torch.randn(4, 8))
                 model.train()
-            if case == "eval_then_step":
+            if case.startswith("eval_then_step"):
                 train_step()
             else:
                 sf.full_state_dict(model)
@@ -104,15 +119,17 @@ def _check_explained(results, rank: int) -> None:
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
-@pytest.mark.parametrize("case", ["eval_then_step", "eval_then_full_state_dict"])
+@pytest.mark.parametrize("case", ["eval_then_step", "eval_then_full_state_dict", "eval_then_step_plain"])
 def test_eval_on_rank0_raises_on_every_rank_within_the_timeout(case, tmp_path):
     results = run_distributed(some_ranks_only_job, WORLD, case, str(tmp_path), timeout=JOB_TIMEOUT_S)
     for rank in range(WORLD):
         _check_explained(results, rank)
     kind, msg, _ = results[0]
-    assert "broadcast of the module buffers" in msg, f"rank 0 waits in the evaluation's buffer broadcast: {msg}"
-    for rank in range(1, WORLD):
-        assert "all_gather of unit 'blocks." in results[rank][1], f"rank {rank}: {results[rank][1]}"
+    assert "agreement on the forward mode (eval mode, grad disabled)" in msg, (
+        f"rank 0 waits in the agreement that starts a forward of another mode: {msg}")
+    for rank in range(1, WORLD):  # the first collective of their next call, which rank 0 never joins
+        first = "all_gather of unit 'blocks." if case != "eval_then_step" else "broadcast of the module buffers"
+        assert first in results[rank][1], f"rank {rank}: {results[rank][1]}"
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
