@@ -46,6 +46,18 @@ def global_batch(step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]
     return global_randn(TAG, 10 * step + micro, WORLD, 2, 8), global_randn(TAG + 1, 10 * step + micro, WORLD, 2, 4)
 
 
+def update(model: nn.Module, opt) -> None:
+    """``opt.step()``, or with no optimizer the hand-written ``p -= lr * p.grad``; then the gradients are reset."""
+    if opt is None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+        model.zero_grad()
+    else:
+        opt.step()
+        opt.zero_grad()
+
+
 def reference(micro_batches: int, optimizer: bool) -> dict:
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=LR) if optimizer else None
@@ -55,14 +67,7 @@ def reference(micro_batches: int, optimizer: bool) -> dict:
             x, y = global_batch(step, m)
             (F.mse_loss(model(x), y) / micro_batches).backward()
         norms.append(math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters())))
-        if opt is None:
-            with torch.no_grad():
-                for p in model.parameters():
-                    p -= LR * p.grad
-            model.zero_grad()
-        else:
-            opt.step()
-            opt.zero_grad()
+        update(model, opt)
     return {"norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
@@ -90,14 +95,7 @@ def final_gradients_job() -> dict:
                         sq += p.grad.pow(2).sum()
                 dist.all_reduce(sq, group=inner_group)
                 norms.append(math.sqrt(float(sq)))
-                if opt is None:
-                    with torch.no_grad():
-                        for p in model.parameters():
-                            p -= LR * p.grad
-                    model.zero_grad()
-                else:
-                    opt.step()
-                    opt.zero_grad()
+                update(model, opt)
             out[(outer, micro_batches, optimizer)] = {"norms": norms, "params": sf.full_state_dict(model)}
     return out
 
