@@ -60,6 +60,22 @@ def full_state_dict(model: nn.Module, buffers: bool = True) -> dict[str, torch.T
     comm.broadcast_coalesced(list(expert_copies.values()), state.topology.get_expert_data_parallel_group())
     experts.update(expert_copies)
     out.update(_gather_over_ep(experts, state.topology.get_group("ep")))
+    return _with_aliases(model, out)
+
+
+def _with_aliases(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``full`` with each tied parameter also under its other names (the same tensor), in the order of
+    ``model.state_dict()``'s parameter names, then the rest (buffers, other ep ranks' experts)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for group in names.values():
+        for name in group:
+            if name in full:
+                out.update((alias, full[name]) for alias in group)
+                break
+    out.update((k, v) for k, v in full.items() if k not in out)
     return out
 
 

@@ -43,9 +43,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
-from shardfusion._runtime import tensor_parallel as tp
-from shardfusion._runtime.state import fragment_holders, named_fragments
+from shardfusion._runtime import dtensor_state_dict as dsd
+from shardfusion._runtime.state import flat_buffers, fragment_holders, fragment_registrations, named_fragments
 
 META_KEY = "shardfusion"  # key of our entry in a state dict's ``_metadata[prefix]``
 
@@ -95,13 +96,18 @@ class LocalStateDict:
         self.expert_names = sorted({a for p in self.params if p.is_expert for a in p.aliases} |
                                    {n for n, b in state.root.named_buffers() if id(b) in expert_ids})
         self.layout = _digest(state.root)
+        self.by_fragment = {id(f.param): p for f, p in zip(named_fragments(state.root), self.params)}
+        self.meshes: dict = {}  # the DTensors' device meshes, per set of groups (dtensor_state_dict.buffer_mesh)
         self._loading = False  # between the model's load pre-hook and post-hook: its submodules may load
+        self._swapped: list[tuple[dict, str, nn.Parameter]] = []  # fragments replaced by DTensors while saving
+        state.local_state_dict = self  # for the optimizer's state-dict hooks (optimizer_state_dict.py)
 
     def install(self) -> None:
         """Register the hooks on the sharded model and on each submodule that holds fragments; their handles join
         ``state.hook_handles`` (the module hooks removed when a later ``fully_shard`` call absorbs this model)."""
         root = self.state.root
-        handles = [root.register_state_dict_post_hook(lambda *args: self._save_metadata(*args)),  # torch marks it
+        handles = [root.register_state_dict_pre_hook(self._before_save),
+                   root.register_state_dict_post_hook(lambda *args: self._after_save(*args)),  # torch marks it
                    root.register_load_state_dict_pre_hook(self._before_load),
                    root.register_load_state_dict_post_hook(self._after_load)]
         holders = {id(m): m for m in fragment_holders(root) if m is not root}
@@ -115,11 +121,34 @@ class LocalStateDict:
         return {"rank": self.rank, "world_size": self.world_size, "layout": self.layout}
 
     # ---- hooks ---------------------------------------------------------------------------------------------------
-    def _save_metadata(self, module, state_dict, prefix, local_metadata) -> None:
+    def _before_save(self, module, prefix, keep_vars) -> None:
+        """Put a full-shape DTensor in the place of every fragment in the modules' ``_parameters`` (collective: one
+        buffer gathered at a time, see [Note: DTensor state dicts]), so that ``_save_to_state_dict`` and every
+        state-dict hook of the modules see them; :meth:`_after_save` puts the fragments back."""
+        self._restore()  # a state_dict() that raised half-way left them in
+        dtensors = {}
+        for buffer in flat_buffers(self.state.root):
+            flat = buffer.gather_copy()  # (P,)
+            for frag, t in zip(buffer.fragments, dsd.buffer_dtensors(buffer, flat, self.meshes)):
+                dtensors[id(frag)] = t
+            del flat
+        for params, attr, frag in fragment_registrations(self.state.root):
+            if params.get(attr) is frag:
+                params[attr] = dtensors[id(frag)]
+                self._swapped.append((params, attr, frag))
+
+    def _after_save(self, module, state_dict, prefix, local_metadata) -> None:
+        self._restore()
         local_metadata[META_KEY] = self.metadata()
+
+    def _restore(self) -> None:
+        swapped, self._swapped = self._swapped, []
+        for params, attr, frag in swapped:
+            params[attr] = frag
 
     def _before_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                      error_msgs) -> None:
+        self._restore()
         problems = self._problems(state_dict, prefix, local_metadata)
         every = [None] * self.world_size
         dist.all_gather_object(every, (self.rank, problems, self.expert_names))
@@ -157,8 +186,14 @@ class LocalStateDict:
         out = []
         for alias, p in self.by_alias.items():
             t = state_dict.get(prefix + alias)
+            if isinstance(t, DTensor) and saved is not None and (saved.get("rank"), saved.get("world_size")) != (
+                    self.rank, self.world_size):
+                out.append(f"{prefix + alias!r} is a DTensor saved by rank {saved.get('rank')} of "
+                           f"{saved.get('world_size')}, loaded on rank {self.rank} of {self.world_size}: its local "
+                           f"tensor is that rank's chunk (a torch.save'd model.state_dict() of another rank)")
+                continue
             if not isinstance(t, torch.Tensor) or tuple(t.shape) == p.full_shape:
-                continue  # not a tensor: torch reports it; full shape: sliced
+                continue  # not a tensor: torch reports it; full shape (a DTensor too): sliced
             if same and tuple(t.shape) == p.frag_shape:
                 continue  # this rank's own fragment, same layout
             key = prefix + alias
@@ -181,9 +216,8 @@ class LocalStateDict:
             given = [prefix + a for a in p.aliases if prefix + a in state_dict]
             for key in given:
                 t = state_dict[key]
-                if isinstance(t, torch.Tensor) and tuple(t.shape) == p.full_shape:
-                    piece = t if p.tp_spec is None else tp.local_piece(t, p.tp_spec)  # this mp rank's piece
-                    state_dict[key] = piece.reshape(-1)[p.offset:p.offset + p.numel].view(p.frag_shape)
+                if isinstance(t, torch.Tensor) and tuple(t.shape) == p.full_shape:  # a DTensor: gathered first
+                    state_dict[key] = dsd.fragment_of(t, p.offset, p.numel, p.frag_shape, p.tp_spec)
             for alias in p.aliases:
                 if given and prefix + alias not in state_dict:
                     state_dict[prefix + alias] = state_dict[given[0]]
@@ -212,6 +246,8 @@ def _refusal(model_name: str, refused: list[tuple[int, list[str]]]) -> str:
     counts = ", ".join(f"{r}: {len(p)}" for r, p in refused)
     return (f"load_state_dict into the sharded {model_name} refused on every rank, nothing copied into it: rank "
             f"{first_rank}: {problems[0]}{more}; keys refused per rank {{{counts}}}. model.state_dict() of a sharded "
-            f"model holds this rank's 1-D fragments and loads back only on the rank and layout that saved it; to move "
-            f"weights between ranks or layouts, save shardfusion.full_state_dict(model) (full shapes; every rank "
-            f"calls it) and load that, or use shardfusion.checkpoint.save / load")
+            f"model holds DTensors of the full shapes whose local tensors are this rank's chunks (and a rank's own "
+            f"fragments load back only on that rank and layout): to move weights between ranks or layouts use "
+            f"torch.distributed.checkpoint with get_model_state_dict / set_model_state_dict, or save "
+            f"shardfusion.full_state_dict(model) (full shapes; every rank calls it) and load that, or use "
+            f"shardfusion.checkpoint.save / load")
