@@ -55,7 +55,7 @@ def reference(experts: int = 0, dp_world: int = 1) -> dict:
 
     loss_fn = sliced_loss_fn(model, _slice, dp_world)
     out = train_adamw(model, loss_fn, STEPS, LR, MAX_NORM)
-    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     return out
 
 
@@ -302,7 +302,7 @@ def _sp_reference() -> dict:
         return loss.detach()
 
     out = train_adamw(model, loss_fn, STEPS, LR, MAX_NORM)
-    return {**out, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {**out, "params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}}
 
 
 def test_sequence_parallel_norms_under_fully_shard():
