@@ -329,6 +329,11 @@ def _moe_job(tmp: str) -> dict:
     model = sf.fully_shard(TinyMoETransformer(ep_group=topo.get_group("ep")), topo, units=(MoEBlock,))
     out = {"incompatible": _incompatible(_outcome(lambda: model.load_state_dict(plain.state_dict()))),
            "full": sf.full_state_dict(model), "plain": plain.state_dict()}
+    from torch.distributed.tensor import DTensor
+    sd = model.state_dict()  # this ep rank's experts, as full-shape DTensors over their own meshes
+    out["dtensors"] = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
+    out["expert-mesh"] = next(tuple(v.device_mesh.mesh.flatten().tolist()) for k, v in sd.items()
+                              if ".experts." in k and isinstance(v, DTensor))
     path = os.path.join(tmp, f"moe-rank{dist.get_rank()}.pt")
     torch.save(model.state_dict(), path)
     torch.manual_seed(5)
@@ -458,6 +463,11 @@ def test_expert_parameters_load_full_and_own_fragments(runs):
         assert moe["incompatible"] == ([], []), (rank, moe["incompatible"])
         assert set(moe["full"]) == set(moe["plain"]), rank  # the tied head under both names
         _assert_equal(moe["full"], moe["plain"], f"rank {rank}: MoE full")
+        experts = {k for k in moe["plain"] if ".experts." in k}
+        mine = set(moe["dtensors"]) & experts
+        assert mine and len(mine) == len(experts) // 2 and set(moe["dtensors"]) - experts == set(moe["plain"]) - experts
+        _assert_equal(moe["dtensors"], moe["plain"], f"rank {rank}: MoE state_dict() DTensors")
+        assert moe["expert-mesh"] == ((0, 2) if rank % 2 == 0 else (1, 3)), moe["expert-mesh"]  # same ep index
         assert moe["round-trip-incompatible"] == ([], []), (rank, moe["round-trip-incompatible"])
         _assert_equal(moe["round-trip"], moe["plain"], f"rank {rank}: MoE round trip")
 
