@@ -113,7 +113,8 @@ class LocalStateDict:
         holders = {id(m): m for m in fragment_holders(root) if m is not root}
         names = {id(m): n for n, m in root.named_modules()}
         for module in holders.values():
-            handles.append(module.register_load_state_dict_pre_hook(self._guard_submodule(names.get(id(module), "?"))))
+            handles.append(module.register_load_state_dict_pre_hook(
+                self._guard_submodule(names.get(id(module), "?"), self._own_params(module))))
         self.state.__dict__.setdefault("hook_handles", []).extend(handles)
 
     def metadata(self) -> dict:
@@ -166,9 +167,22 @@ class LocalStateDict:
         self._loading = False
         self.state.reshard_all()  # a gathered full buffer would hold the values from before the load
 
-    def _guard_submodule(self, name: str):
+    def _own_params(self, module: nn.Module) -> dict[str, _Param]:
+        """The fragments registered in ``module`` itself: ``{attribute: _Param}``."""
+        return {attr: self.by_fragment[id(frag)] for params, attr, frag in fragment_registrations(self.state.root)
+                if params is module._parameters}
+
+    def _guard_submodule(self, name: str, own: dict[str, _Param]):
         def hook(module, state_dict, prefix, *rest) -> None:
-            if not self._loading:
+            if self._loading:
+                # A full-shape tensor that appeared after the model's pre-hook (an ancestor's own load pre-hook fused
+                # split keys back): this rank's fragment of it, as _to_fragments does.
+                for attr, p in own.items():
+                    t = state_dict.get(prefix + attr)
+                    if isinstance(t, torch.Tensor) and tuple(t.shape) == p.full_shape and (
+                            isinstance(t, DTensor) or p.full_shape != p.frag_shape):
+                        state_dict[prefix + attr] = dsd.fragment_of(t, p.offset, p.numel, p.frag_shape, p.tp_spec)
+            else:
                 raise ValueError(
                     f"load_state_dict on {name!r} ({type(module).__name__}), a submodule of a model sharded by "
                     f"shardfusion.fully_shard, would copy into this rank's 1-D fragments unchecked: call "

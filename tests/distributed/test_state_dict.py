@@ -74,13 +74,23 @@ def _split_qkv(module, state_dict, prefix, local_metadata) -> None:
             state_dict[f"{prefix}{name}.{kind}"] = part
 
 
+def _fuse_qkv(module, state_dict, prefix, *rest) -> None:
+    """Its load pre-hook: q, k, v back into qkv (torch.cat, dim 0)."""
+    for kind in ("weight", "bias"):
+        parts = [state_dict.pop(f"{prefix}{name}.{kind}", None) for name in "qkv"]
+        if all(p is not None for p in parts):
+            state_dict[f"{prefix}qkv.{kind}"] = torch.cat(parts, dim=0)
+
+
 class Attn(nn.Module):
-    """A fused qkv Linear (6 -> 18) whose state dict holds q, k, v (6 -> 6 each) through `_split_qkv`."""
+    """A fused qkv Linear (6 -> 18) whose state dict holds q, k, v (6 -> 6 each) through `_split_qkv`, fused back on
+    load by `_fuse_qkv`."""
 
     def __init__(self) -> None:
         super().__init__()
         self.qkv = nn.Linear(6, 18)
         self._register_state_dict_hook(_split_qkv)
+        self._register_load_state_dict_pre_hook(_fuse_qkv, with_module=True)
 
     def forward(self, x):  # (B, 6) -> (B, 6)
         q, k, v = self.qkv(x).chunk(3, dim=-1)
@@ -210,6 +220,16 @@ def _qkv_job(tmp: str) -> dict:
                     "ln": (tuple(w.shape), w.device_mesh.mesh_dim_names, tuple(map(str, w.placements)),
                            tuple(w.to_local().shape)),
                     "fragments-back": all(not isinstance(p, DTensor) for p in model.parameters())}
+        torch.manual_seed(1)
+        other = sf.fully_shard(TiedLM(), sf.Topology(**topo_kw), units=(nn.Linear,), **wrap_kw)
+        out[tag]["load-split"] = _outcome(lambda: _incompatible(other.load_state_dict(sd)))  # split DTensors
+        out[tag]["load-split-full"] = sf.full_state_dict(other)
+        torch.manual_seed(0)
+        plain = TiedLM().state_dict()  # split plain tensors
+        torch.manual_seed(1)
+        other = sf.fully_shard(TiedLM(), sf.Topology(**topo_kw), units=(nn.Linear,), **wrap_kw)
+        out[tag]["load-plain"] = _outcome(lambda: _incompatible(other.load_state_dict(plain)))
+        out[tag]["load-plain-full"] = sf.full_state_dict(other)
     return out
 
 
@@ -509,6 +529,13 @@ def test_state_dict_hooks_see_full_shape_dtensors(runs):
             assert got["keys"] == list(plain), (rank, tag, got["keys"])
             _assert_equal(got["values"], plain, f"rank {rank} {tag}")
             assert got["fragments-back"], (rank, tag)
+            # and back, through the model's own load pre-hook that fuses q, k, v (its DTensors, a plain state dict)
+            torch.manual_seed(0)
+            want = TiedLM(split=True)
+            want_full = {n: p.detach() for n, p in want.named_parameters(remove_duplicate=False)}
+            for key in ("load-split", "load-plain"):
+                assert got[key] == ([], []), (rank, tag, key, got[key])
+                _assert_equal(got[f"{key}-full"], want_full, f"rank {rank} {tag} {key}")
         # every parameter is a DTensor (kept-whole biases too); Shard(0) over the inner group, Replicate over outer
         assert r["qkv"]["I4O1"]["dtensors"] == sorted(plain)
         assert r["qkv"]["I4O1"]["ln"] == ((6,), ("replicate", "shard"), ("R", "S(0)"), (2,) if rank < 3 else (0,))
