@@ -1,11 +1,17 @@
 """``model.state_dict()`` and ``model.load_state_dict()`` of a sharded model, with torch's own module hooks.
 
 [Note: local state dicts]
-After :func:`shardfusion.fully_shard`, ``model.state_dict()`` holds, under the original names, this rank's 1-D
-fragments of the sharded parameters (views of its shard; kept-whole and expert parameters are 1-D too; a parameter of
-``whole_params`` has its shape on its owner rank, ``(0, *shape[1:])`` elsewhere) and the
-module buffers. A state-dict post-hook on the sharded model records in the state dict's ``_metadata`` (which
-``torch.save`` keeps) where the fragments come from, under ``_metadata[prefix]["shardfusion"]``::
+After :func:`shardfusion.fully_shard`, ``model.state_dict()`` holds, under the original names, every parameter as a
+DTensor of its full shape (``Shard(0)`` over its shard group, ``Replicate()`` over its replicas, the tensor-parallel
+placement on an ``mp`` dimension: [Note: DTensor state dicts] in ``dtensor_state_dict.py``), a tied parameter under
+each of its names, and the module buffers as plain tensors. A state-dict pre-hook on the sharded model gathers the
+flat buffers one at a time (so ``state_dict()`` is collective: every rank calls it) and puts the DTensors in the
+modules' ``_parameters`` in the place of the fragments; ``_save_to_state_dict`` and every state-dict hook of the
+modules (e.g. one that splits a fused QKV weight with ``torch.chunk``) then see full shapes, and a post-hook puts the
+fragments back. A state dict of a submodule of the sharded model (not through the model passed to ``fully_shard``)
+holds that submodule's fragments: this rank's pieces (1-D, or in an owner layout of ``whole_params`` the shape on
+the owner and ``(0, *shape[1:])`` elsewhere). The post-hook also records in the state dict's ``_metadata`` (which
+``torch.save`` keeps), under ``_metadata[prefix]["shardfusion"]``::
 
     {"rank": global rank, "world_size": W, "layout": hex digest of this rank's fragments}
 
@@ -17,8 +23,14 @@ A load-state-dict pre-hook on the sharded model decides, for every parameter key
 
 - a tensor of the parameter's full shape (a plain model's ``state_dict()``, :func:`shardfusion.full_state_dict`):
   each rank copies its own fragment out of it;
-- a 1-D fragment: accepted only when the metadata says it comes from this rank, world size and layout;
-- anything else (another rank's or layout's fragment, a 1-D fragment without metadata, another shape) is refused.
+- a DTensor of the full shape (``model.state_dict()`` of a sharded model of this job, what ``dcp.load`` filled in):
+  gathered (``full_tensor()``, collective over its mesh), then sliced as above; refused when the metadata says
+  another rank or world size saved it (its local tensor is that rank's chunk: a ``torch.save``'d state dict);
+- a fragment: accepted only when the metadata says it comes from this rank, world size and layout;
+- anything else (another rank's or layout's fragment, a fragment without metadata, another shape) is refused.
+
+A full-shape tensor that an ancestor's own load pre-hook makes later (fusing q, k, v back into qkv) is sliced by the
+load pre-hook of the module holding that fragment.
 
 Refusals are collective: every rank validates its own keys, then one ``all_gather_object`` over the default group
 exchanges the problems (and the names of the expert parameters and buffers each ep rank holds), before anything is
