@@ -29,12 +29,18 @@ _HOOKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
 
 def install(optimizer: torch.optim.Optimizer) -> None:
-    """Register the two hooks on ``optimizer``, once."""
+    """Register the two hooks on ``optimizer``, once; the first time, also cut this rank's fragments out of any
+    DTensor state it holds already (a ``load_state_dict`` before its first step, without the hooks; collective)."""
     if optimizer in _HOOKED:
         return
     optimizer.register_state_dict_post_hook(_to_dtensors)
     optimizer.register_load_state_dict_pre_hook(_from_dtensors)
     _HOOKED.add(optimizer)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if state and fragment_owner(p) is not None and any(isinstance(t, DTensor) for t in state.values()):
+                optimizer.state[p] = _fragment_state(p, state)
 
 
 def _keyed_params(optimizer, state_dict) -> list[tuple[object, torch.Tensor]]:
@@ -97,18 +103,22 @@ def _from_dtensors(optimizer, state_dict: dict) -> dict:
     out = dict(state_dict)
     out["state"] = new_state = dict(state_dict["state"])
     for key, p in keyed:
-        owner = fragment_owner(p)
-        if owner is None or key not in new_state:
+        if fragment_owner(p) is None or key not in new_state:
             continue
-        info = owner.local_state_dict.by_fragment[id(p)]
-        values = dict(new_state[key])
-        for name, t in values.items():
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or (not isinstance(t, DTensor) and t.shape == p.shape):
-                continue  # a scalar, or already this rank's fragment
-            if tuple(t.shape) != info.full_shape:
-                raise ValueError(f"optimizer state {name!r} of {info.name!r} has shape {tuple(t.shape)}, neither the "
-                                 f"parameter's full shape {info.full_shape} nor this rank's fragment "
-                                 f"{tuple(p.shape)} (rank {dist.get_rank()})")
-            values[name] = dsd.fragment_of(t, info.offset, info.numel, info.frag_shape, info.tp_spec).clone()
-        new_state[key] = values
+        new_state[key] = _fragment_state(p, new_state[key])
     return out
+
+
+def _fragment_state(p: torch.Tensor, state: dict) -> dict:
+    """``state`` of fragment ``p`` with each DTensor or full-shape tensor replaced by this rank's fragment of it."""
+    info = fragment_owner(p).local_state_dict.by_fragment[id(p)]
+    values = dict(state)
+    for name, t in values.items():
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or (not isinstance(t, DTensor) and t.shape == p.shape):
+            continue  # a scalar, or already this rank's fragment
+        if tuple(t.shape) != info.full_shape:
+            raise ValueError(f"optimizer state {name!r} of {info.name!r} has shape {tuple(t.shape)}, neither the "
+                             f"parameter's full shape {info.full_shape} nor this rank's fragment "
+                             f"{tuple(p.shape)} (rank {dist.get_rank()})")
+        values[name] = dsd.fragment_of(t, info.offset, info.numel, info.frag_shape, info.tp_spec).clone()
+    return values

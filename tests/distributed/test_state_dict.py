@@ -180,6 +180,15 @@ def _dcp_job(tmp: str) -> dict:
     out["fragments-kept"] = all(not isinstance(p, DTensor) for p in model.parameters()) and all(
         not isinstance(t, DTensor) for st in optim.state.values() for t in st.values())
 
+    # torch's own calls, no DCP: model.load_state_dict / optimizer.load_state_dict of the DTensors, before a step
+    torch.manual_seed(11)
+    again = sf.fully_shard(TiedLM(split=False), sf.Topology(sharding=4), units=(nn.Linear,))
+    optim4 = torch.optim.AdamW(again.parameters(), lr=0.05, weight_decay=0.1)
+    again.load_state_dict(model.state_dict())
+    optim4.load_state_dict(optim.state_dict())
+    out["plain-api-loss"] = _mean_over_ranks(_dcp_steps(again, optim4, range(DCP_STEPS, 2 * DCP_STEPS), rows))
+    out["plain-api-fragments"] = all(not isinstance(t, DTensor) for st in optim4.state.values() for t in st.values())
+
     torch.manual_seed(9)
     resumed = sf.fully_shard(TiedLM(split=False), sf.Topology(sharding=4, fsdp_outer_degree=2), units=(nn.Linear,),
                              replicate_filter=lambda n, p: n.endswith("bias"))
@@ -562,6 +571,8 @@ def test_dcp_state_dict_api_round_trip_across_layouts(runs):
         for name, st in d["saved-optim"].items():
             _assert_equal(d["loaded-optim"][name], st, f"rank {rank} dcp optimizer round trip {name}")
         torch.testing.assert_close(d["losses-before"] + d["losses-after"], ref_losses, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(d["plain-api-loss"], ref_losses[DCP_STEPS:], rtol=1e-5, atol=1e-6)
+        assert d["plain-api-fragments"], rank
         _close(d["final"], ref_model.state_dict(), f"rank {rank} after resume")
         _assert_equal(d["third-model"], d["saved-model"], f"rank {rank} full_state_dict=True into dp2 x sharding2")
         for name, st in d["saved-optim"].items():
