@@ -124,9 +124,12 @@ class LocalStateDict:
                    root.register_load_state_dict_post_hook(self._after_load)]
         holders = {id(m): m for m in fragment_holders(root) if m is not root}
         names = {id(m): n for n, m in root.named_modules()}
+        own: dict[int, dict[str, _Param]] = {}  # id(module._parameters) -> the fragments registered there
+        for params, attr, frag in fragment_registrations(root):
+            own.setdefault(id(params), {})[attr] = self.by_fragment[id(frag)]
         for module in holders.values():
             handles.append(module.register_load_state_dict_pre_hook(
-                self._guard_submodule(names.get(id(module), "?"), self._own_params(module))))
+                self._guard_submodule(names.get(id(module), "?"), own.get(id(module._parameters), {}))))
         self.state.__dict__.setdefault("hook_handles", []).extend(handles)
 
     def metadata(self) -> dict:
@@ -178,11 +181,6 @@ class LocalStateDict:
     def _after_load(self, module, incompatible_keys) -> None:
         self._loading = False
         self.state.reshard_all()  # a gathered full buffer would hold the values from before the load
-
-    def _own_params(self, module: nn.Module) -> dict[str, _Param]:
-        """The fragments registered in ``module`` itself: ``{attribute: _Param}``."""
-        return {attr: self.by_fragment[id(frag)] for params, attr, frag in fragment_registrations(self.state.root)
-                if params is module._parameters}
 
     def _guard_submodule(self, name: str, own: dict[str, _Param]):
         def hook(module, state_dict, prefix, *rest) -> None:

@@ -9,8 +9,8 @@ never mixes ranks' fragments; the optimizer's own state is not changed. A load-s
 DTensors, or plain tensors of the full shape, and cuts this rank's fragment out of them.
 
 Both are collective: ``optimizer.state_dict()`` gathers one buffer per state name at a time (after one
-``all_gather_object`` over the default group that agrees on which states exist), ``load_state_dict`` gathers each
-DTensor (``full_tensor()``); every rank must call them, with the same optimizer over the same parameters.
+``all_gather_object`` over the buffer's shard group that agrees on which states exist), ``load_state_dict`` gathers
+each DTensor (``full_tensor()``); every rank must call them, with the same optimizer over the same parameters.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from shardfusion import comm
 from shardfusion._runtime import dtensor_state_dict as dsd
 from shardfusion._runtime.state import fragment_owner, fragments_by_buffer
 
@@ -61,18 +62,10 @@ def _to_dtensors(optimizer, state_dict: dict) -> dict:
     if not pairs:
         return state_dict
     state = state_dict["state"]
-    # Per buffer, per fragment: the (name, dtype) of its per-element states; agreed over every rank, so that each
-    # rank gathers the same buffers (a rank whose fragment is empty may lack a state another rank has).
-    plan = [[sorted((n, str(t.dtype)) for n, t in state.get(key_of.get(id(f)), {}).items() if _is_per_element(t, f))
-             for f in buffer.fragments] for buffer, _ in pairs]
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, plan)
-    if any(len(p) != len(plan) or [len(b) for b in p] != [len(b) for b in plan] for p in every):
-        raise ValueError(f"optimizer.state_dict() of {type(optimizer).__name__} over a sharded model: the ranks' "
-                         f"optimizers hold different parameters ({[len(p) for p in every]} buffers per rank); every "
-                         f"rank must build the same optimizer over model.parameters()")
-    agreed = [[sorted({tuple(e) for p in every for e in p[b][i]}) for i in range(len(plan[b]))]
-              for b in range(len(plan))]
+    agreed = [_agreed_plan(optimizer, buffer, [sorted((n, str(t.dtype)) for n, t in
+                                                      state.get(key_of.get(id(f)), {}).items()
+                                                      if _is_per_element(t, f)) for f in buffer.fragments])
+              for buffer, _ in pairs]
     out = dict(state_dict)
     out["state"] = new_state = {k: dict(v) for k, v in state.items()}  # the optimizer's own dicts stay untouched
     for (buffer, frags), names in zip(pairs, agreed):
@@ -89,6 +82,26 @@ def _to_dtensors(optimizer, state_dict: dict) -> dict:
                     new_state.setdefault(key_of[id(f)], {})[name] = t
             del flat
     return out
+
+
+def _agreed_plan(optimizer, buffer, plan: list[list[tuple[str, str]]]) -> list[list[tuple[str, str]]]:
+    """Per fragment of ``buffer``, the ``(name, dtype)`` of its per-element states, united over the buffer's shard
+    group (one ``all_gather_object``), so that its ranks gather the same states (a rank whose fragment is empty may
+    lack a state the others have).
+
+    Raises:
+        ValueError: the ranks of the shard group hold another number of fragments of it (on every rank of the group).
+    """
+    size = comm.group_size(buffer.shard_group)
+    if size == 1:
+        return plan
+    every: list = [None] * size
+    dist.all_gather_object(every, plan, group=buffer.shard_group)
+    if any(len(p) != len(plan) for p in every):
+        raise ValueError(f"optimizer.state_dict() of {type(optimizer).__name__}: the ranks of unit "
+                         f"{buffer.unit_name!r}'s shard group hold {[len(p) for p in every]} fragments of it; every "
+                         f"rank must build the same optimizer over model.parameters()")
+    return [sorted({tuple(e) for p in every for e in p[i]}) for i in range(len(plan))]
 
 
 def buffer_cache(fragment) -> dict:
