@@ -1,16 +1,24 @@
-"""model.state_dict() / model.load_state_dict() of a sharded model and sf.full_state_dict (local_state_dict.py).
+"""model.state_dict() / model.load_state_dict() of a sharded model, torch's DCP state-dict API, sf.full_state_dict
+(local_state_dict.py, dtensor_state_dict.py, optimizer_state_dict.py).
 
 One W=4 job. A plain `Outer` model (a plain Linear `pre` plus `net`: an embedding tied with the head, a Linear
 whose fragments are uneven, BatchNorm, a non-persistent buffer) is the single-process reference; its `net` is
 sharded at (I, O) = (4, 1) and (2, 2) (biases kept whole) inside a fresh, differently initialized `Outer`. Checked:
 the plain state dict (full shapes) loads with strict=True through the bigger module (prefix "net.") and
-full_state_dict then equals it bitwise; one layout's full_state_dict loads into the other; a rank's own
-model.state_dict() (torch.save / torch.load) loads back on that rank; rank 0's state dict loaded on every rank
-(the habit, with even and uneven fragments), another layout's or a metadata-less fragment dict, and a load on a
-submodule are refused with a ValueError on every rank and nothing is copied; strict=False / strict=True report
-missing keys as torch does on the plain model. MoE at ep 2: the plain model (every expert) loads with strict=True
-and each rank's own fragments round-trip. Non-persistent buffers are not in full_state_dict, which a plain model
-then loads strictly.
+full_state_dict then equals it bitwise, the tied alias included (a plain Net loads it strictly); one layout's
+full_state_dict loads into the other; a rank's own model.state_dict() (full-shape DTensors; torch.save /
+torch.load) loads back on that rank, and the other layout's too; a state dict whose metadata says rank 0 saved it,
+loaded on every rank (the habit, with even and uneven fragments), fragments without metadata, a DTensor of another
+shape, and a load on a submodule are refused with a ValueError on every rank and nothing is copied; strict=False /
+strict=True report missing keys as torch does on the plain model. MoE at ep 2: the plain model (every expert) loads
+with strict=True, state_dict() holds this ep rank's experts as DTensors over the ranks of its ep index, and each
+rank's own state dict round-trips. Non-persistent buffers are not in full_state_dict, which a plain model then loads
+strictly. A model whose attention splits its fused qkv on save (torch.chunk in its own state-dict hook) and fuses it
+on load: the sharded state_dict() equals the plain one after full_tensor(), and both load back. torch's
+get/set_model_state_dict and get/set_optimizer_state_dict with dcp.save / dcp.load: saved at FSDP 4 after 2 AdamW
+steps, loaded at HSDP 2x2 bitwise, 2 more steps equal the single-process run; full state dicts
+(`full_state_dict=True`) into dp 2 x sharding 2; the checkpoint into a plain model in one process; torch's own
+load_state_dict calls (model and optimizer) before a first step; an optimizer state of another shape refused.
 """
 
 from __future__ import annotations
@@ -188,6 +196,9 @@ def _dcp_job(tmp: str) -> dict:
     optim4.load_state_dict(optim.state_dict())
     out["plain-api-loss"] = _mean_over_ranks(_dcp_steps(again, optim4, range(DCP_STEPS, 2 * DCP_STEPS), rows))
     out["plain-api-fragments"] = all(not isinstance(t, DTensor) for st in optim4.state.values() for t in st.values())
+    bad = optim4.state_dict()
+    bad["state"][0] = dict(bad["state"][0], exp_avg=torch.zeros(3, 3))  # emb.weight is (7, 6)
+    out["optim-wrong-shape"] = _outcome(lambda: optim4.load_state_dict(bad))
 
     torch.manual_seed(9)
     resumed = sf.fully_shard(TiedLM(split=False), sf.Topology(sharding=4, fsdp_outer_degree=2), units=(nn.Linear,),
@@ -573,6 +584,8 @@ def test_dcp_state_dict_api_round_trip_across_layouts(runs):
         torch.testing.assert_close(d["losses-before"] + d["losses-after"], ref_losses, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(d["plain-api-loss"], ref_losses[DCP_STEPS:], rtol=1e-5, atol=1e-6)
         assert d["plain-api-fragments"], rank
+        assert d["optim-wrong-shape"].startswith("raised ValueError: optimizer state 'exp_avg' of 'emb.weight' has "
+                                                 "shape (3, 3), neither the parameter's full shape (7, 6)"), d
         _close(d["final"], ref_model.state_dict(), f"rank {rank} after resume")
         _assert_equal(d["third-model"], d["saved-model"], f"rank {rank} full_state_dict=True into dp2 x sharding2")
         for name, st in d["saved-optim"].items():
