@@ -141,7 +141,7 @@ class LocalStateDict:
         """Put a full-shape DTensor in the place of every fragment in the modules' ``_parameters`` (collective: one
         buffer gathered at a time, see [Note: DTensor state dicts]), so that ``_save_to_state_dict`` and every
         state-dict hook of the modules see them; :meth:`_after_save` puts the fragments back."""
-        self._restore()  # a state_dict() that raised half-way left them in
+        self.restore()  # a state_dict() that raised half-way left them in
         dtensors = {}
         for buffer in flat_buffers(self.state.root):
             flat = buffer.gather_copy()  # (P,)
@@ -154,17 +154,18 @@ class LocalStateDict:
                 self._swapped.append((params, attr, frag))
 
     def _after_save(self, module, state_dict, prefix, local_metadata) -> None:
-        self._restore()
+        self.restore()
         local_metadata[META_KEY] = self.metadata()
 
-    def _restore(self) -> None:
+    def restore(self) -> None:
+        """Put back the fragments that :meth:`_before_save` replaced (a no-op when none are out)."""
         swapped, self._swapped = self._swapped, []
         for params, attr, frag in swapped:
             params[attr] = frag
 
     def _before_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                      error_msgs) -> None:
-        self._restore()
+        self.restore()
         problems = self._problems(state_dict, prefix, local_metadata)
         every = [None] * self.world_size
         dist.all_gather_object(every, (self.rank, problems, self.expert_names))

@@ -224,6 +224,10 @@ def _dcp_job(tmp: str) -> dict:
     return out
 
 
+def _raise(module, state_dict, prefix, local_metadata) -> None:
+    raise RuntimeError("a state-dict hook failed")
+
+
 def _qkv_job(tmp: str) -> dict:
     """model.state_dict() of a TiedLM whose attention splits its fused qkv on save, in each layout."""
     from torch.distributed.tensor import DTensor
@@ -240,6 +244,11 @@ def _qkv_job(tmp: str) -> dict:
                     "ln": (tuple(w.shape), w.device_mesh.mesh_dim_names, tuple(map(str, w.placements)),
                            tuple(w.to_local().shape)),
                     "fragments-back": all(not isinstance(p, DTensor) for p in model.parameters())}
+        handle = model.ln.register_state_dict_post_hook(_raise)
+        out[tag]["hook-raised"] = _outcome(model.state_dict)
+        handle.remove()
+        out[tag]["forward-after-raise"] = _outcome(lambda: model(torch.arange(4)).shape)
+        out[tag]["fragments-after-raise"] = all(not isinstance(p, DTensor) for p in model.parameters())
         torch.manual_seed(1)
         other = sf.fully_shard(TiedLM(), sf.Topology(**topo_kw), units=(nn.Linear,), **wrap_kw)
         out[tag]["load-split"] = _outcome(lambda: _incompatible(other.load_state_dict(sd)))  # split DTensors
@@ -549,6 +558,9 @@ def test_state_dict_hooks_see_full_shape_dtensors(runs):
             assert got["keys"] == list(plain), (rank, tag, got["keys"])
             _assert_equal(got["values"], plain, f"rank {rank} {tag}")
             assert got["fragments-back"], (rank, tag)
+            # a hook that raises leaves the DTensors in the modules until the next forward, which puts the fragments back
+            assert got["hook-raised"] == "raised RuntimeError: a state-dict hook failed", got["hook-raised"]
+            assert got["forward-after-raise"] == torch.Size([4, 7]) and got["fragments-after-raise"], (rank, tag)
             # and back, through the model's own load pre-hook that fuses q, k, v (its DTensors, a plain state dict)
             torch.manual_seed(0)
             want = TiedLM(split=True)
