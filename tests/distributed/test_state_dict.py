@@ -551,14 +551,15 @@ def test_state_dict_hooks_see_full_shape_dtensors(runs):
     """A model's own hook splits qkv by torch.chunk: the sharded model's state_dict() equals the plain one's."""
     torch.manual_seed(0)
     plain = TiedLM().state_dict()
-    assert {"attn.q.weight", "attn.v.bias", "emb.weight", "head.weight"} <= set(plain) and "attn.qkv.weight" not in plain
+    assert {"attn.q.weight", "attn.v.bias", "emb.weight", "head.weight"} <= set(plain)
+    assert "attn.qkv.weight" not in plain
     for rank, r in enumerate(runs):
         for tag in LAYOUTS:
             got = r["qkv"][tag]
             assert got["keys"] == list(plain), (rank, tag, got["keys"])
             _assert_equal(got["values"], plain, f"rank {rank} {tag}")
             assert got["fragments-back"], (rank, tag)
-            # a hook that raises leaves the DTensors in the modules until the next forward, which puts the fragments back
+            # a hook that raises leaves the DTensors in the modules until the next forward, that restores the fragments
             assert got["hook-raised"] == "raised RuntimeError: a state-dict hook failed", got["hook-raised"]
             assert got["forward-after-raise"] == torch.Size([4, 7]) and got["fragments-after-raise"], (rank, tag)
             # and back, through the model's own load pre-hook that fuses q, k, v (its DTensors, a plain state dict)
