@@ -12,8 +12,8 @@ loaded on every rank (the habit, with even and uneven fragments), fragments with
 shape, and a load on a submodule are refused with a ValueError on every rank and nothing is copied; strict=False /
 strict=True report missing keys as torch does on the plain model. MoE at ep 2: the plain model (every expert) loads
 with strict=True, state_dict() holds this ep rank's experts as DTensors over the ranks of its ep index, and each
-rank's own state dict round-trips. Non-persistent buffers are not in full_state_dict, which a plain model then loads
-strictly. A model whose attention splits its fused qkv on save (torch.chunk in its own state-dict hook) and fuses it
+rank's own state dict round-trips, and so does a DCP checkpoint of it into ep 1. Non-persistent buffers are not in
+full_state_dict, which a plain model then loads strictly. A model whose attention splits its fused qkv on save (torch.chunk in its own state-dict hook) and fuses it
 on load: the sharded state_dict() equals the plain one after full_tensor(), and both load back. torch's
 get/set_model_state_dict and get/set_optimizer_state_dict with dcp.save / dcp.load: saved at FSDP 4 after 2 AdamW
 steps, loaded at HSDP 2x2 bitwise, 2 more steps equal the single-process run; full state dicts
@@ -389,6 +389,17 @@ def _moe_job(tmp: str) -> dict:
     _outcome(lambda: model.load_state_dict(TinyMoETransformer().state_dict()))
     out["round-trip-incompatible"] = _incompatible(_outcome(lambda: model.load_state_dict(torch.load(path))))
     out["round-trip"] = sf.full_state_dict(model)
+    # torch's DCP state-dict API: saved at ep 2 (each ep rank its own experts), loaded at ep 1 x outer 2 (every expert)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(tmp, "moe-dcp"))
+    topo1 = sf.Topology(sharding=4, fsdp_outer_degree=2)
+    torch.manual_seed(6)
+    other = sf.fully_shard(TinyMoETransformer(ep_group=topo1.get_group("ep")), topo1, units=(MoEBlock,))
+    state = {"model": get_model_state_dict(other)}
+    dcp.load(state, checkpoint_id=os.path.join(tmp, "moe-dcp"))
+    set_model_state_dict(other, state["model"])
+    out["dcp-ep1"] = sf.full_state_dict(other)
     return out
 
 
@@ -519,6 +530,8 @@ def test_expert_parameters_load_full_and_own_fragments(runs):
         assert moe["expert-mesh"] == ((0, 2) if rank % 2 == 0 else (1, 3)), moe["expert-mesh"]  # same ep index
         assert moe["round-trip-incompatible"] == ([], []), (rank, moe["round-trip-incompatible"])
         _assert_equal(moe["round-trip"], moe["plain"], f"rank {rank}: MoE round trip")
+        assert sorted(moe["dcp-ep1"]) == sorted(moe["plain"]), rank
+        _assert_equal(moe["dcp-ep1"], moe["plain"], f"rank {rank}: MoE through DCP, ep 2 -> ep 1")
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
