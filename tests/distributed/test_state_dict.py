@@ -13,8 +13,9 @@ shape, and a load on a submodule are refused with a ValueError on every rank and
 strict=True report missing keys as torch does on the plain model. MoE at ep 2: the plain model (every expert) loads
 with strict=True, state_dict() holds this ep rank's experts as DTensors over the ranks of its ep index, and each
 rank's own state dict round-trips, and so does a DCP checkpoint of it into ep 1. Non-persistent buffers are not in
-full_state_dict, which a plain model then loads strictly. A model whose attention splits its fused qkv on save (torch.chunk in its own state-dict hook) and fuses it
-on load: the sharded state_dict() equals the plain one after full_tensor(), and both load back. torch's
+full_state_dict, which a plain model then loads strictly. A model whose attention splits its fused qkv on save
+(torch.chunk in its own state-dict hook) and fuses it on load: the sharded state_dict() equals the plain one after
+full_tensor(), and both load back. torch's
 get/set_model_state_dict and get/set_optimizer_state_dict with dcp.save / dcp.load: saved at FSDP 4 after 2 AdamW
 steps, loaded at HSDP 2x2 bitwise, 2 more steps equal the single-process run; full state dicts
 (`full_state_dict=True`) into dp 2 x sharding 2; the checkpoint into a plain model in one process; torch's own
