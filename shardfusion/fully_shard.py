@@ -92,8 +92,10 @@ def fully_shard(
     unsharded the modules see DTensors with the original placements over views of the full buffer, so torch's
     parallel styles run as without FSDP. Context parallel (docs/context-parallel.md): with ``sep * cp > 1`` the
     context ranks are replicas of the shards; the model splits its sequences itself (e.g.
-    :func:`shardfusion.context_parallel.attention`). ``model.state_dict()`` holds those fragments (local);
-    ``model.load_state_dict()`` is collective and takes full-shape tensors or this rank's own fragments (see
+    :func:`shardfusion.context_parallel.attention`). ``model.state_dict()`` is collective and holds full-shape DTensors
+    (``Shard(0)`` over the shard group, ``Replicate()`` over the replicas), which the model's own state-dict hooks see
+    and torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` and DCP take; ``model.load_state_dict()`` is
+    collective and takes those, full-shape tensors or this rank's own fragments (see
     :func:`shardfusion.full_state_dict`).
 
     Meta-device models: a model built (all or partly) under ``with torch.device("meta")`` is materialized here,

@@ -1,14 +1,19 @@
 """Full (unsharded) state dicts of a sharded model, for tests, export and inspection.
 
-State dicts of a sharded model, in short (details: [Note: local state dicts] in ``local_state_dict.py``):
+State dicts of a sharded model, in short (details: [Note: local state dicts] in ``local_state_dict.py`` and
+[Note: DTensor state dicts] in ``dtensor_state_dict.py``):
 
-- ``model.state_dict()``: this rank's 1-D fragments under the original names, plus the buffers; cheap, local. Its
-  ``_metadata`` (kept by ``torch.save``) records the rank, the world size and a digest of this rank's layout.
-- :func:`full_state_dict`: every parameter in its full shape, on every rank (collective); loads into a plain model
-  and into a sharded model of any layout.
-- ``model.load_state_dict(sd)``: collective (every rank calls it). Takes full-shape tensors (each rank copies its
-  fragment) and 1-D fragments only from this same rank and layout; refuses anything else with a ``ValueError`` on
-  every rank, before anything is copied into it.
+- ``model.state_dict()``: every parameter as a DTensor of its full shape (``Shard(0)`` over the shard group,
+  ``Replicate()`` over the replicas; local tensors are DTensor's own chunks), a tied parameter under each name, plus
+  the buffers as plain tensors; collective (one flat buffer gathered at a time). The model's own state-dict hooks see
+  the DTensors. It is what ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` returns, so
+  ``dcp.save`` / ``dcp.load`` reshard it into any layout; ``optimizer.state_dict()`` of an optimizer over the
+  fragments gives its per-element states as DTensors too (``get_optimizer_state_dict``).
+- :func:`full_state_dict`: every parameter in its full shape as a plain tensor, on every rank (collective); loads
+  strictly into a plain model and into a sharded model of any layout.
+- ``model.load_state_dict(sd)``: collective (every rank calls it). Takes DTensors and plain tensors of the full shape
+  (each rank copies its fragment) and fragments only from this same rank and layout; refuses anything else with a
+  ``ValueError`` on every rank, before anything is copied into it.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ def full_state_dict(model: nn.Module, buffers: bool = True) -> dict[str, torch.T
     """Gather every parameter of a sharded model: ``{name: full tensor}`` with original shapes, on every rank.
 
     Collective: every rank of the model must call it, in the same order. Tensors are fresh copies (not views of any
-    runtime buffer) in the parameters' dtype and device; a tied parameter appears once, under its first name.
+    runtime buffer) in the parameters' dtype and device, of shape ``param.shape`` as the unsharded model has it; a
+    tied parameter appears under each of its names, as one tensor (as in a plain model's ``state_dict()``: a file
+    format that refuses shared tensors, e.g. safetensors' ``save_file``, needs one name dropped).
     Tensor-parallel (DTensor) parameters come whole, in their global shape, as plain tensors (gathered over the mp
     mesh). Expert parameters of every ep rank are included (each ep rank holds its own experts, under their global names,
     see :class:`shardfusion.moe.MoE`): they are exchanged over the ep group with ``all_gather_object``.
@@ -33,12 +40,11 @@ def full_state_dict(model: nn.Module, buffers: bool = True) -> dict[str, torch.T
     ``persistent=False``, which ``state_dict()`` leaves out too) are included, as held by the first data-parallel
     rank (for buffers of experts: the first rank holding those experts).
 
-    The result loads into a plain (unsharded) model with ``load_state_dict`` (tied parameters: ``strict=False``, or
-    give the other names too), and into a sharded model of any layout and world size with the sharded model's own
-    ``model.load_state_dict(full)`` (collective; each rank copies its fragment out of the full tensors). To move
-    weights between ranks or layouts use this (or :mod:`shardfusion.checkpoint`), never ``model.state_dict()``: that
-    holds this rank's 1-D fragments, and ``load_state_dict`` refuses them on another rank or layout (``ValueError``
-    on every rank, naming the key and the rank and layout it came from).
+    The result loads into a plain (unsharded) model with ``load_state_dict`` (``strict=True``), and into a sharded
+    model of any layout and world size with the sharded model's own ``model.load_state_dict(full)`` (collective; each
+    rank copies its fragment out of the full tensors). ``model.state_dict()`` holds DTensors instead, which a plain
+    model does not take (torch refuses to copy a DTensor into a plain tensor): use this,
+    ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))``, or DCP for that.
 
     Raises:
         ValueError: two ep ranks hold an expert parameter or buffer of the same name.
@@ -59,6 +65,22 @@ def full_state_dict(model: nn.Module, buffers: bool = True) -> dict[str, torch.T
     comm.broadcast_coalesced(list(expert_copies.values()), state.topology.get_expert_data_parallel_group())
     experts.update(expert_copies)
     out.update(_gather_over_ep(experts, state.topology.get_group("ep")))
+    return _with_aliases(model, out)
+
+
+def _with_aliases(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``full`` with each tied parameter also under its other names (the same tensor), in the order of
+    ``model.state_dict()``'s parameter names, then the rest (buffers, other ep ranks' experts)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for group in names.values():
+        for name in group:
+            if name in full:
+                out.update((alias, full[name]) for alias in group)
+                break
+    out.update((k, v) for k, v in full.items() if k not in out)
     return out
 
 

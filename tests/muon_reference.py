@@ -105,7 +105,7 @@ def reference(experts: int = 0, dp_world: int = 1, fp32: bool = True) -> dict:
     loss_fn = sliced_loss_fn(model, slice_batch, dp_world)
     with newton_schulz(fp32):
         out = train(model, optimizers(model), loss_fn, range(STEPS))
-    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     return out
 
 

@@ -7,6 +7,8 @@
 - ``wrap``: what ``fully_shard`` builds: units, parameter placement, the groups of each buffer, the checks.
 - ``nested``: absorbing the units of earlier ``fully_shard`` calls on submodules (FSDP2's idiom).
 - ``local_state_dict``: ``model.state_dict()`` / ``load_state_dict`` conventions of a sharded model.
+- ``dtensor_state_dict``: full-shape DTensors from flat buffers (state dicts), and fragments back from them.
+- ``optimizer_state_dict``: ``optimizer.state_dict()`` / ``load_state_dict`` hooks of an optimizer over fragments.
 - ``optimizer_hook``: the optimizer step pre-hook (gradient sync, refusals).
 - ``state``: the one accessor for a sharded model's runtime state.
 - ``compress``: the compressed (bf16 / fp16 / block-wise int8) replicate all-reduce.

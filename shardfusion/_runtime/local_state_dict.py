@@ -1,11 +1,17 @@
 """``model.state_dict()`` and ``model.load_state_dict()`` of a sharded model, with torch's own module hooks.
 
 [Note: local state dicts]
-After :func:`shardfusion.fully_shard`, ``model.state_dict()`` holds, under the original names, this rank's 1-D
-fragments of the sharded parameters (views of its shard; kept-whole and expert parameters are 1-D too; a parameter of
-``whole_params`` has its shape on its owner rank, ``(0, *shape[1:])`` elsewhere) and the
-module buffers. A state-dict post-hook on the sharded model records in the state dict's ``_metadata`` (which
-``torch.save`` keeps) where the fragments come from, under ``_metadata[prefix]["shardfusion"]``::
+After :func:`shardfusion.fully_shard`, ``model.state_dict()`` holds, under the original names, every parameter as a
+DTensor of its full shape (``Shard(0)`` over its shard group, ``Replicate()`` over its replicas, the tensor-parallel
+placement on an ``mp`` dimension: [Note: DTensor state dicts] in ``dtensor_state_dict.py``), a tied parameter under
+each of its names, and the module buffers as plain tensors. A state-dict pre-hook on the sharded model gathers the
+flat buffers one at a time (so ``state_dict()`` is collective: every rank calls it) and puts the DTensors in the
+modules' ``_parameters`` in the place of the fragments; ``_save_to_state_dict`` and every state-dict hook of the
+modules (e.g. one that splits a fused QKV weight with ``torch.chunk``) then see full shapes, and a post-hook puts the
+fragments back. A state dict of a submodule of the sharded model (not through the model passed to ``fully_shard``)
+holds that submodule's fragments: this rank's pieces (1-D, or in an owner layout of ``whole_params`` the shape on
+the owner and ``(0, *shape[1:])`` elsewhere). The post-hook also records in the state dict's ``_metadata`` (which
+``torch.save`` keeps), under ``_metadata[prefix]["shardfusion"]``::
 
     {"rank": global rank, "world_size": W, "layout": hex digest of this rank's fragments}
 
@@ -17,8 +23,14 @@ A load-state-dict pre-hook on the sharded model decides, for every parameter key
 
 - a tensor of the parameter's full shape (a plain model's ``state_dict()``, :func:`shardfusion.full_state_dict`):
   each rank copies its own fragment out of it;
-- a 1-D fragment: accepted only when the metadata says it comes from this rank, world size and layout;
-- anything else (another rank's or layout's fragment, a 1-D fragment without metadata, another shape) is refused.
+- a DTensor of the full shape (``model.state_dict()`` of a sharded model of this job, what ``dcp.load`` filled in):
+  gathered (``full_tensor()``, collective over its mesh), then sliced as above; refused when the metadata says
+  another rank or world size saved it (its local tensor is that rank's chunk: a ``torch.save``'d state dict);
+- a fragment: accepted only when the metadata says it comes from this rank, world size and layout;
+- anything else (another rank's or layout's fragment, a fragment without metadata, another shape) is refused.
+
+A full-shape tensor that an ancestor's own load pre-hook makes later (fusing q, k, v back into qkv) is sliced by the
+load pre-hook of the module holding that fragment.
 
 Refusals are collective: every rank validates its own keys, then one ``all_gather_object`` over the default group
 exchanges the problems (and the names of the expert parameters and buffers each ep rank holds), before anything is
@@ -43,10 +55,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from shardfusion import comm
-from shardfusion._runtime import tensor_parallel as tp
-from shardfusion._runtime.state import fragment_holders, named_fragments
+from shardfusion._runtime import dtensor_state_dict as dsd
+from shardfusion._runtime.state import flat_buffers, fragment_holders, fragment_registrations, named_fragments
 
 META_KEY = "shardfusion"  # key of our entry in a state dict's ``_metadata[prefix]``
 
@@ -96,19 +109,28 @@ class LocalStateDict:
         self.expert_names = sorted({a for p in self.params if p.is_expert for a in p.aliases} |
                                    {n for n, b in state.root.named_buffers() if id(b) in expert_ids})
         self.layout = _digest(state.root)
+        self.by_fragment = {id(f.param): p for f, p in zip(named_fragments(state.root), self.params)}
+        self.meshes: dict = {}  # the DTensors' device meshes, per set of groups (dtensor_state_dict.buffer_mesh)
         self._loading = False  # between the model's load pre-hook and post-hook: its submodules may load
+        self._swapped: list[tuple[dict, str, nn.Parameter]] = []  # fragments replaced by DTensors while saving
+        state.local_state_dict = self  # for the optimizer's state-dict hooks (optimizer_state_dict.py)
 
     def install(self) -> None:
         """Register the hooks on the sharded model and on each submodule that holds fragments; their handles join
         ``state.hook_handles`` (the module hooks removed when a later ``fully_shard`` call absorbs this model)."""
         root = self.state.root
-        handles = [root.register_state_dict_post_hook(lambda *args: self._save_metadata(*args)),  # torch marks it
+        handles = [root.register_state_dict_pre_hook(self._before_save),
+                   root.register_state_dict_post_hook(lambda *args: self._after_save(*args)),  # torch marks it
                    root.register_load_state_dict_pre_hook(self._before_load),
                    root.register_load_state_dict_post_hook(self._after_load)]
         holders = {id(m): m for m in fragment_holders(root) if m is not root}
         names = {id(m): n for n, m in root.named_modules()}
+        own: dict[int, dict[str, _Param]] = {}  # id(module._parameters) -> the fragments registered there
+        for params, attr, frag in fragment_registrations(root):
+            own.setdefault(id(params), {})[attr] = self.by_fragment[id(frag)]
         for module in holders.values():
-            handles.append(module.register_load_state_dict_pre_hook(self._guard_submodule(names.get(id(module), "?"))))
+            handles.append(module.register_load_state_dict_pre_hook(
+                self._guard_submodule(names.get(id(module), "?"), own.get(id(module._parameters), {}))))
         self.state.__dict__.setdefault("hook_handles", []).extend(handles)
 
     def metadata(self) -> dict:
@@ -116,11 +138,35 @@ class LocalStateDict:
         return {"rank": self.rank, "world_size": self.world_size, "layout": self.layout}
 
     # ---- hooks ---------------------------------------------------------------------------------------------------
-    def _save_metadata(self, module, state_dict, prefix, local_metadata) -> None:
+    def _before_save(self, module, prefix, keep_vars) -> None:
+        """Put a full-shape DTensor in the place of every fragment in the modules' ``_parameters`` (collective: one
+        buffer gathered at a time, see [Note: DTensor state dicts]), so that ``_save_to_state_dict`` and every
+        state-dict hook of the modules see them; :meth:`_after_save` puts the fragments back."""
+        self.restore()  # a state_dict() that raised half-way left them in
+        dtensors = {}
+        for buffer in flat_buffers(self.state.root):
+            flat = buffer.gather_copy()  # (P,)
+            for frag, t in zip(buffer.fragments, dsd.buffer_dtensors(buffer, flat, self.meshes)):
+                dtensors[id(frag)] = t
+            del flat
+        for params, attr, frag in fragment_registrations(self.state.root):
+            if params.get(attr) is frag:
+                params[attr] = dtensors[id(frag)]
+                self._swapped.append((params, attr, frag))
+
+    def _after_save(self, module, state_dict, prefix, local_metadata) -> None:
+        self.restore()
         local_metadata[META_KEY] = self.metadata()
+
+    def restore(self) -> None:
+        """Put back the fragments that :meth:`_before_save` replaced (a no-op when none are out)."""
+        swapped, self._swapped = self._swapped, []
+        for params, attr, frag in swapped:
+            params[attr] = frag
 
     def _before_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                      error_msgs) -> None:
+        self.restore()
         problems = self._problems(state_dict, prefix, local_metadata)
         every = comm.all_gather_object((self.rank, problems, self.expert_names), None, "the load_state_dict checks")
         refused = [(r, p) for r, p, _ in every if p]
@@ -137,9 +183,17 @@ class LocalStateDict:
         self._loading = False
         self.state.reshard_all()  # a gathered full buffer would hold the values from before the load
 
-    def _guard_submodule(self, name: str):
+    def _guard_submodule(self, name: str, own: dict[str, _Param]):
         def hook(module, state_dict, prefix, *rest) -> None:
-            if not self._loading:
+            if self._loading:
+                # A full-shape tensor that appeared after the model's pre-hook (an ancestor's own load pre-hook fused
+                # split keys back): this rank's fragment of it, as _to_fragments does.
+                for attr, p in own.items():
+                    t = state_dict.get(prefix + attr)
+                    if isinstance(t, torch.Tensor) and tuple(t.shape) == p.full_shape and (
+                            isinstance(t, DTensor) or p.full_shape != p.frag_shape):
+                        state_dict[prefix + attr] = dsd.fragment_of(t, p.offset, p.numel, p.frag_shape, p.tp_spec)
+            else:
                 raise ValueError(
                     f"load_state_dict on {name!r} ({type(module).__name__}), a submodule of a model sharded by "
                     f"shardfusion.fully_shard, would copy into this rank's 1-D fragments unchecked: call "
@@ -157,8 +211,14 @@ class LocalStateDict:
         out = []
         for alias, p in self.by_alias.items():
             t = state_dict.get(prefix + alias)
+            if isinstance(t, DTensor) and saved is not None and (saved.get("rank"), saved.get("world_size")) != (
+                    self.rank, self.world_size):
+                out.append(f"{prefix + alias!r} is a DTensor saved by rank {saved.get('rank')} of "
+                           f"{saved.get('world_size')}, loaded on rank {self.rank} of {self.world_size}: its local "
+                           f"tensor is that rank's chunk (a torch.save'd model.state_dict() of another rank)")
+                continue
             if not isinstance(t, torch.Tensor) or tuple(t.shape) == p.full_shape:
-                continue  # not a tensor: torch reports it; full shape: sliced
+                continue  # not a tensor: torch reports it; full shape (a DTensor too): sliced
             if same and tuple(t.shape) == p.frag_shape:
                 continue  # this rank's own fragment, same layout
             key = prefix + alias
@@ -181,9 +241,8 @@ class LocalStateDict:
             given = [prefix + a for a in p.aliases if prefix + a in state_dict]
             for key in given:
                 t = state_dict[key]
-                if isinstance(t, torch.Tensor) and tuple(t.shape) == p.full_shape:
-                    piece = t if p.tp_spec is None else tp.local_piece(t, p.tp_spec)  # this mp rank's piece
-                    state_dict[key] = piece.reshape(-1)[p.offset:p.offset + p.numel].view(p.frag_shape)
+                if isinstance(t, torch.Tensor) and tuple(t.shape) == p.full_shape:  # a DTensor: gathered first
+                    state_dict[key] = dsd.fragment_of(t, p.offset, p.numel, p.frag_shape, p.tp_spec)
             for alias in p.aliases:
                 if given and prefix + alias not in state_dict:
                     state_dict[prefix + alias] = state_dict[given[0]]
@@ -212,6 +271,8 @@ def _refusal(model_name: str, refused: list[tuple[int, list[str]]]) -> str:
     counts = ", ".join(f"{r}: {len(p)}" for r, p in refused)
     return (f"load_state_dict into the sharded {model_name} refused on every rank, nothing copied into it: rank "
             f"{first_rank}: {problems[0]}{more}; keys refused per rank {{{counts}}}. model.state_dict() of a sharded "
-            f"model holds this rank's 1-D fragments and loads back only on the rank and layout that saved it; to move "
-            f"weights between ranks or layouts, save shardfusion.full_state_dict(model) (full shapes; every rank "
-            f"calls it) and load that, or use shardfusion.checkpoint.save / load")
+            f"model holds DTensors of the full shapes whose local tensors are this rank's chunks (and a rank's own "
+            f"fragments load back only on that rank and layout): to move weights between ranks or layouts use "
+            f"torch.distributed.checkpoint with get_model_state_dict / set_model_state_dict, or save "
+            f"shardfusion.full_state_dict(model) (full shapes; every rank calls it) and load that, or use "
+            f"shardfusion.checkpoint.save / load")

@@ -13,6 +13,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from shardfusion._runtime import optimizer_state_dict
 from shardfusion._runtime.state import fragment_owner, fragments_by_buffer
 
 # parameter that fully_shard replaced by fragments (the originals, and the fragments of an absorbed nested call) ->
@@ -61,6 +62,8 @@ def _optimizer_pre_step(optimizer, args, kwargs) -> None:
             f"{', '.join(_ELEMENTWISE_NAMES)}, or Muon on parameters kept whole by fully_shard(whole_params=...)")
     if states and isinstance(optimizer, _MATRIX):
         _check_whole(optimizer)
+    if states:
+        optimizer_state_dict.install(optimizer)  # its state_dict() in full-shape DTensors: optimizer_state_dict.py
     for s in states.values():
         s.finish_grad_sync()
         s.release_kept_units()

@@ -162,6 +162,9 @@ class Scheduler:
 
     @torch.compiler.disable
     def _root_pre_forward(self, module, args, kwargs):
+        saving = self.__dict__.get("local_state_dict")
+        if saving is not None:
+            saving.restore()  # a state_dict() that raised in a hook left DTensors in the place of the fragments
         for u in self.units:  # a model cast or moved after fully_shard raises here, before anything runs
             u.check_fragments()
         if not _in_backward():

@@ -150,6 +150,17 @@ def fragment_holders(model: nn.Module) -> list[nn.Module]:
     return list(holders.values())
 
 
+def fragment_registrations(model: nn.Module) -> list[tuple[dict, str, nn.Parameter]]:
+    """Every place a sharded model's fragments are registered: ``(module._parameters, attribute, fragment)``, in
+    unit and layout order (a tied parameter once per place).
+
+    Raises:
+        ValueError: ``model`` is not sharded.
+    """
+    return [(params, attr, frag) for unit in sharded_state(model).units
+            for params, attr, frag, *_ in unit._registered]
+
+
 def fragments_by_buffer(
         params: Iterable[torch.Tensor]) -> tuple[list["RuntimeState"], list[tuple["FlatBuffer", list]]]:
     """The fragments among ``params``: the sharded models' states they belong to (in order of first appearance) and

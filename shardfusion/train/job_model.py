@@ -60,7 +60,7 @@ class JobModel:
     plain: Callable[[], nn.Module]
     """A fresh, unsharded copy of the architecture on the CPU with every expert (it loads a `full_state_dict`)."""
     tied: frozenset[str]
-    """Parameter names that a `full_state_dict` leaves out because they are tied to another one."""
+    """Parameter names tied to another one (a state dict may hold them under the other name only)."""
     generate: Callable[[nn.Module, torch.Tensor, int, float, int, torch.Generator], torch.Tensor]
     """(plain model, prompt (1, T), new bytes, temperature, top_k, generator) -> (1, T + new)."""
 

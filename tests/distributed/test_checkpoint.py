@@ -219,7 +219,8 @@ def test_moe_other_ep_degrees(moe_runs):
             assert_bitwise(rs[r][name], saved, f"moe {name} rank {r}")
         for name in ("ep2O2", "ep1O2", "ep4O1"):  # the saved hyperparameters on every rank, whatever experts it holds
             assert rs[r][f"weight_decay-{name}"] == [0.1], (r, name, rs[r][f"weight_decay-{name}"])
-    assert_bitwise(ckpt.load_full(os.path.join(root, "moe")), saved, "moe load_full")
+    once = {k: v for k, v in saved.items() if k != "head.weight"}  # load_full: the tied head once, as emb.weight
+    assert_bitwise(ckpt.load_full(os.path.join(root, "moe")), once, "moe load_full")
     orig = ckpt.read_all(os.path.join(root, "moe"))
     for name in ("ep1O2", "ep4O1"):
         assert_bitwise(ckpt.read_all(os.path.join(root, f"moe-resaved-{name}")), orig, f"moe resaved {name}")

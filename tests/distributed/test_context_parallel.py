@@ -43,7 +43,7 @@ def reference() -> dict:
         return loss.detach()
 
     out = train_adamw(model, loss_fn, STEPS, LR, MAX_NORM)
-    return {**out, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {**out, "params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}}
 
 
 def sharded(layouts: list[dict]) -> list[dict]:

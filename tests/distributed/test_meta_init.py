@@ -122,9 +122,8 @@ def _gpt(experts: int, ep_group=None):
 
 
 def _reference(model: nn.Module) -> dict:
-    """What ``full_state_dict`` holds for ``model``: its state dict without the second names of tied parameters."""
-    aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(dict(model.named_parameters()))
-    return {k: v.clone() for k, v in model.state_dict().items() if k not in aliases}
+    """What ``full_state_dict`` holds for ``model``: its state dict (a tied parameter under each of its names)."""
+    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def _equal(full: dict, ref: dict) -> list[str]:

@@ -52,6 +52,12 @@ def build(seed: int, moe: bool = False, ep_group=None) -> GPT:
     return model
 
 
+def _once(full: dict) -> dict:
+    """A full_state_dict as the files hold it: the tied weight once, under its first name."""
+    assert torch.equal(full[TIED[0]], full[TIED[1]])
+    return {k: v for k, v in full.items() if k != TIED[1]}
+
+
 def reference(moe: bool = False) -> dict[str, torch.Tensor]:
     """The seed-0 model's state dict as a file holds it: the tied weight once (its first name), no non-persistent
     buffer."""
@@ -198,7 +204,7 @@ def job(paths: dict[str, str]) -> dict:
             out[f"{tag}-reads"] = (reads, covering(model))
         else:
             result = sf.load_safetensors(model, path, **kw)
-        out[tag] = {"result": tuple(result), "before": before, "after": sf.full_state_dict(model),
+        out[tag] = {"result": tuple(result), "before": before, "after": _once(sf.full_state_dict(model)),
                     "cache": model.cache.clone()}
 
     model = sharded("I4O1")

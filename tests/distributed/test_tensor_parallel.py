@@ -55,7 +55,7 @@ def reference(experts: int = 0, dp_world: int = 1) -> dict:
 
     loss_fn = sliced_loss_fn(model, _slice, dp_world)
     out = train_adamw(model, loss_fn, STEPS, LR, MAX_NORM)
-    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     return out
 
 
@@ -302,7 +302,7 @@ def _sp_reference() -> dict:
         return loss.detach()
 
     out = train_adamw(model, loss_fn, STEPS, LR, MAX_NORM)
-    return {**out, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {**out, "params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}}
 
 
 def test_sequence_parallel_norms_under_fully_shard():
@@ -311,3 +311,59 @@ def test_sequence_parallel_norms_under_fully_shard():
     assert len(results) == 4 and all(len(r["losses"]) == STEPS for r in results)
     for rank, r in enumerate(results):
         assert_run_matches(r, want, f"sequence parallel, rank {rank}", PARAM_ATOL)
+
+
+def state_dict_job(root: str) -> dict:
+    """GPT at mp 2 x sharding 2: model.state_dict() (full-shape DTensors over [replicate, shard, mp]) and torch's DCP
+    state-dict API with dcp.save; loaded at mp 1 x sharding 4 (zeroed first), model and AdamW state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    from torch.distributed.tensor import DTensor
+
+    import shardfusion as sf
+    full = StateDictOptions(full_state_dict=True)
+    out = {}
+    topo, model, opt = _build(dict(mp=2, sharding=2))
+    for step in range(2):
+        _step(topo, model, opt, step)
+    sd = model.state_dict()
+    out["state_dict"] = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
+    out["placements"] = {k: (sd[k].device_mesh.mesh_dim_names, tuple(map(str, sd[k].placements)))
+                         for k in ("blocks.0.attn.q.weight", "blocks.0.attn.proj.weight", "blocks.0.attn.proj.bias")}
+    out["full"] = sf.full_state_dict(model)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=f"{root}/dcp")
+    out["saved_optim"] = {k: {n: t.clone() for n, t in v.items()}
+                          for k, v in get_optimizer_state_dict(model, opt, options=full)["state"].items()}
+    out["uninterrupted"] = _step(topo, model, opt, 2)
+    topo, model, opt = _build(dict(mp=1, sharding=4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=f"{root}/dcp")
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    out["loaded"] = sf.full_state_dict(model)
+    out["loaded_optim"] = {k: {n: t.clone() for n, t in v.items()}
+                           for k, v in get_optimizer_state_dict(model, opt, options=full)["state"].items()}
+    out["resumed"] = _step(topo, model, opt, 2)
+    return out
+
+
+def test_tensor_parallel_state_dict_and_dcp_api(tmp_path):
+    from reference import assert_bitwise
+    for rank, r in enumerate(run_distributed(state_dict_job, 4, str(tmp_path), timeout=JOB_TIMEOUT_S)):
+        assert_bitwise(r["state_dict"], r["full"], f"rank {rank}: state_dict() full_tensor()s")
+        assert r["placements"] == {
+            "blocks.0.attn.q.weight": (("replicate", "shard", "mp"), ("R", "S(0)", "S(0)")),
+            "blocks.0.attn.proj.weight": (("replicate", "shard", "mp"), ("R", "S(0)", "S(1)")),
+            "blocks.0.attn.proj.bias": (("replicate", "shard"), ("R", "S(0)")),
+        }, r["placements"]
+        assert_bitwise(r["loaded"], r["full"], f"rank {rank}: mp 2 -> mp 1 through DCP")
+        assert sorted(r["loaded_optim"]) == sorted(r["saved_optim"])
+        for name, st in r["saved_optim"].items():
+            assert_bitwise(r["loaded_optim"][name], st, f"rank {rank}: optimizer state {name}")
+        assert r["resumed"] == pytest.approx(r["uninterrupted"], rel=RTOL, abs=ATOL), rank

@@ -10,9 +10,10 @@ matched to 1e-5):
   ``whole_params`` gives bitwise the saved ``full_state_dict``; saved from there and loaded into a whole-parameter
   model, bitwise again;
 - *other optimizers*: a load given the optimizers in another order, or AdamW alone, is refused;
-- *local state dicts*: ``model.state_dict()`` of a whole-parameter model holds each matrix in its shape on its owner
-  and ``(0, *shape[1:])`` elsewhere; after scrambling the parameters it loads back bitwise on the same rank, and a
-  full state dict (``full_state_dict``) loads into it too, and so does a safetensors file (``load_safetensors``).
+- *state dicts*: the fragments of a whole-parameter model hold each matrix in its shape on its owner and
+  ``(0, *shape[1:])`` elsewhere, while ``model.state_dict()`` holds full-shape DTensors (DTensor's own chunks); after
+  scrambling the parameters it loads back bitwise, and a full state dict (``full_state_dict``) loads into it too, and
+  so does a safetensors file (``load_safetensors``).
 
 A W=2 job: ``whole_params`` that is not callable, that chooses a parameter ``replicate_filter`` chooses too, or a
 DTensor (mp 2), and a nested call with another ``whole_params``: a ``ValueError`` on every rank naming the argument.
@@ -67,10 +68,12 @@ def checkpoint_job(root: str) -> dict:
     ckpt.load(model, None, f"{root}/plain")
     out["back_to_whole"] = (_full(model), saved)
 
-    local = model.state_dict()  # views of the shards: cloned, with the metadata that says whose fragments they are
+    local = model.state_dict()  # full-shape DTensors (their chunks are copies), with the metadata
     copy = type(local)((k, v.clone()) for k, v in local.items())
     copy._metadata = local._metadata
-    out["local_shapes"] = {k: tuple(v.shape) for k, v in local.items() if k.endswith("attn.q.weight")}
+    out["local_shapes"] = {k: (tuple(v.shape), tuple(v.to_local().shape)) for k, v in local.items()
+                           if k.endswith("attn.q.weight")}
+    out["fragment_shapes"] = {k: tuple(p.shape) for k, p in model.named_parameters() if k.endswith("attn.q.weight")}
     out["inner_rank"] = topo.inner_rank
     with torch.no_grad():
         for p in model.parameters():
@@ -86,7 +89,8 @@ def checkpoint_job(root: str) -> dict:
     import torch.distributed as dist
     from safetensors.torch import save_file
     if dist.get_rank() == 0:
-        save_file({k: v.contiguous() for k, v in saved.items()}, f"{root}/saved.safetensors")
+        tied = {"lm_head.weight"}  # full_state_dict holds it as wte.weight too (one tensor), as state_dict() does
+        save_file({k: v.contiguous() for k, v in saved.items() if k not in tied}, f"{root}/saved.safetensors")
     dist.barrier()
     with torch.no_grad():
         for p in model.parameters():
@@ -125,11 +129,13 @@ def test_other_optimizers_than_saved_are_refused(job, key):
         assert kind == "ValueError" and "['Muon', 'AdamW']" in msg and "same order" in msg, (kind, msg)
 
 
-def test_local_state_dict_holds_whole_matrices_on_owners(job):
-    for name in job[0]["local_shapes"]:
-        shapes = [r["local_shapes"][name] for r in job]
+def test_fragments_are_whole_matrices_on_owners_and_state_dict_full_dtensors(job):
+    for name in job[0]["fragment_shapes"]:
+        shapes = [r["fragment_shapes"][name] for r in job]
         owners = [s for s in shapes if s == (32, 32)]
         assert len(owners) == 2 and all(s in ((32, 32), (0, 32)) for s in shapes), f"{name}: {shapes}"  # 2 replicas
+        # model.state_dict(): the full shape, DTensor's Shard(0) chunk over the inner group of 2 on every rank
+        assert all(r["local_shapes"][name] == ((32, 32), (16, 32)) for r in job), [r["local_shapes"] for r in job]
 
 
 def errors_job() -> dict:

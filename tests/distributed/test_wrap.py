@@ -164,7 +164,7 @@ def reference(key: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}  # tied: once, first name
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}  # tied: each name
 
 
 def wrap_job(keys: tuple = tuple(MODELS), refusals: bool = True) -> dict:
