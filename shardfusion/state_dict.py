@@ -2,12 +2,12 @@
 
 State dicts of a sharded model, in short (details: [Note: local state dicts] in ``local_state_dict.py``):
 
-- ``model.state_dict()``: this rank's 1-D fragments under the original names, plus the buffers; cheap, local. Its
+- ``model.state_dict()``: this rank's fragments (its rows of each parameter) under the original names, plus the buffers; cheap, local. Its
   ``_metadata`` (kept by ``torch.save``) records the rank, the world size and a digest of this rank's layout.
 - :func:`full_state_dict`: every parameter in its full shape, on every rank (collective); loads into a plain model
   and into a sharded model of any layout.
 - ``model.load_state_dict(sd)``: collective (every rank calls it). Takes full-shape tensors (each rank copies its
-  fragment) and 1-D fragments only from this same rank and layout; refuses anything else with a ``ValueError`` on
+  fragment) and fragments only from this same rank and layout; refuses anything else with a ``ValueError`` on
   every rank, before anything is copied into it.
 """
 
@@ -38,7 +38,7 @@ def full_state_dict(model: nn.Module, buffers: bool = True) -> dict[str, torch.T
     give the other names too), and into a sharded model of any layout and world size with the sharded model's own
     ``model.load_state_dict(full)`` (collective; each rank copies its fragment out of the full tensors). To move
     weights between ranks or layouts use this (or :mod:`shardfusion.checkpoint`), never ``model.state_dict()``: that
-    holds this rank's 1-D fragments, and ``load_state_dict`` refuses them on another rank or layout (``ValueError``
+    holds this rank's fragments, and ``load_state_dict`` refuses them on another rank or layout (``ValueError``
     on every rank, naming the key and the rank and layout it came from).
 
     Raises:

@@ -6,9 +6,28 @@ laid out in one 1-D buffer of ``padded_numel`` elements that is split into ``sha
     | p0 ....... | pad | p1 ... | pad | p2 ......... | tail pad |
     |<-- shard 0 -->|<-- shard 1 -->|<-- shard 2 -->|<-- shard 3 -->|
 
-Every parameter starts at an offset aligned to ``align`` elements (so views are aligned for vectorized kernels); the
-total is padded to a multiple of ``shard_count * align``. A *fragment* is the intersection of one parameter's range
-with one shard; it may be empty (0 elements). Zero-element parameters take no space.
+Every parameter starts at an offset aligned to ``align`` elements (so views are aligned for vectorized kernels) and
+is contiguous in the buffer (its full view is a plain view of the all-gathered buffer). A *fragment* is the
+intersection of one parameter's range with one shard; it may be empty (0 elements). Zero-element parameters take no
+space.
+
+[Note: row-aligned shards]
+:func:`build_layout` (element-sharded buffers) cuts shards on *row boundaries*: a row of a parameter of shape
+``(d0, d1, ...)`` is ``prod(d1, ...)`` elements (:func:`row_numel`; one element for 1-D and 0-d parameters), and
+every shard boundary that falls inside a parameter falls between two of its rows. So a fragment is whole rows,
+``(rows_on_this_rank, *shape[1:])`` (:func:`fragment_shape`): ``p.dim()`` and the trailing dimensions are those of
+the original parameter. The rules, for a shard size ``S`` (a multiple of ``align``):
+
+- a parameter that would cross a boundary ``b`` starts at ``b - k * lcm(row, align)`` for the smallest ``k >= 0``
+  that is not before the next aligned offset: the padding before it is less than ``lcm(row, align)`` elements (less
+  than a row when the row is a multiple of ``align``), once per boundary crossed this way;
+- a parameter that crosses two or more boundaries needs ``S`` to be a multiple of its row;
+- ``S`` is the smallest multiple of ``align``, from ``ceil(packed / shard_count)`` up (``packed``: the end of the
+  parameters laid out with alignment only, the old unpadded layout), for which every parameter obeys these rules and
+  the parameters end within ``shard_count * S``. A row larger than ``S`` would otherwise be cut, so it raises ``S``.
+
+With ``shard_count == 1``, or when no boundary falls inside a row, this is the plain aligned layout. The owner layout
+(:func:`build_owner_layout`) puts every parameter whole in one shard and needs none of this.
 
 The idea of one flat buffer per group of parameters comes from FSDP1's ``FlatParameter`` and Megatron-FSDP's
 parameter/gradient buffers; the layout rules here are our own.
@@ -107,19 +126,22 @@ class FlatLayout:
 def build_layout(
     names: Sequence[str], shapes: Sequence[Sequence[int]], shard_count: int, align: int = 4
 ) -> FlatLayout:
-    """Lay parameters out in order, each aligned to ``align`` elements, padded to a multiple of the shard count.
+    """Lay parameters out in order, each aligned to ``align`` elements, in ``shard_count`` equal shards cut on the
+    parameters' row boundaries (see [Note: row-aligned shards]).
 
     Args:
         names: parameter names, in flat order.
         shapes: their shapes (``torch.Size`` or tuples).
         shard_count: how many equal shards the buffer is split into (>= 1).
-        align: alignment of each parameter's start offset, in elements (>= 1).
+        align: alignment of each parameter's start offset and of the shard size, in elements (>= 1).
 
     Returns:
-        The :class:`FlatLayout`. An empty or all-zero-size list gives ``padded_numel == 0``.
+        The :class:`FlatLayout`: ``padded_numel`` is a multiple of ``shard_count * align``, and each rank's fragment
+        of a parameter is whole rows of it. An empty or all-zero-size list gives ``padded_numel == 0``.
 
     Raises:
-        ValueError: if ``shard_count`` or ``align`` is < 1, or ``names`` and ``shapes`` differ in length.
+        ValueError: if ``shard_count`` or ``align`` is < 1, ``names`` and ``shapes`` differ in length, or a shape has
+            a negative dimension.
     """
     if shard_count < 1:
         raise ValueError(f"shard_count({shard_count}) must be >= 1")
@@ -127,19 +149,92 @@ def build_layout(
         raise ValueError(f"align({align}) must be >= 1")
     if len(names) != len(shapes):
         raise ValueError(f"len(names)({len(names)}) != len(shapes)({len(shapes)})")
-    slots, offset = [], 0
+    shapes = [tuple(int(d) for d in shape) for shape in shapes]
     for name, shape in zip(names, shapes):
-        numel = math.prod(shape)
-        if numel:
-            offset = _round_up(offset, align)
-        slots.append(ParamSlot(name, tuple(shape), offset, numel))
-        offset += numel
-    padded = _round_up(offset, shard_count * align) if offset else 0
-    return FlatLayout(tuple(slots), padded, shard_count)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"shapes: parameter {name!r} has shape {shape} with a negative dimension")
+    numels = [math.prod(shape) for shape in shapes]
+    rows = [max(row_numel(shape), 1) for shape in shapes]
+    packed = _place(numels, rows, align, shard_numel=None)[-1]  # the end with alignment only
+    if not packed:
+        return FlatLayout(tuple(ParamSlot(n, s, 0, k) for n, s, k in zip(names, shapes, numels)), 0, shard_count)
+    S = _round_up(-(-packed // shard_count), align)
+    while True:
+        S = _first_possible(S, numels, rows, align)
+        offsets = _place(numels, rows, align, shard_numel=S)
+        if offsets is not None and offsets[-1] <= shard_count * S:
+            break
+        S += align
+    slots = tuple(ParamSlot(name, shape, off, n) for name, shape, off, n in zip(names, shapes, offsets, numels))
+    return FlatLayout(slots, shard_count * S, shard_count)
+
+
+def _place(numels: list[int], rows: list[int], align: int, shard_numel: int | None) -> list[int] | None:
+    """Each parameter's offset, then the end of the last one; ``shard_numel=None``: alignment only. ``None`` if a
+    parameter cannot keep its rows whole at this shard size (it crosses two boundaries and ``S % row != 0``)."""
+    S, out, offset = shard_numel, [], 0
+    for n, row in zip(numels, rows):
+        if n == 0:
+            out.append(offset)
+            continue
+        start = _round_up(offset, align)
+        if S is not None and row > 1 and start + n > (b := (start // S + 1) * S):  # crosses boundary b
+            step = math.lcm(row, align)
+            start = b - (b - start) // step * step  # the latest start <= b that puts b between two rows
+            first = b if start < b else b + S  # the first boundary inside the parameter
+            if first < start + n and ((first - start) % row or (first + S < start + n and S % row)):
+                return None
+        out.append(start)
+        offset = start + n
+    out.append(offset)
+    return out
+
+
+def _first_possible(S: int, numels: list[int], rows: list[int], align: int) -> int:
+    """The smallest shard size ``>= S`` (a multiple of ``align``) that no parameter rules out wherever it starts: a
+    parameter of more than ``2 S`` elements crosses two boundaries, so ``S`` must be a multiple of its row; one of a
+    single row (``numel == row``) cannot be cut, so ``S >= numel``."""
+    changed = True
+    while changed:
+        changed = False
+        for n, row in zip(numels, rows):
+            if row <= 1 or n == 0:
+                continue
+            if n == row and S < n:
+                S, changed = _round_up(n, align), True
+            elif n > 2 * S and S % row:
+                S, changed = min(_round_up(S, math.lcm(row, align)), _round_up(-(-n // 2), align)), True
+    return S
 
 
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
+
+
+def row_numel(shape: Sequence[int]) -> int:
+    """Elements per row of a parameter of ``shape``: ``prod(shape[1:])``; 1 for a 1-D or 0-d parameter (0 when a
+    trailing dimension is 0)."""
+    return math.prod(shape[1:]) if len(shape) > 1 else 1
+
+
+def fragment_shape(shape: Sequence[int], numel: int) -> tuple[int, ...]:
+    """The shape of a fragment of ``numel`` elements (whole rows) of a parameter of ``shape``:
+    ``(numel // row_numel(shape), *shape[1:])``, so the parameter's own shape when ``numel`` is all of it. A 0-d
+    parameter: ``()`` on the rank holding its element, ``(0,)`` elsewhere. A fragment of 0 elements:
+    ``(0, *shape[1:])``.
+
+    Raises:
+        ValueError: ``numel`` is negative or not a whole number of rows.
+    """
+    shape = tuple(shape)
+    if not shape:
+        if numel not in (0, 1):
+            raise ValueError(f"numel({numel}) must be 0 or 1 for a 0-d parameter")
+        return () if numel else (0,)
+    row = row_numel(shape)
+    if numel < 0 or (numel and numel % row):
+        raise ValueError(f"numel({numel}) is not a whole number of rows of {row} elements of shape {shape}")
+    return (numel // row if row else 0, *shape[1:])
 
 
 def newton_schulz_cost(shape: Sequence[int]) -> int:
@@ -241,7 +336,6 @@ def owner_report(layout: FlatLayout, costs: Sequence[int] | None = None) -> dict
 def owned_shape(shape: Sequence[int], numel: int) -> tuple[int, ...]:
     """The shape of a rank's fragment of a parameter of ``shape`` in an owner layout: the parameter's own shape on
     its owner (``numel`` is all of it), ``(0, *shape[1:])`` elsewhere (a 0-d parameter: ``(0,)``), so that an
-    optimizer reading shapes (Muon: 2-D only) takes every rank's fragments unchanged."""
-    if numel:
-        return tuple(shape)
-    return (0, *tuple(shape)[1:]) if len(shape) else (0,)
+    optimizer reading shapes (Muon: 2-D only) takes every rank's fragments unchanged. The same as
+    :func:`fragment_shape`."""
+    return fragment_shape(shape, numel)

@@ -1,10 +1,10 @@
 """``model.state_dict()`` and ``model.load_state_dict()`` of a sharded model, with torch's own module hooks.
 
 [Note: local state dicts]
-After :func:`shardfusion.fully_shard`, ``model.state_dict()`` holds, under the original names, this rank's 1-D
-fragments of the sharded parameters (views of its shard; kept-whole and expert parameters are 1-D too; a parameter of
-``whole_params`` has its shape on its owner rank, ``(0, *shape[1:])`` elsewhere) and the
-module buffers. A state-dict post-hook on the sharded model records in the state dict's ``_metadata`` (which
+After :func:`shardfusion.fully_shard`, ``model.state_dict()`` holds, under the original names, this rank's
+fragments of the sharded parameters (views of its shard of shape ``(rows_on_this_rank, *shape[1:])``, see
+``layout.fragment_shape``; kept-whole parameters have their full shape; a parameter of ``whole_params`` has its shape
+on its owner rank, ``(0, *shape[1:])`` elsewhere) and the module buffers. A state-dict post-hook on the sharded model records in the state dict's ``_metadata`` (which
 ``torch.save`` keeps) where the fragments come from, under ``_metadata[prefix]["shardfusion"]``::
 
     {"rank": global rank, "world_size": W, "layout": hex digest of this rank's fragments}
@@ -17,8 +17,9 @@ A load-state-dict pre-hook on the sharded model decides, for every parameter key
 
 - a tensor of the parameter's full shape (a plain model's ``state_dict()``, :func:`shardfusion.full_state_dict`):
   each rank copies its own fragment out of it;
-- a 1-D fragment: accepted only when the metadata says it comes from this rank, world size and layout;
-- anything else (another rank's or layout's fragment, a 1-D fragment without metadata, another shape) is refused.
+- this rank's fragment shape: accepted only when the metadata says it comes from this rank, world size and layout
+  (a fragment that holds all of its parameter has the full shape, and is taken as full, rightly);
+- anything else (another rank's or layout's fragment, a fragment without metadata, another shape) is refused.
 
 Refusals are collective: every rank validates its own keys, then one ``all_gather_object`` over the default group
 exchanges the problems (and the names of the expert parameters and buffers each ep rank holds), before anything is
@@ -61,7 +62,7 @@ class _Param:
     numel: int  # fragment length (elements; 0 allowed)
     is_expert: bool
     tp_spec: object = None  # a tensor-parallel parameter: shape/offset are its local piece's; tp_spec.shape global
-    frag_shape: tuple[int, ...] = ()  # the fragment's shape: (numel,), or in an owner layout see layout.owned_shape
+    frag_shape: tuple[int, ...] = ()  # the fragment's shape: layout.fragment_shape
 
     @property
     def full_shape(self) -> tuple[int, ...]:
@@ -142,7 +143,7 @@ class LocalStateDict:
             if not self._loading:
                 raise ValueError(
                     f"load_state_dict on {name!r} ({type(module).__name__}), a submodule of a model sharded by "
-                    f"shardfusion.fully_shard, would copy into this rank's 1-D fragments unchecked: call "
+                    f"shardfusion.fully_shard, would copy into this rank's fragments unchecked: call "
                     f"load_state_dict on the sharded model (or a module containing it), on every rank")
         return hook
 
@@ -166,7 +167,7 @@ class LocalStateDict:
                 out.append(f"{key!r} has shape {tuple(t.shape)}, not the full shape {p.full_shape}, and the state dict "
                            f"has no shardfusion metadata (it lost its _metadata, or it is a fragment from elsewhere)")
             elif not same:
-                out.append(f"{key!r} is a 1-D fragment {tuple(t.shape)} saved by rank {saved.get('rank')} of "
+                out.append(f"{key!r} is a fragment {tuple(t.shape)} saved by rank {saved.get('rank')} of "
                            f"{saved.get('world_size')} (layout {saved.get('layout')}); rank {self.rank} of "
                            f"{self.world_size} holds layout {self.layout}")
             else:
@@ -175,8 +176,8 @@ class LocalStateDict:
         return out
 
     def _to_fragments(self, state_dict, prefix: str) -> None:
-        """Replace each full-shape tensor by this rank's fragment of it (in the fragment's shape: 1-D, or whole on an
-        owner); give a tied parameter that appears under one of its names the same value under the others."""
+        """Replace each full-shape tensor by this rank's fragment of it (in the fragment's shape,
+        ``(rows_on_this_rank, *shape[1:])``); give a tied parameter that appears under one of its names the same value under the others."""
         for p in self.params:
             given = [prefix + a for a in p.aliases if prefix + a in state_dict]
             for key in given:
@@ -212,6 +213,6 @@ def _refusal(model_name: str, refused: list[tuple[int, list[str]]]) -> str:
     counts = ", ".join(f"{r}: {len(p)}" for r, p in refused)
     return (f"load_state_dict into the sharded {model_name} refused on every rank, nothing copied into it: rank "
             f"{first_rank}: {problems[0]}{more}; keys refused per rank {{{counts}}}. model.state_dict() of a sharded "
-            f"model holds this rank's 1-D fragments and loads back only on the rank and layout that saved it; to move "
+            f"model holds this rank's fragments and loads back only on the rank and layout that saved it; to move "
             f"weights between ranks or layouts, save shardfusion.full_state_dict(model) (full shapes; every rank "
             f"calls it) and load that, or use shardfusion.checkpoint.save / load")
