@@ -75,7 +75,7 @@ def fully_shard(
     parameters start at 16-byte aligned offsets, shards are cut on the parameters' row boundaries and the buffer is
     padded to a multiple of its shard count (docs/shape-true-parameters.md). Each rank keeps its ``1/inner`` shard in
     the parameters' own dtype. Afterwards ``model.named_parameters()`` yields, under the original names, fragments:
-    views into the shard of shape ``(rows_on_this_rank, *shape[1:])`` (0 rows allowed; a 0-d parameter is ``()``
+    views into the shard of shape ``(rows_on_this_rank, *shape[1:])`` (0 rows allowed; a 0-d parameter is ``(1,)``
     on the rank holding it, ``(0,)`` elsewhere), so ``p.dim()`` and the trailing dimensions are the original ones
     and ``p.grad.shape == p.shape``; element-wise ``torch.optim`` optimizers
     (SGD, Adam, AdamW, Adamax, Adagrad, Adadelta, RMSprop, Rprop, ASGD, NAdam, RAdam) work unchanged and give the

@@ -8,7 +8,7 @@ sharded or kept whole, dense or expert). ``P`` is the padded flat length (``layo
 - ``shard``       # (S,)  persistent. This rank's slice of the flat buffer; the optimizer updates it in place through
                   #       the *fragments*: one ``nn.Parameter`` per original parameter, a view of ``shard`` of shape
                   #       ``(rows_on_this_rank, *shape[1:])`` (whole rows: [Note: row-aligned shards] in layout.py;
-                  #       0 rows allowed; a 0-d parameter ``()`` where its element is, ``(0,)`` elsewhere),
+                  #       0 rows allowed; a 0-d parameter ``(1,)`` where its element is, ``(0,)`` elsewhere),
                   #       registered in the modules under the original names while sharded. In an owner layout
                   #       (``owner_layout``) that is the whole parameter on its owner rank, 0 rows elsewhere.
 - ``full``        # (P,)  alive while unsharded, in ``param_dtype`` (mixed precision) or the shard's dtype. The
@@ -55,7 +55,7 @@ from shardfusion import comm
 from shardfusion._runtime import compress
 from shardfusion._runtime import tensor_parallel as tp
 from shardfusion._runtime.replicate_sync import OverlappedSync
-from shardfusion._runtime.layout import FlatLayout, fragment_shape
+from shardfusion._runtime.layout import FlatLayout, fragment_shape, owned_shape
 
 
 def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -118,7 +118,7 @@ class FlatBuffer:
             ``None``; default all ``None``.
         owner_layout: ``layout`` puts each parameter whole in one shard (``layout.build_owner_layout``): each
             fragment then has the parameter's shape on its owner and ``(0, *shape[1:])`` on the other ranks. In
-            either layout a fragment and its ``.grad`` have shape ``layout.fragment_shape(shape, numel)``:
+            the other layout a fragment and its ``.grad`` have shape ``layout.fragment_shape(shape, numel)``:
             ``(rows_on_this_rank, *shape[1:])``.
 
     Attributes (besides the tensors of the note): ``shard_index`` (0 for a buffer without elements), ``is_expert``,
@@ -177,11 +177,11 @@ class FlatBuffer:
         self._frag_ranges: list[tuple[int, int]] = []  # (offset in shard, numel) per fragment
         self._frag_param_offsets: list[int] = []  # start of each fragment in its flattened parameter
         self.owner_layout = bool(owner_layout)
-        self._frag_shapes: list[tuple[int, ...]] = []  # (rows_on_this_rank, *shape[1:]): layout.fragment_shape
+        self._frag_shapes: list[tuple[int, ...]] = []  # layout.fragment_shape, in an owner layout owned_shape
         for frag in layout.fragments(shard_index):
             self._frag_ranges.append((frag.shard_offset, frag.numel))
             self._frag_param_offsets.append(frag.param_offset)
-            shape = fragment_shape(frag.slot.shape, frag.numel)
+            shape = (owned_shape if self.owner_layout else fragment_shape)(frag.slot.shape, frag.numel)
             self._frag_shapes.append(shape)
             view = self.shard[frag.shard_offset:frag.shard_offset + frag.numel].view(shape)
             self.fragments.append(nn.Parameter(view, requires_grad=self.requires_grad))

@@ -16,7 +16,7 @@ space.
 ``(d0, d1, ...)`` is ``prod(d1, ...)`` elements (:func:`row_numel`; one element for 1-D and 0-d parameters), and
 every shard boundary that falls inside a parameter falls between two of its rows. So a fragment is whole rows,
 ``(rows_on_this_rank, *shape[1:])`` (:func:`fragment_shape`): ``p.dim()`` and the trailing dimensions are those of
-the original parameter. The rules, for a shard size ``S`` (a multiple of ``align``):
+the original parameter (a 0-d parameter: ``(1,)`` where its element is, ``(0,)`` elsewhere). The rules, for a shard size ``S`` (a multiple of ``align``):
 
 - a parameter that would cross a boundary ``b`` starts at ``b - k * lcm(row, align)`` for the smallest ``k >= 0``
   that is not before the next aligned offset: the padding before it is less than ``lcm(row, align)`` elements (less
@@ -218,10 +218,11 @@ def row_numel(shape: Sequence[int]) -> int:
 
 
 def fragment_shape(shape: Sequence[int], numel: int) -> tuple[int, ...]:
-    """The shape of a fragment of ``numel`` elements (whole rows) of a parameter of ``shape``:
-    ``(numel // row_numel(shape), *shape[1:])``, so the parameter's own shape when ``numel`` is all of it. A 0-d
-    parameter: ``()`` on the rank holding its element, ``(0,)`` elsewhere. A fragment of 0 elements:
-    ``(0, *shape[1:])``.
+    """The shape of a fragment of ``numel`` elements (whole rows) of a parameter of ``shape`` in a layout of
+    :func:`build_layout`: ``(numel // row_numel(shape), *shape[1:])``, so the parameter's own shape when ``numel`` is
+    all of it, and ``(0, *shape[1:])`` for an empty fragment. A 0-d parameter is the exception: ``(1,)`` on the rank
+    holding its element, ``(0,)`` elsewhere (a 0-d fragment would make its per-element optimizer state, e.g. Adam's
+    ``exp_avg``, indistinguishable from scalar state such as ``step``, which checkpoints store apart).
 
     Raises:
         ValueError: ``numel`` is negative or not a whole number of rows.
@@ -230,7 +231,7 @@ def fragment_shape(shape: Sequence[int], numel: int) -> tuple[int, ...]:
     if not shape:
         if numel not in (0, 1):
             raise ValueError(f"numel({numel}) must be 0 or 1 for a 0-d parameter")
-        return () if numel else (0,)
+        return (numel,)
     row = row_numel(shape)
     if numel < 0 or (numel and numel % row):
         raise ValueError(f"numel({numel}) is not a whole number of rows of {row} elements of shape {shape}")
@@ -335,7 +336,9 @@ def owner_report(layout: FlatLayout, costs: Sequence[int] | None = None) -> dict
 
 def owned_shape(shape: Sequence[int], numel: int) -> tuple[int, ...]:
     """The shape of a rank's fragment of a parameter of ``shape`` in an owner layout: the parameter's own shape on
-    its owner (``numel`` is all of it), ``(0, *shape[1:])`` elsewhere (a 0-d parameter: ``(0,)``), so that an
-    optimizer reading shapes (Muon: 2-D only) takes every rank's fragments unchanged. The same as
-    :func:`fragment_shape`."""
-    return fragment_shape(shape, numel)
+    its owner (``numel`` is all of it), ``(0, *shape[1:])`` elsewhere (a 0-d parameter: ``()`` on its owner,
+    ``(0,)`` elsewhere), so that an optimizer reading shapes (Muon: 2-D only) takes every rank's fragments
+    unchanged. :func:`fragment_shape` but for 0-d parameters."""
+    if numel:
+        return tuple(shape)
+    return (0, *tuple(shape)[1:]) if len(shape) else (0,)

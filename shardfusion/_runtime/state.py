@@ -37,7 +37,7 @@ class NamedFragment:
     Attributes:
         name: the parameter's first qualified name, relative to the sharded model.
         param: the fragment, an ``nn.Parameter`` view of ``buffer.shard`` of shape ``(numel // row,
-            *shape[1:])`` (``layout.fragment_shape``: whole rows; a 0-d parameter ``()`` or ``(0,)``); in an owner
+            *shape[1:])`` (``layout.fragment_shape``: whole rows; a 0-d parameter ``(1,)`` or ``(0,)``); in an owner
             layout (``buffer.owner_layout``, ``whole_params``) the parameter's shape on its owner, ``(0,
             *shape[1:])`` elsewhere.
         shape: the parameter's full shape.

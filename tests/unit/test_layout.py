@@ -81,6 +81,8 @@ def _check_row_aligned(layout, align):
             assert math.prod(shape) == frag.numel and frag.param_offset % max(row_numel(frag.slot.shape), 1) == 0
             if frag.slot.shape:
                 assert len(shape) == len(frag.slot.shape) and shape[1:] == frag.slot.shape[1:]
+            else:  # 0-d: 1-D, see fragment_shape
+                assert shape == (frag.numel,)
 
 
 def _packed_end(shapes, align):
@@ -142,12 +144,12 @@ def test_zero_dim_and_empty_parameters():
     layout = build_layout(["s", "e", "v"], [(), (0, 3), (5,)], shard_count=4, align=1)
     _check_row_aligned(layout, 1)
     frags = [[fragment_shape(f.slot.shape, f.numel) for f in layout.fragments(r)] for r in range(4)]
-    assert [f[0] for f in frags].count(()) == 1 and [f[0] for f in frags].count((0,)) == 3
+    assert [f[0] for f in frags].count((1,)) == 1 and [f[0] for f in frags].count((0,)) == 3
     assert all(f[1] == (0, 3) for f in frags)
 
 
 def test_fragment_shape_rejects_partial_rows():
-    assert fragment_shape((4, 3), 6) == (2, 3) and fragment_shape((4, 3), 0) == (0, 3) and fragment_shape((), 1) == ()
+    assert fragment_shape((4, 3), 6) == (2, 3) and fragment_shape((4, 3), 0) == (0, 3) and fragment_shape((), 1) == (1,)
     for shape, numel, match in [((4, 3), 5, r"numel\(5\)"), ((), 2, r"numel\(2\)")]:
         with pytest.raises(ValueError, match=match):
             fragment_shape(shape, numel)
