@@ -16,15 +16,22 @@ space.
 ``(d0, d1, ...)`` is ``prod(d1, ...)`` elements (:func:`row_numel`; one element for 1-D and 0-d parameters), and
 every shard boundary that falls inside a parameter falls between two of its rows. So a fragment is whole rows,
 ``(rows_on_this_rank, *shape[1:])`` (:func:`fragment_shape`): ``p.dim()`` and the trailing dimensions are those of
-the original parameter (a 0-d parameter: ``(1,)`` where its element is, ``(0,)`` elsewhere). The rules, for a shard size ``S`` (a multiple of ``align``):
+the original parameter (a 0-d parameter: ``(1,)`` where its element is, ``(0,)`` elsewhere). The rules, for a
+shard size ``S`` (a multiple of ``align``):
 
-- a parameter that would cross a boundary ``b`` starts at ``b - k * lcm(row, align)`` for the smallest ``k >= 0``
+- a parameter that would cross a boundary ``b`` starts at the earliest ``b - k * lcm(row, align)`` (``k >= 0``)
   that is not before the next aligned offset: the padding before it is less than ``lcm(row, align)`` elements (less
   than a row when the row is a multiple of ``align``), once per boundary crossed this way;
 - a parameter that crosses two or more boundaries needs ``S`` to be a multiple of its row;
-- ``S`` is the smallest multiple of ``align``, from ``ceil(packed / shard_count)`` up (``packed``: the end of the
-  parameters laid out with alignment only, the old unpadded layout), for which every parameter obeys these rules and
-  the parameters end within ``shard_count * S``. A row larger than ``S`` would otherwise be cut, so it raises ``S``.
+- ``S`` is searched upward from ``ceil(packed / shard_count)`` rounded up to ``align`` (``packed``: the end of the
+  parameters laid out with alignment only, the old unpadded layout) until every parameter obeys these rules and the
+  parameters end within ``shard_count * S``; it steps by ``align``, or by a quarter of the overflow per shard when
+  the parameters end past the buffer, and skips the sizes a parameter rules out wherever it starts (more than
+  ``2 S`` elements and ``S % row != 0``; a single row longer than ``S``: rows larger than ``S`` raise ``S``);
+- padding before a parameter is first filled with later parameters that fit in it whole (in order);
+- two orders are tried, the given one and the largest rows first (a fused expert tensor ``(E, 2F, C)`` has rows of
+  ``2F * C`` elements: started mid-shard, it would need up to a row of padding), and the one with the smaller ``S``
+  is kept (ties: the given order). ``slots[i]`` is always parameter ``i``; offsets need not increase with ``i``.
 
 With ``shard_count == 1``, or when no boundary falls inside a row, this is the plain aligned layout. The owner layout
 (:func:`build_owner_layout`) puts every parameter whole in one shard and needs none of this.
@@ -84,7 +91,9 @@ class FlatLayout:
     """Layout of a flat buffer split into ``shard_count`` equal shards.
 
     Attributes:
-        slots: parameters in flat order.
+        slots: the parameters in the order given to the layout function (``slots[i]`` is parameter ``i``); their
+            offsets need not increase with ``i`` (:func:`build_owner_layout`, and :func:`build_layout` when it puts
+            the largest rows first).
         padded_numel: total length of the flat buffer in elements, a multiple of ``shard_count``.
         shard_count: number of shards (the inner degree of the group the buffer is sharded over; 1 = kept whole).
     """
@@ -126,8 +135,8 @@ class FlatLayout:
 def build_layout(
     names: Sequence[str], shapes: Sequence[Sequence[int]], shard_count: int, align: int = 4
 ) -> FlatLayout:
-    """Lay parameters out in order, each aligned to ``align`` elements, in ``shard_count`` equal shards cut on the
-    parameters' row boundaries (see [Note: row-aligned shards]).
+    """Lay parameters out, each contiguous and aligned to ``align`` elements, in ``shard_count`` equal shards cut on
+    the parameters' row boundaries (see [Note: row-aligned shards]).
 
     Args:
         names: parameter names, in flat order.
@@ -137,7 +146,7 @@ def build_layout(
 
     Returns:
         The :class:`FlatLayout`: ``padded_numel`` is a multiple of ``shard_count * align``, and each rank's fragment
-        of a parameter is whole rows of it. An empty or all-zero-size list gives ``padded_numel == 0``.
+        of a parameter is whole rows of it; ``slots[i]`` is parameter ``i`` (offsets in the order chosen). An empty or all-zero-size list gives ``padded_numel == 0``.
 
     Raises:
         ValueError: if ``shard_count`` or ``align`` is < 1, ``names`` and ``shapes`` differ in length, or a shape has
@@ -158,36 +167,78 @@ def build_layout(
     packed = _place(numels, rows, align, shard_numel=None)[-1]  # the end with alignment only
     if not packed:
         return FlatLayout(tuple(ParamSlot(n, s, 0, k) for n, s, k in zip(names, shapes, numels)), 0, shard_count)
+    best = None
+    for order in _orders(rows):
+        S, placed = _fit([numels[i] for i in order], [rows[i] for i in order], shard_count, align, packed)
+        if best is None or S < best[0]:
+            best = S, {i: off for i, off in zip(order, placed)}
+    S, offsets = best
+    slots = tuple(ParamSlot(name, shape, offsets[i], n)
+                  for i, (name, shape, n) in enumerate(zip(names, shapes, numels)))
+    return FlatLayout(slots, shard_count * S, shard_count)
+
+
+def _orders(rows: list[int]) -> list[list[int]]:
+    """The parameter orders :func:`build_layout` tries: the given one, then (if different) the largest rows first
+    (stable), which puts the tensors that force large steps where no padding is needed yet."""
+    given = list(range(len(rows)))
+    by_row = sorted(given, key=lambda i: -rows[i])
+    return [given] if by_row == given else [given, by_row]
+
+
+def _fit(numels: list[int], rows: list[int], shard_count: int, align: int, packed: int) -> tuple[int, list[int]]:
+    """The first shard size the search of [Note: row-aligned shards] finds (from ``ceil(packed / shard_count)`` up,
+    a multiple of ``align``) at which the parameters, in this order, keep their rows whole and end within
+    ``shard_count * S``; and their offsets."""
     S = _round_up(-(-packed // shard_count), align)
     while True:
         S = _first_possible(S, numels, rows, align)
         offsets = _place(numels, rows, align, shard_numel=S)
         if offsets is not None and offsets[-1] <= shard_count * S:
-            break
-        S += align
-    slots = tuple(ParamSlot(name, shape, off, n) for name, shape, off, n in zip(names, shapes, offsets, numels))
-    return FlatLayout(slots, shard_count * S, shard_count)
+            return S, offsets[:-1]
+        over = 0 if offsets is None else offsets[-1] - shard_count * S  # the parameters end past the buffer
+        S += max(align, _round_up(over // (4 * shard_count), align))  # a quarter of the overflow per shard
 
 
 def _place(numels: list[int], rows: list[int], align: int, shard_numel: int | None) -> list[int] | None:
-    """Each parameter's offset, then the end of the last one; ``shard_numel=None``: alignment only. ``None`` if a
-    parameter cannot keep its rows whole at this shard size (it crosses two boundaries and ``S % row != 0``)."""
-    S, out, offset = shard_numel, [], 0
-    for n, row in zip(numels, rows):
-        if n == 0:
-            out.append(offset)
+    """Each parameter's offset, then the end of the parameters; ``shard_numel=None``: alignment only. ``None`` if a
+    parameter cannot keep its rows whole at this shard size (it crosses two boundaries and ``S % row != 0``).
+
+    In order, each parameter at its earliest start (:func:`_start`); when that leaves a gap (padding to put a
+    boundary between two rows), later parameters that fit whole in the gap are put there first, in order."""
+    S, out, offset = shard_numel, [None] * len(numels), 0
+    for i, n in enumerate(numels):
+        if out[i] is not None:
             continue
-        start = _round_up(offset, align)
-        if S is not None and row > 1 and start + n > (b := (start // S + 1) * S):  # crosses boundary b
-            step = math.lcm(row, align)
-            start = b - (b - start) // step * step  # the latest start <= b that puts b between two rows
-            first = b if start < b else b + S  # the first boundary inside the parameter
-            if first < start + n and ((first - start) % row or (first + S < start + n and S % row)):
-                return None
-        out.append(start)
-        offset = start + n
-    out.append(offset)
-    return out
+        if n == 0:
+            out[i] = offset
+            continue
+        start = _start(offset, n, rows[i], align, S)
+        if start is None:
+            return None
+        if start > _round_up(offset, align):  # a gap before parameter i: fill it with later ones that fit
+            for j in range(i + 1, len(numels)):
+                if out[j] is None and numels[j]:
+                    s_j = _start(offset, numels[j], rows[j], align, S)
+                    if s_j is not None and s_j + numels[j] <= start:
+                        out[j], offset = s_j, s_j + numels[j]
+        out[i], offset = start, start + n
+    return out + [offset]
+
+
+def _start(offset: int, n: int, row: int, align: int, S: int | None) -> int | None:
+    """The earliest start ``>= offset`` of a parameter of ``n`` elements in rows of ``row`` at shard size ``S``
+    (``None``: alignment only) that puts every boundary inside it between two rows, or ``None`` if there is none
+    (it would cross two boundaries and ``S % row != 0``)."""
+    start = _round_up(offset, align)
+    if S is None or row <= 1 or start + n <= (b := (start // S + 1) * S):  # no boundary inside
+        return start
+    step = math.lcm(row, align)
+    start = b - (b - start) // step * step  # the earliest start <= b that puts b between two rows
+    first = b if start < b else b + S  # the first boundary inside the parameter
+    if first < start + n and ((first - start) % row or (first + S < start + n and S % row)):
+        return None
+    return start
 
 
 def _first_possible(S: int, numels: list[int], rows: list[int], align: int) -> int:

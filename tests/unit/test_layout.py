@@ -5,13 +5,14 @@ import pytest
 import math
 import random
 
-from shardfusion._runtime.layout import build_layout, fragment_shape, row_numel
+from shardfusion._runtime.layout import _fit, build_layout, fragment_shape, row_numel
 
 
 def test_offsets_aligned_and_padded_to_shard_multiple():
     layout = build_layout(["a", "b", "c"], [(3,), (2, 5), (7,)], shard_count=4, align=4)
-    # S = 8 would cut b's 2 rows of 5 (8 - 4 = 4 elements into it); at S = 12 b starts on the boundary 12
-    assert [s.offset for s in layout.slots] == [0, 12, 24]
+    # S = 8 would cut b's 2 rows of 5 (8 - 4 = 4 elements into it); at S = 12 b starts on the boundary 12, and c
+    # fills the gap before it
+    assert [s.offset for s in layout.slots] == [0, 12, 4]
     assert layout.padded_numel == 48 and layout.shard_numel == 12
     assert layout.numel == 3 + 10 + 7
     assert layout.shard_numel * 4 == layout.padded_numel
@@ -66,7 +67,7 @@ def _check_row_aligned(layout, align):
     parameter between two of its rows, every fragment whole rows of the parameter's trailing shape."""
     S, end = layout.shard_numel, 0
     assert S % align == 0 and layout.padded_numel == S * layout.shard_count
-    for slot in layout.slots:
+    for slot in sorted(layout.slots, key=lambda s: s.offset):
         if slot.numel == 0:
             continue
         assert slot.offset % align == 0 and slot.offset >= end and slot.end <= layout.padded_numel
@@ -158,3 +159,21 @@ def test_fragment_shape_rejects_partial_rows():
 def test_negative_dimension_raises_value_error():
     with pytest.raises(ValueError, match=r"'w' has shape \(-1, 2\)"):
         build_layout(["w"], [(-1, 2)], shard_count=2)
+
+
+def test_large_rows_go_first_when_that_pads_less():
+    # a fused expert tensor (E=2, 16, 16): rows of 256. In the given order it starts at 80 and S = 336 puts the
+    # boundary after its first row; placed first (b filling the gap before it) S = 320, the least for 592 elements
+    shapes = [(16,), (8, 8), (2, 16, 16)]
+    layout = build_layout(["a", "b", "experts"], shapes, shard_count=2, align=4)
+    _check_row_aligned(layout, 4)
+    assert [s.name for s in layout.slots] == ["a", "b", "experts"]  # slots keep the given order
+    assert [s.offset for s in layout.slots] == [576, 0, 64] and layout.shard_numel == 320
+    given_order_shard, _ = _fit([16, 64, 512], [1, 8, 256], 2, 4, _packed_end(shapes, 4))
+    assert given_order_shard == 336
+
+
+def test_padding_before_a_parameter_is_filled_by_later_ones():
+    # S = 12: b (2 rows of 5) waits for the boundary 12; c (7 elements) fits whole in the gap [4, 12)
+    layout = build_layout(["a", "b", "c"], [(3,), (2, 5), (7,)], shard_count=4, align=4)
+    assert [(s.offset, s.end) for s in layout.slots] == [(0, 3), (12, 22), (4, 11)]
