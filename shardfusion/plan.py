@@ -87,9 +87,10 @@ class UnitSize:
         whole_shapes, expert_whole_shapes: the shapes of its dense / expert parameters that ``whole_params`` keeps
             whole on an owner rank (not in ``numel`` / ``expert_numel``): their owner-layout buffer is padded to
             equal shards, which :func:`plan` lays out for each candidate's inner degree (docs/whole-params.md).
-        buffer_shapes, expert_buffer_shapes: per element-sharded flat buffer of its dense / expert parameters (one
-            per dtype), their shapes in flat order (:func:`unit_sizes` fills them). When given, :func:`plan` lays
-            each buffer out for each candidate's inner degree exactly as ``fully_shard`` does (rows kept whole,
+        buffer_shapes, expert_buffer_shapes: per kind of element-sharded flat buffer of its dense / expert
+            parameters (one per dtype), their shapes in flat order (:func:`unit_sizes` fills them). When given,
+            :func:`plan` lays them out for each candidate's inner degree exactly as ``fully_shard`` does (rows kept
+            whole, a kind split into row classes where one buffer would pad too much: ``layout.row_groups``;
             docs/shape-true-parameters.md) instead of rounding ``numel`` / ``expert_numel`` up.
     """
 
@@ -277,12 +278,13 @@ def unit_sizes(model: nn.Module, *, units: Optional[Sequence[type]] = None, comm
     return out
 
 
-def _padded(shapes: tuple, count: int, align: int) -> int:
-    """The padded elements of an element-sharded buffer of ``shapes`` over ``count`` shards, as ``fully_shard`` lays
-    it out (``layout.build_layout``)."""
-    from shardfusion._runtime.layout import build_layout
+def _padded(shapes: tuple, count: int, align: int) -> list[int]:
+    """The padded elements of each flat buffer that element-sharded parameters of ``shapes`` (one kind) make over
+    ``count`` shards, as ``fully_shard`` lays them out (``layout.row_groups``, then ``layout.build_layout`` each)."""
+    from shardfusion._runtime.layout import build_layout, row_groups
 
-    return build_layout([str(i) for i in range(len(shapes))], shapes, count, align).padded_numel
+    return [build_layout([str(i) for i in g], [shapes[i] for i in g], count, align).padded_numel
+            for g in row_groups(shapes, count, align)]
 
 
 def _owner_padded(shapes: tuple, count: int, align: int, load: list[int]) -> int:
@@ -514,7 +516,8 @@ class _Model:
                      "expert_replicate")):
                 g_shard = groups[shard_kind]
                 if shapes:
-                    buffers.extend((_padded(b, g_shard.size, self.align), g_shard, groups[rep_kind]) for b in shapes)
+                    buffers.extend((padded, g_shard, groups[rep_kind]) for b in shapes
+                                   for padded in _padded(b, g_shard.size, self.align))
                 elif numel:
                     buffers.append((_round_up(numel, g_shard.size * self.align), g_shard, groups[rep_kind]))
                 if whole:

@@ -33,7 +33,10 @@ shard size ``S`` (a multiple of ``align``):
   ``2F * C`` elements: started mid-shard, it would need up to a row of padding), and the one with the smaller ``S``
   is kept (ties: the given order). ``slots[i]`` is always parameter ``i``; offsets need not increase with ``i``.
 
-With ``shard_count == 1``, or when no boundary falls inside a row, this is the plain aligned layout. The owner layout
+With ``shard_count == 1``, or when no boundary falls inside a row, this is the plain aligned layout. When rows of
+unrelated lengths would make ``S`` a multiple of their ``lcm`` (a ``(4096, 10928)`` and a ``(10928, 4096)`` matrix
+each spanning several shards), :func:`row_groups` splits the parameters of one kind into one flat buffer per row
+class, so each buffer pads about a row per shard (one all-gather and reduce-scatter more per class). The owner layout
 (:func:`build_owner_layout`) puts every parameter whole in one shard and needs none of this.
 
 The idea of one flat buffer per group of parameters comes from FSDP1's ``FlatParameter`` and Megatron-FSDP's
@@ -146,7 +149,8 @@ def build_layout(
 
     Returns:
         The :class:`FlatLayout`: ``padded_numel`` is a multiple of ``shard_count * align``, and each rank's fragment
-        of a parameter is whole rows of it; ``slots[i]`` is parameter ``i`` (offsets in the order chosen). An empty or all-zero-size list gives ``padded_numel == 0``.
+        of a parameter is whole rows of it; ``slots[i]`` is parameter ``i`` (offsets in the order chosen). An empty
+        or all-zero-size list gives ``padded_numel == 0``.
 
     Raises:
         ValueError: if ``shard_count`` or ``align`` is < 1, ``names`` and ``shapes`` differ in length, or a shape has
@@ -176,6 +180,50 @@ def build_layout(
     slots = tuple(ParamSlot(name, shape, offsets[i], n)
                   for i, (name, shape, n) in enumerate(zip(names, shapes, numels)))
     return FlatLayout(slots, shard_count * S, shard_count)
+
+
+def row_groups(shapes: Sequence[Sequence[int]], shard_count: int, align: int = 4) -> list[list[int]]:
+    """Which parameters of one kind share a flat buffer: ``[[0, 1, ..., n-1]]`` (one buffer) unless its
+    :func:`build_layout` pads more than ``shard_count * max(lcm(row, align))`` elements (about a row per shard) beyond
+    the plain aligned layout; then one group per *row class* (see [Note: row-aligned shards]).
+
+    A row class is the parameters with two or more dims whose ``lcm(row, align)`` divides its largest one (a row
+    of ``4 * C`` elements and one of ``C`` share a class: any shard size fit for the first fits the second); the
+    1-D, 0-d and empty parameters join the class with the most elements. Each group is in the given order, the
+    groups in order of their first parameter. One buffer would need ``S`` to be a multiple of the ``lcm`` of the
+    rows of every parameter spanning two or more shards (``(4096, 11008)`` and ``(11008, 4096)`` matrices: 2.8M
+    elements per shard); one buffer per class needs each class's row only.
+
+    Raises:
+        ValueError: as :func:`build_layout`.
+    """
+    names = [str(i) for i in range(len(shapes))]
+    everything = [list(range(len(shapes)))]
+    if shard_count == 1 or len(shapes) < 2:
+        build_layout(names, shapes, shard_count, align)  # validates
+        return everything
+    one = build_layout(names, shapes, shard_count, align)
+    steps = [math.lcm(max(row_numel(s.shape), 1), align) for s in one.slots]
+    packed = _place([s.numel for s in one.slots], [1] * len(steps), align, shard_numel=None)[-1]
+    if one.padded_numel - _round_up(packed, shard_count * align) <= shard_count * max(steps):
+        return everything
+    leaders: list[int] = []  # the largest step of each class
+    for step in sorted({st for st, s in zip(steps, one.slots) if len(s.shape) > 1 and s.numel}, reverse=True):
+        if not any(lead % step == 0 for lead in leaders):
+            leaders.append(step)
+    if len(leaders) < 2:
+        return everything
+    classes: dict[int, list[int]] = {lead: [] for lead in leaders}
+    rest = []
+    for i, (st, s) in enumerate(zip(steps, one.slots)):
+        if len(s.shape) > 1 and s.numel:
+            classes[next(lead for lead in leaders if lead % st == 0)].append(i)
+        else:
+            rest.append(i)
+    groups = list(classes.values())
+    largest = max(groups, key=lambda g: sum(one.slots[i].numel for i in g))
+    largest.extend(rest)
+    return sorted((sorted(g) for g in groups), key=lambda g: g[0])
 
 
 def _orders(rows: list[int]) -> list[list[int]]:

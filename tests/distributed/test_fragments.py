@@ -6,7 +6,9 @@ one process does; shape-true fragments (docs/shape-true-parameters.md): `p.dim()
 `p.grad.shape` of every fragment, and nanoGPT's `p.dim() >= 2` weight-decay groups giving the single-process run
 at FSDP 4 and HSDP 2 x 2.
 
-Everything runs in one W=4 job on (I, O) = (2, 2) (the nanoGPT check also on (4, 1)); each check is a test. Which unit each parameter lands in is in
+Everything runs in one W=4 job on (I, O) = (2, 2) (the nanoGPT check also on (4, 1)); each check is a test; one
+more W=8 job checks a unit split into two flat buffers by row class (`layout.row_groups`). Which unit each parameter
+lands in is in
 tests/distributed/test_units.py.
 """
 
@@ -376,3 +378,48 @@ def test_nanogpt_weight_decay_groups_match_one_process(job):
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=0, atol=1e-6,
                                        msg=lambda m: f"{what}: losses: {m}")
             assert_close_dicts(got["full"], ref["full"], what, rtol=0, atol=1e-6)
+
+
+SPLIT_TAG, SPLIT_WORLD, SPLIT_STEPS = 7, 8, 2
+
+
+def split_mlp() -> nn.Sequential:
+    """Rows of 20 and 24 elements, each weight more than 2 shards of 8: one buffer would need S % 120 == 0."""
+    return nn.Sequential(nn.Linear(20, 24), nn.Tanh(), nn.Linear(24, 20))
+
+
+def split_job() -> dict:
+    """Worker (W=8, sharding 8): the root unit of split_mlp in two flat buffers; 2 AdamW steps."""
+    import shardfusion as sf
+    from shardfusion._runtime.state import flat_buffers
+
+    topo = sf.Topology(sharding=SPLIT_WORLD)
+    model = sf.fully_shard(seeded(split_mlp), topo)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    shapes = {}
+    for step in range(SPLIT_STEPS):
+        x = rank_randn(SPLIT_TAG, step, topo.data_parallel_rank, 2, 20)
+        F.mse_loss(model(x), torch.zeros(2, 20)).backward()
+        sf.finish_grad_sync(model)
+        shapes = {n: (tuple(p.shape), tuple(p.grad.shape)) for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return {"buffers": [[s.name for s in b.layout.slots] for b in flat_buffers(model)], "shapes": shapes,
+            "full": sf.full_state_dict(model)}
+
+
+def test_unit_split_by_row_class_matches_one_process():
+    rs = run_distributed(split_job, SPLIT_WORLD, timeout=JOB_TIMEOUT_S)
+    model = seeded(split_mlp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(SPLIT_STEPS):
+        x = global_randn(SPLIT_TAG, step, SPLIT_WORLD, 2, 20)
+        F.mse_loss(model(x), torch.zeros(2 * SPLIT_WORLD, 20)).backward()
+        opt.step()
+        opt.zero_grad()
+    full = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for rank, r in enumerate(rs):
+        assert r["buffers"] == [["0.weight"], ["0.bias", "2.weight", "2.bias"]], f"rank {rank}: {r['buffers']}"
+        for n, (shape, grad) in r["shapes"].items():
+            assert shape[1:] == full[n][1:] and len(shape) == len(full[n]) and grad == shape, (rank, n, shape, grad)
+        assert_close_dicts(r["full"], state_snapshot(model), f"rank {rank}")

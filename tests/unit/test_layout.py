@@ -5,7 +5,7 @@ import pytest
 import math
 import random
 
-from shardfusion._runtime.layout import _fit, build_layout, fragment_shape, row_numel
+from shardfusion._runtime.layout import _fit, build_layout, fragment_shape, row_groups, row_numel
 
 
 def test_offsets_aligned_and_padded_to_shard_multiple():
@@ -177,3 +177,30 @@ def test_padding_before_a_parameter_is_filled_by_later_ones():
     # S = 12: b (2 rows of 5) waits for the boundary 12; c (7 elements) fits whole in the gap [4, 12)
     layout = build_layout(["a", "b", "c"], [(3,), (2, 5), (7,)], shard_count=4, align=4)
     assert [(s.offset, s.end) for s in layout.slots] == [(0, 3), (12, 22), (4, 11)]
+
+
+LLAMA_LAYER = [(64,), (64, 64), (16, 64), (16, 64), (64, 64), (64,), (172, 64), (172, 64), (64, 172)]
+
+
+def test_row_groups_split_unrelated_rows_that_span_several_shards():
+    # rows 64 and 172 (lcm 2752): one buffer over 32 shards would need S to be a multiple of 2752
+    one = build_layout([str(i) for i in range(len(LLAMA_LAYER))], LLAMA_LAYER, 32, 4)
+    groups = row_groups(LLAMA_LAYER, 32, 4)
+    assert groups == [[0, 1, 2, 3, 4, 5, 6, 7], [8]]  # the norms go with the larger class
+    padded = 0
+    for g in groups:
+        layout = build_layout([str(i) for i in g], [LLAMA_LAYER[i] for i in g], 32, 4)
+        _check_row_aligned(layout, 4)
+        rows = max(row_numel(LLAMA_LAYER[i]) for i in g)
+        assert layout.padded_numel - layout.numel <= 2 * 32 * rows
+        padded += layout.padded_numel
+    assert padded < one.padded_numel
+    assert row_groups(LLAMA_LAYER, 2, 4) == [list(range(len(LLAMA_LAYER)))]  # 2 shards: one buffer pads little
+
+
+def test_row_groups_keep_rows_that_divide_each_other_together():
+    d = 32  # a GPT block: rows d and 4 d, one class whatever the degree
+    block = [(d,), (3 * d, d), (3 * d,), (d, d), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    for count in (1, 2, 4, 8, 16, 64):
+        assert row_groups(block, count, 4) == [list(range(len(block)))]
+    assert row_groups([], 4, 4) == [[]] and row_groups([(3, 5)], 4, 4) == [[0]]
