@@ -191,8 +191,8 @@ def row_groups(shapes: Sequence[Sequence[int]], shard_count: int, align: int = 4
     of ``4 * C`` elements and one of ``C`` share a class: any shard size fit for the first fits the second); the
     1-D, 0-d and empty parameters join the class with the most elements. Each group is in the given order, the
     groups in order of their first parameter. One buffer would need ``S`` to be a multiple of the ``lcm`` of the
-    rows of every parameter spanning two or more shards (``(4096, 11008)`` and ``(11008, 4096)`` matrices: 2.8M
-    elements per shard); one buffer per class needs each class's row only.
+    rows of every parameter spanning two or more shards (``(10928, 4096)`` and ``(4096, 10928)`` matrices:
+    ``lcm(4096, 10928)``, 2.8M elements per shard); one buffer per class needs each class's row only.
 
     Raises:
         ValueError: as :func:`build_layout`.
