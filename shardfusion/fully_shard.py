@@ -72,8 +72,9 @@ def fully_shard(
 
     Each unit keeps one flat buffer per (dtype, device, trainable or frozen, sharded or kept whole, tensor-parallel
     sharded or not, dense or expert; a sharded kind whose rows of unrelated lengths would pad more than about a row
-    per shard is split into one buffer per row class); parameters start at 16-byte aligned offsets, shards are cut on the parameters' row boundaries and the buffer is
-    padded to a multiple of its shard count (docs/shape-true-parameters.md). Each rank keeps its ``1/inner`` shard in
+    per shard is split into one buffer per row class); parameters start at 16-byte aligned offsets, shards are cut
+    on the parameters' row boundaries and the buffer is padded to a multiple of its shard count
+    (docs/shape-true-parameters.md). Each rank keeps its ``1/inner`` shard in
     the parameters' own dtype. Afterwards ``model.named_parameters()`` yields, under the original names, fragments:
     views into the shard of shape ``(rows_on_this_rank, *shape[1:])`` (0 rows allowed; a 0-d parameter is ``(1,)``
     on the rank holding it, ``(0,)`` elsewhere), so ``p.dim()`` and the trailing dimensions are the original ones

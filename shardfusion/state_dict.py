@@ -2,8 +2,9 @@
 
 State dicts of a sharded model, in short (details: [Note: local state dicts] in ``local_state_dict.py``):
 
-- ``model.state_dict()``: this rank's fragments (its rows of each parameter) under the original names, plus the buffers; cheap, local. Its
-  ``_metadata`` (kept by ``torch.save``) records the rank, the world size and a digest of this rank's layout.
+- ``model.state_dict()``: this rank's fragments (its rows of each parameter) under the original names, plus the
+  buffers; cheap, local. Its ``_metadata`` (kept by ``torch.save``) records the rank, the world size and a digest
+  of this rank's layout.
 - :func:`full_state_dict`: every parameter in its full shape, on every rank (collective); loads into a plain model
   and into a sharded model of any layout.
 - ``model.load_state_dict(sd)``: collective (every rank calls it). Takes full-shape tensors (each rank copies its

@@ -4,8 +4,9 @@
 After :func:`shardfusion.fully_shard`, ``model.state_dict()`` holds, under the original names, this rank's
 fragments of the sharded parameters (views of its shard of shape ``(rows_on_this_rank, *shape[1:])``, see
 ``layout.fragment_shape``; kept-whole parameters have their full shape; a parameter of ``whole_params`` has its shape
-on its owner rank, ``(0, *shape[1:])`` elsewhere) and the module buffers. A state-dict post-hook on the sharded model records in the state dict's ``_metadata`` (which
-``torch.save`` keeps) where the fragments come from, under ``_metadata[prefix]["shardfusion"]``::
+on its owner rank, ``(0, *shape[1:])`` elsewhere) and the module buffers. A state-dict post-hook on the sharded
+model records in the state dict's ``_metadata`` (which ``torch.save`` keeps) where the fragments come from, under
+``_metadata[prefix]["shardfusion"]``::
 
     {"rank": global rank, "world_size": W, "layout": hex digest of this rank's fragments}
 
@@ -177,7 +178,8 @@ class LocalStateDict:
 
     def _to_fragments(self, state_dict, prefix: str) -> None:
         """Replace each full-shape tensor by this rank's fragment of it (in the fragment's shape,
-        ``(rows_on_this_rank, *shape[1:])``); give a tied parameter that appears under one of its names the same value under the others."""
+        ``(rows_on_this_rank, *shape[1:])``); give a tied parameter that appears under one of its names the same
+        value under the others."""
         for p in self.params:
             given = [prefix + a for a in p.aliases if prefix + a in state_dict]
             for key in given:

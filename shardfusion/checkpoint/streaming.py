@@ -17,9 +17,9 @@ time::
 
 Since a fragment is whole rows, ``offset`` and ``numel`` are multiples of ``row``: the slab is exactly the
 fragment, so a rank reads only its fragments' rows (the ceiling would cover partial rows of a layout that cut
-them), and the memory the load adds is one such slab (plus its dtype conversion). An empty fragment reads nothing. Kept-whole parameters are fragments that
-cover the whole parameter; expert parameters appear only on the ep ranks that hold them, so each ep rank reads only
-its own experts. Persistent buffers are read whole.
+them), and the memory the load adds is one such slab (plus its dtype conversion). An empty fragment reads nothing.
+Kept-whole parameters are fragments that cover the whole parameter; expert parameters appear only on the ep ranks
+that hold them, so each ep rank reads only its own experts. Persistent buffers are read whole.
 
 Before anything is copied every rank checks what it holds against the file headers, and one ``all_gather_object``
 over the default group exchanges the findings (and the names of the experts each rank holds, so that the experts
