@@ -12,7 +12,7 @@ rest (embeddings, norms, biases), as the public Muon recipes do; clipping by glo
   shard group; Muon on every rank's fragments (the matrix on its owner, ``(0, n)`` elsewhere), AdamW on the rest.
 - ``replicated``: ``fully_shard(..., replicate_filter=is_block_matrix)``: each matrix whole on every rank, its
   gradient all-reduced; every rank runs Muon on every matrix.
-- ``adamw``: ``fully_shard(...)`` with no filter; AdamW on every (1-D) fragment.
+- ``adamw``: ``fully_shard(...)`` with no filter; AdamW on every (element-sharded) fragment.
 
 Per rank, the medians over ``--steps`` steps after ``--warmup`` ones (a barrier before each step, not timed):
 ``fwd+bwd`` (forward, backward and ``sf.finish_grad_sync``: the gradients are reduced), ``muon`` and ``adamw`` (the
