@@ -115,14 +115,15 @@ def _measure(opts: dict, model_kind: str, variant: str) -> dict:
                            replicate_filter=is_block_matrix if variant == "replicated" else None)
     named = list(model.named_parameters())
     shapes = _full_shapes(model)
-    views: list[tuple[torch.Tensor, torch.Tensor]] = []  # (b): (2-D view for Muon, the 1-D kept-whole fragment)
+    views: list[tuple[torch.Tensor, torch.Tensor]] = []  # (b): (2-D view for Muon, the kept-whole fragment)
     if variant == "adamw":
         muon, adamw = None, torch.optim.AdamW([p for _, p in named], lr=ADAMW_LR, weight_decay=WEIGHT_DECAY)
     else:
         chosen = {n for n, p in named if is_block_matrix(n, torch.empty(shapes.get(n, p.shape), device="meta"))}
         if variant == "whole":
             matrices = [p for n, p in named if n in chosen]
-        else:  # replicate_filter keeps the matrix whole but flattened (1-D): Muon gets a 2-D view of its storage
+        else:  # replicate_filter keeps the matrix whole, but Muon refuses fragments outside whole_params: it gets a
+            # parameter view of the fragment's storage
             views = [(torch.nn.Parameter(p.detach().view(shapes[n])), p) for n, p in named if n in chosen]
             matrices = [v for v, _ in views]
         muon = torch.optim.Muon(matrices, lr=MUON_LR, weight_decay=WEIGHT_DECAY, adjust_lr_fn="original")
