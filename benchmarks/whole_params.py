@@ -12,7 +12,7 @@ rest (embeddings, norms, biases), as the public Muon recipes do; clipping by glo
   shard group; Muon on every rank's fragments (the matrix on its owner, ``(0, n)`` elsewhere), AdamW on the rest.
 - ``replicated``: ``fully_shard(..., replicate_filter=is_block_matrix)``: each matrix whole on every rank, its
   gradient all-reduced; every rank runs Muon on every matrix.
-- ``adamw``: ``fully_shard(...)`` with no filter; AdamW on every (1-D) fragment.
+- ``adamw``: ``fully_shard(...)`` with no filter; AdamW on every (element-sharded) fragment.
 
 Per rank, the medians over ``--steps`` steps after ``--warmup`` ones (a barrier before each step, not timed):
 ``fwd+bwd`` (forward, backward and ``sf.finish_grad_sync``: the gradients are reduced), ``muon`` and ``adamw`` (the
@@ -115,14 +115,15 @@ def _measure(opts: dict, model_kind: str, variant: str) -> dict:
                            replicate_filter=is_block_matrix if variant == "replicated" else None)
     named = list(model.named_parameters())
     shapes = _full_shapes(model)
-    views: list[tuple[torch.Tensor, torch.Tensor]] = []  # (b): (2-D view for Muon, the 1-D kept-whole fragment)
+    views: list[tuple[torch.Tensor, torch.Tensor]] = []  # (b): (2-D view for Muon, the kept-whole fragment)
     if variant == "adamw":
         muon, adamw = None, torch.optim.AdamW([p for _, p in named], lr=ADAMW_LR, weight_decay=WEIGHT_DECAY)
     else:
         chosen = {n for n, p in named if is_block_matrix(n, torch.empty(shapes.get(n, p.shape), device="meta"))}
         if variant == "whole":
             matrices = [p for n, p in named if n in chosen]
-        else:  # replicate_filter keeps the matrix whole but flattened (1-D): Muon gets a 2-D view of its storage
+        else:  # replicate_filter keeps the matrix whole, but Muon refuses fragments outside whole_params: it gets a
+            # parameter view of the fragment's storage
             views = [(torch.nn.Parameter(p.detach().view(shapes[n])), p) for n, p in named if n in chosen]
             matrices = [v for v, _ in views]
         muon = torch.optim.Muon(matrices, lr=MUON_LR, weight_decay=WEIGHT_DECAY, adjust_lr_fn="original")

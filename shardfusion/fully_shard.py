@@ -71,10 +71,14 @@ def fully_shard(
     ``x = x + keep * block(x)``).
 
     Each unit keeps one flat buffer per (dtype, device, trainable or frozen, sharded or kept whole, tensor-parallel
-    sharded or not, dense or expert);
-    parameters start at 16-byte aligned offsets and the buffer is padded to a multiple of its shard count. Each rank
-    keeps its ``1/inner`` shard in the parameters' own dtype. Afterwards ``model.named_parameters()`` yields, under the original
-    names, 1-D fragments (views into the shard, possibly of 0 elements), so element-wise ``torch.optim`` optimizers
+    sharded or not, dense or expert; a sharded kind whose rows of unrelated lengths would pad more than about a row
+    per shard is split into one buffer per row class); parameters start at 16-byte aligned offsets, shards are cut
+    on the parameters' row boundaries and the buffer is padded to a multiple of its shard count
+    (docs/shape-true-parameters.md). Each rank keeps its ``1/inner`` shard in
+    the parameters' own dtype. Afterwards ``model.named_parameters()`` yields, under the original names, fragments:
+    views into the shard of shape ``(rows_on_this_rank, *shape[1:])`` (0 rows allowed; a 0-d parameter is ``(1,)``
+    on the rank holding it, ``(0,)`` elsewhere), so ``p.dim()`` and the trailing dimensions are the original ones
+    and ``p.grad.shape == p.shape``; element-wise ``torch.optim`` optimizers
     (SGD, Adam, AdamW, Adamax, Adagrad, Adadelta, RMSprop, Rprop, ASGD, NAdam, RAdam) work unchanged and give the
     single-process result; build the optimizer after ``fully_shard``, from ``model.parameters()``. Optimizers that
     read a parameter's shape or all parameters together (``LBFGS``, ``Adafactor``, ``SparseAdam`` and their

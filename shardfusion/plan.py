@@ -5,7 +5,9 @@ A run with ``sharding`` ranks per fsdp group can split it as ``outer x inner`` f
 ``moe_sharding = sharding // ep``. :func:`plan` predicts, for each such candidate, what one optimizer step sends per
 rank, how long that takes on the measured links, and how much memory each rank holds, then picks the fastest one
 that fits the memory budget. Per unit and flat buffer (dense, expert) of ``P`` elements, padded as ``fully_shard``
-pads them (to a multiple of ``inner * align``, ``align = 16 bytes / shard element``), with ``m`` micro-batches per
+pads them (``layout.build_layout`` at the candidate's inner degree: shards cut on row boundaries, a multiple of
+``inner * align``, ``align = 16 bytes / shard element``; from the parameters' shapes when :class:`UnitSize` has them,
+else ``numel`` rounded up to ``inner * align``), with ``m`` micro-batches per
 step and the ring volumes of [Note: communication accounting] (``accounting.py``; ``G`` = group size, ``N`` =
 logical bytes):
 
@@ -85,6 +87,11 @@ class UnitSize:
         whole_shapes, expert_whole_shapes: the shapes of its dense / expert parameters that ``whole_params`` keeps
             whole on an owner rank (not in ``numel`` / ``expert_numel``): their owner-layout buffer is padded to
             equal shards, which :func:`plan` lays out for each candidate's inner degree (docs/whole-params.md).
+        buffer_shapes, expert_buffer_shapes: per kind of element-sharded flat buffer of its dense / expert
+            parameters (one per dtype), their shapes in flat order (:func:`unit_sizes` fills them). When given,
+            :func:`plan` lays them out for each candidate's inner degree exactly as ``fully_shard`` does (rows kept
+            whole, a kind split into row classes where one buffer would pad too much: ``layout.row_groups``;
+            docs/shape-true-parameters.md) instead of rounding ``numel`` / ``expert_numel`` up.
     """
 
     name: str
@@ -93,6 +100,8 @@ class UnitSize:
     reshard_after_forward: bool = True
     whole_shapes: tuple = ()
     expert_whole_shapes: tuple = ()
+    buffer_shapes: tuple = ()
+    expert_buffer_shapes: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -214,7 +223,8 @@ def unit_sizes(model: nn.Module, *, units: Optional[Sequence[type]] = None, comm
     parameters and those a ``replicate_filter`` would keep whole are counted as trainable dense ones (the model
     overestimates them). The experts are the ones the model holds: a model built without an ep group holds all of
     them (divide ``expert_numel`` by ep). Parameters ``whole_params`` chooses are listed by shape in
-    ``whole_shapes`` / ``expert_whole_shapes`` instead.
+    ``whole_shapes`` / ``expert_whole_shapes`` instead. ``buffer_shapes`` / ``expert_buffer_shapes`` hold the
+    shapes of each flat buffer, so that :func:`plan` pads them at each inner degree as ``fully_shard`` does.
 
     Raises:
         ValueError: ``model`` is not a module or is already sharded; bad ``units``, ``comm_unit_size``,
@@ -248,6 +258,7 @@ def unit_sizes(model: nn.Module, *, units: Optional[Sequence[type]] = None, comm
     for (name, _modules, reshard), params in zip(specs, per_unit):
         sizes = {False: 0, True: 0}
         whole: dict[bool, list] = {False: [], True: []}
+        buffers: dict[bool, list] = {False: [], True: []}
         for expert in (False, True):
             by_dtype: dict[torch.dtype, list] = {}
             for pname, p, _ in params:
@@ -261,8 +272,19 @@ def unit_sizes(model: nn.Module, *, units: Optional[Sequence[type]] = None, comm
                 align = max(1, ALIGN_BYTES // torch.tensor([], dtype=dtype).element_size())
                 layout = build_layout([n for n, _ in members], [s for _, s in members], 1, align)
                 sizes[expert] += layout.padded_numel
-        out.append(UnitSize(name, sizes[False], sizes[True], bool(reshard), tuple(whole[False]), tuple(whole[True])))
+                buffers[expert].append(tuple(s for _, s in members))
+        out.append(UnitSize(name, sizes[False], sizes[True], bool(reshard), tuple(whole[False]), tuple(whole[True]),
+                            tuple(buffers[False]), tuple(buffers[True])))
     return out
+
+
+def _padded(shapes: tuple, count: int, align: int) -> list[int]:
+    """The padded elements of each flat buffer that element-sharded parameters of ``shapes`` (one kind) make over
+    ``count`` shards, as ``fully_shard`` lays them out (``layout.row_groups``, then ``layout.build_layout`` each)."""
+    from shardfusion._runtime.layout import build_layout, row_groups
+
+    return [build_layout([str(i) for i in g], [shapes[i] for i in g], count, align).padded_numel
+            for g in row_groups(shapes, count, align)]
 
 
 def _owner_padded(shapes: tuple, count: int, align: int, load: list[int]) -> int:
@@ -488,11 +510,15 @@ class _Model:
         for u in self.sizes:
             unit_full, unit_grad, unit_reduce = 0, 0, [0.0, 0.0]
             buffers = []  # (padded elements, shard group, replicate group)
-            for numel, whole, shard_kind, rep_kind in ((u.numel, u.whole_shapes, "inner", "replicate"),
-                                                       (u.expert_numel, u.expert_whole_shapes, "expert_inner",
-                                                        "expert_replicate")):
+            for numel, shapes, whole, shard_kind, rep_kind in (
+                    (u.numel, u.buffer_shapes, u.whole_shapes, "inner", "replicate"),
+                    (u.expert_numel, u.expert_buffer_shapes, u.expert_whole_shapes, "expert_inner",
+                     "expert_replicate")):
                 g_shard = groups[shard_kind]
-                if numel:
+                if shapes:
+                    buffers.extend((padded, g_shard, groups[rep_kind]) for b in shapes
+                                   for padded in _padded(b, g_shard.size, self.align))
+                elif numel:
                     buffers.append((_round_up(numel, g_shard.size * self.align), g_shard, groups[rep_kind]))
                 if whole:
                     padded = _owner_padded(whole, g_shard.size, self.align, owner_load[shard_kind])

@@ -34,7 +34,8 @@ def is_block_matrix(name: str, p: torch.Tensor) -> bool:
 
 def optimizers(model) -> list[torch.optim.Optimizer]:
     """Muon on the block matrices, AdamW on the rest. On a sharded model the whole fragments are 2-D (the matrix on
-    its owner, ``(0, n)`` elsewhere) and the element-sharded ones 1-D, so the same rule picks the same parameters."""
+    its owner, ``(0, n)`` elsewhere) and the element-sharded ones are the rest (biases, norms: 1-D; embeddings
+    outside the blocks), so the same rule picks the same parameters."""
     named = list(model.named_parameters())
     muon = [p for n, p in named if is_block_matrix(n, p)]
     rest = [p for n, p in named if not is_block_matrix(n, p)]

@@ -14,8 +14,9 @@ A `Case` describes one training configuration. Two loops run it, written side by
 
 Both return plain dicts (per-step losses, gradients, norms, parameters) that the tests compare in the parent with
 `assert_close_dicts` (fp32: rtol 1e-5, atol 1e-6, as in docs/field-cases.md). A sharded run reports *fragments* (the
-local 1-D pieces that `model.named_parameters()` yields); `assemble` turns the fragments of one inner group back into
-full tensors, and `assert_replicas_identical` checks that ranks holding the same shard hold bitwise the same values.
+local pieces, whole rows, that `model.named_parameters()` yields); `assemble` turns the fragments of one inner group
+back into full tensors, and `assert_replicas_identical` checks that ranks holding the same shard hold bitwise the
+same values.
 
 `CaseJobs` runs a grid of cases as one spawned job per world size (start-up is paid once per job, docs/design.md
 "Conventions"); the small helpers at the end (`rank_randn`, `global_randn`, `sgd_step`) serve the hand-written

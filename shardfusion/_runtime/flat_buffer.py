@@ -6,10 +6,11 @@ sharded or kept whole, dense or expert). ``P`` is the padded flat length (``layo
 ``S = P / shard_count``.
 
 - ``shard``       # (S,)  persistent. This rank's slice of the flat buffer; the optimizer updates it in place through
-                  #       the *fragments*: one ``nn.Parameter`` per original parameter, a 1-D view of ``shard`` (0
-                  #       elements allowed), registered in the modules under the original names while sharded. In an
-                  #       owner layout (``owner_layout``) a fragment is the whole parameter in its shape on the owner
-                  #       rank and an empty ``(0, *shape[1:])`` view elsewhere.
+                  #       the *fragments*: one ``nn.Parameter`` per original parameter, a view of ``shard`` of shape
+                  #       ``(rows_on_this_rank, *shape[1:])`` (whole rows: [Note: row-aligned shards] in layout.py;
+                  #       0 rows allowed; a 0-d parameter ``(1,)`` where its element is, ``(0,)`` elsewhere),
+                  #       registered in the modules under the original names while sharded. In an owner layout
+                  #       (``owner_layout``) that is the whole parameter on its owner rank, 0 rows elsewhere.
 - ``full``        # (P,)  alive while unsharded, in ``param_dtype`` (mixed precision) or the shard's dtype. The
                   #       all-gathered buffer; its storage is resized to 0 when resharded. With ``shard_count == 1``
                   #       and no cast it *is* ``shard`` (nothing is gathered or freed). ``full_views``
@@ -54,7 +55,7 @@ from shardfusion import comm
 from shardfusion._runtime import compress
 from shardfusion._runtime import tensor_parallel as tp
 from shardfusion._runtime.replicate_sync import OverlappedSync
-from shardfusion._runtime.layout import FlatLayout, owned_shape
+from shardfusion._runtime.layout import FlatLayout, fragment_shape, owned_shape
 
 
 def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -116,8 +117,9 @@ class FlatBuffer:
             parameter: the layout holds its local piece, and its full view is a DTensor over that piece) or
             ``None``; default all ``None``.
         owner_layout: ``layout`` puts each parameter whole in one shard (``layout.build_owner_layout``): each
-            fragment then has the parameter's shape on its owner and ``(0, *shape[1:])`` on the other ranks
-            (``layout.owned_shape``), and so do their ``.grad``; otherwise fragments are 1-D.
+            fragment then has the parameter's shape on its owner and ``(0, *shape[1:])`` on the other ranks. In
+            the other layout a fragment and its ``.grad`` have shape ``layout.fragment_shape(shape, numel)``:
+            ``(rows_on_this_rank, *shape[1:])``.
 
     Attributes (besides the tensors of the note): ``shard_index`` (0 for a buffer without elements), ``is_expert``,
     ``is_primary``, ``unit_name``, and, for a later ``fully_shard`` call that absorbs this one, ``originals`` (a weak
@@ -175,11 +177,11 @@ class FlatBuffer:
         self._frag_ranges: list[tuple[int, int]] = []  # (offset in shard, numel) per fragment
         self._frag_param_offsets: list[int] = []  # start of each fragment in its flattened parameter
         self.owner_layout = bool(owner_layout)
-        self._frag_shapes: list[tuple[int, ...]] = []  # (numel,), or in an owner layout see owned_shape
+        self._frag_shapes: list[tuple[int, ...]] = []  # layout.fragment_shape, in an owner layout owned_shape
         for frag in layout.fragments(shard_index):
             self._frag_ranges.append((frag.shard_offset, frag.numel))
             self._frag_param_offsets.append(frag.param_offset)
-            shape = owned_shape(frag.slot.shape, frag.numel) if self.owner_layout else (frag.numel,)
+            shape = (owned_shape if self.owner_layout else fragment_shape)(frag.slot.shape, frag.numel)
             self._frag_shapes.append(shape)
             view = self.shard[frag.shard_offset:frag.shard_offset + frag.numel].view(shape)
             self.fragments.append(nn.Parameter(view, requires_grad=self.requires_grad))
@@ -455,13 +457,13 @@ class FlatBuffer:
 
     def unstash_fragment_grad(self, i: int) -> Optional[torch.Tensor]:
         """After autograd accumulated into fragment ``i``: put back the ``.grad`` it had before; returns what autograd
-        left there (the direct gradient, ``(numel,)``)."""
+        left there (the direct gradient, the fragment's shape)."""
         frag = self.fragments[i]
         grad, frag.grad = frag.grad, self._stashed_grads.pop(i, None)
         return grad
 
     def add_direct_grad(self, i: int, grad: Optional[torch.Tensor]) -> None:
-        """Add a direct gradient of fragment ``i`` (``(numel,)``, or ``None``: nothing) into ``direct_grad``."""
+        """Add a direct gradient of fragment ``i`` (the fragment's shape, or ``None``: nothing) into ``direct_grad``."""
         if grad is None:
             return
         off, n = self._frag_ranges[i]

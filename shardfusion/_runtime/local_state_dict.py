@@ -9,8 +9,9 @@ flat buffers one at a time (so ``state_dict()`` is collective: every rank calls 
 modules' ``_parameters`` in the place of the fragments; ``_save_to_state_dict`` and every state-dict hook of the
 modules (e.g. one that splits a fused QKV weight with ``torch.chunk``) then see full shapes, and a post-hook puts the
 fragments back. A state dict of a submodule of the sharded model (not through the model passed to ``fully_shard``)
-holds that submodule's fragments: this rank's pieces (1-D, or in an owner layout of ``whole_params`` the shape on
-the owner and ``(0, *shape[1:])`` elsewhere). The post-hook also records in the state dict's ``_metadata`` (which
+holds that submodule's fragments: this rank's rows of each parameter (``(rows_on_this_rank, *shape[1:])``, see
+``layout.fragment_shape``; in an owner layout of ``whole_params`` the shape on the owner and ``(0, *shape[1:])``
+elsewhere). The post-hook also records in the state dict's ``_metadata`` (which
 ``torch.save`` keeps), under ``_metadata[prefix]["shardfusion"]``::
 
     {"rank": global rank, "world_size": W, "layout": hex digest of this rank's fragments}
@@ -26,7 +27,8 @@ A load-state-dict pre-hook on the sharded model decides, for every parameter key
 - a DTensor of the full shape (``model.state_dict()`` of a sharded model of this job, what ``dcp.load`` filled in):
   gathered (``full_tensor()``, collective over its mesh), then sliced as above; refused when the metadata says
   another rank or world size saved it (its local tensor is that rank's chunk: a ``torch.save``'d state dict);
-- a fragment: accepted only when the metadata says it comes from this rank, world size and layout;
+- this rank's fragment shape: accepted only when the metadata says it comes from this rank, world size and layout
+  (a fragment that holds all of its parameter has the full shape, and is taken as full, rightly);
 - anything else (another rank's or layout's fragment, a fragment without metadata, another shape) is refused.
 
 A full-shape tensor that an ancestor's own load pre-hook makes later (fusing q, k, v back into qkv) is sliced by the
@@ -75,7 +77,7 @@ class _Param:
     numel: int  # fragment length (elements; 0 allowed)
     is_expert: bool
     tp_spec: object = None  # a tensor-parallel parameter: shape/offset are its local piece's; tp_spec.shape global
-    frag_shape: tuple[int, ...] = ()  # the fragment's shape: (numel,), or in an owner layout see layout.owned_shape
+    frag_shape: tuple[int, ...] = ()  # the fragment's shape: layout.fragment_shape
 
     @property
     def full_shape(self) -> tuple[int, ...]:
@@ -196,7 +198,7 @@ class LocalStateDict:
             else:
                 raise ValueError(
                     f"load_state_dict on {name!r} ({type(module).__name__}), a submodule of a model sharded by "
-                    f"shardfusion.fully_shard, would copy into this rank's 1-D fragments unchecked: call "
+                    f"shardfusion.fully_shard, would copy into this rank's fragments unchecked: call "
                     f"load_state_dict on the sharded model (or a module containing it), on every rank")
         return hook
 
@@ -226,7 +228,7 @@ class LocalStateDict:
                 out.append(f"{key!r} has shape {tuple(t.shape)}, not the full shape {p.full_shape}, and the state dict "
                            f"has no shardfusion metadata (it lost its _metadata, or it is a fragment from elsewhere)")
             elif not same:
-                out.append(f"{key!r} is a 1-D fragment {tuple(t.shape)} saved by rank {saved.get('rank')} of "
+                out.append(f"{key!r} is a fragment {tuple(t.shape)} saved by rank {saved.get('rank')} of "
                            f"{saved.get('world_size')} (layout {saved.get('layout')}); rank {self.rank} of "
                            f"{self.world_size} holds layout {self.layout}")
             else:
@@ -235,8 +237,9 @@ class LocalStateDict:
         return out
 
     def _to_fragments(self, state_dict, prefix: str) -> None:
-        """Replace each full-shape tensor by this rank's fragment of it (in the fragment's shape: 1-D, or whole on an
-        owner); give a tied parameter that appears under one of its names the same value under the others."""
+        """Replace each full-shape tensor by this rank's fragment of it (in the fragment's shape,
+        ``(rows_on_this_rank, *shape[1:])``); give a tied parameter that appears under one of its names the same
+        value under the others."""
         for p in self.params:
             given = [prefix + a for a in p.aliases if prefix + a in state_dict]
             for key in given:

@@ -19,7 +19,7 @@ from shardfusion._runtime.state import fragment_owner, fragments_by_buffer
 # parameter that fully_shard replaced by fragments (the originals, and the fragments of an absorbed nested call) ->
 # its qualified name, so that an optimizer still holding one is refused instead of silently updating nothing.
 REPLACED_PARAMS = WeakIdKeyDictionary()
-# Optimizers that read a parameter's shape or all parameters together: wrong on 1-D fragments of a flat shard.
+# Optimizers that read a parameter's shape or all parameters together: wrong on fragments (some rows of each tensor).
 _NOT_ELEMENTWISE = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafactor", "SparseAdam")
                          if hasattr(torch.optim, name))
 # Optimizers that update each matrix as a whole (torch >= 2.9 has Muon): right on fragments of whole_params only,
@@ -48,7 +48,7 @@ def _optimizer_pre_step(optimizer, args, kwargs) -> None:
             if p in REPLACED_PARAMS:  # first: an absorbed nested call's fragments are replaced too
                 raise ValueError(
                     f"{type(optimizer).__name__} holds parameter {REPLACED_PARAMS[p]!r} (shape {tuple(p.shape)}) from "
-                    "before fully_shard, which replaced every parameter by a 1-D fragment of its shard: this optimizer "
+                    "before fully_shard, which replaced every parameter by a fragment of its shard: this optimizer "
                     "would update tensors the model no longer uses. Build the optimizer after fully_shard, from "
                     "model.parameters()")
             s = fragment_owner(p)
@@ -57,8 +57,8 @@ def _optimizer_pre_step(optimizer, args, kwargs) -> None:
     if states and isinstance(optimizer, _NOT_ELEMENTWISE):
         raise ValueError(
             f"{type(optimizer).__name__} is not supported on a sharded model: it reads each parameter's shape or all "
-            "parameters together, but after fully_shard each rank's parameters are 1-D fragments of a flat shard "
-            "(pieces of the original tensors, possibly empty). Use an element-wise optimizer: "
+            "parameters together, but after fully_shard each rank's parameters are fragments of a flat shard "
+            "(some rows of the original tensors, possibly none). Use an element-wise optimizer: "
             f"{', '.join(_ELEMENTWISE_NAMES)}, or Muon on parameters kept whole by fully_shard(whole_params=...)")
     if states and isinstance(optimizer, _MATRIX):
         _check_whole(optimizer)
@@ -78,7 +78,7 @@ def _check_whole(optimizer) -> None:
             names = [s.name for s, f in zip(buffer.layout.slots, buffer.fragments) if any(f is q for q in frags)]
             raise ValueError(
                 f"{type(optimizer).__name__} holds {names[:3]}{' ...' if len(names) > 3 else ''} of unit "
-                f"{buffer.unit_name!r}, which fully_shard split into 1-D fragments across ranks: a matrix optimizer "
+                f"{buffer.unit_name!r}, which fully_shard split by rows across ranks: a matrix optimizer "
                 "needs each matrix whole. Pass whole_params=f to fully_shard, with f(name, param) true for the "
                 "matrices this optimizer updates (docs/whole-params.md)")
 

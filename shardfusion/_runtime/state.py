@@ -44,11 +44,13 @@ class NamedFragment:
 
     Attributes:
         name: the parameter's first qualified name, relative to the sharded model.
-        param: the fragment, an ``nn.Parameter`` view of ``buffer.shard`` of shape ``(numel,)``; in an owner layout
-            (``buffer.owner_layout``, ``whole_params``) the parameter's shape on its owner, ``(0, *shape[1:])``
-            elsewhere.
+        param: the fragment, an ``nn.Parameter`` view of ``buffer.shard`` of shape ``(numel // row,
+            *shape[1:])`` (``layout.fragment_shape``: whole rows; a 0-d parameter ``(1,)`` or ``(0,)``); in an owner
+            layout (``buffer.owner_layout``, ``whole_params``) the parameter's shape on its owner, ``(0,
+            *shape[1:])`` elsewhere.
         shape: the parameter's full shape.
-        offset: start of the fragment in the flattened parameter, in elements.
+        offset: start of the fragment in the flattened parameter, in elements (a multiple of the row,
+            ``prod(shape[1:])``).
         numel: the fragment's length in elements (0 allowed).
         shard_index: the shard this rank holds (0 for a buffer kept whole or without elements).
         buffer: the :class:`~shardfusion._runtime.flat_buffer.FlatBuffer` holding it (``is_expert``, ``is_primary``).

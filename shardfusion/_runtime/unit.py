@@ -4,7 +4,8 @@ A unit owns one :class:`~shardfusion._runtime.flat_buffer.FlatBuffer` per kind o
 tensors] in ``flat_buffer.py``) and the places in the modules where its parameters are registered. Its sharded state
 says which tensors the modules see:
 
-- ``SHARDED``: the modules' attributes resolve to the fragments (1-D local pieces, what the optimizer updates).
+- ``SHARDED``: the modules' attributes resolve to the fragments (this rank's rows of each parameter, what the
+  optimizer updates).
 - ``UNSHARDED``: the modules' attributes resolve to full-shape views of the all-gathered buffers (forward and
   backward run on them).
 

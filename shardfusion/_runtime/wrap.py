@@ -20,7 +20,7 @@ from shardfusion import comm
 from shardfusion._runtime import materialize
 from shardfusion._runtime import tensor_parallel as tp
 from shardfusion._runtime.flat_buffer import FlatBuffer
-from shardfusion._runtime.layout import build_carried_owner_layout, build_layout
+from shardfusion._runtime.layout import build_carried_owner_layout, build_layout, row_groups
 from shardfusion._runtime.optimizer_hook import REPLACED_PARAMS
 from shardfusion._runtime.state import is_sharded, sharded_ancestor
 from shardfusion._runtime.unit import Unit
@@ -411,11 +411,23 @@ class _GroupPlan:
 
 
 def _kinds(params: list, plan: _GroupPlan) -> list[tuple[tuple, list]]:
-    """A unit's ``[(name, param, registrations)]`` grouped by the kind of flat buffer, in first-seen order."""
+    """A unit's ``[(name, param, registrations)]`` grouped by the kind of flat buffer, in first-seen order; an
+    element-sharded kind split further into its row classes where one buffer would pad too much
+    (``layout.row_groups``)."""
     kinds: dict[tuple, list] = {}
     for name, p, regs in params:
         kinds.setdefault(plan.kind(name, p), []).append((name, p, regs))
-    return list(kinds.items())
+    out = []
+    for kind, members in kinds.items():
+        dtype, placement, expert = kind[0], kind[3], kind[5]
+        if placement != "shard":
+            out.append((kind, members))
+            continue
+        count = comm.group_size(plan.groups(placement, expert)[0])
+        align = max(1, ALIGN_BYTES // torch.tensor([], dtype=dtype).element_size())
+        shapes = [tuple(tp.local(p).shape) for _, p, _ in members]
+        out.extend((kind, [members[i] for i in group]) for group in row_groups(shapes, count, align))
+    return out
 
 
 def _flat_buffer(unit: Unit, kind: tuple, members: list, plan: _GroupPlan) -> FlatBuffer:

@@ -135,7 +135,7 @@ def _save(model: nn.Module, optimizer, path: str, extra: Optional[dict],
         st = opt_state.get(p, {})
         kinds = {k: state_kind(p, v) for k, v in st.items()}
         if writes and p.numel() > 0:
-            sd[f"model/{name}"] = p.detach().view(-1)  # 1-D: a fragment of a whole parameter has its shape
+            sd[f"model/{name}"] = p.detach().view(-1)  # stored flattened: a fragment has its rows' shape
             fragments[f"model/{name}"] = (runs, total)
             for k, kind in kinds.items():
                 if kind == "element":

@@ -2,8 +2,9 @@
 
 [Note: streaming load]
 A model passed to :func:`shardfusion.fully_shard` holds, on each rank, one fragment of every parameter: the element
-range ``[offset, offset + numel)`` of the row-major flattened parameter, a 1-D view of the rank's shard (see
-:class:`shardfusion._runtime.state.NamedFragment`). Loading a whole state dict on every rank to cut those ranges
+range ``[offset, offset + numel)`` of the row-major flattened parameter, whole rows of it (shards are cut on row
+boundaries: [Note: row-aligned shards] in ``_runtime/layout.py``), a ``(rows, *shape[1:])`` view of the rank's shard
+(see :class:`shardfusion._runtime.state.NamedFragment`). Loading a whole state dict on every rank to cut those ranges
 out of it (:func:`shardfusion.checkpoint.load_full_state`) needs the whole model in memory on every rank. Here every
 rank opens the files lazily instead (``safe_open``: the header is parsed, the data are memory-mapped, nothing is
 read) and, for each of its fragments, reads only the rows (first-dim range) that cover the fragment, one tensor at a
@@ -14,10 +15,11 @@ time::
     slab   = get_slice(name)[r0:r1]                   # (r1 - r0, *shape[1:]), in the file's dtype
     part   = slab.reshape(-1)[offset - r0 * row:][:numel]   # (numel,): the fragment, copied into the shard
 
-so a rank reads at most its fragments plus two partial rows per parameter, and the memory the load adds is one
-such slab (plus its dtype conversion). An empty fragment reads nothing. Kept-whole parameters are fragments that
-cover the whole parameter; expert parameters appear only on the ep ranks that hold them, so each ep rank reads only
-its own experts. Persistent buffers are read whole.
+Since a fragment is whole rows, ``offset`` and ``numel`` are multiples of ``row``: the slab is exactly the
+fragment, so a rank reads only its fragments' rows (the ceiling would cover partial rows of a layout that cut
+them), and the memory the load adds is one such slab (plus its dtype conversion). An empty fragment reads nothing.
+Kept-whole parameters are fragments that cover the whole parameter; expert parameters appear only on the ep ranks
+that hold them, so each ep rank reads only its own experts. Persistent buffers are read whole.
 
 Before anything is copied every rank checks what it holds against the file headers, and one ``all_gather_object``
 over the default group exchanges the findings (and the names of the experts each rank holds, so that the experts

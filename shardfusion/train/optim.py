@@ -27,7 +27,8 @@ EMBEDDINGS = ("wte", "wpe", "embed_tokens", "embed_positions")
 def no_decay(name: str) -> bool:
     """Whether the parameter called `name` is exempt from weight decay: biases, norms and embeddings.
 
-    Decided by name, since after `fully_shard` every parameter is a 1-D fragment whatever its original shape. A norm
+    Decided by name (the job's choice; after `fully_shard` fragments keep `p.dim()`, so nanoGPT's `p.dim() >= 2`
+    works too, see docs/shape-true-parameters.md): embeddings are 2-D and exempt here. A norm
     is a module whose name starts with "ln" or holds "norm" (the GPT's `ln_1`, `ln_f`; HF's `input_layernorm`,
     `model.norm`, Qwen3's `q_norm`); embeddings are `EMBEDDINGS`. Everything else decays: matrices, MoE routers
     (`mlp.gate.weight`), HF's fused expert tensors (`mlp.experts.gate_up_proj`) and an untied `lm_head.weight`."""
@@ -58,8 +59,9 @@ def muon_matrices(module: nn.Module, units: tuple[type, ...]) -> Callable[[str, 
     or not 2-D.
 
     The same predicate is `fully_shard`'s ``whole_params`` (on the meta model: every matrix 2-D) and picks Muon's
-    parameters on the sharded model, where a whole fragment is 2-D (the matrix on its owner, ``(0, n)`` elsewhere)
-    and every element-sharded fragment 1-D."""
+    parameters on the sharded model, where a whole fragment is the matrix on its owner, ``(0, n)`` elsewhere (an
+    element-sharded fragment is 2-D too, some rows of a matrix: Muon is refused on it, see
+    ``optimizer_hook._check_whole``)."""
     inside = {f"{prefix}.{name}" for prefix, unit in module.named_modules() if isinstance(unit, units)
               for name, _ in unit.named_parameters()}
 

@@ -129,7 +129,8 @@ def test_atomic_publish_keep_and_key_errors(tmp_path):
         assert r["resumed_latest"] == os.path.join(root, "step-2"), r["resumed_latest"]
         step4 = os.path.join(root, "step-4")
         assert r["truncated"].startswith(f"checkpoint {step4!r} cannot be read: __1_0.distcp has 100 bytes") and \
-            "rank 1: EOFError" in r["truncated"] and "\n" not in r["truncated"], r["truncated"]
+            any(f"rank 1: {kind}" in r["truncated"] for kind in ("EOFError", "RuntimeError")) and \
+            "\n" not in r["truncated"], r["truncated"]  # which error depends on what the 100 bytes cut (the layout)
         msg = r["mismatch"]
         assert "missing from the checkpoint: ['extra_bias']" in msg, msg
         assert "c.weight model (4, 7) vs checkpoint (3, 7)" in msg, msg

@@ -126,7 +126,7 @@ def optimizers_job() -> dict:
     model = sf.fully_shard(build(), topo, units=(nn.Linear,), whole_params=lambda n, p: n == "0.weight")
     params = dict(model.named_parameters())
     opt = torch.optim.Muon([params["0.weight"]], lr=1e-2)  # whole: 2-D on every rank
-    opt.add_param_group({"params": [params["2.weight"]]})  # a 1-D fragment: torch checks only in __init__
+    opt.add_param_group({"params": [params["2.weight"]]})  # element-sharded (rows): torch checks only in __init__
     out["refused"]["muon-fragment"] = _refused_step(model, opt, rank, sf)
     return out
 
@@ -163,7 +163,7 @@ def _assert_refused_before_anything(job, key: str, *words: str) -> None:
 
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_non_elementwise_optimizer_is_refused_at_step(job, name):
-    _assert_refused_before_anything(job, name, name, "1-D fragments", "element-wise", "AdamW", "Muon")
+    _assert_refused_before_anything(job, name, name, "fragments of a flat shard", "element-wise", "AdamW", "Muon")
 
 
 def test_optimizer_built_before_fully_shard_is_refused(job):

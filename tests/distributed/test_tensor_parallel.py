@@ -153,9 +153,10 @@ def _check_views() -> None:
     proj_w, proj_b = seen[(id(attn.proj), "weight")], seen[(id(attn.proj), "bias")]
     assert proj_w[1] == (Shard(1),) and proj_w[3] == (32, 16), proj_w
     assert proj_b[1] == (Replicate(),) and proj_b[3] == (32,), proj_b
-    # Between steps the modules hold 1-D fragments of this rank's piece (16 x 32 of q.weight, sharding 1: whole).
+    # Between steps the modules hold fragments of this rank's piece (16 x 32 of q.weight, sharding 1: whole rows,
+    # here all of them).
     frags = dict(model.named_parameters())
-    assert frags["blocks.0.attn.q.weight"].shape == (16 * 32,)
+    assert frags["blocks.0.attn.q.weight"].shape == (16, 32)
 
 
 def max_errors(got: dict, want: dict) -> dict:

@@ -236,11 +236,14 @@ def test_units_by_comm_unit_size(job):
                                        ("mlp_size150", MLP), ("transformer_size200", TinyTransformer)])
 def test_fragments_keep_names_and_tile_parameters(job, key, model):
     torch.manual_seed(0)
-    numel = _numels(model())
+    plain = model()
+    numel = _numels(plain)
+    want_dims = {n: p.dim() for n, p in plain.named_parameters()}
     for r in job:
         names_before, desc = r[key]
         assert desc["names"] == names_before, f"rank {r['rank']}: names changed: {desc['names']} vs {names_before}"
-        assert all(d == 1 for _, d, _ in desc["fragments"].values()), f"rank {r['rank']}: fragments are not 1-D"
+        dims = {n: d for n, (_, d, _) in desc["fragments"].items()}
+        assert dims == want_dims, f"rank {r['rank']}: fragments' dims {dims}, the parameters' {want_dims}"
     for outer in range(OUTER):  # ranks outer*I .. outer*I + I-1 form an inner group
         group = job[outer * INNER:(outer + 1) * INNER]
         for n, want in numel.items():

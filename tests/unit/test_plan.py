@@ -193,7 +193,10 @@ def test_unit_sizes_as_fully_shard_lays_them_out() -> None:
     with torch.device("meta"):
         model = Net()
     sizes = unit_sizes(model, units=(Blk,))
-    assert sizes == [UnitSize("", 12, 0, False), UnitSize("blocks.0", 24, 8, True), UnitSize("blocks.1", 24, 8, True)]
+    blk = (((5, 3), (5,)), ((6,),))  # Blk's dense buffer (fc), its expert buffer
+    assert sizes == [UnitSize("", 12, 0, False, buffer_shapes=(((3, 2), (3,)),)),
+                     UnitSize("blocks.0", 24, 8, True, buffer_shapes=blk[:1], expert_buffer_shapes=blk[1:]),
+                     UnitSize("blocks.1", 24, 8, True, buffer_shapes=blk[:1], expert_buffer_shapes=blk[1:])]
     assert unit_sizes(model, units=(Blk,), reshard_policy="after_backward")[1].reshard_after_forward is False
     direct = plan(model, units=(Blk,), **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9)
     assert direct.candidates == plan(sizes, **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9).candidates
@@ -275,3 +278,19 @@ def test_whole_params_padding_by_hand() -> None:
         unit_sizes(model, units=(Blk,), whole_params="matrices")
     with pytest.raises(ValueError, match="whole_params apply to a model"):
         plan(units, **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9, whole_params=lambda n, p: True)
+
+
+def test_plan_pads_buffers_as_the_row_aligned_layout() -> None:
+    """With the shapes of each buffer, the shard the plan counts is the one fully_shard lays out at each inner
+    degree (rows kept whole), not numel rounded up: a (10, 6) matrix over 4 shards needs S = 24, not 16."""
+    from shardfusion._runtime.layout import build_layout
+
+    shapes = ((10, 6), (6,))
+    units = [UnitSize("", 72, 0, False, buffer_shapes=(shapes,))]
+    got = by_outer(plan(units, **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9))
+    for outer, c in got.items():
+        layout = build_layout(["w", "b"], shapes, c.inner, 4)
+        assert c.memory["params"] == layout.shard_numel * 4
+    assert got[1].memory["params"] == 24 * 4
+    plain = by_outer(plan([UnitSize("", 72, 0, False)], **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9))
+    assert plain[1].memory["params"] == 20 * 4  # numel rounded up to inner * align: 80 / 4
