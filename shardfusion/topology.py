@@ -293,6 +293,9 @@ class Topology:
         # CPU whatever the backend: it never carries a collective of the step, so a rank that enters it alone waits
         # there, with the Topology timeout, instead of pairing with another rank's all-gather.
         self._control = dist.new_group(backend="gloo", timeout=timeout)
+        self.forward_mode_checks = 0
+        """How many forward-mode agreements this rank has joined (``check_forward_mode``; one all-gather each, not
+        in the communication accounting)."""
 
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         spanning = _inner_kinds_spanning_nodes(d, int(local)) if local.isdigit() and int(local) > 0 else []
@@ -338,6 +341,7 @@ class Topology:
         what = (f"the agreement on the forward mode ({'train' if training else 'eval'} mode, grad "
                 f"{'enabled' if grad_enabled else 'disabled'}) that starts a forward in another mode than the last")
         if self.world_size > 1:  # not in the communication accounting: 16 bytes per rank at a change of mode
+            self.forward_mode_checks += 1
             with comm.explain_timeout(what):
                 dist.all_gather_into_tensor(every.view(-1), mine, group=self._control)
         else:

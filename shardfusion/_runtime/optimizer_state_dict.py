@@ -127,8 +127,9 @@ def _fragment_state(p: torch.Tensor, state: dict) -> dict:
     info = fragment_owner(p).local_state_dict.by_fragment[id(p)]
     values = dict(state)
     for name, t in values.items():
-        if not isinstance(t, torch.Tensor) or t.dim() == 0 or (not isinstance(t, DTensor) and t.shape == p.shape):
-            continue  # a scalar, or already this rank's fragment
+        if not isinstance(t, torch.Tensor) or (not isinstance(t, DTensor) and (t.dim() == 0 or t.shape == p.shape)):
+            continue  # a plain scalar (``step``), or already this rank's fragment; a DTensor of shape () is the
+            # state of a 0-dim parameter and is cut like any other
         if tuple(t.shape) != info.full_shape:
             raise ValueError(f"optimizer state {name!r} of {info.name!r} has shape {tuple(t.shape)}, neither the "
                              f"parameter's full shape {info.full_shape} nor this rank's fragment "

@@ -404,9 +404,51 @@ def _moe_job(tmp: str) -> dict:
     return out
 
 
+class Scaled(nn.Module):
+    """A (4, 4) Linear times a learned 0-dim temperature `scale` (a fragment of shape (1,) on one rank, (0,) on the
+    others)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):  # (B, 4) -> (B, 4)
+        return self.fc(x) * self.scale
+
+
+def _scalar_steps(model, optim) -> None:
+    """One AdamW step on a fixed batch: the full batch on every rank (so the sharded run equals one process)."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(7))
+    model(x).square().mean().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _scalar_job(tmp: str) -> dict:
+    """The optimizer state of a 0-dim parameter through get/set_optimizer_state_dict (a DTensor of shape ())."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    import shardfusion as sf
+    torch.manual_seed(0)
+    model = sf.fully_shard(Scaled(), sf.Topology(sharding=4))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _scalar_steps(model, optim)
+    sharded = get_optimizer_state_dict(model, optim)
+    full = _cloned(get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True)))
+    torch.manual_seed(1)
+    other = sf.fully_shard(Scaled(), sf.Topology(sharding=4))
+    optim2 = torch.optim.AdamW(other.parameters(), lr=0.1)
+    loaded = _outcome(lambda: set_optimizer_state_dict(other, optim2, sharded))
+    frag = dict(other.named_parameters())["scale"]
+    return {"shape": tuple(sharded["state"]["scale"]["exp_avg"].shape), "full": full["state"], "loaded": loaded,
+            "fragment": {k: (v.clone(), tuple(v.shape)) for k, v in optim2.state[frag].items() if k != "step"},
+            "frag-shape": tuple(frag.shape)}
+
+
 def _all_jobs(tmp: str) -> dict:
     return {"layout": _layout_job(tmp), "habit": _habit_job(tmp), "moe": _moe_job(tmp), "qkv": _qkv_job(tmp),
-            "dcp": _dcp_job(tmp), "dcp-dir": tmp}
+            "dcp": _dcp_job(tmp), "scalar": _scalar_job(tmp), "dcp-dir": tmp}
 
 
 @pytest.fixture(scope="module")
@@ -641,3 +683,25 @@ def test_full_state_dict_loads_strictly_into_a_plain_model_with_tied_weights(run
         result = plain.load_state_dict(full)  # strict
         assert (result.missing_keys, result.unexpected_keys) == ([], []), result
         assert plain.head.weight is plain.emb.weight
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+def test_dcp_optimizer_state_of_a_0dim_parameter_loads_as_its_fragment(runs):
+    """A 0-dim parameter's AdamW state is a DTensor of shape () in the sharded optimizer state dict, equals one
+    process's in the full one, and loads back as this rank's fragment ((1,) on the rank that holds it, (0,) else)."""
+    torch.manual_seed(0)
+    ref = Scaled()
+    ref_optim = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    _scalar_steps(ref, ref_optim)
+    want = ref_optim.state[ref.scale]
+    for rank, r in enumerate(runs):
+        s = r["scalar"]
+        assert s["shape"] == (), (rank, s["shape"])
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(s["full"]["scale"][name], want[name], rtol=1e-6, atol=1e-7)
+        assert s["loaded"] is None, (rank, s["loaded"])
+        for name, (value, shape) in s["fragment"].items():
+            assert shape == s["frag-shape"], (rank, name, shape, s["frag-shape"])
+            if shape == (1,):
+                torch.testing.assert_close(value[0], want[name], rtol=1e-6, atol=1e-7)
+    assert sorted(r["scalar"]["frag-shape"] for r in runs).count((1,)) == 1, [r["scalar"]["frag-shape"] for r in runs]
