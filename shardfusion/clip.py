@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import types
-from typing import Iterable, Optional, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -33,17 +33,21 @@ _Params = Union[torch.Tensor, Iterable[torch.Tensor]]
 
 
 def clip_grad_norm_(
-    model: nn.Module, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-    foreach: Optional[bool] = None,
+    model: Union[nn.Module, Sequence[nn.Module]], max_norm: float, norm_type: float = 2.0,
+    error_if_nonfinite: bool = False, foreach: Optional[bool] = None,
 ) -> torch.Tensor:
     """Clip the gradients of a sharded model in place so that their global norm is at most ``max_norm``.
+
+    ``model`` may be a list of sharded models: the pipeline stages this rank holds (every rank passes its own, one
+    call on every rank); the norm is then over every stage of the pipeline, each element counted once.
 
     Finishes the step's gradient synchronization first (:func:`shardfusion.finish_grad_sync`). Scaling follows
     ``torch.nn.utils.clip_grad_norm_``: gradients are multiplied by ``min(1, max_norm / (norm + 1e-6))``.
     ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` gives the same result (see the module docstring).
 
     Args:
-        model: a model passed to :func:`shardfusion.fully_shard`.
+        model: a model passed to :func:`shardfusion.fully_shard`, or a list of them (e.g. the pipeline stages of
+            this rank, ``shardfusion.pipeline``).
         max_norm: largest allowed norm (``float('inf')`` only measures).
         norm_type: the order p of the norm: a finite ``p > 0`` or ``float('inf')``.
         error_if_nonfinite: raise if the norm is nan or inf (on every rank, as the norm is the same everywhere).
@@ -60,8 +64,10 @@ def clip_grad_norm_(
         RuntimeError: ``error_if_nonfinite`` and the norm is not finite; ``foreach=True`` on a device without
             foreach kernels.
     """
-    groups = [(b, b.fragments) for b in flat_buffers(model, trainable_only=True)]
-    return _clip_fragment_grads([sharded_state(model)], groups, max_norm, norm_type, error_if_nonfinite, foreach)
+    models = [model] if isinstance(model, nn.Module) else list(model)
+    groups = [(b, b.fragments) for m in models for b in flat_buffers(m, trainable_only=True)]
+    return _clip_fragment_grads([sharded_state(m) for m in models], groups, max_norm, norm_type, error_if_nonfinite,
+                                foreach)
 
 
 def _clip_fragment_grads(states: list, groups: list[tuple], max_norm: float, norm_type: float,

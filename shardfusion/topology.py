@@ -65,6 +65,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "data_parallel": ("dp", "outer", "expert_inner", "ep"),
     "expert_data_parallel": ("dp", "outer", "expert_inner"),
     "context": ("sep", "cp"),
+    "stage": ("dp", "outer", "expert_inner", "ep", "sep", "cp", "mp"),
     "dense_replicas": ("dp", "outer", "expert_inner", "ep", "sep", "cp"),
     "expert_replicas": ("dp", "outer", "expert_inner", "sep", "cp"),
     "expert_shard_replicate": ("dp", "sep", "cp"),
@@ -289,10 +290,12 @@ class Topology:
         for group, kinds in self._kinds_of.items():
             comm.label_group(group, kinds)
         comm.label_group(dist.group.WORLD, "world")
-        # A world group of its own for the agreement on the forward mode (``check_forward_mode``), on gloo and the
-        # CPU whatever the backend: it never carries a collective of the step, so a rank that enters it alone waits
-        # there, with the Topology timeout, instead of pairing with another rank's all-gather.
-        self._control = dist.new_group(backend="gloo", timeout=timeout)
+        # A group of its own for the agreement on the forward mode (``check_forward_mode``), on gloo and the CPU
+        # whatever the backend: it never carries a collective of the step, so a rank that enters it alone waits
+        # there, with the Topology timeout, instead of pairing with another rank's all-gather. It spans the ranks of
+        # this rank's pipeline stage (the same pp index): the stages run their forwards at different times.
+        self._control, _ = dist.new_subgroups_by_enumeration(
+            _ranks_of(d, "stage"), backend="gloo", timeout=timeout)
         self.forward_mode_checks = 0
         """How many forward-mode agreements this rank has joined (``check_forward_mode``; one all-gather each, not
         in the communication accounting)."""
@@ -329,7 +332,9 @@ class Topology:
         sharded model calls it at a forward whose mode differs from its previous forward's (and at its first), so an
         evaluation run on some ranks only (under ``if rank == 0:``) stops here instead of consuming the all-gathers of
         the other ranks' training forward (which pair up silently, then mismatch and crash the backend). Collective
-        over the world, on a gloo group of its own (two int64 per rank), left out of the communication accounting.
+        over the ranks of this rank's pipeline stage (the ranks of its pp index: the world when pp is 1; stages run
+        their forwards at different times), on a gloo group of its own (two int64 per rank), left out of the
+        communication accounting.
 
         Raises:
             ValueError: on every rank, the ranks started forwards of different modes (each mode named with its ranks).
@@ -337,17 +342,18 @@ class Topology:
                 another mode at the same time (``comm.timeout_error``).
         """
         mine = torch.tensor([int(training), int(grad_enabled)], dtype=torch.int64)  # (2,)
-        every = torch.empty(self.world_size, 2, dtype=torch.int64)  # (W, 2)
+        ranks = dist.get_process_group_ranks(self._control)  # this rank's pipeline stage: the world when pp is 1
+        every = torch.empty(len(ranks), 2, dtype=torch.int64)  # (ranks of the stage, 2)
         what = (f"the agreement on the forward mode ({'train' if training else 'eval'} mode, grad "
                 f"{'enabled' if grad_enabled else 'disabled'}) that starts a forward in another mode than the last")
-        if self.world_size > 1:  # not in the communication accounting: 16 bytes per rank at a change of mode
+        if len(ranks) > 1:  # not in the communication accounting: 16 bytes per rank at a change of mode
             self.forward_mode_checks += 1
             with comm.explain_timeout(what):
                 dist.all_gather_into_tensor(every.view(-1), mine, group=self._control)
         else:
             every.copy_(mine)
         modes: dict[tuple[int, int], list[int]] = {}
-        for r, (t, g) in enumerate(every.tolist()):
+        for r, (t, g) in zip(ranks, every.tolist()):
             modes.setdefault((t, g), []).append(r)
         if len(modes) > 1:
             shown = "; ".join(f"ranks {rs}: {'train' if t else 'eval'} mode, grad {'enabled' if g else 'disabled'}"

@@ -39,7 +39,7 @@ def _brute_force(world_size: int, kind: str, **degrees) -> list[list[int]]:
             "replicate": (pp_i, inner_i, mp_i), "data_parallel": (pp_i, *rest), "world": (),
             "expert_data_parallel": (pp_i, ep_i, *rest),
             "context": (dp_i, pp_i, sh_i, mp_i), "dense_replicas": (pp_i, mp_i), "expert_replicas": (pp_i, ep_i, mp_i),
-            "expert_shard_replicate": (pp_i, sh_i, mp_i),
+            "expert_shard_replicate": (pp_i, sh_i, mp_i), "stage": (pp_i,),
         }[kind]
         groups.setdefault(fixed, []).append(rank)
     return sorted(sorted(g) for g in groups.values())

@@ -1,0 +1,83 @@
+"""Pipeline stages of a `GPT`: the embeddings on the first stage, consecutive blocks on every stage, the final norm
+and the lm head on the last (torchtitan's split by module, not a traced graph).
+
+`split_gpt(model, stage_index, num_stages)` moves the modules of one stage out of a `GPT` into a `GPTStage`
+(no copy: the same parameters, under the same names as in the `GPT`, e.g. ``blocks.4.attn.qkv.weight`` on the
+stage that holds block 4), so that a stage's `fully_shard`, state dict and checkpoints name every parameter as the
+whole model does. Build the `GPT` on the meta device to split a model larger than one rank; `fully_shard` then
+materializes only this stage's modules.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from shardfusion.models.gpt import GPT, Block
+
+__all__ = ["GPTStage", "split_gpt", "stage_layers"]
+
+
+def stage_layers(n_layer: int, num_stages: int) -> list[range]:
+    """The blocks of each stage: ``n_layer / num_stages`` consecutive blocks each.
+
+    Raises:
+        ValueError: ``num_stages`` is not a positive divisor of ``n_layer``.
+    """
+    if not isinstance(num_stages, int) or num_stages < 1 or n_layer % num_stages:
+        raise ValueError(f"the {n_layer} layers do not split evenly into {num_stages} pipeline stages; pick a number "
+                         f"of stages that divides n_layer")
+    per = n_layer // num_stages
+    return [range(s * per, (s + 1) * per) for s in range(num_stages)]
+
+
+class GPTStage(nn.Module):
+    """Stage `stage_index` of `num_stages` of a GPT (see `split_gpt`).
+
+    forward: on the first stage ``idx`` (B, T) int64 byte values, on the others the hidden states (B, T, C) of the
+    previous stage. Returns the hidden states (B, T, C), or on the last stage the logits (B, T, V) (fp32 loss outside:
+    the schedule's ``loss_fn``). Context parallel is not split across stages here (a GPT with a context group is
+    refused by `split_gpt`).
+    """
+
+    def __init__(self, model: GPT, stage_index: int, num_stages: int) -> None:
+        super().__init__()
+        layers = stage_layers(model.config.n_layer, num_stages)[stage_index]
+        self.config, self.stage_index, self.num_stages = model.config, stage_index, num_stages
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        if self.is_first:
+            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+        # Block i keeps its name blocks.i: a ModuleDict keyed by the global index
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        if self.is_last:
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            pos = torch.arange(x.shape[1], device=x.device)  # (T,)
+            x = self.drop(self.wte(x) + self.wpe(pos))  # (B, T, C)
+        for block in self.blocks.values():
+            x = block(x)  # (B, T, C)
+        if self.is_last:
+            x = self.lm_head(self.ln_f(x))  # (B, T, V)
+        return x
+
+
+def split_gpt(model: GPT, stage_index: int, num_stages: int) -> GPTStage:
+    """Stage `stage_index` of `model` cut into `num_stages` stages (`stage_layers`); the modules of the other
+    stages are left in `model` (drop it after splitting).
+
+    Raises:
+        ValueError: `num_stages` does not divide `n_layer`; `stage_index` out of range; the embeddings are tied to
+            the head across stages (build the GPT with ``tie_embeddings=False`` for more than one stage); the GPT has
+            a context group.
+    """
+    if not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
+        raise ValueError(f"stage_index must be in [0, num_stages={num_stages}), got {stage_index!r}")
+    if num_stages > 1 and model.config.tie_embeddings:
+        raise ValueError("a GPT with tie_embeddings=True cannot be split into pipeline stages: the embedding is on "
+                         "the first stage and the head on the last; build it with tie_embeddings=False")
+    if model.context_group is not None:
+        raise ValueError("split_gpt: a GPT with a context group (context parallel) is not split into stages here")
+    return GPTStage(model, stage_index, num_stages)
+
