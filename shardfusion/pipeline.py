@@ -46,7 +46,13 @@ try:  # torch.distributed.pipelining is part of torch; imported lazily by users 
 except ImportError as e:  # pragma: no cover - a torch without pipelining
     raise ImportError("shardfusion.pipeline needs torch.distributed.pipelining (torch >= 2.4)") from e
 
-__all__ = ["PipelineStage", "stage_ranks"]
+__all__ = ["SCHEDULES", "PipelineStage", "build_schedule", "stage_ranks"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped_bfs")
+"""The schedules :func:`build_schedule` makes (torch's ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+``ScheduleLoopedBFS``); the first two run one stage per pp rank, the others any number."""
+
+_ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 
 
 def stage_ranks(num_stages: int, pp: int) -> dict[int, list[int]]:
@@ -121,3 +127,36 @@ class PipelineStage(_TorchPipelineStage):
         if self._sharded:
             sharded_state(self.submod).finish_grad_sync()  # a no-op after the last backward, which waited for it
         super().perform_reduce_grad(grad_scale_factor)
+
+
+def build_schedule(kind: str, stages: list[PipelineStage], n_microbatches: int, loss_fn, *,
+                   scale_grads: bool = True):
+    """torch's schedule ``kind`` (one of ``SCHEDULES``) over this rank's ``stages``, ``n_microbatches`` micro-batches
+    per step, ``loss_fn(output, target)`` on the last stage; ``scale_grads`` divides the gradients by
+    ``n_microbatches`` (the loss is then the mean over the step's micro-batches).
+
+    Raises:
+        ValueError: ``kind`` unknown or a zero-bubble schedule (its split backward is not supported on sharded
+            stages); ``stages`` empty, not :class:`PipelineStage` objects, or more than one for ``gpipe`` / ``1f1b``;
+            ``n_microbatches`` below 1; torch's own rules of each schedule (e.g. 1F1B needs at least as many
+            micro-batches as stages) are torch's errors. Raised on every rank, before any communication.
+    """
+    from torch.distributed import pipelining as pl
+    if kind in _ZERO_BUBBLE:
+        raise ValueError(f"schedule {kind!r}: zero-bubble schedules split backward into input and weight parts, which "
+                         f"sharded stages do not support; use one of {SCHEDULES}")
+    classes = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B, "interleaved": pl.ScheduleInterleaved1F1B,
+               "looped_bfs": pl.ScheduleLoopedBFS}
+    if kind not in classes:
+        raise ValueError(f"unknown pipeline schedule {kind!r}; choose one of {SCHEDULES}")
+    stages = list(stages)
+    if not stages or not all(isinstance(s, PipelineStage) for s in stages):
+        raise ValueError(f"stages must be this rank's shardfusion.pipeline.PipelineStage objects, got {stages!r}")
+    single = kind in ("gpipe", "1f1b")
+    if single and len(stages) != 1:
+        raise ValueError(f"schedule {kind!r} runs one stage per pp rank, got {len(stages)} (stages "
+                         f"{[s.stage_index for s in stages]}); use 'interleaved' or 'looped_bfs' for several")
+    if not isinstance(n_microbatches, int) or n_microbatches < 1:
+        raise ValueError(f"n_microbatches must be an int >= 1, got {n_microbatches!r}")
+    target = stages[0] if single else stages
+    return classes[kind](target, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)

@@ -3,14 +3,19 @@ process.
 
 A GPT (4 layers, width 32, untied head) is cut into stages with `split_gpt`; each stage is sharded over the sharding
 group of its pp index (units: its blocks) and driven by `sf.pipeline.PipelineStage` under torch's GPipe, 1F1B and
-Interleaved1F1B (4 stages over pp 2: two stages per rank). Each step takes one global batch of 8 sequences; each
-data-parallel rank of a stage takes its rows, the schedule cuts them into micro-batches, the loss is the mean
-cross-entropy (torch's `scale_grads` divides by the micro-batch count). AdamW and `sf.clip_grad_norm_` over all the
-stages a rank holds (one norm over the whole model). The single-process reference is the whole GPT on the whole
-batch with the same optimizer and clipping. Checked: the losses of every step, the norm, every parameter after the
-last step (assembled from the stages), and the collectives of a step: one reduce-scatter per unit (1F1B and the
-interleaved schedule with gradient accumulation), M with ``reduce_per_microbatch``, one outer all-reduce per unit
-under HSDP, and P2P only on the pp group.
+Interleaved1F1B (4 stages over pp 2: two stages per rank), built by `build_schedule`. Each step takes one global
+batch of 8 sequences; each data-parallel rank of a stage takes its rows, the schedule cuts them into micro-batches,
+the loss is the mean cross-entropy (torch's `scale_grads` divides by the micro-batch count). AdamW and
+`sf.clip_grad_norm_` over all the stages a rank holds (one norm over the whole model). The single-process reference
+is the whole GPT on the whole batch with the same optimizer and clipping.
+
+Layouts: W=4 pp 2 x inner 2 (GPipe, 1F1B, interleaved, 1F1B with a reduce-scatter per micro-batch), pp 2 x outer 2;
+W=8 pp 2 x outer 2 x inner 2 (1F1B, interleaved); inside the stages a GPT-MoE with its experts over ep 2 (W=4) and
+tensor parallel over mp 2 (W=8, pp 2 x inner 2 x mp 2). Checked: the losses and the norm of every step, every
+parameter after the last step (assembled from the stages), and for the dense cases the collectives of each step:
+one reduce-scatter per unit (M with ``reduce_per_microbatch``), one outer all-reduce per unit under HSDP, the
+all-gathers of the reshard policy per micro-batch, one norm all-reduce. Refusals: a stage on the wrong pp rank, a
+stage count that is not a multiple of pp, missing shapes, zero-bubble and unknown schedules.
 """
 
 from __future__ import annotations
@@ -25,10 +30,16 @@ from harness import run_distributed
 
 JOB_TIMEOUT_S = 300
 STEPS, LR, CLIP = 3, 1e-2, 0.5
-PARAM_ATOL = 2e-5
+EPS, PARAM_ATOL = 1e-6, 1e-5
+"""AdamW's eps: a gradient near zero (an embedding row few tokens hit) moves by lr * g / (|g| + eps), so with torch's
+1e-8 the fp32 rounding of the micro-batch sums (1e-10) would show as a few 1e-5 of update; 1e-6 keeps parameter
+differences at rounding level."""
 ROWS, SEQ = 8, 8  # global batch of 8 sequences of 8 bytes
 CONFIG = dict(n_layer=4, n_head=2, d_model=32, seq_len=SEQ, tie_embeddings=False)
-# (name, world, topology degrees, schedule, stages, micro-batches, reduce_per_microbatch)
+MODELS = {"dense": {}, "moe": dict(n_experts=4, top_k=2), "tp": dict(fused_qkv=False)}
+"""The GPT of each kind of case: dense; a GPT-MoE (its experts over the stage's ep group); q, k, v apart (tensor
+parallel over mp splits them by heads)."""
+# (name, world, topology degrees, schedule, stages, micro-batches, reduce_per_microbatch), dense GPT
 CASES = [
     ("W4-pp2-I2-gpipe", 4, dict(pp=2, sharding=2), "gpipe", 2, 2, False),
     ("W4-pp2-I2-1f1b", 4, dict(pp=2, sharding=2), "1f1b", 2, 4, False),
@@ -38,6 +49,12 @@ CASES = [
     ("W8-pp2-O2-I2-1f1b", 8, dict(pp=2, sharding=4, fsdp_outer_degree=2), "1f1b", 2, 2, False),
     ("W8-pp2-O2-I2-interleaved", 8, dict(pp=2, sharding=4, fsdp_outer_degree=2), "interleaved", 4, 2, False),
 ]
+# other models inside the stages: experts over ep 2, tensor parallel over mp 2
+MODEL_CASES = [
+    ("W4-pp2-ep2-moe", 4, dict(pp=2, sharding=2, ep=2), "1f1b", 2, 2, False, "moe"),
+    ("W8-pp2-I2-mp2-tp", 8, dict(pp=2, sharding=2, mp=2), "1f1b", 2, 2, False, "tp"),
+]
+ALL_CASES = [(*c, "dense") for c in CASES] + MODEL_CASES
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,15 +69,15 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def build_gpt():
+def build_gpt(kind: str, ep_group=None):
     from shardfusion.models import GPT, GPTConfig
     torch.manual_seed(0)
-    return GPT(GPTConfig(**CONFIG))
+    return GPT(GPTConfig(**CONFIG, **MODELS[kind]), ep_group=ep_group)
 
 
-def reference() -> dict:
-    model = build_gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+def reference(kind: str) -> dict:
+    model = build_gpt(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses, norms = [], []
     for step in range(STEPS):
         x, y = batch(step)
@@ -74,19 +91,16 @@ def reference() -> dict:
     return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _schedule(kind: str):
-    from torch.distributed import pipelining as pl
-    return {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B, "interleaved": pl.ScheduleInterleaved1F1B}[kind]
-
-
 def pipeline_job(cases: list) -> dict:
     import torch.distributed as dist
     import shardfusion as sf
     from shardfusion.models import Block
     from shardfusion.models.gpt_pipeline import split_gpt
-    from shardfusion.pipeline import PipelineStage, stage_ranks
+    from shardfusion.pipeline import PipelineStage, build_schedule, stage_ranks
     out = {}
-    for name, world, degrees, kind, num_stages, micro, per_mb in cases:
+    from shardfusion.models.gpt_parallel import block_plan
+    from torch.distributed.tensor.parallel import parallelize_module
+    for name, world, degrees, kind, num_stages, micro, per_mb, model_kind in cases:
         topo = sf.Topology(**degrees)
         mine = stage_ranks(num_stages, topo.pp)[topo.pp_rank]
         dp_world, dp_rank = topo.sharding, topo.sharding_rank  # the data-parallel ranks of a stage
@@ -95,7 +109,11 @@ def pipeline_job(cases: list) -> dict:
         C = CONFIG["d_model"]
         models, stages = [], []
         for s in mine:
-            part = sf.fully_shard(split_gpt(build_gpt(), s, num_stages), topo, units=(Block,))
+            part = split_gpt(build_gpt(model_kind, topo.get_group("ep") if topo.ep > 1 else None), s, num_stages)
+            if topo.mp > 1:
+                for block in part.blocks.values():
+                    parallelize_module(block, topo.get_mesh("mp"), block_plan(part.config))
+            part = sf.fully_shard(part, topo, units=(Block,))
             first, last = s == 0, s == num_stages - 1
             hidden = torch.empty(mb, SEQ, C, device="meta", requires_grad=True)  # activations carry gradients
             inp = torch.empty(mb, SEQ, dtype=torch.long, device="meta") if first else hidden
@@ -103,10 +121,9 @@ def pipeline_job(cases: list) -> dict:
             models.append(part)
             stages.append(PipelineStage(part, topo, s, num_stages, input_args=inp, output_args=outp,
                                         reduce_per_microbatch=per_mb))
-        cls = _schedule(kind)
-        schedule = cls(stages if kind == "interleaved" else stages[0], n_microbatches=micro, loss_fn=loss_fn)
+        schedule = build_schedule(kind, stages, micro, loss_fn)
         params = [p for m in models for p in m.parameters()]
-        opt = torch.optim.AdamW(params, lr=LR)
+        opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
         has_first, has_last = 0 in mine, num_stages - 1 in mine
         losses, norms, counts = [], [], []
         for step in range(STEPS):
@@ -122,10 +139,11 @@ def pipeline_job(cases: list) -> dict:
             opt.zero_grad()
             counts.append(Counter((r.op, r.label) for r in cc.records))
             norms.append(float(norm))
-            # the step's loss: the mean over the micro-batches and the data-parallel ranks (last stage only)
+            # the step's loss: the mean over the micro-batches and the ranks of the last stage (its mp ranks hold
+            # the same rows)
             loss = torch.stack(mb_losses).detach().mean() if has_last else torch.zeros(())
             dist.all_reduce(loss)
-            losses.append(float(loss) / dp_world)
+            losses.append(float(loss) / (topo.world_size // topo.pp))
         out[name] = {"losses": losses, "norms": norms, "counts": counts, "stages": mine,
                      "units": [(u.name, len(u.param_names)) for m in models for u in sf.get_units(m)],
                      "inner": topo.inner, "replicas": topo.fsdp_outer_degree * topo.dp,
@@ -133,27 +151,62 @@ def pipeline_job(cases: list) -> dict:
     return out
 
 
+def _raised(fn) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "nothing raised"
+
+
+def refusal_job() -> dict:
+    """What PipelineStage and build_schedule refuse, at pp 2 x sharding 2 (each a ValueError on every rank, before
+    any communication)."""
+    import shardfusion as sf
+    from shardfusion.models import Block
+    from shardfusion.models.gpt_pipeline import split_gpt
+    from shardfusion.pipeline import PipelineStage, build_schedule
+    topo = sf.Topology(pp=2, sharding=2)
+    mine = topo.pp_rank
+    part = sf.fully_shard(split_gpt(build_gpt("dense"), mine, 2), topo, units=(Block,))
+    hidden = torch.empty(2, SEQ, CONFIG["d_model"], device="meta", requires_grad=True)
+    ok = PipelineStage(part, topo, mine, 2, input_args=hidden, output_args=hidden)
+    return {
+        "wrong-rank": _raised(lambda: PipelineStage(part, topo, 1 - mine, 2, input_args=hidden, output_args=hidden)),
+        "not-multiple": _raised(lambda: PipelineStage(part, topo, mine, 3, input_args=hidden, output_args=hidden)),
+        "no-shapes": _raised(lambda: PipelineStage(part, topo, mine, 2, input_args=None, output_args=hidden)),
+        "zero-bubble": _raised(lambda: build_schedule("zbv_zero_bubble", [ok], 2, loss_fn)),
+        "unknown": _raised(lambda: build_schedule("pipedream", [ok], 2, loss_fn)),
+        "two-stages-1f1b": _raised(lambda: build_schedule("1f1b", [ok, ok], 2, loss_fn)),
+        "pp_rank": mine,
+    }
+
+
+def w4_job(cases: list) -> dict:
+    return {"refusals": refusal_job(), **pipeline_job(cases)}
+
+
 def _cases_of(world: int) -> list:
-    return [c for c in CASES if c[1] == world]
+    return [c for c in ALL_CASES if c[1] == world]
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return {4: run_distributed(pipeline_job, 4, _cases_of(4), timeout=JOB_TIMEOUT_S),
+    return {4: run_distributed(w4_job, 4, _cases_of(4), timeout=JOB_TIMEOUT_S),
             8: run_distributed(pipeline_job, 8, _cases_of(8), timeout=JOB_TIMEOUT_S)}
 
 
 @pytest.fixture(scope="module")
 def ref():
-    return reference()
+    return {kind: reference(kind) for kind in MODELS}
 
 
 @pytest.mark.timeout(2 * JOB_TIMEOUT_S + 60)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: c[0])
 def test_pipeline_matches_single_process(runs, ref, case):
     name, world = case[0], case[1]
     pp = case[2]["pp"]
-    runs = runs[world]
+    runs, ref = runs[world], ref[case[-1]]
     for rank, r in enumerate(runs):
         got = r[name]
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6,
@@ -164,8 +217,7 @@ def test_pipeline_matches_single_process(runs, ref, case):
     for r in runs:
         seen.update(r[name]["full"])
     assert sorted(seen) == sorted(ref["params"]), (name, sorted(set(seen) ^ set(ref["params"])))
-    for n, want in ref["params"].items():  # AdamW divides by sqrt(v): a near-zero gradient (an embedding row few
-        # tokens hit) turns the fp32 rounding of the micro-batch sums into a few 1e-6 of update
+    for n, want in ref["params"].items():
         torch.testing.assert_close(seen[n], want, rtol=1e-5, atol=PARAM_ATOL, msg=lambda m: f"{name} {n}: {m}")
     assert all(len(r[name]["stages"]) == case[4] // pp for r in runs)
 
@@ -178,7 +230,7 @@ def test_collectives_per_step_not_per_microbatch(runs, case):
     an all-gather of each unit in forward and of each block again in backward (reshard after forward; the root unit
     stays gathered); one scalar all-reduce over the world (the norm over every stage). Nothing else."""
     name, world, _, _, _, micro, per_mb = case
-    for rank, r in enumerate(runs[world]):
+    for rank, r in enumerate(runs[world]):  # dense GPT cases (an MoE unit has expert buffers too)
         got = r[name]
         held = [(n, k) for n, k in got["units"] if k]  # units with parameters (a middle stage's root has none)
         sharded = got["inner"] > 1
@@ -197,3 +249,16 @@ def test_collectives_per_step_not_per_microbatch(runs, case):
                     assert "replicate" in label, (name, rank, label)
                 seen[key] += n
             assert seen == want, f"{name} rank {rank} step {step}: {dict(seen)} != {dict(want)} (units {held})"
+
+
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S + 60)
+def test_bad_stages_and_schedules_refused_on_every_rank(runs):
+    for rank, r in enumerate(runs[4]):
+        got, mine = r["refusals"], r["refusals"]["pp_rank"]
+        assert got["wrong-rank"] == (f"stage {1 - mine} of 2 belongs on pp rank {1 - mine}, but this rank's pp index "
+                                     f"is {mine} (pp 2); build stages [{mine}] here"), (rank, got)
+        assert got["not-multiple"] == "num_stages must be a positive multiple of the pp degree 2, got 3", (rank, got)
+        assert got["no-shapes"].startswith("PipelineStage needs input_args and output_args"), (rank, got)
+        assert got["zero-bubble"].startswith("schedule 'zbv_zero_bubble': zero-bubble schedules split backward"), got
+        assert got["unknown"].startswith("unknown pipeline schedule 'pipedream'"), (rank, got)
+        assert got["two-stages-1f1b"].startswith("schedule '1f1b' runs one stage per pp rank, got 2"), (rank, got)
