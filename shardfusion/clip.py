@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import types
+import weakref
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
@@ -30,6 +31,16 @@ from shardfusion import comm
 from shardfusion._runtime.state import flat_buffers, fragments_by_buffer, sharded_state
 
 _Params = Union[torch.Tensor, Iterable[torch.Tensor]]
+
+_COPIES: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()  # id -> fragment
+"""Fragments whose gradient equals another fragment's elsewhere in the model (the last pipeline stage's copy of a
+weight tied to the first stage's, ``shardfusion.pipeline``): clipped, not counted in the norm."""
+
+
+def count_once(fragment: torch.Tensor) -> None:
+    """Leave ``fragment``'s gradient out of the global norm (it is scaled still): another rank holds the same
+    gradient under another parameter and counts it (a tied weight copied onto another pipeline stage)."""
+    _COPIES[id(fragment)] = fragment
 
 
 def clip_grad_norm_(
@@ -84,10 +95,10 @@ def _clip_fragment_grads(states: list, groups: list[tuple], max_norm: float, nor
     # What the optimizer will read: the fragments' .grad (None after zero_grad(set_to_none=True) is skipped).
     counted, scaled = [], []
     for g, frags in groups:
-        grads = [f.grad for f in frags if f.grad is not None and f.grad.numel()]
-        scaled.extend(grads)
+        have = [f for f in frags if f.grad is not None and f.grad.numel()]
+        scaled.extend(f.grad for f in have)
         if g.is_primary or norm_type == math.inf:
-            counted.extend(grads)
+            counted.extend(f.grad for f in have if _COPIES.get(id(f)) is not f)
     device = _norm_device([g for g, _ in groups])
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in scaled) else torch.float32
     local = torch.zeros((), dtype=dtype, device=device)

@@ -214,7 +214,8 @@ def fully_shard(
     wrap.check_model(model, options, units)
     inner = nested.sharded_submodules(model)
     nested.check_nested_options(model, inner, options)
-    materialize.check_initializable(model, init_fn)  # the first collective: the same error on every rank
+    # the first collective: the same error on every rank of the stage
+    materialize.check_initializable(model, init_fn, topology.get_group("stage"))
     absorbed = [spec for name, sub in inner for spec in nested.absorb(name, sub)]  # collective: full parameters back
     needs_init = materialize.place_buffers(model, device)  # before buffer identities are read
     expert_buffers = wrap.expert_buffers(model, expert_filter or wrap.marked_expert)  # before they become fragments

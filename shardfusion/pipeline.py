@@ -30,16 +30,27 @@ forward and backward of the first micro-batch, which on a sharded model would is
 gradients outside the step; it is refused. Zero-bubble schedules split backward into an input and a weight part
 (``torch.autograd.grad`` on the stage's inputs, then on its parameters); the sharded stage's backward hooks reduce
 whole backwards, so those schedules are refused at their first backward.
+
+[Note: weights tied across stages]
+A weight shared by the first and the last stage (a GPT's embedding and head) is held twice, one copy per end
+(`split_gpt` names them in ``tied_parameters``), each kept whole on its stage so that both ends hold the same
+elements. The stage copies the first end's values into the last's at construction (a broadcast over
+``Topology.get_pipeline_ends_group()``), sums the two gradients after the step's last backward (an asynchronous
+all-reduce over the same group, waited for at the step boundary: an interleaved schedule still runs this rank's other
+stages, which the other end waits for), and leaves the last end's copy out of the global norm (``clip.count_once``).
+Identical gradients and optimizer settings then keep the copies identical. docs/pipeline.md has the costs.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
-from shardfusion._runtime.state import is_sharded, sharded_state
+from shardfusion import comm
+from shardfusion._runtime.state import is_sharded, named_fragments, sharded_state
+from shardfusion.clip import count_once
 
 try:  # torch.distributed.pipelining is part of torch; imported lazily by users of this module only
     from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
@@ -84,6 +95,10 @@ class PipelineStage(_TorchPipelineStage):
         device: the device of the stage's tensors (default: CUDA's current device if CUDA is available, else CPU).
         reduce_per_microbatch: reduce-scatter the gradients after every micro-batch's backward instead of
             accumulating full-size gradients until the last (less memory, ``M`` reduce-scatters per unit per step).
+        tied_parameters: names of this stage's parameters tied to a parameter of the other end of the pipeline (an
+            embedding on the first stage and the head on the last share one weight: each end holds a copy under its
+            own name, in the same order on both ends); default: ``submodule.tied_parameters`` if it has one
+            (`split_gpt` sets it), else none. See [Note: weights tied across stages].
 
     Raises:
         ValueError: ``stage_index`` / ``num_stages`` do not fit ``topo.pp`` (the numbers named), or ``input_args`` /
@@ -92,7 +107,7 @@ class PipelineStage(_TorchPipelineStage):
 
     def __init__(self, submodule: nn.Module, topo, stage_index: int, num_stages: int, *,
                  input_args: Any, output_args: Any, device: Optional[torch.device] = None,
-                 reduce_per_microbatch: bool = False) -> None:
+                 reduce_per_microbatch: bool = False, tied_parameters: Optional[Sequence[str]] = None) -> None:
         placement = stage_ranks(num_stages, topo.pp)
         if not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index must be in [0, num_stages={num_stages}), got {stage_index!r}")
@@ -111,6 +126,13 @@ class PipelineStage(_TorchPipelineStage):
                          group=topo.get_group("pp"))
         self.reduce_per_microbatch = bool(reduce_per_microbatch)
         self._sharded = is_sharded(submodule)
+        names = getattr(submodule, "tied_parameters", ()) if tied_parameters is None else tied_parameters
+        self._tied_names = list(names)
+        if names and not self._sharded:
+            raise ValueError(f"tied_parameters {self._tied_names}: stage {stage_index} must be sharded with "
+                             "shardfusion.fully_shard (its step boundary waits for the tied all-reduce)")
+        self._tied = _tie(submodule, topo, stage_index, num_stages, self._tied_names) if names else None
+        self._state = sharded_state(submodule) if self._sharded else None
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if self._sharded:
@@ -127,6 +149,51 @@ class PipelineStage(_TorchPipelineStage):
         if self._sharded:
             sharded_state(self.submod).finish_grad_sync()  # a no-op after the last backward, which waited for it
         super().perform_reduce_grad(grad_scale_factor)
+        if self._tied is not None:  # after the scaling, which writes the gradients in place
+            group, fragments = self._tied
+            for f in fragments:  # the sum of the two ends' gradients, on both ends
+                if f.grad is None:
+                    f.grad = torch.zeros_like(f)
+                # asynchronous: an interleaved schedule still runs this rank's other stages, which the other end
+                # waits for; waited for at the step boundary (finish_grad_sync: optimizer step, clipping)
+                work = comm.all_reduce(f.grad, group, async_op=True)
+                if work is not None:
+                    what = f"the all-reduce of the tied weights {self._tied_names} over the pipeline ends"
+                    self._state.step_waits.append(lambda w=work: comm.wait(w, what))
+
+
+def _tie(submodule: nn.Module, topo, stage_index: int, num_stages: int, names: list[str]) -> tuple:
+    """The ends group and this stage's fragments of the tied ``names``, after copying the first stage's values into
+    the last's (see [Note: weights tied across stages]).
+
+    Raises:
+        ValueError: the stage is not an end of the pipeline, ``pp`` is 1, a name is not a parameter of the stage, or
+            a tied parameter is sharded (keep it whole: ``replicate_filter``); the last check is the same on both
+            ends, so both raise.
+    """
+    if topo.pp == 1 or stage_index not in (0, num_stages - 1):
+        raise ValueError(f"tied_parameters {names} on stage {stage_index} of {num_stages} (pp {topo.pp}): a weight is "
+                         f"tied across the first and the last stage only, on pp > 1")
+    params = dict(submodule.named_parameters())
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise ValueError(f"tied_parameters {missing} are not parameters of stage {stage_index} "
+                         f"(it has {sorted(params)})")
+    fragments = [params[n] for n in names]
+    full = {id(nf.param): nf.shape for nf in named_fragments(submodule)} if is_sharded(submodule) else {}
+    for n, f in zip(names, fragments):
+        shape = full.get(id(f), tuple(f.shape))
+        if tuple(f.shape) != shape:
+            raise ValueError(f"tied parameter {n!r} of stage {stage_index} is sharded (this rank holds {tuple(f.shape)} "
+                             f"of {shape}); keep it whole on both ends: fully_shard(..., replicate_filter=lambda n, p: "
+                             f"n == {n!r})")
+        if stage_index == num_stages - 1:
+            count_once(f)  # the first stage's copy counts in the norm
+    group = topo.get_pipeline_ends_group()
+    with torch.no_grad():
+        for f in fragments:  # the copies start equal: the first stage's values (a meta-built head has no draw)
+            comm.broadcast(f.data, group, group_src=0, what=f"the initial copy of the tied weights {names}")
+    return group, fragments
 
 
 def build_schedule(kind: str, stages: list[PipelineStage], n_microbatches: int, loss_fn, *,

@@ -296,6 +296,14 @@ class Topology:
         # this rank's pipeline stage (the same pp index): the stages run their forwards at different times.
         self._control, _ = dist.new_subgroups_by_enumeration(
             _ranks_of(d, "stage"), backend="gloo", timeout=timeout)
+        # The first and the last rank of each pp group: the two pipeline ends, which hold a weight tied across
+        # stages (embedding and head; shardfusion.pipeline). Created on every rank, in one order, when pp > 1.
+        self._pipeline_ends = None
+        if d.pp > 1:
+            self._pipeline_ends, _ = dist.new_subgroups_by_enumeration(
+                [[g[0], g[-1]] for g in _ranks_of(d, "pp")], timeout=timeout)
+            if self._pipeline_ends is not None:  # None on the ranks of a middle pp index
+                comm.label_group(self._pipeline_ends, "pipeline_ends")
         self.forward_mode_checks = 0
         """How many forward-mode agreements this rank has joined (``check_forward_mode``; one all-gather each, not
         in the communication accounting)."""
@@ -408,6 +416,21 @@ class Topology:
         """
         _kind_axes(kind)
         return dist.group.WORLD if kind == "world" else self._groups[kind]
+
+    def get_pipeline_ends_group(self) -> dist.ProcessGroup:
+        """The two ranks of this rank's pp group at its ends (pp index 0 and pp - 1, the other coordinates this
+        rank's): the ranks of the first and the last pipeline stage, which sum the gradients of a weight tied across
+        them (``shardfusion.pipeline``).
+
+        Raises:
+            ValueError: ``pp`` is 1 (no pipeline), or this rank's pp index is neither 0 nor pp - 1.
+        """
+        if self.pp == 1:
+            raise ValueError("get_pipeline_ends_group: pp is 1, there are no pipeline stages")
+        if self._pipeline_ends is None:
+            raise ValueError(f"get_pipeline_ends_group: this rank's pp index {self.pp_rank} is not an end of the "
+                             f"pipeline (0 or {self.pp - 1})")
+        return self._pipeline_ends
 
     def get_fsdp_group(self, is_expert: bool = False) -> dist.ProcessGroup:
         """The group a parameter is sharded over: ``sharding``, or ``moe_sharding`` for experts (the same object when

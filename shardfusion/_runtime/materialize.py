@@ -86,10 +86,12 @@ def has_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
-def check_initializable(model: nn.Module, init_fn: Optional[InitFn]) -> None:
+def check_initializable(model: nn.Module, init_fn: Optional[InitFn], group) -> None:
     """Every module with meta tensors of its own can be initialized, and every rank has the same meta tensors.
 
-    Collective over the world (one all-reduce of two integers), before any other collective of the wrap.
+    Collective over ``group``: the ranks that wrap this model together, those of its pipeline stage (the world when
+    pp is 1; ``Topology.get_group("stage")``; the stages of an interleaved pipeline are wrapped at different times);
+    one all-reduce of two integers, before any other collective of the wrap.
 
     Raises:
         ValueError: a module with parameters or buffers of its own on the meta device, no ``init_fn`` and no
@@ -105,7 +107,7 @@ def check_initializable(model: nn.Module, init_fn: Optional[InitFn]) -> None:
             what = [f"parameter {a!r}" for a in params] + [f"buffer {b!r}" for b in buffers]
             problems.append(f"{name or '<root>'!r} ({type(m).__name__}: {', '.join(what)})")
     counts = torch.tensor([count, -count], dtype=torch.int64, device=default_device())
-    comm.all_reduce(counts, dist.group.WORLD, op=dist.ReduceOp.MAX)
+    comm.all_reduce(counts, group, op=dist.ReduceOp.MAX)
     if counts[0].item() != -counts[1].item():
         raise ValueError(f"ranks disagree on the model's meta-device tensors: between {-counts[1].item()} and "
                          f"{counts[0].item()} tensors are on meta (this rank: {count}); build the model the same way on "

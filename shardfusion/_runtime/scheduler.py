@@ -96,6 +96,7 @@ class Scheduler:
         self._forward_mode: tuple[bool, bool] | None = None  # (training, grad enabled) of the last root forward
         self.expert_buffers = expert_buffers  # ids of the buffers that belong to experts (distinct across ep)
         self.requires_gradient_sync = True
+        self.step_waits: list = []  # callables finish_grad_sync runs after the replicate all-reduces, in order
         self._reduce_order = [u for u in reversed(units) if u.trainable_groups]
         self._next_reduce = 0
         self._next_all_reduce = 0  # units of _reduce_order whose reduce-scatter has been completed
@@ -522,6 +523,8 @@ class Scheduler:
         """The step boundary: :meth:`wait_replicas` (a no-op when the step's last backward already finished them), and
         remember how many reducing backwards the step had (the prediction of the next step's last one)."""
         self.wait_replicas()
+        while self.step_waits:  # e.g. the all-reduce of a weight tied across pipeline stages (shardfusion.pipeline)
+            self.step_waits.pop(0)()
         if self._backwards_this_step:
             self._backwards_last_step, self._backwards_this_step = self._backwards_this_step, 0
 

@@ -4,7 +4,9 @@ and the lm head on the last (torchtitan's split by module, not a traced graph).
 `split_gpt(model, stage_index, num_stages)` moves the modules of one stage out of a `GPT` into a `GPTStage`
 (no copy: the same parameters, under the same names as in the `GPT`, e.g. ``blocks.4.attn.qkv.weight`` on the
 stage that holds block 4), so that a stage's `fully_shard`, state dict and checkpoints name every parameter as the
-whole model does. Build the `GPT` on the meta device to split a model larger than one rank; `fully_shard` then
+whole model does. A tied GPT (``tie_embeddings=True``, the default) keeps its embedding on the first stage and a copy
+of it as ``lm_head.weight`` on the last (`GPTStage.tied_parameters`); `shardfusion.pipeline.PipelineStage` copies the
+values at its start and sums the two gradients each step (keep both copies whole: ``replicate_filter``). Build the `GPT` on the meta device to split a model larger than one rank; `fully_shard` then
 materializes only this stage's modules.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from shardfusion.models.gpt import GPT, Block
+from shardfusion.models.gpt import GPT, Block, NormalLinear
 
 __all__ = ["GPTStage", "split_gpt", "stage_layers"]
 
@@ -45,12 +47,28 @@ class GPTStage(nn.Module):
         layers = stage_layers(model.config.n_layer, num_stages)[stage_index]
         self.config, self.stage_index, self.num_stages = model.config, stage_index, num_stages
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        tied = model.config.tie_embeddings and num_stages > 1
+        self.tied_parameters: tuple[str, ...] = ()
+        """This stage's copy of the weight tied across the ends (``wte.weight`` on the first stage,
+        ``lm_head.weight`` on the last), which `shardfusion.pipeline.PipelineStage` keeps equal."""
         if self.is_first:
             self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+            self.tied_parameters = ("wte.weight",) if tied else ()
         # Block i keeps its name blocks.i: a ModuleDict keyed by the global index
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
         if self.is_last:
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
+            if tied:  # a copy of its own (the same tensor may sit on the first stage of this rank too); it keeps
+                # weight_tied, so a meta-built head draws as the tied GPT does, and PipelineStage copies the first
+                # stage's values into it
+                head = model.lm_head
+                with torch.device("meta"):  # no draw: the weight is set below
+                    self.lm_head = NormalLinear(head.in_features, head.out_features, bias=False,
+                                                init_std=head.init_std)
+                self.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone(),
+                                                   requires_grad=model.wte.weight.requires_grad)
+                self.lm_head.weight_tied = True
+                self.tied_parameters = ("lm_head.weight",)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
@@ -68,15 +86,10 @@ def split_gpt(model: GPT, stage_index: int, num_stages: int) -> GPTStage:
     stages are left in `model` (drop it after splitting).
 
     Raises:
-        ValueError: `num_stages` does not divide `n_layer`; `stage_index` out of range; the embeddings are tied to
-            the head across stages (build the GPT with ``tie_embeddings=False`` for more than one stage); the GPT has
-            a context group.
+        ValueError: `num_stages` does not divide `n_layer`; `stage_index` out of range; the GPT has a context group.
     """
     if not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
         raise ValueError(f"stage_index must be in [0, num_stages={num_stages}), got {stage_index!r}")
-    if num_stages > 1 and model.config.tie_embeddings:
-        raise ValueError("a GPT with tie_embeddings=True cannot be split into pipeline stages: the embedding is on "
-                         "the first stage and the head on the last; build it with tie_embeddings=False")
     if model.context_group is not None:
         raise ValueError("split_gpt: a GPT with a context group (context parallel) is not split into stages here")
     return GPTStage(model, stage_index, num_stages)

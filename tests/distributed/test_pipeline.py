@@ -35,10 +35,11 @@ EPS, PARAM_ATOL = 1e-6, 1e-5
 1e-8 the fp32 rounding of the micro-batch sums (1e-10) would show as a few 1e-5 of update; 1e-6 keeps parameter
 differences at rounding level."""
 ROWS, SEQ = 8, 8  # global batch of 8 sequences of 8 bytes
-CONFIG = dict(n_layer=4, n_head=2, d_model=32, seq_len=SEQ, tie_embeddings=False)
-MODELS = {"dense": {}, "moe": dict(n_experts=4, top_k=2), "tp": dict(fused_qkv=False)}
-"""The GPT of each kind of case: dense; a GPT-MoE (its experts over the stage's ep group); q, k, v apart (tensor
-parallel over mp splits them by heads)."""
+CONFIG = dict(n_layer=4, n_head=2, d_model=32, seq_len=SEQ)
+MODELS = {"dense": dict(tie_embeddings=False), "moe": dict(n_experts=4, top_k=2, tie_embeddings=False),
+          "tp": dict(fused_qkv=False, tie_embeddings=False), "tied": dict(tie_embeddings=True)}
+"""The GPT of each kind of case: dense with an untied head; a GPT-MoE (its experts over the stage's ep group); q, k,
+v apart (tensor parallel over mp splits them by heads); the embedding tied with the head (first and last stage)."""
 # (name, world, topology degrees, schedule, stages, micro-batches, reduce_per_microbatch), dense GPT
 CASES = [
     ("W4-pp2-I2-gpipe", 4, dict(pp=2, sharding=2), "gpipe", 2, 2, False),
@@ -53,6 +54,9 @@ CASES = [
 MODEL_CASES = [
     ("W4-pp2-ep2-moe", 4, dict(pp=2, sharding=2, ep=2), "1f1b", 2, 2, False, "moe"),
     ("W8-pp2-I2-mp2-tp", 8, dict(pp=2, sharding=2, mp=2), "1f1b", 2, 2, False, "tp"),
+    ("W4-pp2-I2-1f1b-tied", 4, dict(pp=2, sharding=2), "1f1b", 2, 2, False, "tied"),
+    ("W4-pp2-I2-interleaved-tied", 4, dict(pp=2, sharding=2), "interleaved", 4, 2, False, "tied"),
+    ("W8-pp2-O2-I2-gpipe-tied", 8, dict(pp=2, sharding=4, fsdp_outer_degree=2), "gpipe", 2, 2, False, "tied"),
 ]
 ALL_CASES = [(*c, "dense") for c in CASES] + MODEL_CASES
 
@@ -113,7 +117,8 @@ def pipeline_job(cases: list) -> dict:
             if topo.mp > 1:
                 for block in part.blocks.values():
                     parallelize_module(block, topo.get_mesh("mp"), block_plan(part.config))
-            part = sf.fully_shard(part, topo, units=(Block,))
+            tied = part.tied_parameters  # kept whole: both ends hold the same fragment
+            part = sf.fully_shard(part, topo, units=(Block,), replicate_filter=lambda n, p, tied=tied: n in tied)
             first, last = s == 0, s == num_stages - 1
             hidden = torch.empty(mb, SEQ, C, device="meta", requires_grad=True)  # activations carry gradients
             inp = torch.empty(mb, SEQ, dtype=torch.long, device="meta") if first else hidden
@@ -216,6 +221,9 @@ def test_pipeline_matches_single_process(runs, ref, case):
     seen = {}
     for r in runs:
         seen.update(r[name]["full"])
+    if case[-1] == "tied":  # the last stage's copy of the embedding: equal to it
+        torch.testing.assert_close(seen.pop("lm_head.weight"), seen["wte.weight"], rtol=0, atol=0,
+                                   msg=lambda m: f"{name}: the head's copy differs from the embedding: {m}")
     assert sorted(seen) == sorted(ref["params"]), (name, sorted(set(seen) ^ set(ref["params"])))
     for n, want in ref["params"].items():
         torch.testing.assert_close(seen[n], want, rtol=1e-5, atol=PARAM_ATOL, msg=lambda m: f"{name} {n}: {m}")

@@ -39,9 +39,18 @@ def test_stage_layers_split_evenly() -> None:
         stage_layers(4, 3)
 
 
+def test_tied_gpt_last_stage_holds_a_copy_of_the_embedding() -> None:
+    torch.manual_seed(0)
+    tied = GPT(GPTConfig(n_layer=4, n_head=2, d_model=16, seq_len=8))
+    idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
+    want, _ = tied(idx)
+    first, last = split_gpt(tied, 0, 2), split_gpt(tied, 1, 2)
+    assert first.tied_parameters == ("wte.weight",) and last.tied_parameters == ("lm_head.weight",)
+    assert last.lm_head.weight is not first.wte.weight and torch.equal(last.lm_head.weight, first.wte.weight)
+    assert torch.equal(last(first(idx)), want)
+    assert split_gpt(tied, 0, 1).tied_parameters == ()  # one stage: the tie stays a tie
+
+
 def test_bad_splits_refused() -> None:
-    with pytest.raises(ValueError, match="tie_embeddings=True cannot be split"):
-        torch.manual_seed(0)
-        split_gpt(GPT(GPTConfig(n_layer=4, n_head=2, d_model=16, seq_len=8)), 0, 2)
     with pytest.raises(ValueError, match=r"stage_index must be in \[0, num_stages=2\), got 2"):
         split_gpt(_gpt(), 2, 2)
