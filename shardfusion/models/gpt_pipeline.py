@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from shardfusion.models.gpt import GPT, Block, NormalLinear
+from shardfusion.moe import MoE
 
 __all__ = ["GPTStage", "split_gpt", "stage_layers"]
 
@@ -42,10 +43,11 @@ class GPTStage(nn.Module):
     refused by `split_gpt`).
     """
 
-    def __init__(self, model: GPT, stage_index: int, num_stages: int) -> None:
+    def __init__(self, model: GPT, stage_index: int, num_stages: int, aux_loss_coef: float = 0.0) -> None:
         super().__init__()
         layers = stage_layers(model.config.n_layer, num_stages)[stage_index]
         self.config, self.stage_index, self.num_stages = model.config, stage_index, num_stages
+        self.aux_loss_coef = float(aux_loss_coef)
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         tied = model.config.tie_embeddings and num_stages > 1
         self.tied_parameters: tuple[str, ...] = ()
@@ -78,12 +80,34 @@ class GPTStage(nn.Module):
             x = block(x)  # (B, T, C)
         if self.is_last:
             x = self.lm_head(self.ln_f(x))  # (B, T, V)
+        layers = [m for m in self.modules() if isinstance(m, MoE)]
+        if self.aux_loss_coef and layers:
+            # this stage's share of coef * GPT.aux_loss() (the mean over every MoE layer of the model)
+            aux = torch.stack([m.aux_loss for m in layers]).sum() * (self.aux_loss_coef / self.config.n_layer)
+            x = _AddToLoss.apply(x, aux)
         return x
 
 
-def split_gpt(model: GPT, stage_index: int, num_stages: int) -> GPTStage:
+class _AddToLoss(torch.autograd.Function):
+    """Identity on ``x`` whose backward also differentiates ``aux`` (a 0-dim term of the loss computed inside the
+    stage) with gradient 1: a stage adds its MoE load-balancing loss to the pipeline's loss without sending it to
+    the last stage (the output's gradient comes from there). Megatron-LM scales its MoE aux loss the same way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape = aux.shape
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad.new_ones(ctx.aux_shape, dtype=torch.float32)
+
+
+def split_gpt(model: GPT, stage_index: int, num_stages: int, aux_loss_coef: float = 0.0) -> GPTStage:
     """Stage `stage_index` of `model` cut into `num_stages` stages (`stage_layers`); the modules of the other
-    stages are left in `model` (drop it after splitting).
+    stages are left in `model` (drop it after splitting). With `aux_loss_coef` and MoE blocks, each stage adds its
+    share of ``aux_loss_coef * model.aux_loss()`` (the MoE load-balancing loss, a mean over all layers) to the loss in
+    backward (`_AddToLoss`): per micro-batch, over this rank's tokens, as the job's gradient accumulation does.
 
     Raises:
         ValueError: `num_stages` does not divide `n_layer`; `stage_index` out of range; the GPT has a context group.
@@ -92,5 +116,5 @@ def split_gpt(model: GPT, stage_index: int, num_stages: int) -> GPTStage:
         raise ValueError(f"stage_index must be in [0, num_stages={num_stages}), got {stage_index!r}")
     if model.context_group is not None:
         raise ValueError("split_gpt: a GPT with a context group (context parallel) is not split into stages here")
-    return GPTStage(model, stage_index, num_stages)
+    return GPTStage(model, stage_index, num_stages, aux_loss_coef)
 

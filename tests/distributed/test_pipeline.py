@@ -37,9 +37,12 @@ differences at rounding level."""
 ROWS, SEQ = 8, 8  # global batch of 8 sequences of 8 bytes
 CONFIG = dict(n_layer=4, n_head=2, d_model=32, seq_len=SEQ)
 MODELS = {"dense": dict(tie_embeddings=False), "moe": dict(n_experts=4, top_k=2, tie_embeddings=False),
-          "tp": dict(fused_qkv=False, tie_embeddings=False), "tied": dict(tie_embeddings=True)}
+          "tp": dict(fused_qkv=False, tie_embeddings=False), "tied": dict(tie_embeddings=True),
+          "moe_aux": dict(n_experts=4, top_k=2)}
+AUX = 0.5  # the load-balancing loss coefficient of "moe_aux" (large, so that a missing term shows)
 """The GPT of each kind of case: dense with an untied head; a GPT-MoE (its experts over the stage's ep group); q, k,
-v apart (tensor parallel over mp splits them by heads); the embedding tied with the head (first and last stage)."""
+v apart (tensor parallel over mp splits them by heads); the embedding tied with the head (first and last stage); a
+tied GPT-MoE whose stages add the load-balancing loss (`split_gpt(..., aux_loss_coef)`)."""
 # (name, world, topology degrees, schedule, stages, micro-batches, reduce_per_microbatch), dense GPT
 CASES = [
     ("W4-pp2-I2-gpipe", 4, dict(pp=2, sharding=2), "gpipe", 2, 2, False),
@@ -57,6 +60,7 @@ MODEL_CASES = [
     ("W4-pp2-I2-1f1b-tied", 4, dict(pp=2, sharding=2), "1f1b", 2, 2, False, "tied"),
     ("W4-pp2-I2-interleaved-tied", 4, dict(pp=2, sharding=2), "interleaved", 4, 2, False, "tied"),
     ("W8-pp2-O2-I2-gpipe-tied", 8, dict(pp=2, sharding=4, fsdp_outer_degree=2), "gpipe", 2, 2, False, "tied"),
+    ("W4-pp2-ep2-moe-aux", 4, dict(pp=2, sharding=2, ep=2), "1f1b", 2, 2, False, "moe_aux"),
 ]
 ALL_CASES = [(*c, "dense") for c in CASES] + MODEL_CASES
 
@@ -79,15 +83,26 @@ def build_gpt(kind: str, ep_group=None):
     return GPT(GPTConfig(**CONFIG, **MODELS[kind]), ep_group=ep_group)
 
 
-def reference(kind: str) -> dict:
+def reference(kind: str, chunks: int = 4) -> dict:
+    """The whole GPT on the whole batch. With the load-balancing loss ("moe_aux"): over `chunks` chunks of the batch
+    (2 data-parallel ranks x 2 micro-batches, as the pipeline cases), each chunk's cross-entropy plus AUX times its
+    aux loss, the mean over the chunks (the MoE balances each rank's tokens of each micro-batch)."""
     model = build_gpt(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses, norms = [], []
     for step in range(STEPS):
         x, y = batch(step)
-        logits, _ = model(x)
-        loss = loss_fn(logits, y)
-        loss.backward()
+        if kind == "moe_aux":
+            parts = []
+            for xc, yc in zip(x.chunk(chunks), y.chunk(chunks)):
+                ce = loss_fn(model(xc)[0], yc)
+                ((ce + AUX * model.aux_loss()) / chunks).backward()
+                parts.append(ce.detach())
+            loss = torch.stack(parts).mean()
+        else:
+            logits, _ = model(x)
+            loss = loss_fn(logits, y)
+            loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()
@@ -113,7 +128,8 @@ def pipeline_job(cases: list) -> dict:
         C = CONFIG["d_model"]
         models, stages = [], []
         for s in mine:
-            part = split_gpt(build_gpt(model_kind, topo.get_group("ep") if topo.ep > 1 else None), s, num_stages)
+            part = split_gpt(build_gpt(model_kind, topo.get_group("ep") if topo.ep > 1 else None), s, num_stages,
+                             aux_loss_coef=AUX if model_kind == "moe_aux" else 0.0)
             if topo.mp > 1:
                 for block in part.blocks.values():
                     parallelize_module(block, topo.get_mesh("mp"), block_plan(part.config))
@@ -221,7 +237,7 @@ def test_pipeline_matches_single_process(runs, ref, case):
     seen = {}
     for r in runs:
         seen.update(r[name]["full"])
-    if case[-1] == "tied":  # the last stage's copy of the embedding: equal to it
+    if MODELS[case[-1]].get("tie_embeddings", True):  # the last stage's copy of the embedding: equal to it
         torch.testing.assert_close(seen.pop("lm_head.weight"), seen["wte.weight"], rtol=0, atol=0,
                                    msg=lambda m: f"{name}: the head's copy differs from the embedding: {m}")
     assert sorted(seen) == sorted(ref["params"]), (name, sorted(set(seen) ^ set(ref["params"])))
