@@ -80,6 +80,28 @@ def names_text(names: list[str]) -> str:
     return f"{shown}{more} ({len(names)} parameter{'s' if len(names) != 1 else ''})"
 
 
+def ranks_text(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 0, 2`` or ``ranks 0-3, 6`` (runs of consecutive ranks as ranges)."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(f"{a}" if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}" for a, b in runs)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+
+
+def by_ranks(every: list[list[str]]) -> list[str]:
+    """Each rank's problems (``every[r]``, texts without a rank) as ``"rank r: text"``, the ranks that found the
+    same text named together (``"ranks 0-3: text"``), in the order first found."""
+    ranks: dict[str, list[int]] = {}
+    for rank, texts in enumerate(every):
+        for text in texts:
+            ranks.setdefault(text, []).append(rank)
+    return [f"{ranks_text(rs)}: {text}" for text, rs in ranks.items()]
+
+
 def named_fragments(model):
     """``(name, fragment, runs, global numel, writes, full shape)`` for every parameter of
     ``model.named_parameters()`` (empty fragments included), over each model of a list in order. ``runs``: where
@@ -181,13 +203,14 @@ def model_info(model, optimizer=None, rank_state: Optional[dict] = None, unreada
     ``rank_state`` values, a name held on two pp ranks or with two shapes, groups that differ between ranks, and
     the caller's ``problems``) as ``"rank <r>: ..."`` strings, so that every rank can raise the same error;
     ``unreadable``: why this rank could not read the checkpoint (gathered under ``"unreadable"``). ``model``: a
-    sharded model or a checked list of them (:func:`model_list`)."""
+    sharded model or a checked list of them (:func:`model_list`). The caller's ``problems`` that several ranks
+    found alike are named once with their ranks (:func:`by_ranks`)."""
     models = list(model) if isinstance(model, (list, tuple)) else [model]
     topo = sharded_state(models[0]).topology
     rank, mp_rank = global_rank(), topo.mp_rank
     optimizers = optimizer_list(optimizer)
     mine: dict[str, Any] = {"shapes": {}, "buffer_shapes": {}, "optim_state": {},
-                            "problems": [f"rank {rank}: {p}" for p in problems],
+                            "problems": [], "own": list(problems),
                             "unreadable": [f"rank {rank}: {unreadable}"] if unreadable else [],
                             "pp_rank": topo.pp_rank, "optimizers": [type(opt).__name__ for opt in optimizers],
                             "groups": group_records(models, optimizers)}
@@ -233,7 +256,7 @@ def model_info(model, optimizer=None, rank_state: Optional[dict] = None, unreada
             out["optim_state"].setdefault(name, {}).update(kinds)
         out["problems"] += part["problems"]
         out["unreadable"] += part["unreadable"]
-    out["problems"] += _held_twice(every)
+    out["problems"] += by_ranks([part["own"] for part in every]) + _held_twice(every)
     out["param_groups"], out["optimizers"], group_problems = merge_groups(every)
     out["problems"] += group_problems
     return out
@@ -280,7 +303,8 @@ def optimizer_problems(models: list[nn.Module], optimizers: list[torch.optim.Opt
         foreign = [tuple(p.shape) for g in opt.param_groups for p in g["params"] if id(p) not in mine]
         if foreign:
             problems.append(f"optimizer[{i}] holds {len(foreign)} parameter{'s' if len(foreign) > 1 else ''} "
-                            f"(shapes {foreign[:_SHOWN]}{' ...' if len(foreign) > _SHOWN else ''}) that are in none "
+                            f"(shapes {foreign[:_SHOWN]}{' ...' if len(foreign) > _SHOWN else ''}) "
+                            f"that {'are' if len(foreign) > 1 else 'is'} in none "
                             f"of the {len(models)} model{'s' if len(models) > 1 else ''} given: pass every stage "
                             "this rank's optimizers cover")
     return problems
@@ -320,25 +344,32 @@ def merge_groups(every: list[dict]) -> tuple[list[dict], list[str], list[str]]:
     base = every[0]
     groups = [{**g["hyper"], "param_names": []} for g in base["groups"]]
     seen: list[set] = [set() for _ in groups]
-    problems = []
+    structure: dict[str, list[int]] = {}  # "optimizers ... with n param groups" -> the ranks that differ so
+    values: dict[str, list[int]] = {}  # "param group i: key=value" -> the ranks that have it (rank 0: another)
     for rank, part in enumerate(every):
         if part["optimizers"] != base["optimizers"] or len(part["groups"]) != len(base["groups"]):
-            problems.append(f"rank {rank} has optimizers {part['optimizers']} with {len(part['groups'])} param groups, "
-                            f"rank 0 {base['optimizers']} with {len(base['groups'])}: a checkpoint matches param "
-                            "groups by index, so every rank (every pp stage) needs the same optimizers and groups "
-                            "(an empty group is allowed)")
+            structure.setdefault(f"optimizers {part['optimizers']} with {len(part['groups'])} param groups",
+                                 []).append(rank)
             continue
         for i, (g, ref) in enumerate(zip(part["groups"], base["groups"])):
-            diff = hyper_difference(g["hyper"], ref["hyper"])
-            if diff:
-                problems.append(f"param group {i} has " + ", ".join(
-                    f"{k}={mine!r} on rank {rank} but {k}={theirs!r} on rank 0" for k, (mine, theirs) in diff.items())
-                    + ": a checkpoint matches param groups by index, so group i needs the same hyperparameters on "
-                    "every rank (every pp stage)")
+            for k, (mine, theirs) in hyper_difference(g["hyper"], ref["hyper"]).items():
+                values.setdefault(f"param group {i} has {k}={mine!r} on {{}} but {k}={theirs!r} on rank 0",
+                                  []).append(rank)
             for name in g["names"]:
                 if name not in seen[i]:
                     seen[i].add(name)
                     groups[i]["param_names"].append(name)
+    problems = []
+    if structure:
+        problems.append("; ".join(f"{ranks_text(rs)} {'have' if len(rs) > 1 else 'has'} {what}"
+                                  for what, rs in structure.items())
+                        + f", rank 0 {base['optimizers']} with {len(base['groups'])}: a checkpoint matches param "
+                        "groups by index, so every rank (every pp stage) needs the same optimizers and as many groups "
+                        "(an empty group is allowed)")
+    if values:
+        problems.append("; ".join(what.format(ranks_text(rs)) for what, rs in values.items())
+                        + ": a checkpoint matches param groups by index, so group i needs the same hyperparameters "
+                        "on every rank (every pp stage)")
     return groups, list(base["optimizers"]), problems
 
 

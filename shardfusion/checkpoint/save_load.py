@@ -75,9 +75,10 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardfusion.checkpoint.folder import prepare, publish
-from shardfusion.checkpoint.inventory import (NUMBER_DTYPES, global_rank, merged_state, mismatch, model_info,
-                                              model_list, named_buffers, named_fragments, named_parameters, names_text,
-                                              optimizer_list, optimizer_problems, scalar_tensor, state_kind)
+from shardfusion.checkpoint.inventory import (NUMBER_DTYPES, by_ranks, global_rank, merged_state, mismatch,
+                                              model_info, model_list, named_buffers, named_fragments, named_parameters,
+                                              names_text, optimizer_list, optimizer_problems, scalar_tensor,
+                                              state_kind)
 from shardfusion.checkpoint.planners import FragmentLoadPlanner, FragmentSavePlanner
 from shardfusion.checkpoint.read import failure_text, open_checkpoint, read_error
 from shardfusion._runtime.state import is_sharded, sharded_state
@@ -141,7 +142,8 @@ def _meet(model: _Model, optimizer: _Optimizer, call: str) -> tuple[list[nn.Modu
     on every rank. Returns ``(models, optimizers)`` as lists.
 
     Raises:
-        ValueError: on every rank: ``sf.checkpoint.<call>: rank r: ...`` for each rank's problems.
+        ValueError: on every rank: ``sf.checkpoint.<call>: rank r: ...`` for each rank's problems (the ranks that
+            found the same one named together: ``ranks 0-3: ...``).
     """
     models, problems = model_list(model)
     given = model if isinstance(model, (list, tuple)) else [model]
@@ -154,11 +156,10 @@ def _meet(model: _Model, optimizer: _Optimizer, call: str) -> tuple[list[nn.Modu
         problems.append(str(error))
     if models and not problems:
         problems += optimizer_problems(models, optimizers)
-    rank = global_rank()
-    every = [[f"rank {rank}: {p}" for p in problems]]
+    every = [problems]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        every = comm.all_gather_object(every[0], None, f"the arguments of sf.checkpoint.{call}")
-    found = [p for part in every for p in part]
+        every = comm.all_gather_object(problems, None, f"the arguments of sf.checkpoint.{call}")
+    found = by_ranks(every)
     if found:
         raise ValueError(f"sf.checkpoint.{call}: " + "; ".join(found))
     return models, optimizers
