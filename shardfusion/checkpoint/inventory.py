@@ -58,13 +58,14 @@ def model_list(model) -> tuple[list[nn.Module], list[str]]:
                             "job's one Topology")
             continue
         valid.append((i, m))
-    names: dict[str, int] = {}
-    params: dict[int, int] = {}
+    names: dict[str, int] = {}  # name -> index of the first model holding it
+    params: dict[int, int] = {}  # id(parameter) -> the same
     clashes: dict[tuple[int, int], list[str]] = {}
     for i, m in valid:
         for name, p in m.named_parameters():
             j = names.setdefault(name, i)
-            j = params.setdefault(id(p), i) if j == i else j
+            if j == i:  # a new name: maybe a parameter of an earlier model under another name
+                j = params.setdefault(id(p), i)
             if j != i:
                 clashes.setdefault((j, i), []).append(name)
     for (j, i), clash in clashes.items():

@@ -4,7 +4,8 @@ in any layout.
 Public: :func:`save` / :func:`load` (one checkpoint folder), :func:`save_checkpoint` / :func:`latest_checkpoint`
 (numbered checkpoints under a root folder, published atomically, the last K kept), :func:`read_meta`,
 :func:`load_full` / :func:`read_all` (one process, no process group), :func:`load_full_state` (a full state dict
-into a sharded model). Export to safetensors: :mod:`shardfusion.export`.
+into a sharded model). Export to safetensors: :mod:`shardfusion.export`. Each distributed call takes ``model`` as
+one sharded model or as the list of this rank's sharded models (its pipeline stages: see "Pipeline stages" below).
 
 Format (plain DCP, no format of our own): every parameter is stored as a flattened 1-D global tensor of ``numel``
 elements. A rank's fragment of it (``layout.fragments(shard_index)``: a contiguous range ``[start, end)`` of the
@@ -25,11 +26,20 @@ flattened parameter) is one DCP chunk with ``offsets=(start,)`` and ``sizes=(end
                                             "optim_state": {name: {key: kind}} or None (saved without optimizer),
                                             "param_groups": [...], "extra",
                                             "optimizers": [class name of each optimizer, in order]}
+                                            merged from every rank's part (one all_gather_object), written by rank 0
 
-``param_groups``: each optimizer group's hyperparameters (every entry but ``params``) plus ``"param_names"``, rank 0's
-names of the group's parameters, recorded for information only (expert names differ across ep ranks; :func:`load`
-matches groups by index). ``optimizers``: :func:`load` refuses other optimizers than those saved, or another order
-(a checkpoint without the entry is not checked).
+``meta`` is the same whichever rank holds what: ``shapes``, ``buffer_shapes`` and ``optim_state`` are the unions
+over every rank (expert names differ across ep ranks, stage names across pp ranks). ``param_groups``: group ``i``
+of this rank's optimizers (their groups in order) is saved group ``i``: its hyperparameters (every entry but
+``params``), which must be equal on every rank, plus ``"param_names"``, the names of every rank's group ``i`` (rank
+order, each once). :func:`save` refuses ranks whose optimizer classes, number of groups or hyperparameters at an
+index differ. ``optimizers``: the classes, the same on every rank; :func:`load` refuses other optimizers than those
+saved, or another order (a checkpoint without the entry is not checked).
+
+Versions: ``FORMAT_VERSION`` 3 (since pipeline stages) merges ``param_groups`` over the ranks as above; version 2
+recorded rank 0's names only. :func:`load` reads both (the keys and tensors are the same); for a version-2
+checkpoint the groups are matched by index without comparing names. ``read_all`` / ``load_full`` / the export read
+any version.
 
 ``optim_state`` kinds: ``"element"`` (per-element), ``"tensor"`` (0-d tensor), ``"int"`` / ``"float"`` / ``"bool"``
 (a Python number, stored as a 0-d int64 / float64 / bool tensor). A parameter without optimizer state (e.g. it never
@@ -42,12 +52,24 @@ written therefore do not depend on the outer (replicate) degree. Scalar state an
 holding them (also by ranks whose fragment is empty, so that a parameter smaller than a shard still gets its
 ``step``); DCP keeps the lowest rank's copy, so they must be equal on those ranks (as ``step`` and synced buffers are).
 
+Pipeline stages (``shardfusion.pipeline``): a rank holding stages ``s, s + pp, ...`` passes the list of its sharded
+stage modules (each passed to ``fully_shard`` with the job's one ``Topology``) and one optimizer, or a list, over
+their parameters. Every key is a parameter name, so stages must name their parameters as the whole model does
+(``split_gpt`` keeps the GPT's names): the checkpoint then does not depend on the pp degree or on the split, and a
+pp 2 checkpoint loads into the whole model at pp 1, into pp 2 x outer 2, or an interleaved run's into any of them.
+Refused on every rank (``ValueError`` naming the rank and the index): an entry that is not sharded, given twice,
+sharded with another ``Topology`` object, two entries holding one parameter or name, an optimizer parameter in none
+of them; and, from the gathered parts, a name held on two pp ranks (stages naming different parameters alike would
+mix them under one key) or with two shapes.
+
 Load: every rank (replicas included) asks for exactly its fragment's range; DCP's resharding
 (``create_read_items_for_chunk_list``) reads the overlapping parts of the stored chunks, whatever layout wrote them.
 The optimizer state of each parameter becomes exactly the checkpoint's: the keys come from ``meta["optim_state"]``
 (a fresh optimizer gets zero tensors of the stored dtypes, which DCP then fills), keys the checkpoint lacks are
-dropped. ``load_full`` reads the same checkpoint in one process with no process group, into tensors of the original
-shapes.
+dropped. The hyperparameters are restored group by group, by index, when this rank's optimizers have as many groups
+as saved; a group ``i`` holding a parameter that the checkpoint has in group ``j != i`` is refused (version 3), so a
+group never takes another group's hyperparameters. ``load_full`` reads the same checkpoint in one process with no
+process group, into tensors of the original shapes.
 
 Tensor parallel (``mp``): a DTensor parameter (docs/tensor-parallel.md) is stored like any other, flattened in its
 *global* shape, so a checkpoint does not depend on the mp degree (save at mp 2, load at mp 1 or 4). Each mp rank
