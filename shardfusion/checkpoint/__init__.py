@@ -3,8 +3,9 @@
 The package, one module per concern:
 
 - :mod:`~shardfusion.checkpoint.save_load`: the distributed :func:`save` / :func:`load` of one checkpoint folder,
-  :func:`save_checkpoint` (numbered, atomically published, the last K kept) and :func:`load_full_state`; its
-  docstring has the format (keys, shapes, who writes what).
+  :func:`save_checkpoint` (numbered, atomically published, the last K kept) and :func:`load_full_state`, each
+  given one sharded model or the list of this rank's pipeline stages; its docstring has the format (keys, shapes,
+  who writes what).
 - :mod:`~shardfusion.checkpoint.inventory`: what a sharded model holds in the format's terms (fragments, optimizer
   state kinds, gathered over the ranks) and how it matches a checkpoint.
 - :mod:`~shardfusion.checkpoint.planners`: the DCP save and load planners that write and read fragments.

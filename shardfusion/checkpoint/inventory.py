@@ -1,12 +1,14 @@
 """What a sharded model holds, as the checkpoint format sees it (see :mod:`shardfusion.checkpoint.save_load`): each
 parameter's fragment on this rank, the kind of each optimizer state entry, the union of every rank's parameters,
-buffers and state kinds, and how a set of parameter shapes differs from another.
+buffers and state kinds, the param groups merged over the ranks, and how a set of parameter shapes differs from
+another. A "model" here is one sharded model or this rank's list of them (pipeline stages, ``shardfusion.pipeline``):
+:func:`model_list` checks the argument, the other functions take the list.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,22 +17,115 @@ import torch.nn as nn
 from shardfusion import comm
 from shardfusion._runtime import tensor_parallel as tp
 from shardfusion._runtime.local_state_dict import persistent_buffers
+from shardfusion._runtime.state import is_sharded, sharded_state
 from shardfusion._runtime.state import named_fragments as model_fragments
-from shardfusion._runtime.state import sharded_state
+
+_SHOWN = 3  # names shown in one problem; the count says how many more
 
 
-def named_fragments(model: nn.Module):
+def model_list(model) -> tuple[list[nn.Module], list[str]]:
+    """``model`` as a list of sharded models (one model -> ``[model]``; a list or tuple, e.g. this rank's pipeline
+    stages, as given) and what is wrong with it, ``[]`` when nothing is: an empty list, an entry that is no module or
+    was not passed to ``fully_shard`` (or was absorbed by a later call), a model given twice, models sharded with
+    different ``Topology`` objects (a rank's stages share the job's one), a parameter name or a parameter in two of
+    them. Local (no collective): the caller gathers the problems so that every rank raises (``_meet``)."""
+    listed = isinstance(model, (list, tuple))
+    given = list(model) if listed else [model]
+    if not given:
+        return [], ["model is an empty list: pass a sharded model or the list of this rank's sharded stages"]
+    problems: list[str] = []
+    first: dict[int, int] = {}  # id(model) -> its first index
+    topo_of: Optional[tuple[int, Any]] = None
+    valid = []
+    for i, m in enumerate(given):
+        where = f"model[{i}]" if listed else "model"
+        if not isinstance(m, nn.Module):
+            problems.append(f"{where} must be a model passed to shardfusion.fully_shard, got {type(m).__name__}")
+            continue
+        if not is_sharded(m):
+            problems.append(f"{where} ({type(m).__name__}) is not sharded: pass it to shardfusion.fully_shard first "
+                            "(a module inside a sharded model is not one)")
+            continue
+        if first.setdefault(id(m), i) != i:
+            problems.append(f"model[{i}] is model[{first[id(m)]}]: pass each stage once")
+            continue
+        topo = sharded_state(m).topology
+        if topo_of is None:
+            topo_of = (i, topo)
+        elif topo is not topo_of[1]:
+            problems.append(f"model[{i}] is sharded with another Topology object than model[{topo_of[0]}] "
+                            f"({topo.describe()} vs {topo_of[1].describe()}): shard every stage of a rank with the "
+                            "job's one Topology")
+            continue
+        valid.append((i, m))
+    names: dict[str, int] = {}  # name -> index of the first model holding it
+    params: dict[int, int] = {}  # id(parameter) -> the same
+    clashes: dict[tuple[int, int], list[str]] = {}
+    for i, m in valid:
+        for name, p in m.named_parameters():
+            j = names.setdefault(name, i)
+            if j == i:  # a new name: maybe a parameter of an earlier model under another name
+                j = params.setdefault(id(p), i)
+            if j != i:
+                clashes.setdefault((j, i), []).append(name)
+    for (j, i), clash in clashes.items():
+        problems.append(f"model[{j}] and model[{i}] both hold {names_text(clash)}: each parameter (and each "
+                        "name) may be in one stage only")
+    return [m for _, m in valid] if not problems else [], problems
+
+
+def names_text(names: list[str]) -> str:
+    """The first few of ``names``, and how many there are: ``'a', 'b', 'c' and 4 more (7 parameters)``."""
+    shown = ", ".join(repr(n) for n in names[:_SHOWN])
+    more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    return f"{shown}{more} ({len(names)} parameter{'s' if len(names) != 1 else ''})"
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 0, 2`` or ``ranks 0-3, 6`` (runs of consecutive ranks as ranges)."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(f"{a}" if a == b else f"{a}, {b}" if b == a + 1 else f"{a}-{b}" for a, b in runs)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+
+
+def by_ranks(every: list[list[str]]) -> list[str]:
+    """Each rank's problems (``every[r]``, texts without a rank) as ``"rank r: text"``, the ranks that found the
+    same text named together (``"ranks 0-3: text"``), in the order first found."""
+    ranks: dict[str, list[int]] = {}
+    for rank, texts in enumerate(every):
+        for text in texts:
+            ranks.setdefault(text, []).append(rank)
+    return [f"{ranks_text(rs)}: {text}" for text, rs in ranks.items()]
+
+
+def named_fragments(model):
     """``(name, fragment, runs, global numel, writes, full shape)`` for every parameter of
-    ``model.named_parameters()`` (empty fragments included). ``runs``: where the fragment lies in the parameter
-    flattened in its full (global) shape, ``[(offset, start in the fragment, length)]`` (one run, or for a
-    tensor-parallel parameter one per block of its piece: ``tensor_parallel.global_runs``); ``writes``: this rank
-    writes it (``is_primary``)."""
-    table = {id(f.param): f for f in model_fragments(model)}
-    for name, p in model.named_parameters():
-        f = table[id(p)]
-        shape = f.shape if f.tp_spec is None else tuple(f.tp_spec.shape)
-        runs = tp.global_runs(f.tp_spec, f.shape, f.offset, f.numel)
-        yield name, p, runs, math.prod(shape), f.buffer.is_primary, shape
+    ``model.named_parameters()`` (empty fragments included), over each model of a list in order. ``runs``: where
+    the fragment lies in the parameter flattened in its full (global) shape, ``[(offset, start in the fragment,
+    length)]`` (one run, or for a tensor-parallel parameter one per block of its piece:
+    ``tensor_parallel.global_runs``); ``writes``: this rank writes it (``is_primary``)."""
+    for m in (model if isinstance(model, (list, tuple)) else [model]):
+        table = {id(f.param): f for f in model_fragments(m)}
+        for name, p in m.named_parameters():
+            f = table[id(p)]
+            shape = f.shape if f.tp_spec is None else tuple(f.tp_spec.shape)
+            runs = tp.global_runs(f.tp_spec, f.shape, f.offset, f.numel)
+            yield name, p, runs, math.prod(shape), f.buffer.is_primary, shape
+
+
+def named_parameters(models: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """``(name, parameter)`` of every model of ``models``, in order (a tied parameter: its first name)."""
+    return [(n, p) for m in models for n, p in m.named_parameters()]
+
+
+def named_buffers(models: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """The persistent buffers (``persistent_buffers``) of every model of ``models``, in order."""
+    return [(n, b) for m in models for n, b in persistent_buffers(m)]
 
 
 def optimizer_list(optimizer) -> list[torch.optim.Optimizer]:
@@ -100,20 +195,30 @@ def scalar_tensor(value: Any) -> torch.Tensor:
     return torch.tensor(value, dtype=NUMBER_DTYPES[type(value).__name__])
 
 
-def model_info(model: nn.Module, optimizer=None,
-                rank_state: Optional[dict] = None, unreadable: Optional[str] = None) -> dict:
+def model_info(model, optimizer=None, rank_state: Optional[dict] = None, unreadable: Optional[str] = None,
+               problems: Sequence[str] = ()) -> dict:
     """What every rank holds, gathered (collective: one ``all_gather_object``): the union over ranks of parameter
-    shapes, buffer shapes and optimizer state kinds (expert names differ across ep ranks), and the problems found on
-    any rank (unsupported optimizer state, tensor-parallel parameters, non-tensor ``rank_state`` values) as
-    ``"rank <r>: ..."`` strings, so that every rank can raise the same error; ``unreadable``: why this rank could
-    not read the checkpoint (gathered under ``"unreadable"``)."""
-    rank, mp_rank = global_rank(), sharded_state(model).topology.mp_rank
-    mine: dict[str, Any] = {"shapes": {}, "buffer_shapes": {}, "optim_state": {}, "problems": [],
-                            "unreadable": [f"rank {rank}: {unreadable}"] if unreadable else []}
-    opt_state = merged_state(optimizer_list(optimizer))
-    plain_tp = {id(f.param) for f in model_fragments(model) if f.tp_spec is None}
+    shapes, buffer shapes and optimizer state kinds (expert names differ across ep ranks, stage names across pp
+    ranks), the param groups merged over the ranks (:func:`merge_groups`: ``"param_groups"``, ``"optimizers"``),
+    and the problems found on any rank (unsupported optimizer state, tensor-parallel parameters, non-tensor
+    ``rank_state`` values, a name held on two pp ranks or with two shapes, groups that differ between ranks, and
+    the caller's ``problems``) as ``"rank <r>: ..."`` strings, so that every rank can raise the same error;
+    ``unreadable``: why this rank could not read the checkpoint (gathered under ``"unreadable"``). ``model``: a
+    sharded model or a checked list of them (:func:`model_list`). The caller's ``problems`` that several ranks
+    found alike are named once with their ranks (:func:`by_ranks`)."""
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
+    topo = sharded_state(models[0]).topology
+    rank, mp_rank = global_rank(), topo.mp_rank
+    optimizers = optimizer_list(optimizer)
+    mine: dict[str, Any] = {"shapes": {}, "buffer_shapes": {}, "optim_state": {},
+                            "problems": [], "own": list(problems),
+                            "unreadable": [f"rank {rank}: {unreadable}"] if unreadable else [],
+                            "pp_rank": topo.pp_rank, "optimizers": [type(opt).__name__ for opt in optimizers],
+                            "groups": group_records(models, optimizers)}
+    opt_state = merged_state(optimizers)
+    plain_tp = {id(f.param) for m in models for f in model_fragments(m) if f.tp_spec is None}
     tensor_parallel = []
-    for name, p, _runs, _total, writes, shape in named_fragments(model):
+    for name, p, _runs, _total, writes, shape in named_fragments(models):
         mine["shapes"][name] = shape
         if writes and mp_rank != 0 and id(p) in plain_tp:  # tensor_model_parallel=True on a plain tensor
             tensor_parallel.append(name)
@@ -132,9 +237,9 @@ def model_info(model: nn.Module, optimizer=None,
         mine["problems"].append(f"rank {rank}: parameters {tensor_parallel} are marked tensor_model_parallel=True "
                                 "but are plain tensors: a checkpoint cannot tell where each mp rank's piece lies; "
                                 "make them DTensors over topology.get_mesh('mp') (docs/tensor-parallel.md)")
-    for name, buf in persistent_buffers(model):
+    for name, buf in named_buffers(models):
         mine["buffer_shapes"][name] = tuple(buf.shape)
-    mine["nonpersistent"] = sorted({n for n, _ in model.named_buffers()} - set(mine["buffer_shapes"]))
+    mine["nonpersistent"] = sorted({n for m in models for n, _ in m.named_buffers()} - set(mine["buffer_shapes"]))
     for key, value in (rank_state or {}).items():
         if not isinstance(key, str) or not torch.is_tensor(value):
             mine["problems"].append(f"rank {rank}: rank_state[{key!r}] must be a tensor under a str key, got "
@@ -152,18 +257,121 @@ def model_info(model: nn.Module, optimizer=None,
             out["optim_state"].setdefault(name, {}).update(kinds)
         out["problems"] += part["problems"]
         out["unreadable"] += part["unreadable"]
+    out["problems"] += by_ranks([part["own"] for part in every]) + _held_twice(every)
+    out["param_groups"], out["optimizers"], group_problems = merge_groups(every)
+    out["problems"] += group_problems
     return out
 
 
-def param_names(model: nn.Module, optimizer) -> list[list[str]]:
-    """For each parameter group of ``optimizer`` (one, or a list: their groups in order), the names (``model.named_parameters()``; a tied parameter: its
-    first name) of its parameters, in the group's order. Recorded in a checkpoint for information only.
+def _held_twice(every: list[dict]) -> list[str]:
+    """Names that two pp ranks hold (two stages naming different parameters alike: the checkpoint would mix them)
+    or that ranks hold with different shapes, from every rank's part of :func:`model_info`."""
+    pp_of: dict[str, dict[int, int]] = {}  # name -> {pp rank: first global rank holding it there}
+    shape_of: dict[str, dict[tuple, int]] = {}
+    for rank, part in enumerate(every):
+        for name, shape in part["shapes"].items():
+            pp_of.setdefault(name, {}).setdefault(part["pp_rank"], rank)
+            shape_of.setdefault(name, {}).setdefault(tuple(shape), rank)
+    problems = []
+    twice = [n for n, held in pp_of.items() if len(held) > 1]
+    if twice:
+        where = pp_of[twice[0]]
+        problems.append(f"{names_text(twice)} are held on more than one pp rank (the first on pp ranks "
+                        f"{sorted(where)}: global ranks {sorted(where.values())}): stages must name their parameters "
+                        "as the whole model does, each name on one stage (split_gpt keeps the GPT's names)")
+    for name, shapes in shape_of.items():
+        if len(shapes) > 1:
+            problems.append(f"parameter {name!r} has shape " + " and ".join(
+                f"{list(s)} on rank {r}" for s, r in shapes.items()))
+    return problems
 
-    Raises:
-        KeyError: the optimizer holds a parameter that is not one of ``model``'s.
-    """
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [[names[id(p)] for p in group["params"]] for opt in optimizer_list(optimizer) for group in opt.param_groups]
+
+def group_records(models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> list[dict]:
+    """This rank's param groups, over ``optimizers`` in order: ``{"hyper": every entry but params, "names": the
+    names of its parameters in the group's order}`` (a parameter of none of ``models``: ``"?"``, refused earlier by
+    :func:`optimizer_problems`)."""
+    names = {id(p): n for n, p in named_parameters(models)}
+    return [{"hyper": {k: v for k, v in g.items() if k != "params"},
+             "names": [names.get(id(p), "?") for p in g["params"]]} for opt in optimizers for g in opt.param_groups]
+
+
+def optimizer_problems(models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> list[str]:
+    """The optimizers' parameters that are in none of ``models`` (each optimizer named with the shapes of the first
+    few): their state could be saved under no name."""
+    mine = {id(p) for _, p in named_parameters(models)}
+    problems = []
+    for i, opt in enumerate(optimizers):
+        foreign = [tuple(p.shape) for g in opt.param_groups for p in g["params"] if id(p) not in mine]
+        if foreign:
+            problems.append(f"optimizer[{i}] holds {len(foreign)} parameter{'s' if len(foreign) > 1 else ''} "
+                            f"(shapes {foreign[:_SHOWN]}{' ...' if len(foreign) > _SHOWN else ''}) "
+                            f"that {'are' if len(foreign) > 1 else 'is'} in none "
+                            f"of the {len(models)} model{'s' if len(models) > 1 else ''} given: pass every stage "
+                            "this rank's optimizers cover")
+    return problems
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two hyperparameter values are equal: tensors by value (and dtype, shape), tuples and lists element by
+    element, nan equal to nan, anything else by ``==``."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return (torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and a.dtype == b.dtype
+                and torch.equal(a.detach().cpu(), b.detach().cpu()))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that cannot be compared differ
+        return False
+
+
+def hyper_difference(a: dict, b: dict) -> dict[str, tuple]:
+    """``{key: (a's value, b's value)}`` for the hyperparameters that differ (a key missing on one side: ``None``
+    there)."""
+    return {k: (a.get(k), b.get(k)) for k in list(a) + [k for k in b if k not in a]
+            if k not in a or k not in b or not same_value(a[k], b[k])}
+
+
+def merge_groups(every: list[dict]) -> tuple[list[dict], list[str], list[str]]:
+    """The param groups of a checkpoint, from every rank's part of :func:`model_info`: ``(param_groups, optimizers,
+    problems)``. Groups are matched by their index in the rank's optimizers (their groups in order), as a load
+    matches them: every rank must have the same optimizer classes in the same order, as many groups, and at each
+    index the same hyperparameters; saved group ``i`` holds those hyperparameters plus ``"param_names"``, the names
+    of every rank's group ``i`` (rank order, each name once: the union over the pp stages and the ep ranks). A rank
+    that differs is a problem naming it, the index and the values (rank 0 is the reference), and the groups are
+    then those of rank 0."""
+    base = every[0]
+    groups = [{**g["hyper"], "param_names": []} for g in base["groups"]]
+    seen: list[set] = [set() for _ in groups]
+    structure: dict[str, list[int]] = {}  # "optimizers ... with n param groups" -> the ranks that differ so
+    values: dict[str, list[int]] = {}  # "param group i: key=value" -> the ranks that have it (rank 0: another)
+    for rank, part in enumerate(every):
+        if part["optimizers"] != base["optimizers"] or len(part["groups"]) != len(base["groups"]):
+            structure.setdefault(f"optimizers {part['optimizers']} with {len(part['groups'])} param groups",
+                                 []).append(rank)
+            continue
+        for i, (g, ref) in enumerate(zip(part["groups"], base["groups"])):
+            for k, (mine, theirs) in hyper_difference(g["hyper"], ref["hyper"]).items():
+                values.setdefault(f"param group {i} has {k}={mine!r} on {{}} but {k}={theirs!r} on rank 0",
+                                  []).append(rank)
+            for name in g["names"]:
+                if name not in seen[i]:
+                    seen[i].add(name)
+                    groups[i]["param_names"].append(name)
+    problems = []
+    if structure:
+        problems.append("; ".join(f"{ranks_text(rs)} {'have' if len(rs) > 1 else 'has'} {what}"
+                                  for what, rs in structure.items())
+                        + f", rank 0 {base['optimizers']} with {len(base['groups'])}: a checkpoint matches param "
+                        "groups by index, so every rank (every pp stage) needs the same optimizers and as many groups "
+                        "(an empty group is allowed)")
+    if values:
+        problems.append("; ".join(what.format(ranks_text(rs)) for what, rs in values.items())
+                        + ": a checkpoint matches param groups by index, so group i needs the same hyperparameters "
+                        "on every rank (every pp stage)")
+    return groups, list(base["optimizers"]), problems
 
 
 def mismatch(mine: dict, other: dict, other_name: str, missing_label: str, extra_label: str,

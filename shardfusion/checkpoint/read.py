@@ -114,7 +114,8 @@ def open_checkpoint(path: str) -> tuple[FileSystemReader, dict]:
 
 def read_meta(path: str) -> dict:
     """The ``meta`` item of a checkpoint (format version, saving world size, original shapes, optimizer state keys
-    and groups, ``extra``: see :mod:`shardfusion.checkpoint`), read by this process alone (no collective).
+    and groups, ``extra``: see :mod:`shardfusion.checkpoint.save_load`; merged over every saving rank, so a pipeline
+    checkpoint's shapes are those of every stage), read by this process alone (no collective).
 
     Raises:
         ValueError: ``path`` is not a readable checkpoint folder (names the path and the cause).

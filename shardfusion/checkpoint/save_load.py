@@ -4,7 +4,8 @@ in any layout.
 Public: :func:`save` / :func:`load` (one checkpoint folder), :func:`save_checkpoint` / :func:`latest_checkpoint`
 (numbered checkpoints under a root folder, published atomically, the last K kept), :func:`read_meta`,
 :func:`load_full` / :func:`read_all` (one process, no process group), :func:`load_full_state` (a full state dict
-into a sharded model). Export to safetensors: :mod:`shardfusion.export`.
+into a sharded model). Export to safetensors: :mod:`shardfusion.export`. Each distributed call takes ``model`` as
+one sharded model or as the list of this rank's sharded models (its pipeline stages: see "Pipeline stages" below).
 
 Format (plain DCP, no format of our own): every parameter is stored as a flattened 1-D global tensor of ``numel``
 elements. A rank's fragment of it (``layout.fragments(shard_index)``: a contiguous range ``[start, end)`` of the
@@ -25,11 +26,20 @@ flattened parameter) is one DCP chunk with ``offsets=(start,)`` and ``sizes=(end
                                             "optim_state": {name: {key: kind}} or None (saved without optimizer),
                                             "param_groups": [...], "extra",
                                             "optimizers": [class name of each optimizer, in order]}
+                                            merged from every rank's part (one all_gather_object), written by rank 0
 
-``param_groups``: each optimizer group's hyperparameters (every entry but ``params``) plus ``"param_names"``, rank 0's
-names of the group's parameters, recorded for information only (expert names differ across ep ranks; :func:`load`
-matches groups by index). ``optimizers``: :func:`load` refuses other optimizers than those saved, or another order
-(a checkpoint without the entry is not checked).
+``meta`` is the same whichever rank holds what: ``shapes``, ``buffer_shapes`` and ``optim_state`` are the unions
+over every rank (expert names differ across ep ranks, stage names across pp ranks). ``param_groups``: group ``i``
+of this rank's optimizers (their groups in order) is saved group ``i``: its hyperparameters (every entry but
+``params``), which must be equal on every rank, plus ``"param_names"``, the names of every rank's group ``i`` (rank
+order, each once). :func:`save` refuses ranks whose optimizer classes, number of groups or hyperparameters at an
+index differ. ``optimizers``: the classes, the same on every rank; :func:`load` refuses other optimizers than those
+saved, or another order (a checkpoint without the entry is not checked).
+
+Versions: ``FORMAT_VERSION`` 3 (since pipeline stages) merges ``param_groups`` over the ranks as above; version 2
+recorded rank 0's names only. :func:`load` reads both (the keys and tensors are the same); for a version-2
+checkpoint the groups are matched by index without comparing names. ``read_all`` / ``load_full`` / the export read
+any version.
 
 ``optim_state`` kinds: ``"element"`` (per-element), ``"tensor"`` (0-d tensor), ``"int"`` / ``"float"`` / ``"bool"``
 (a Python number, stored as a 0-d int64 / float64 / bool tensor). A parameter without optimizer state (e.g. it never
@@ -42,12 +52,24 @@ written therefore do not depend on the outer (replicate) degree. Scalar state an
 holding them (also by ranks whose fragment is empty, so that a parameter smaller than a shard still gets its
 ``step``); DCP keeps the lowest rank's copy, so they must be equal on those ranks (as ``step`` and synced buffers are).
 
+Pipeline stages (``shardfusion.pipeline``): a rank holding stages ``s, s + pp, ...`` passes the list of its sharded
+stage modules (each passed to ``fully_shard`` with the job's one ``Topology``) and one optimizer, or a list, over
+their parameters. Every key is a parameter name, so stages must name their parameters as the whole model does
+(``split_gpt`` keeps the GPT's names): the checkpoint then does not depend on the pp degree or on the split, and a
+pp 2 checkpoint loads into the whole model at pp 1, into pp 2 x outer 2, or an interleaved run's into any of them.
+Refused on every rank (``ValueError`` naming the rank and the index): an entry that is not sharded, given twice,
+sharded with another ``Topology`` object, two entries holding one parameter or name, an optimizer parameter in none
+of them; and, from the gathered parts, a name held on two pp ranks (stages naming different parameters alike would
+mix them under one key) or with two shapes.
+
 Load: every rank (replicas included) asks for exactly its fragment's range; DCP's resharding
 (``create_read_items_for_chunk_list``) reads the overlapping parts of the stored chunks, whatever layout wrote them.
 The optimizer state of each parameter becomes exactly the checkpoint's: the keys come from ``meta["optim_state"]``
 (a fresh optimizer gets zero tensors of the stored dtypes, which DCP then fills), keys the checkpoint lacks are
-dropped. ``load_full`` reads the same checkpoint in one process with no process group, into tensors of the original
-shapes.
+dropped. The hyperparameters are restored group by group, by index, when this rank's optimizers have as many groups
+as saved; a group ``i`` holding a parameter that the checkpoint has in group ``j != i`` is refused (version 3), so a
+group never takes another group's hyperparameters. ``load_full`` reads the same checkpoint in one process with no
+process group, into tensors of the original shapes.
 
 Tensor parallel (``mp``): a DTensor parameter (docs/tensor-parallel.md) is stored like any other, flattened in its
 *global* shape, so a checkpoint does not depend on the mp degree (save at mp 2, load at mp 1 or 4). Each mp rank
@@ -74,25 +96,38 @@ import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from shardfusion._runtime.local_state_dict import persistent_buffers
 from shardfusion.checkpoint.folder import prepare, publish
-from shardfusion.checkpoint.inventory import (NUMBER_DTYPES, global_rank, merged_state, mismatch, model_info,
-                                              named_fragments, optimizer_list, param_names, scalar_tensor, state_kind)
+from shardfusion.checkpoint.inventory import (NUMBER_DTYPES, by_ranks, global_rank, merged_state, mismatch,
+                                              model_info, model_list, named_buffers, named_fragments, named_parameters,
+                                              names_text, optimizer_list, optimizer_problems, scalar_tensor,
+                                              state_kind)
 from shardfusion.checkpoint.planners import FragmentLoadPlanner, FragmentSavePlanner
 from shardfusion.checkpoint.read import failure_text, open_checkpoint, read_error
-from shardfusion._runtime.state import sharded_state
+from shardfusion._runtime.state import is_sharded, sharded_state
+from shardfusion import comm
 from shardfusion.comm import call_on_rank0, rendezvous
 
 __all__ = ["FORMAT_VERSION", "save", "load", "save_checkpoint", "load_full_state"]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+# versions load reads: 2 (before pipeline stages: meta["param_groups"] with rank 0's names) is read as before, its
+# groups by index without the name check
+READ_VERSIONS = (2, 3)
+
+_Model = Union[nn.Module, Sequence[nn.Module]]
+_Optimizer = Union[None, torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
 
 
 # ---- public API ----------------------------------------------------------------------------------------------------
-def save(model: nn.Module, optimizer: Union[None, torch.optim.Optimizer, Sequence[torch.optim.Optimizer]], path: str, extra: Optional[dict] = None,
+def save(model: _Model, optimizer: _Optimizer, path: str, extra: Optional[dict] = None,
          rank_state: Optional[dict[str, torch.Tensor]] = None) -> None:
     """Write ``model`` (parameters and buffers), ``optimizer``'s state and hyperparameters, the picklable ``extra``
     and this rank's ``rank_state`` to the directory ``path`` (keys: see the module docstring).
+
+    ``model``: a model passed to :func:`shardfusion.fully_shard`, or the list of this rank's sharded models (its
+    pipeline stages, each sharded with the job's one ``Topology``; ranks may hold different stages). ``optimizer``
+    covers the parameters of all of them. Parameters are saved under their names, so stages must name them as the
+    whole model does (``split_gpt`` does): the checkpoint then does not depend on the pp degree or the split.
 
     Collective over the default process group; it starts with a rendezvous of every rank bounded by the Topology
     timeout (``comm.rendezvous``). Each fragment is written once (by its canonical holder). Optimizer
@@ -106,32 +141,61 @@ def save(model: nn.Module, optimizer: Union[None, torch.optim.Optimizer, Sequenc
     Raises:
         RuntimeError: on the ranks that called it, within the Topology timeout: some rank did not call it (e.g. a
             save under ``if rank == 0:``); the message names the call and the absent ranks.
-        ValueError: on every rank, before anything is written: ``optimizer`` not an optimizer or a list of them (a
-            parameter in two), an optimizer state entry of another kind, a
-            plain tensor marked ``tensor_model_parallel`` with mp > 1, or a ``rank_state`` value that is not a tensor (each named with
-            its rank); after the write, on every rank: a rank could not write its files (disk full, not writable:
-            ``checkpoint <path> cannot be written: rank r: ...``), and the folder is then incomplete.
+        ValueError: on every rank, before anything is written, naming the rank: a ``model`` that is not a sharded
+            model or a list of them (an entry not sharded, given twice, sharded with another ``Topology`` object,
+            two entries holding the same parameter or name; named by index), ``optimizer`` not an optimizer or a
+            list of them (a parameter in two, a parameter in none of the models), an optimizer state entry of
+            another kind, a parameter name held on two pp ranks (stages naming different parameters alike) or with
+            two shapes, ranks whose optimizers or param groups differ (the classes, the number of groups, or a
+            group's hyperparameters at the same index: named with both values), a plain tensor marked
+            ``tensor_model_parallel`` with mp > 1, or a ``rank_state`` value that is not a tensor; after the write,
+            on every rank: a rank could not write its files (disk full, not writable: ``checkpoint <path> cannot be
+            written: rank r: ...``), and the folder is then incomplete.
     """
-    _meet(model, "save")
-    _save(model, optimizer, path, extra, rank_state)
+    models, optimizers = _meet(model, optimizer, "save")
+    _save(models, optimizers, path, extra, rank_state)
 
 
-def _meet(model: nn.Module, call: str) -> None:
-    """The rendezvous that starts every checkpoint call: DCP's own collectives are not bounded by the Topology
-    timeout, so a call made on some ranks only fails here, within it, naming the call (``comm.rendezvous``)."""
-    rendezvous(f"sf.checkpoint.{call}", sharded_state(model).topology.timeout)
+def _meet(model: _Model, optimizer: _Optimizer, call: str) -> tuple[list[nn.Module], list]:
+    """The start of every checkpoint call: the rendezvous (DCP's own collectives are not bounded by the Topology
+    timeout, so a call made on some ranks only fails here, within it, naming the call: ``comm.rendezvous``), then
+    the arguments checked (:func:`model_list`, :func:`optimizer_list`, :func:`optimizer_problems`) on every rank
+    and the problems of every rank gathered (one ``all_gather_object``), so that a bad argument on one rank raises
+    on every rank. Returns ``(models, optimizers)`` as lists.
+
+    Raises:
+        ValueError: on every rank: ``sf.checkpoint.<call>: rank r: ...`` for each rank's problems (the ranks that
+            found the same one named together: ``ranks 0-3: ...``).
+    """
+    models, problems = model_list(model)
+    given = model if isinstance(model, (list, tuple)) else [model]
+    timeouts = [sharded_state(m).topology.timeout for m in given if isinstance(m, nn.Module) and is_sharded(m)]
+    rendezvous(f"sf.checkpoint.{call}", timeouts[0] if timeouts else None)
+    optimizers: list = []
+    try:
+        optimizers = optimizer_list(optimizer)
+    except ValueError as error:
+        problems.append(str(error))
+    if models and not problems:
+        problems += optimizer_problems(models, optimizers)
+    every = [problems]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = comm.all_gather_object(problems, None, f"the arguments of sf.checkpoint.{call}")
+    found = by_ranks(every)
+    if found:
+        raise ValueError(f"sf.checkpoint.{call}: " + "; ".join(found))
+    return models, optimizers
 
 
-def _save(model: nn.Module, optimizer, path: str, extra: Optional[dict],
+def _save(models: list[nn.Module], optimizers: list, path: str, extra: Optional[dict],
           rank_state: Optional[dict[str, torch.Tensor]]) -> None:
-    optimizers = optimizer_list(optimizer)
-    info = model_info(model, optimizers, rank_state)
+    info = model_info(models, optimizers, rank_state)
     if info["problems"]:
         raise ValueError(f"cannot save checkpoint {path!r}: " + "; ".join(info["problems"]))
     sd: dict[str, Any] = {}
     fragments: dict[str, tuple[list, int]] = {}
     opt_state = merged_state(optimizers)
-    for name, p, runs, total, writes, _shape in named_fragments(model):
+    for name, p, runs, total, writes, _shape in named_fragments(models):
         st = opt_state.get(p, {})
         kinds = {k: state_kind(p, v) for k, v in st.items()}
         if writes and p.numel() > 0:
@@ -145,21 +209,16 @@ def _save(model: nn.Module, optimizer, path: str, extra: Optional[dict],
             if kind not in (None, "element"):
                 sd[f"optim/{name}/{k}"] = scalar_tensor(st[k])
     # dense and expert ones (global names), persistent ones only (as state_dict); DCP keeps one copy per name
-    for name, buf in persistent_buffers(model):
+    for name, buf in named_buffers(models):
         sd[f"model_buffer/{name}"] = buf.detach()
     for key, value in (rank_state or {}).items():
         sd[f"rank/{global_rank()}/{key}"] = value.detach()
-    if global_rank() == 0:
-        groups = []
-        if optimizers:
-            for g, names in zip([g for opt in optimizers for g in opt.param_groups], param_names(model, optimizers)):
-                groups.append({**{k: v for k, v in g.items() if k != "params"}, "param_names": names})
+    if global_rank() == 0:  # what every rank holds, gathered and merged by model_info: the same on every rank
         sd["meta"] = {"version": FORMAT_VERSION,
                       "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                       "shapes": info["shapes"], "buffer_shapes": info["buffer_shapes"],
                       "optim_state": info["optim_state"] if optimizers else None,
-                      "param_groups": groups, "extra": extra,
-                      "optimizers": [type(opt).__name__ for opt in optimizers]}
+                      "param_groups": info["param_groups"], "extra": extra, "optimizers": info["optimizers"]}
     try:
         dcp.save(sd, storage_writer=FileSystemWriter(path), planner=FragmentSavePlanner(fragments),
                  no_dist=not dist.is_initialized())
@@ -174,9 +233,9 @@ def _check_keys(info: dict, meta: dict, path: str) -> None:
     ``meta`` is None where this rank could not read the checkpoint (``info`` then holds why)."""
     if info["unreadable"]:
         raise ValueError("; ".join(info["unreadable"]))
-    if meta.get("version") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint {path!r} has format version {meta.get('version')}; load reads version "
-                         f"{FORMAT_VERSION} (read_all / load_full read any version)")
+    if meta.get("version") not in READ_VERSIONS:
+        raise ValueError(f"checkpoint {path!r} has format version {meta.get('version')}; load reads versions "
+                         f"{list(READ_VERSIONS)} (read_all / load_full read any version)")
     problems = [mismatch(info["shapes"], meta["shapes"], "checkpoint", "missing from the checkpoint",
                           "in the checkpoint but not in the model"),
                 mismatch(info["buffer_shapes"], meta["buffer_shapes"], "checkpoint",
@@ -187,27 +246,59 @@ def _check_keys(info: dict, meta: dict, path: str) -> None:
         raise ValueError(f"checkpoint {path!r} does not match the model: {'; '.join(problems)}")
 
 
-def _check_optimizers(optimizers: list, meta: dict, path: str) -> None:
-    """The optimizers given to :func:`load` are those the checkpoint was saved with, in the same order (their class
-    names, recorded since the list of optimizers; older checkpoints are not checked): otherwise each group would
-    take another optimizer's hyperparameters and each parameter another optimizer's state. The same decision on
-    every rank (the names come from the checkpoint and the arguments)."""
+def _optimizers_differ(optimizers: list, meta: dict) -> bool:
+    """Whether ``optimizers`` are other classes, or in another order, than those the checkpoint was saved with
+    (recorded since the list of optimizers; older checkpoints are not checked)."""
     saved = meta.get("optimizers")
     if not optimizers or meta.get("optim_state") is None or saved is None:
-        return
-    given = [type(opt).__name__ for opt in optimizers]
-    if given != saved:
-        raise ValueError(f"checkpoint {path!r} was saved with optimizers {saved}, in this order; load was given "
-                         f"{given}: pass the same optimizers in the same order, or optimizer=None to load the "
-                         "parameters only")
+        return False
+    return [type(opt).__name__ for opt in optimizers] != saved
 
 
-def _plan_optimizer(model: nn.Module, optimizers: list[torch.optim.Optimizer], kinds_by_name: dict, stored: dict,
-                    sd: dict, fragments: dict, optional: set) -> None:
+def _check_optimizers(optimizers: list, meta: dict, path: str) -> None:
+    """The optimizers given to :func:`load` are those the checkpoint was saved with, in the same order (their class
+    names): otherwise each group would take another optimizer's hyperparameters and each parameter another
+    optimizer's state. The same decision on every rank (the names come from the checkpoint and the arguments)."""
+    if _optimizers_differ(optimizers, meta):
+        raise ValueError(f"checkpoint {path!r} was saved with optimizers {meta['optimizers']}, in this order; load "
+                         f"was given {[type(opt).__name__ for opt in optimizers]}: pass the same optimizers in the "
+                         "same order, or optimizer=None to load the parameters only")
+
+
+def _group_problems(models: list[nn.Module], optimizers: list, meta: Optional[dict]) -> list[str]:
+    """Why this rank's param groups cannot take the saved hyperparameters by index (version 3, as many groups as
+    saved, the same optimizers): a parameter of given group ``i`` that the checkpoint has in another group ``j``
+    (its ``param_names``, merged over every rank at save). Parameters in no saved group (saved without state, or
+    frozen) are not compared. Local: gathered by ``model_info`` so that every rank raises."""
+    if (not optimizers or meta is None or meta.get("version", 0) < 3 or meta.get("optim_state") is None
+            or _optimizers_differ(optimizers, meta)):
+        return []
+    saved = meta["param_groups"]
+    groups = [g for opt in optimizers for g in opt.param_groups]
+    if len(groups) != len(saved):
+        return []  # the hyperparameters are then left as they are (load's docstring)
+    where = {n: j for j, g in enumerate(saved) for n in g["param_names"]}
+    names = {id(p): n for n, p in named_parameters(models)}
+    problems = []
+    for i, g in enumerate(groups):
+        moved: dict[int, list[str]] = {}
+        for p in g["params"]:
+            j = where.get(names[id(p)], i)
+            if j != i:
+                moved.setdefault(j, []).append(names[id(p)])
+        for j, which in moved.items():
+            problems.append(f"param group {i} holds {names_text(which)}, which the checkpoint has in param group {j}: "
+                            "groups are matched by index (meta['param_groups'][i]['param_names']); build the groups "
+                            "in the saved order, or load with optimizer=None")
+    return problems
+
+
+def _plan_optimizer(models: list[nn.Module], optimizers: list[torch.optim.Optimizer], kinds_by_name: dict,
+                    stored: dict, sd: dict, fragments: dict, optional: set) -> None:
     """Make each parameter's optimizer state hold exactly the checkpoint's keys (existing tensors of the right shape
     and dtype are reused, others are created as zeros of the stored dtype; keys not in the checkpoint are dropped,
     a parameter without saved state loses its state) and add them to ``sd`` for DCP to fill."""
-    table = {id(p): (name, runs) for name, p, runs, *_ in named_fragments(model)}
+    table = {id(p): (name, runs) for name, p, runs, *_ in named_fragments(models)}
     for optimizer, group in [(opt, g) for opt in optimizers for g in opt.param_groups]:
         # 0-d tensors on the CPU unless capturable / fused, where torch's optimizers create them (step, mu_product)
         scalar_device = "param" if group.get("capturable", False) or group.get("fused", False) else "cpu"
@@ -237,18 +328,24 @@ def _plan_optimizer(model: nn.Module, optimizers: list[torch.optim.Optimizer], k
             old.update(new)
 
 
-def load(model: nn.Module, optimizer: Union[None, torch.optim.Optimizer, Sequence[torch.optim.Optimizer]], path: str,
+def load(model: _Model, optimizer: _Optimizer, path: str,
          rank_state: Optional[dict[str, torch.Tensor]] = None) -> Optional[dict]:
     """Load ``path`` (written by :func:`save` in any layout and world size) into this rank's fragments and buffers,
     in place; returns the saved ``extra``.
+
+    ``model``: a sharded model or the list of this rank's sharded stages (as :func:`save`); the pp degree and the
+    stage split need not be those that saved (a pp 2 checkpoint loads into the whole model at pp 1 and back), as
+    long as the ranks together hold every saved parameter under its name.
 
     With ``optimizer`` (and a checkpoint saved with one) its state becomes the saved one: per-element state is
     resharded like the parameters, scalars (``step``) are restored on every rank holding the parameter, Python
     numbers come back as Python numbers; keys missing from the checkpoint are dropped and parameters that had no
     state get none. The saved hyperparameters (every param-group entry but ``params``: lr, weight_decay, betas, ...)
-    are restored group by group, by index, when ``optimizer`` has as many param groups as the saved one (as torch's
-    ``Optimizer.load_state_dict`` does; parameter names are not compared, so every rank decides the same, ep ranks
-    holding other experts included); with another number of groups the groups are left as they are. The caller may
+    are restored group by group, by index (this rank's optimizers' groups in order), when ``optimizer`` has as many
+    param groups as the saved one (as torch's ``Optimizer.load_state_dict`` does); with another number of groups the
+    groups are left as they are. Each saved group's ``param_names`` are those of every rank (every pp stage, every
+    ep rank): a parameter that this rank's group ``i`` holds but the checkpoint has in group ``j != i`` is refused
+    (ValueError), so groups never take another group's hyperparameters. The caller may
     override hyperparameters after the load (the training job of :mod:`shardfusion.train` re-applies its flags). A
     checkpoint saved without an optimizer leaves ``optimizer`` as it is. ``optimizer`` may be a list of optimizers
     (see :func:`save`); the state of each parameter goes to the one holding it.
@@ -263,34 +360,37 @@ def load(model: nn.Module, optimizer: Union[None, torch.optim.Optimizer, Sequenc
 
     Raises:
         RuntimeError: on the ranks that called it, within the Topology timeout: some rank did not call it.
-        ValueError: on every rank, before any read of tensors: an unreadable folder, another format version,
-            parameters or buffers missing from the checkpoint or from the model, shapes that differ, a plain
-            tensor marked ``tensor_model_parallel`` with mp > 1, a ``rank_state`` value that is not a tensor (each named). On every
+        ValueError: on every rank, before any read of tensors: a ``model`` or ``optimizer`` refused as by
+            :func:`save`, an unreadable folder, a format version other than 2 or 3, parameters or buffers missing
+            from the checkpoint or from the model (the union over the ranks), shapes that differ, a name held on two
+            pp ranks, a param group holding a parameter saved in another group, optimizers of other classes or in
+            another order than saved, a plain tensor marked ``tensor_model_parallel`` with mp > 1, a ``rank_state``
+            value that is not a tensor (each named). On every
             rank, after the read: a data file truncated, corrupt or missing (also when only one rank reads it),
             ``checkpoint <path> cannot be read: ...`` on one line naming the damaged files, their keys and each failed
             rank's error; the model and optimizer are then partly loaded.
     """
-    _meet(model, "load")
-    optimizers = optimizer_list(optimizer)
+    models, optimizers = _meet(model, optimizer, "load")
     try:
         reader, meta = open_checkpoint(path)
         unreadable = None
     except ValueError as error:  # maybe on some ranks only (a file system not shared by every node)
         reader, meta, unreadable = None, None, str(error)
-    _check_keys(model_info(model, None, rank_state, unreadable), meta, path)
+    groups = _group_problems(models, optimizers, meta)
+    _check_keys(model_info(models, None, rank_state, unreadable, groups), meta, path)
     _check_optimizers(optimizers, meta, path)
     stored = reader.read_metadata().state_dict_metadata
     sd: dict[str, Any] = {"meta": None}
     fragments: dict[str, list] = {}
     optional: set[str] = set()
-    for name, p, runs, _total, _writes, _shape in named_fragments(model):
+    for name, p, runs, _total, _writes, _shape in named_fragments(models):
         sd[f"model/{name}"] = p.detach().view(-1)
         fragments[f"model/{name}"] = runs
         if p.numel() == 0:  # a parameter of 0 elements is never written
             optional.add(f"model/{name}")
     if optimizers and meta["optim_state"] is not None:
-        _plan_optimizer(model, optimizers, meta["optim_state"], stored, sd, fragments, optional)
-    for name, buf in persistent_buffers(model):
+        _plan_optimizer(models, optimizers, meta["optim_state"], stored, sd, fragments, optional)
+    for name, buf in named_buffers(models):
         sd[f"model_buffer/{name}"] = buf.detach()
     replaced: dict[str, torch.Tensor] = {}  # rank_state keys whose stored shape or dtype differs: loaded anew
     for key in list(rank_state or {}):
@@ -313,9 +413,9 @@ def load(model: nn.Module, optimizer: Union[None, torch.optim.Optimizer, Sequenc
     if rank_state is not None:
         rank_state.update(replaced)
     if optimizers and meta["optim_state"] is not None:
-        _restore_numbers(model, optimizers, meta["optim_state"])
-        # by index, as torch's Optimizer.load_state_dict: the same decision on every rank (the saved param_names are
-        # rank 0's: expert names differ across ep ranks)
+        _restore_numbers(models, optimizers, meta["optim_state"])
+        # by index, as torch's Optimizer.load_state_dict: the same decision on every rank (every rank has as many
+        # groups, checked at save; a group holding another group's parameters was refused above)
         groups = [g for opt in optimizers for g in opt.param_groups]
         if len(meta["param_groups"]) == len(groups):
             for g, src in zip(groups, meta["param_groups"]):
@@ -323,20 +423,20 @@ def load(model: nn.Module, optimizer: Union[None, torch.optim.Optimizer, Sequenc
     return meta["extra"]
 
 
-def _restore_numbers(model: nn.Module, optimizers: list, kinds_by_name: dict) -> None:
+def _restore_numbers(models: list[nn.Module], optimizers: list, kinds_by_name: dict) -> None:
     """State entries saved from Python numbers: back from their 0-d tensors to ``int`` / ``float`` / ``bool``."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in named_parameters(models)}
     for p, st in merged_state(optimizers).items():
         for k, kind in kinds_by_name.get(names.get(id(p)), {}).items():
             if kind in NUMBER_DTYPES:
                 st[k] = {"int": int, "float": float, "bool": bool}[kind](st[k].item())
 
 
-def save_checkpoint(model: nn.Module, optimizer: Union[None, torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
-                    root: str, step: int,
+def save_checkpoint(model: _Model, optimizer: _Optimizer, root: str, step: int,
                     keep: int = 3, extra: Optional[dict] = None,
                     rank_state: Optional[dict[str, torch.Tensor]] = None) -> str:
     """:func:`save` to ``root/step-<step>`` atomically and keep the last ``keep`` checkpoints; returns the folder.
+    ``model`` and ``optimizer`` as in :func:`save` (a list of this rank's stages too).
 
     Every rank writes into ``root/tmp-step-<step>``; after all ranks have finished (DCP's save ends with a collective
     commit), rank 0 renames it to ``root/step-<step>`` and replaces the ``root/latest`` pointer file
@@ -353,42 +453,47 @@ def save_checkpoint(model: nn.Module, optimizer: Union[None, torch.optim.Optimiz
         RuntimeError: on the ranks that called it, within the Topology timeout: some rank did not call it (e.g. under
             ``if rank == 0:``), before rank 0 touches ``root``.
         ValueError: ``keep`` < 1 or ``step`` < 0; on every rank: rank 0 cannot create ``root`` or publish the
-            checkpoint (e.g. not writable; the error names the path); anything :func:`save` raises.
+            checkpoint (e.g. not writable; the error names the path); anything :func:`save` raises (a bad
+            ``model`` or ``optimizer`` before rank 0 touches ``root``).
     """
     if keep < 1 or step < 0:
         raise ValueError(f"save_checkpoint: keep must be >= 1 and step >= 0, got keep={keep}, step={step}")
     final, tmp = os.path.join(root, f"step-{step}"), os.path.join(root, f"tmp-step-{step}")
-    _meet(model, "save_checkpoint")
+    models, optimizers = _meet(model, optimizer, "save_checkpoint")
     call_on_rank0(lambda: prepare(root, step), f"cannot prepare {tmp!r}")
-    _save(model, optimizer, tmp, extra, rank_state)
+    _save(models, optimizers, tmp, extra, rank_state)
     call_on_rank0(lambda: publish(root, step, keep), f"cannot publish {tmp!r} as {final!r}")
     return final
 
 
-def load_full_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+def load_full_state(model: _Model, state_dict: dict[str, torch.Tensor]) -> None:
     """Copy a full (unsharded) state dict, e.g. from :func:`load_full` or an exported safetensors file, into a sharded
-    model's fragments and buffers, in place. Collective (one ``all_gather_object`` of the parameter shapes).
+    model's fragments and buffers, in place. Collective (an ``all_gather_object`` of the arguments' problems and one
+    of the parameter shapes). ``model`` may be the list of this rank's sharded stages: each takes its own names
+    (the state dict of the whole model on every rank).
 
     Keys of experts held by other ep ranks are expected in a full state dict and skipped here; a tied parameter may
     appear under any of its names; non-persistent buffers are not loaded (a key for one is ignored). The model's own
     ``load_state_dict`` takes the same full state dict (see :func:`shardfusion.full_state_dict`).
 
     Raises:
-        ValueError: on every rank: a parameter of the model missing from ``state_dict``, a key that is no parameter
-            or buffer of the model on any rank, or a shape that differs (each named).
+        ValueError: on every rank: a ``model`` refused as by :func:`save`, a parameter of the model missing from
+            ``state_dict``, a key that is no parameter or buffer of the model on any rank, or a shape that differs
+            (each named).
     """
-    shapes = model_info(model)["shapes"]
-    buffers = dict(persistent_buffers(model))
-    nonpersistent = {n for n, _ in model.named_buffers()} - set(buffers)  # ignored if given (older exports)
-    first = {id(p): n for n, p in model.named_parameters()}  # tied parameters: their first name
-    aliases = {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+    models, _ = _meet(model, None, "load_full_state")
+    shapes = model_info(models)["shapes"]
+    buffers = dict(named_buffers(models))
+    nonpersistent = {n for m in models for n, _ in m.named_buffers()} - set(buffers)  # ignored if given (older exports)
+    first = {id(p): n for n, p in named_parameters(models)}  # tied parameters: their first name
+    aliases = {name: first[id(p)] for m in models for name, p in m.named_parameters(remove_duplicate=False)}
     given = {aliases.get(k, k): v for k, v in state_dict.items()}
     problems = mismatch(shapes, {n: t.shape for n, t in given.items()}, "given", "missing", "unexpected",
                          also_allowed=set(buffers) | nonpersistent)
     if problems:
         raise ValueError(f"state dict does not match the model: {problems}")
     with torch.no_grad():
-        for name, p, runs, _total, _writes, _shape in named_fragments(model):
+        for name, p, runs, _total, _writes, _shape in named_fragments(models):
             flat, dest = given[name].reshape(-1), p.view(-1)
             for offset, start, length in runs:
                 dest[start:start + length].copy_(flat[offset:offset + length])
