@@ -108,14 +108,26 @@ def named_fragments(model):
     ``model.named_parameters()`` (empty fragments included), over each model of a list in order. ``runs``: where
     the fragment lies in the parameter flattened in its full (global) shape, ``[(offset, start in the fragment,
     length)]`` (one run, or for a tensor-parallel parameter one per block of its piece:
-    ``tensor_parallel.global_runs``); ``writes``: this rank writes it (``is_primary``)."""
+    ``tensor_parallel.global_runs``); ``writes``: this rank writes it (``is_primary``).
+
+    A copy of a weight tied across pipeline stages (a model's ``checkpoint_aliases``, ``{its name: the weight's
+    name}``, e.g. the last GPT stage's ``{"lm_head.weight": "wte.weight"}``) is named as the weight and never
+    written: the stage that holds the weight itself writes it, and the copy loads from it."""
     for m in (model if isinstance(model, (list, tuple)) else [model]):
         table = {id(f.param): f for f in model_fragments(m)}
+        aliases = getattr(m, "checkpoint_aliases", {})
         for name, p in m.named_parameters():
             f = table[id(p)]
             shape = f.shape if f.tp_spec is None else tuple(f.tp_spec.shape)
             runs = tp.global_runs(f.tp_spec, f.shape, f.offset, f.numel)
-            yield name, p, runs, math.prod(shape), f.buffer.is_primary, shape
+            yield aliases.get(name, name), p, runs, math.prod(shape), f.buffer.is_primary and name not in aliases, \
+                shape
+
+
+def aliased_names(models: list[nn.Module]) -> set[str]:
+    """The names this rank's models hold only as copies (``checkpoint_aliases``' values, see
+    :func:`named_fragments`)."""
+    return {canonical for m in models for canonical in getattr(m, "checkpoint_aliases", {}).values()}
 
 
 def named_parameters(models: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
@@ -214,6 +226,7 @@ def model_info(model, optimizer=None, rank_state: Optional[dict] = None, unreada
                             "problems": [], "own": list(problems),
                             "unreadable": [f"rank {rank}: {unreadable}"] if unreadable else [],
                             "pp_rank": topo.pp_rank, "optimizers": [type(opt).__name__ for opt in optimizers],
+                            "copies": sorted(aliased_names(models)),
                             "groups": group_records(models, optimizers)}
     opt_state = merged_state(optimizers)
     plain_tp = {id(f.param) for m in models for f in model_fragments(m) if f.tp_spec is None}
@@ -270,7 +283,8 @@ def _held_twice(every: list[dict]) -> list[str]:
     shape_of: dict[str, dict[tuple, int]] = {}
     for rank, part in enumerate(every):
         for name, shape in part["shapes"].items():
-            pp_of.setdefault(name, {}).setdefault(part["pp_rank"], rank)
+            if name not in part.get("copies", ()):  # a tied weight's copy on another stage is the same weight
+                pp_of.setdefault(name, {}).setdefault(part["pp_rank"], rank)
             shape_of.setdefault(name, {}).setdefault(tuple(shape), rank)
     problems = []
     twice = [n for n, held in pp_of.items() if len(held) > 1]
@@ -290,7 +304,7 @@ def group_records(models: list[nn.Module], optimizers: list[torch.optim.Optimize
     """This rank's param groups, over ``optimizers`` in order: ``{"hyper": every entry but params, "names": the
     names of its parameters in the group's order}`` (a parameter of none of ``models``: ``"?"``, refused earlier by
     :func:`optimizer_problems`)."""
-    names = {id(p): n for n, p in named_parameters(models)}
+    names = {id(p): n for n, p, *_ in named_fragments(models)}  # a tied copy under the weight's name
     return [{"hyper": {k: v for k, v in g.items() if k != "params"},
              "names": [names.get(id(p), "?") for p in g["params"]]} for opt in optimizers for g in opt.param_groups]
 

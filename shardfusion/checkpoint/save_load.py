@@ -278,7 +278,7 @@ def _group_problems(models: list[nn.Module], optimizers: list, meta: Optional[di
     if len(groups) != len(saved):
         return []  # the hyperparameters are then left as they are (load's docstring)
     where = {n: j for j, g in enumerate(saved) for n in g["param_names"]}
-    names = {id(p): n for n, p in named_parameters(models)}
+    names = {id(p): n for n, p, *_ in named_fragments(models)}  # a tied copy under the weight's name
     problems = []
     for i, g in enumerate(groups):
         moved: dict[int, list[str]] = {}
@@ -425,7 +425,7 @@ def load(model: _Model, optimizer: _Optimizer, path: str,
 
 def _restore_numbers(models: list[nn.Module], optimizers: list, kinds_by_name: dict) -> None:
     """State entries saved from Python numbers: back from their 0-d tensors to ``int`` / ``float`` / ``bool``."""
-    names = {id(p): n for n, p in named_parameters(models)}
+    names = {id(p): n for n, p, *_ in named_fragments(models)}
     for p, st in merged_state(optimizers).items():
         for k, kind in kinds_by_name.get(names.get(id(p)), {}).items():
             if kind in NUMBER_DTYPES:

@@ -71,6 +71,7 @@ class GPTStage(nn.Module):
                                                    requires_grad=model.wte.weight.requires_grad)
                 self.lm_head.weight_tied = True
                 self.tied_parameters = ("lm_head.weight",)
+                self.checkpoint_aliases = {"lm_head.weight": "wte.weight"}  # saved once, by the first stage
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:

@@ -14,7 +14,8 @@ batch of 8 sequences, each data-parallel rank its rows. One W=4 job runs every c
   differs between the pp ranks, param groups in another order than saved, an optimizer holding a parameter of no
   given model; and a checkpoint whose meta says version 2 (written with FORMAT_VERSION patched) still loads, one
   saying version 1 is refused; `load_full_state` of the pp 2 checkpoint's `load_full` into the pp 2 x outer 2
-  stages.
+  stages. A GPT whose head is tied to its embedding: saved at pp 2 (the last stage holds a copy, saved once under
+  the embedding's name) and loaded at pp 1, and saved at pp 1 and loaded at pp 2.
 
 Checked against the single-process reference (the whole GPT, the whole batch, the same optimizer and clipping): the
 losses of all 4 steps (2 before the save, 2 after the load), every parameter after the last step, the restored
@@ -74,10 +75,10 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def build_gpt(seed: int = 0):
+def build_gpt(seed: int = 0, tied: bool = False):
     from shardfusion.models import GPT, GPTConfig
     torch.manual_seed(seed)
-    return GPT(GPTConfig(**CONFIG))
+    return GPT(GPTConfig(**{**CONFIG, "tie_embeddings": tied}))
 
 
 def param_groups(named, lr: float = LR, decay: float = WD) -> list[dict]:
@@ -89,9 +90,18 @@ def param_groups(named, lr: float = LR, decay: float = WD) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def ref() -> dict:
+    return reference(tied=False)
+
+
+@pytest.fixture(scope="module")
+def tied_ref() -> dict:
+    return reference(tied=True)
+
+
+def reference(tied: bool) -> dict:
     """The whole GPT on the whole batch: losses of every step, parameters and AdamW state by name after SAVE_AT
     steps, parameters after STEPS."""
-    model = build_gpt()
+    model = build_gpt(tied=tied)
     opt = torch.optim.AdamW(param_groups(model.named_parameters()))
     names = {id(p): n for n, p in model.named_parameters()}
     out = {"losses": []}
@@ -119,7 +129,7 @@ def ref() -> dict:
 class _Run:
     """This rank's part of one layout: its sharded models (stages, or the whole GPT) and how to take a step."""
 
-    def __init__(self, topo, schedule: str | None, num_stages: int, micro: int, seed: int) -> None:
+    def __init__(self, topo, schedule: str | None, num_stages: int, micro: int, seed: int, tied: bool = False) -> None:
         import shardfusion as sf
         from shardfusion.models import Block
         from shardfusion.models.gpt_pipeline import split_gpt
@@ -127,14 +137,15 @@ class _Run:
         from torch.distributed import pipelining as pl
         self.topo, self.rows = topo, ROWS // topo.sharding
         if schedule is None:  # the whole GPT, one sharded model
-            self.mine, self.models = [0], [sf.fully_shard(build_gpt(seed), topo, units=(Block,))]
+            self.mine, self.models = [0], [sf.fully_shard(build_gpt(seed, tied), topo, units=(Block,))]
             self.schedule = None
             return
         self.mine = stage_ranks(num_stages, topo.pp)[topo.pp_rank]
         mb, C = self.rows // micro, CONFIG["d_model"]
         self.models, stages = [], []
         for s in self.mine:
-            part = sf.fully_shard(split_gpt(build_gpt(seed), s, num_stages), topo, units=(Block,))
+            part = split_gpt(build_gpt(seed, tied), s, num_stages)  # tied: a copy of the embedding, kept whole
+            part = sf.fully_shard(part, topo, units=(Block,), replicate_filter=lambda n, p, t=part.tied_parameters: n in t)
             hidden = torch.empty(mb, SEQ, C, device="meta", requires_grad=True)
             inp = torch.empty(mb, SEQ, dtype=torch.long, device="meta") if s == 0 else hidden
             outp = torch.empty(mb, SEQ, 256, device="meta", requires_grad=True) if s == num_stages - 1 else hidden
@@ -250,10 +261,38 @@ def checkpoint_job(root: str) -> dict:
     return out
 
 
+TIED = {"pp2-tied->pp1": (PP2, "1f1b", PP1, None), "pp1-tied->pp2": (PP1, None, PP2, "1f1b")}
+"""A GPT whose head is tied to its embedding: (saved at, schedule, loaded at, schedule); the last stage's copy of the
+embedding is saved once, under the embedding's name, and loads from it."""
+
+
+def tied_job(root: str) -> dict:
+    import shardfusion as sf
+    from shardfusion import checkpoint as ckpt
+    out: dict = {}
+    for name, (saved_at, saved_schedule, loaded_at, loaded_schedule) in TIED.items():
+        stages = lambda schedule: 2 if schedule else 1  # noqa: E731
+        run = _Run(sf.Topology(**saved_at), saved_schedule, stages(saved_schedule), 2, seed=0, tied=True)
+        opt = torch.optim.AdamW(param_groups(run.named()))
+        losses = run.train(opt, range(SAVE_AT))
+        path = os.path.join(root, name)
+        ckpt.save(run.models, opt, path)
+        other = _Run(sf.Topology(**loaded_at), loaded_schedule, stages(loaded_schedule), 2, seed=1, tied=True)
+        opt = torch.optim.AdamW(param_groups(other.named(), lr=3 * LR, decay=0.0))
+        ckpt.load(other.models, opt, path)
+        out[name] = {"losses": losses + other.train(opt, range(SAVE_AT, STEPS)), "full": other.full(),
+                     "stored": sorted(k for k in ckpt.load_full(path))}
+    return out
+
+
+def both_jobs(root: str) -> dict:
+    return {**checkpoint_job(root), "tied": tied_job(root)}
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> list[dict]:
     root = str(tmp_path_factory.mktemp("pp_ckpt"))
-    return run_distributed(checkpoint_job, 4, root, timeout=JOB_TIMEOUT_S)
+    return run_distributed(both_jobs, 4, root, timeout=JOB_TIMEOUT_S)
 
 
 # --- the checks ---------------------------------------------------------------------------------------------------
@@ -347,3 +386,19 @@ def test_bad_input_refused_on_every_rank(job, case):
         assert kind == "ValueError", (case, rank, kind, msg)
         for words in REFUSED[case]:
             assert words in msg, (case, rank, words, msg)
+
+
+@pytest.mark.parametrize("name", list(TIED))
+def test_tied_embedding_resumes_across_pp(job, tied_ref, name):
+    """The tied GPT saved at pp 2 (the head's copy on the last stage) resumes at pp 1 and back: the losses of all
+    steps and the parameters equal one process; the checkpoint holds the tied weight once, as wte.weight."""
+    full = {}
+    for rank, r in enumerate(job):
+        got = r["tied"][name]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(tied_ref["losses"]), rtol=LOSS_RTOL,
+                                   atol=LOSS_ATOL, msg=lambda m: f"{name} rank {rank} losses: {m}")
+        full.update(got["full"])  # each stage's parameters (at pp 1: all of them)
+        assert "lm_head.weight" not in got["stored"] and "wte.weight" in got["stored"], got["stored"]
+    # the last stage's copy, or the tied alias of the whole GPT
+    torch.testing.assert_close(full.pop("lm_head.weight"), full["wte.weight"], rtol=0, atol=0)
+    _close(full, tied_ref["params"], name)
