@@ -47,15 +47,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
 from shardfusion import comm
 from shardfusion._runtime.state import is_sharded, named_fragments, sharded_state
 from shardfusion.clip import count_once
-
-try:  # torch.distributed.pipelining is part of torch; imported lazily by users of this module only
-    from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
-except ImportError as e:  # pragma: no cover - a torch without pipelining
-    raise ImportError("shardfusion.pipeline needs torch.distributed.pipelining (torch >= 2.4)") from e
 
 __all__ = ["SCHEDULES", "PipelineStage", "build_schedule", "stage_ranks"]
 
@@ -102,7 +98,10 @@ class PipelineStage(_TorchPipelineStage):
 
     Raises:
         ValueError: ``stage_index`` / ``num_stages`` do not fit ``topo.pp`` (the numbers named), or ``input_args`` /
-            ``output_args`` are missing (on every rank: each builds its stages from the same numbers).
+            ``output_args`` are missing (on every rank: each builds its stages from the same numbers); tied
+            parameters on a stage that is not an end of the pipeline, on pp 1, not in the stage, sharded (keep them
+            whole), or on a stage not passed to ``fully_shard`` (on both ends). At a backward: a split (zero-bubble)
+            backward on a sharded stage.
     """
 
     def __init__(self, submodule: nn.Module, topo, stage_index: int, num_stages: int, *,
