@@ -24,6 +24,8 @@ from shardfusion.train.data import corpus_size, min_corpus_bytes, split_sizes
 from shardfusion.models.gpt import PRESETS, GPTConfig
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_POLICIES
 from shardfusion.train.hf_models import HF_MODELS
+from shardfusion.train import pipeline_config
+from shardfusion.train.pipeline_config import PipelineConfig
 from shardfusion.plan import parse_bytes
 from shardfusion.topology import Degrees
 
@@ -67,8 +69,13 @@ def memory_arg(text: str) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """Everything one training run depends on; written to OUT/config.json."""
+class TrainConfig(PipelineConfig):
+    """Everything one training run depends on; written to OUT/config.json.
+
+    Sections owned by other modules are base classes, whose fields are flags like these and whose checks live with
+    them: `PipelineConfig` (--pp, --pp-schedule, --stages-per-rank, --microbatches;
+    `shardfusion.train.pipeline_config`).
+    """
 
     preset: str = "small"
     """Model shape from shardfusion.models.PRESETS (default small); --n-layer etc. override single fields."""
@@ -113,6 +120,10 @@ class TrainConfig:
     fused_qkv: bool = False
     """One (3C, C) q/k/v projection per block (the GPT's layout before tensor parallel) instead of three (C, C) ones;
     the same initial weights and arithmetic. A resumed run takes its checkpoint's layout (default: three)."""
+    tie_embeddings: bool = True
+    """Share one weight between the token embedding and the lm head (GPT only); --no-tie-embeddings gives the head
+    a weight of its own, which --pp > 1 needs (the embedding is on the first stage, the head on the last)
+    (default: tied)."""
     cp: int = 1
     """Context-parallel degree: each sequence is split over this many ranks (contiguous chunks; exact attention by an
     all-gather of keys and values, shardfusion.context_parallel); they see the same samples, so the data-parallel
@@ -225,7 +236,8 @@ class TrainConfig:
             if getattr(self, name) is not None
         }
         return dataclasses.replace(PRESETS[self.preset], dropout=self.dropout, n_experts=self.experts,
-                                   top_k=self.top_k, fused_qkv=self.fused_qkv, **overrides)
+                                   top_k=self.top_k, fused_qkv=self.fused_qkv, tie_embeddings=self.tie_embeddings,
+                                   **overrides)
 
     def _validate_hf(self) -> None:
         """The flags that a Hugging Face model (--hf-model, --init-from) refuses."""
@@ -334,6 +346,7 @@ class TrainConfig:
             raise ValueError(f"--max-memory-per-rank must be a size in bytes > 0 (e.g. 8GB, 512MiB), got {budget!r}")
         if self.reshard_policy not in RESHARD_POLICIES:
             raise ValueError(f"--reshard-policy must be {' or '.join(RESHARD_POLICIES)}, got {self.reshard_policy!r}")
+        pipeline_config.check_flags(self)  # the pipeline section's own checks
 
 
 DEFAULT_WARMUP = 20
@@ -345,10 +358,11 @@ DEFAULT_BATCH_SIZE = 16
 
 def data_parallel_size(config: TrainConfig, world_size: int) -> int:
     """The data-parallel world size of the job at world_size ranks: the ranks that take distinct slices of the
-    global batch, `topo.dp * topo.sharding` = world_size / (mp x cp) (ep ranks take distinct slices too; the mp and
-    cp ranks of one data-parallel rank share its slice: cp ranks take parts of its sequences). world_size itself
-    when mp x cp does not divide it (check_run reports that)."""
-    split = max(1, config.mp) * max(1, config.cp)
+    global batch, `topo.dp * topo.sharding` = world_size / (pp x mp x cp) (ep ranks take distinct slices too; the
+    mp and cp ranks of one data-parallel rank share its slice: cp ranks take parts of its sequences; every pipeline
+    stage has its own data-parallel ranks, which take the same slices). world_size itself when pp x mp x cp does
+    not divide it (check_run reports that)."""
+    split = max(1, config.pp) * max(1, config.mp) * max(1, config.cp)
     return world_size // split if world_size % split == 0 else world_size
 
 
@@ -403,16 +417,20 @@ def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
         if config.dropout:
             raise ValueError(f"--cp {cp} needs --dropout 0 (got {config.dropout}): attention dropout would differ "
                              "from one process's")
-    split = "".join(f" / {flag} {degree}" for flag, degree in (("--mp", mp), ("--cp", cp)) if degree > 1)
+    pipeline_config.check_world(config, world_size=world_size, world=world)  # --pp divides the world, and more
+    pp = config.pp
+    split = "".join(f" / {flag} {degree}" for flag, degree in (("--pp", pp), ("--mp", mp), ("--cp", cp))
+                    if degree > 1)
     check_batch(config, dp_world=data_parallel_size(config, world_size), world=world + split)
-    with_mp = "".join(f" with {flag} {degree}" for flag, degree in (("--mp", mp), ("--cp", cp)) if degree > 1)
+    with_mp = "".join(f" with {flag} {degree}" for flag, degree in (("--pp", pp), ("--mp", mp), ("--cp", cp))
+                      if degree > 1)
     try:
-        Degrees(world_size=world_size, sharding=-1, mp=mp, cp=cp, fsdp_outer_degree=outer)
+        Degrees(world_size=world_size, sharding=-1, pp=pp, mp=mp, cp=cp, fsdp_outer_degree=outer)
     except ValueError as error:
         raise ValueError(f"--fsdp-outer-degree {outer}{with_mp} does not fit {world_size} ranks ({world}): "
                          f"{error}") from None
     try:
-        Degrees(world_size=world_size, sharding=-1, mp=mp, cp=cp, ep=ep, fsdp_outer_degree=outer)
+        Degrees(world_size=world_size, sharding=-1, pp=pp, mp=mp, cp=cp, ep=ep, fsdp_outer_degree=outer)
     except ValueError as error:
         raise ValueError(f"--ep {ep} with --fsdp-outer-degree {outer}{with_mp.replace(' with', ' and')} does not fit "
                          f"{world_size} ranks ({world}): {error}") from None
@@ -462,11 +480,12 @@ at the tens of GFLOP/s a core gives, 1e12 is tens of seconds or more per step.""
 def attention_flops(config: TrainConfig) -> float:
     """The causal attention's FLOPs of one optimizer step on one rank (forward and backward): 6 x n_layer x seq_len^2
     x d_model per sequence (q k^T and the weighted sum of v, 2 x seq_len^2 x d_model each, halved by the causal mask,
-    times 3 with the backward), x --batch-size x --grad-accum sequences, / (--mp x --cp). It grows with the square of
-    --seq-len, while everything else grows linearly. config must be `resolve`d."""
+    times 3 with the backward), x --batch-size x --grad-accum sequences, / (--pp x --mp x --cp). It grows with the
+    square of --seq-len, while everything else grows linearly. config must be `resolve`d."""
     model = config.model_config()
     per_sequence = 6.0 * model.n_layer * model.seq_len ** 2 * model.d_model
-    return per_sequence * config.batch_size * config.grad_accum / (max(1, config.mp) * max(1, config.cp))
+    split = max(1, config.pp) * max(1, config.mp) * max(1, config.cp)
+    return per_sequence * config.batch_size * config.grad_accum / split
 
 
 def seq_len_warning(config: TrainConfig) -> str | None:
@@ -556,11 +575,12 @@ def resolve(config: TrainConfig, *, device: str, world_size: int,
             saved: dict[str, Any] | None = None) -> TrainConfig:
     """Fill the run-time defaults: device, ep, fsdp_outer_degree, out, warmup (`warmup_steps`) and the batch sizes.
 
-    ep: 1 for a Hugging Face model; else 2 when --experts and the sharding degree (world size / mp) are even, else 1.
-    fsdp_outer_degree: 2 when the world size is >= 4 and 2 divides the expert sharding degree world_size / mp / ep,
-    else 1. Batch sizes (`resolve_batch`): saved is the settings of
-    the checkpoint this run resumes (`shardfusion.train.resume.saved_settings`), None for a new run. Raises nothing:
-    `check_run` checks the result."""
+    ep: 1 for a Hugging Face model; else 2 when --experts and the sharding degree (world size / (pp x mp x cp)) are
+    even, else 1. fsdp_outer_degree: 2 when the ranks of a pipeline stage (the world size / pp: all of them without
+    a pipeline) are >= 4 and 2 divides the expert sharding degree sharding / ep, else 1. Batch sizes
+    (`resolve_batch`): saved is the settings of the checkpoint this run resumes
+    (`shardfusion.train.resume.saved_settings`), None for a new run. The pipeline section's defaults:
+    `pipeline_config.resolve`. Raises nothing: `check_run` checks the result."""
     ep = config.ep
     if config.hf_model is not None or config.init_from is not None:
         ep = 1  # Hugging Face models hold every expert (see TrainConfig.hf_model)
@@ -571,11 +591,11 @@ def resolve(config: TrainConfig, *, device: str, world_size: int,
     if outer is None:
         sharding = data_parallel_size(config, world_size)
         moe_sharding = sharding // ep if sharding % ep == 0 else sharding
-        outer = 2 if world_size >= 4 and moe_sharding % 2 == 0 else 1
+        outer = 2 if world_size // max(1, config.pp) >= 4 and moe_sharding % 2 == 0 else 1
     out = config.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
     config = resolve_batch(config, dp_world=data_parallel_size(config, world_size), saved=saved)
     return dataclasses.replace(config, device=device, ep=ep, fsdp_outer_degree=outer, out=out,
-                               warmup=warmup_steps(config, saved))
+                               warmup=warmup_steps(config, saved), **pipeline_config.resolve(config))
 
 
 def resolve_batch(config: TrainConfig, *, dp_world: int, saved: dict[str, Any] | None = None) -> TrainConfig:
@@ -598,7 +618,17 @@ def resolve_batch(config: TrainConfig, *, dp_world: int, saved: dict[str, Any] |
 
 
 def _field_docs(cls: type) -> dict[str, str]:
-    """Map each field of a dataclass to the string literal written under it in the class body."""
+    """Map each field of a dataclass to the string literal written under it in the class body (of the class that
+    declares it: `TrainConfig`'s sections are its base classes)."""
+    docs: dict[str, str] = {}
+    for owner in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(owner):
+            docs.update(_own_field_docs(owner))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
+    """`_field_docs` of the fields declared in ``cls``'s own body."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
@@ -639,7 +669,8 @@ def build_parser(cls: type = TrainConfig) -> argparse.ArgumentParser:
     )
     docs = _field_docs(cls)
     hints = typing.get_type_hints(cls)
-    for field in dataclasses.fields(cls):
+    own = cls.__dict__.get("__annotations__", {})  # the class's own fields first, then its sections' (base classes)
+    for field in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
         kind = hints[field.name]
         args = [a for a in typing.get_args(kind) if a is not type(None)]
         base = args[0] if args else kind

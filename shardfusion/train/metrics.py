@@ -251,6 +251,25 @@ def format_comm(comm: dict[str, Any], steps: int) -> list[str]:
     return lines
 
 
+def format_pipeline(pipeline: dict[str, Any]) -> list[str]:
+    """The summary's pipeline lines (a --pp run: `shardfusion.train.job_pipeline.PipelineRun.report`): the schedule
+    and the bubble, then per pp rank its stages, parameters, memory, collectives and point-to-point sends per step."""
+    p = pipeline
+    lines = [f"pipeline         pp {p['pp']}, {p['schedule']}, {p['stages']} stages ({p['stages_per_rank']} per "
+             f"rank), {p['microbatches']} micro-batches of {p['microbatch_sequences']} sequences per data-parallel "
+             f"rank; bubble {p['bubble_fraction_theory']:.3f} in theory, {p['bubble_fraction_measured']:.3f} "
+             f"measured"]
+    for r in p["per_pp_rank"]:
+        collectives = sum(row["wire_bytes"] for row in r["comm_per_step"].values())
+        lines.append(f"  pp rank {r['pp_rank']} (stages {', '.join(map(str, r['stages']))}): {r['num_params']:,} "
+                     f"parameters; shards {_format_bytes(r['param_shard_bytes'])}, optimizer state "
+                     f"{_format_bytes(r['optimizer_state_bytes'])}, peak {_format_bytes(r['peak_memory_bytes'])} "
+                     f"({r['peak_memory']}); per step {_format_bytes(collectives)} collectives, "
+                     f"{_format_bytes(r['p2p_per_step']['wire_bytes'])} P2P; bubble "
+                     f"{r['bubble_fraction_measured']:.3f} measured")
+    return lines
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as a few human-readable lines."""
     lines = [
@@ -276,6 +295,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         ]
     if summary.get("comm") is not None:
         lines += format_comm(summary["comm"], summary["comm"].get("steps", summary["steps"]))
+    if summary.get("pipeline") is not None:
+        lines += format_pipeline(summary["pipeline"])
     if summary.get("sample") is not None:
         lines += ["sample (validation prompt ⟫ generated):", "-" * 72, summary["sample"], "-" * 72]
     return "\n".join(lines)

@@ -5,7 +5,7 @@ rest; the learning rates of each step; the owner balance the job records (docs/t
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -37,13 +37,23 @@ def no_decay(name: str) -> bool:
             or any(p.startswith("ln") or "norm" in p or p in EMBEDDINGS for p in parts[:-1]))
 
 
-def param_groups(model: nn.Module, weight_decay: float,
+Models = Union[nn.Module, Sequence[nn.Module]]
+"""A sharded model, or the list of pipeline stages one rank holds (each named as in the whole model)."""
+
+
+def named_parameters(model: Models) -> Iterator[tuple[str, nn.Parameter]]:
+    """``model.named_parameters()``, over every stage of a list of stage models in turn."""
+    for module in ([model] if isinstance(model, nn.Module) else model):
+        yield from module.named_parameters()
+
+
+def param_groups(model: Models, weight_decay: float,
                  leave_out: Optional[Callable[[str, nn.Parameter], bool]] = None) -> list[dict[str, Any]]:
     """AdamW parameter groups: matrices decay, the rest do not (see `no_decay`); the parameters ``leave_out(name,
     param)`` chooses (Muon's, see `build_optimizers`) are in neither. Both groups are always there (maybe empty), so
-    a checkpoint's groups match by index."""
+    a checkpoint's groups match by index. ``model``: a model or a list of this rank's pipeline stages."""
     decay, keep = [], []
-    for name, param in model.named_parameters():
+    for name, param in named_parameters(model):
         if param.requires_grad and not (leave_out is not None and leave_out(name, param)):
             (keep if no_decay(name) else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
@@ -71,7 +81,7 @@ def muon_matrices(module: nn.Module, units: tuple[type, ...]) -> Callable[[str, 
     return chosen
 
 
-def build_optimizers(model: nn.Module, config: TrainConfig,
+def build_optimizers(model: Models, config: TrainConfig,
                      matrices: Optional[Callable[[str, nn.Parameter], bool]]) -> list[torch.optim.Optimizer]:
     """The run's optimizers, each parameter in one: ``[AdamW]`` (``matrices`` None: --optimizer adamw), or
     ``[Muon, AdamW]``: torch.optim.Muon on the parameters ``matrices`` chooses (`muon_matrices`; whole on their
@@ -80,7 +90,7 @@ def build_optimizers(model: nn.Module, config: TrainConfig,
     every group is set per step (`set_learning_rates`)."""
     if matrices is None:
         return [torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=ADAM_BETAS)]
-    muon = [p for name, p in model.named_parameters() if p.requires_grad and matrices(name, p)]
+    muon = [p for name, p in named_parameters(model) if p.requires_grad and matrices(name, p)]
     return [torch.optim.Muon(muon, lr=config.muon_lr, weight_decay=config.weight_decay, momentum=MUON_MOMENTUM,
                              nesterov=True, adjust_lr_fn=MUON_ADJUST_LR),
             torch.optim.AdamW(param_groups(model, config.weight_decay, leave_out=matrices), lr=config.lr,

@@ -174,11 +174,13 @@ def check_resume(out: str, meta_model: Callable[[], nn.Module]) -> None:
                          f"--out, or move the checkpoint away")
 
 
-def save(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], out: str, *, step: int, keep: int,
-         config: Any, model_extra: dict[str, dict[str, Any]], layout: str, elapsed_s: float, device: torch.device,
-         data_order: int) -> str:
+def save(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], out: str, *,
+         step: int, keep: int, config: Any, model_extra: dict[str, dict[str, Any]], layout: str, elapsed_s: float,
+         device: torch.device, data_order: int) -> str:
     """Publish ``out/checkpoints/step-<step>`` (see `shardfusion.checkpoint.save_checkpoint`); returns its path.
-    Collective. ``optimizers``: the run's optimizers (`shardfusion.train.optim.build_optimizers`: ``[adamw]`` or
+    Collective. ``model``: the sharded model, or with --pp the list of this rank's stage models (each named as in
+    the whole model, so the checkpoint is the whole model's). ``optimizers``: the run's optimizers
+    (`shardfusion.train.optim.build_optimizers`: ``[adamw]`` or
     ``[muon, adamw]``), each parameter in one of them; the checkpoint keeps their states under the parameters'
     names, so it loads into any layout. ``model_extra``: the model's record (`JobModel.extra`), merged into the
     checkpoint's ``extra``;
@@ -195,8 +197,8 @@ def save(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], out: str
                                 extra=extra, rank_state=rng_state(device))
 
 
-def restore(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], path: str, *, config: Any,
-            model_extra: dict[str, dict[str, Any]], layout: str,
+def restore(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], path: str, *,
+            config: Any, model_extra: dict[str, dict[str, Any]], layout: str,
             device: torch.device) -> tuple[int, float, list[str], int]:
     """Load the checkpoint at `path` into `model` and `optimizers` (the list `save` took; any layout: with Muon's
     whole matrices on other owner ranks too) and this rank's RNG states. Collective. The optimizers'

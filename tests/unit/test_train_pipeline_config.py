@@ -1,0 +1,59 @@
+"""The training job's pipeline section in one process (shardfusion/train/pipeline_config.py): its flags generated
+with the others from `TrainConfig`, the run-time defaults (stages per rank, micro-batches; the data-parallel world,
+ep and outer degree per stage), and the bubble in theory. Whole runs and every usage error are in
+tests/integration/test_train_pp.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardfusion.train.config import TrainConfig, build_parser, data_parallel_size, parse_args, resolve
+from shardfusion.train.pipeline_config import bubble_fraction, default_microbatches, num_stages
+
+
+def test_pipeline_flags_are_generated_from_their_section() -> None:
+    help_text = " ".join(build_parser().format_help().split())
+    for flag in ("--pp INT", "--pp-schedule STR", "--stages-per-rank INT", "--microbatches INT",
+                 "--no-tie-embeddings"):
+        assert flag in help_text
+    assert "Pipeline-parallel degree: the GPT's blocks are cut into consecutive stages" in help_text  # its docstring
+    # the section's flags come after TrainConfig's own
+    assert help_text.index("--pp INT Pipeline") > help_text.index("--progress, --no-progress")
+    config = parse_args(["--pp", "2", "--no-tie-embeddings", "--pp-schedule", "gpipe", "--microbatches", "4"])
+    assert (config.pp, config.pp_schedule, config.microbatches, config.tie_embeddings) == (2, "gpipe", 4, False)
+    assert config.model_config().tie_embeddings is False and TrainConfig().model_config().tie_embeddings is True
+    assert parse_args([]) == TrainConfig() and TrainConfig().pp == 1
+
+
+def test_defaults_per_stage() -> None:
+    def resolved(world: int, **fields) -> TrainConfig:
+        return resolve(TrainConfig(preset="tiny", tie_embeddings=False, **fields), device="cpu", world_size=world)
+
+    moe = resolved(4, pp=2)  # the default GPT-MoE: each stage's 2 ranks are its sharding group, ep 2 inside it
+    assert (moe.stages_per_rank, moe.microbatches, moe.ep, moe.fsdp_outer_degree) == (1, 2, 2, 1)
+    assert (moe.batch_size, moe.global_batch_size) == (16, 32)  # the data-parallel world of a stage: 2
+    dense = resolved(8, pp=2, experts=0)  # 4 ranks per stage: HSDP 2 x 2 inside each
+    assert (dense.ep, dense.fsdp_outer_degree, data_parallel_size(dense, 8)) == (1, 2, 4)
+    assert resolved(4, pp=2, experts=0).fsdp_outer_degree == 1  # 2 ranks per stage: plain FSDP
+    interleaved = resolved(4, pp=2, n_layer=4, pp_schedule="interleaved", grad_accum=3)
+    assert (interleaved.stages_per_rank, interleaved.microbatches) == (2, 6)
+    plain = resolved(4)
+    assert (plain.stages_per_rank, plain.microbatches, data_parallel_size(plain, 4)) == (None, None, 4)
+
+
+@pytest.mark.parametrize("pp, schedule, per_rank, accum, want", [
+    (2, "1f1b", 1, 1, 2), (2, "1f1b", 1, 3, 3), (4, "gpipe", 1, 2, 4), (4, "1f1b", 1, 3, 6),
+    (2, "interleaved", 2, 1, 4), (2, "interleaved", 2, 3, 6),
+    (2, "interleaved", 2, 5, 10),  # 5: Interleaved1F1B's max(1, 5 // 2) = 2 rounds do not divide it
+])
+def test_default_microbatches(pp: int, schedule: str, per_rank: int, accum: int, want: int) -> None:
+    config = TrainConfig(pp=pp, pp_schedule=schedule, stages_per_rank=per_rank, tie_embeddings=False)
+    assert default_microbatches(config, accum) == want >= num_stages(config)
+    assert want % accum == 0
+
+
+def test_bubble_in_theory() -> None:
+    assert bubble_fraction("gpipe", 2, 1, 2) == bubble_fraction("1f1b", 2, 1, 2) == 1 / 3
+    assert bubble_fraction("1f1b", 4, 1, 12) == 3 / 15
+    assert bubble_fraction("interleaved", 4, 2, 12) == 3 / 27  # v = 2 stages per rank: v m in the denominator
+    assert bubble_fraction("1f1b", 1, 1, 8) == 0.0
