@@ -9,7 +9,9 @@ Schedule1F1B or ScheduleInterleaved1F1B. A step's rows are the --grad-accum glob
 (`step_rows`); the schedule cuts them into --microbatches pipeline micro-batches, the loss on the last stage is the
 fp32 cross-entropy, and torch's `scale_grads` divides by the micro-batch count, so the gradient is that of the mean
 over the rows, as at --pp 1. A GPT-MoE's load-balancing loss, a per-layer value inside the stages, enters the
-gradient through `_AuxGrad` on each stage's output (coefficient / n_layer per micro-batch, the --pp 1 loss's weight).
+gradient in each stage's backward (`split_gpt(..., aux_loss_coef)`: coefficient / n_layer per micro-batch, the --pp 1
+loss's weight). A tied head keeps a copy of the embedding on the last stage (kept whole on both ends, kept equal by
+`PipelineStage`: docs/pipeline.md).
 
 Evaluation runs forward only through the pipeline: torch's `schedule.eval` (no backward, under no_grad) on a second
 set of stages over the same sharded modules, whose micro-batches are the validation batches (their shapes differ
@@ -38,7 +40,7 @@ from shardfusion.accounting import CATEGORIES
 from shardfusion.models.gpt import GPT, Block
 from shardfusion.models.gpt_pipeline import split_gpt, stage_layers
 from shardfusion.moe import MoE
-from shardfusion.pipeline import PipelineStage, stage_ranks
+from shardfusion.pipeline import PipelineStage, build_schedule, stage_ranks
 from shardfusion.train import pipeline_config
 from shardfusion.train.config import TrainConfig
 from shardfusion.train.data import BatchSampler
@@ -52,21 +54,6 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The schedule's loss_fn: the mean fp32 cross-entropy of one micro-batch, logits (B, T, V), targets (B, T) (the
     GPT's own loss)."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-class _AuxGrad(torch.autograd.Function):
-    """The identity on a stage's output whose backward also gives ``aux`` (the stage's summed MoE load-balancing
-    losses of this micro-batch) the gradient ``scale``: the aux term's share of the loss, which no stage output
-    carries to the last stage (Megatron-LM's MoEAuxLossAutoScaler does the same)."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale, ctx.aux_dtype, ctx.aux_device = scale, aux.dtype, aux.device
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=ctx.aux_device), None
 
 
 class _MeasuredStage(PipelineStage):
@@ -109,12 +96,6 @@ class _MeasuredStage(PipelineStage):
         return ops
 
 
-def _schedule_class(name: str):
-    from torch.distributed import pipelining
-    return {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
-            "interleaved": pipelining.ScheduleInterleaved1F1B}[name]
-
-
 def step_rows(sampler: BatchSampler, step: int, grad_accum: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This data-parallel rank's rows of optimizer step ``step``: its slices of the --grad-accum global micro-batches,
     in micro-step order, inputs and targets (grad_accum x B, T) int64: the sequences a --pp 1 run trains on."""
@@ -153,21 +134,21 @@ class PipelineRun:
         self.models: list[nn.Module] = []
         self._moe_layers: list[tuple[int, MoE]] = []  # (global block index, layer) of this rank's stages
         for s in self.stage_ids:
-            part = split_gpt(whole, s, self.num_stages)
+            # a GPT-MoE's stages add their load-balancing loss in backward (split_gpt's aux_loss_coef)
+            part = split_gpt(whole, s, self.num_stages, aux_loss_coef=config.aux_loss_coef)
             if self.moe:
                 layers = [(int(i), m) for i, block in part.blocks.items() for m in block.modules()
                           if isinstance(m, MoE)]
                 self._moe_layers += layers
                 part.register_forward_hook(self._aux_hook(layers))
+            tied = part.tied_parameters  # a tied head's copy of the embedding: kept whole on both ends
             self.models.append(sf.fully_shard(
                 part, topo, units=(Block,), reshard_policy=config.reshard_policy,
                 expert_policy=config.expert_policy, prefetch=config.prefetch, mp_policy=mp_policy, device=device,
-                outer_comm_dtype=config.outer_comm_dtype))
+                outer_comm_dtype=config.outer_comm_dtype, replicate_filter=lambda n, p, tied=tied: n in tied))
         del whole
         self.stages = self._stages(self.microbatch_rows, shape, act_dtype, measured=True, node_of=node_of)
-        cls = _schedule_class(config.pp_schedule)
-        self.schedule = cls(self.stages if config.pp_schedule == "interleaved" else self.stages[0],
-                            n_microbatches=config.microbatches, loss_fn=cross_entropy)
+        self.schedule = build_schedule(config.pp_schedule, self.stages, config.microbatches, cross_entropy)
         self._eval_schedule = None
         self._eval_shape = (shape, act_dtype, node_of)
         self._aux_sum = torch.zeros((), device=device)
@@ -192,14 +173,13 @@ class PipelineRun:
             kwargs = dict(input_args=inputs, output_args=outputs, device=self.device)
             if measured:
                 stages.append(_MeasuredStage(part, self.topo, s, self.num_stages, node_of=node_of, **kwargs))
-            else:
-                stages.append(PipelineStage(part, self.topo, s, self.num_stages, **kwargs))
+            else:  # evaluation: forward only, so no gradients of a tied weight to sum
+                stages.append(PipelineStage(part, self.topo, s, self.num_stages, tied_parameters=(), **kwargs))
         return stages
 
     def _aux_hook(self, layers: list[tuple[int, MoE]]):
-        """The forward hook of a MoE stage: in training, attach the stage's aux losses to its output (`_AuxGrad`)
-        and add them and the tokens per expert to this step's figures."""
-        scale = self.config.aux_loss_coef / self.n_layer  # the --pp 1 loss: coef x the mean over the n_layer layers
+        """The forward hook of a MoE stage: in training, add its aux losses and the tokens per expert to this step's
+        figures (the stage itself adds the aux loss to the gradient: `split_gpt`'s ``aux_loss_coef``)."""
 
         def hook(module: nn.Module, args: Any, output: torch.Tensor):
             if not (module.training and torch.is_grad_enabled()):
@@ -210,7 +190,7 @@ class PipelineRun:
             if self._tokens is None:
                 self._tokens = torch.zeros((self.n_layer, counts.shape[1]), dtype=torch.long, device=counts.device)
             self._tokens[[i for i, _ in layers]] += counts
-            return _AuxGrad.apply(output, aux, scale) if scale else None
+            return None
 
         return hook
 
@@ -306,7 +286,8 @@ class PipelineRun:
         return merged
 
     def stage_params(self) -> list[int]:
-        """Parameter elements of each stage of the whole model (every expert counted), by stage index."""
+        """Parameter elements of each stage of the whole model (every expert counted; the last stage's copy of a
+        tied embedding too: it holds it), by stage index."""
         with torch.device("meta"):
             whole = GPT(self.config.model_config())
         return [sum(p.numel() for p in split_gpt(whole, s, self.num_stages).parameters())

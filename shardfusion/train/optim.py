@@ -42,9 +42,13 @@ Models = Union[nn.Module, Sequence[nn.Module]]
 
 
 def named_parameters(model: Models) -> Iterator[tuple[str, nn.Parameter]]:
-    """``model.named_parameters()``, over every stage of a list of stage models in turn."""
+    """``model.named_parameters()``, over every stage of a list of stage models in turn; a stage's copy of a weight
+    tied across stages under that weight's name (``checkpoint_aliases``: the last GPT stage's ``lm_head.weight`` is
+    ``wte.weight``), so both copies land in the same group and stay equal."""
     for module in ([model] if isinstance(model, nn.Module) else model):
-        yield from module.named_parameters()
+        aliases = getattr(module, "checkpoint_aliases", {})
+        for name, param in module.named_parameters():
+            yield aliases.get(name, name), param
 
 
 def param_groups(model: Models, weight_decay: float,

@@ -15,7 +15,6 @@ another order). With M = A the pipeline micro-batches are the accumulation micro
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,10 +28,6 @@ ScheduleInterleaved1F1B (several stages per pp rank, --stages-per-rank)."""
 INTERLEAVED_STAGES_PER_RANK = 2
 """--stages-per-rank when --pp-schedule interleaved does not give it."""
 
-# ---- REMOVE ON MERGE of the stage-list checkpoints (sf.checkpoint.save/load/save_checkpoint taking a list of stage
-# models, branch wip-pp-ckpt): then delete this constant and the one check in `check_world` that reads it. ----
-CHECKPOINTS_TAKE_STAGE_LISTS = False
-
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
@@ -41,8 +36,8 @@ class PipelineConfig:
     pp: int = 1
     """Pipeline-parallel degree: the GPT's blocks are cut into consecutive stages (embeddings on the first, final
     norm and head on the last), stage s on pp rank s % pp; each stage is sharded over its world size / pp ranks,
-    which take their rows of the same global batch as at --pp 1. Needs --no-tie-embeddings; GPT and GPT-MoE only
-    (docs/train-pipeline.md) (default 1: no pipeline)."""
+    which take their rows of the same global batch as at --pp 1. A tied head keeps a copy of the embedding on the
+    last stage, kept equal to it; GPT and GPT-MoE only (docs/train-pipeline.md) (default 1: no pipeline)."""
     pp_schedule: str = "1f1b"
     """torch schedule with --pp > 1: gpipe (all forwards, then all backwards), 1f1b (one forward, one backward in
     the steady state) or interleaved (1F1B over --stages-per-rank stages per pp rank, a smaller bubble)
@@ -120,9 +115,6 @@ def check_flags(config: TrainConfig) -> None:
     if config.fsdp_outer_degree == "auto":
         raise ValueError(f"--fsdp-outer-degree auto with {what}: the cost model does not plan pipeline stages; give "
                          f"the outer degree as an int")
-    if config.tie_embeddings:
-        raise ValueError(f"{what} needs untied embeddings: the token embedding is on the first stage and the lm head "
-                         f"on the last, so they cannot share one weight; add --no-tie-embeddings")
     schedule, per_rank = config.pp_schedule, stages_per_rank(config)
     if schedule != "interleaved" and per_rank != 1:
         raise ValueError(f"--stages-per-rank {per_rank} needs --pp-schedule interleaved: {schedule} runs one stage "
@@ -218,22 +210,6 @@ def check_world(config: TrainConfig, *, world_size: int, world: str) -> None:
             raise ValueError(f"--microbatches {m}{default} must divide the {rows} sequences each data-parallel rank "
                              f"takes per step (--grad-accum {accum} x --batch-size {per_rank}, {world} / --pp {pp}): "
                              f"each pipeline micro-batch holds an equal share; {hint}")
-    # ---- REMOVE ON MERGE (with CHECKPOINTS_TAKE_STAGE_LISTS): the job's checkpoints need the stage-list API ----
-    if not CHECKPOINTS_TAKE_STAGE_LISTS and (config.save_every or config.max_restarts
-                                             or (config.stop_after or config.steps) < config.steps
-                                             or _holds_checkpoint(config.out)):
-        raise ValueError(f"--pp {pp} with checkpoints (--save-every, --stop-after, --max-restarts or an --out that "
-                         f"holds one) is not available yet: sf.checkpoint does not take a list of stage models in "
-                         f"this version; drop those flags or use another --out")
-
-
-def _holds_checkpoint(out: str | None) -> bool:
-    """Whether ``out`` holds a published checkpoint of the job (a resume)."""
-    if out is None:
-        return False
-    from shardfusion.checkpoint import latest_checkpoint
-    from shardfusion.train.resume import CHECKPOINT_DIR
-    return latest_checkpoint(os.path.join(out, CHECKPOINT_DIR)) is not None
 
 
 def describe(config: PipelineConfig) -> str:

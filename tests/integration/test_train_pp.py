@@ -1,7 +1,8 @@
 """Pipeline parallel in the training job (`--pp`; shardfusion/train/pipeline_config.py, job_pipeline.py), as whole
 runs of `python -m shardfusion.train` (gloo workers), started together to share the start-up time:
 
-- `pp2`: the default GPT-MoE (4 experts, ep 2 inside each stage), tiny, untied, on 4 workers = pp 2 x sharding 2,
+- `pp2`: the default GPT-MoE (4 experts, ep 2 inside each stage, the head tied to the embedding: a copy on the last
+  stage), tiny, on 4 workers = pp 2 x sharding 2,
   1F1B with the default 2 micro-batches (= --grad-accum 2: the pipeline micro-batches are the accumulation
   micro-batches), 4 steps; `pp1`: the same flags at --pp 1 on 2 workers (the same global batch of 2 x 2 sequences per
   micro-batch); `interleaved`: the dense GPT of 4 blocks, 2 stages per pp rank, 4 micro-batches, 3 steps.
@@ -27,10 +28,10 @@ import pytest
 from harness import REPO, clean_env
 from shardfusion.accounting import CATEGORIES
 from shardfusion.train.metrics import read_metrics
-from shardfusion.train.pipeline_config import CHECKPOINTS_TAKE_STAGE_LISTS, bubble_fraction
+from shardfusion.train.pipeline_config import bubble_fraction
 
 RUNS_TIMEOUT_S = 240  # the three runs together take about 30 s on 2 idle cores; generous for a loaded machine
-BASE = ["--preset", "tiny", "--no-tie-embeddings", "--eval-every", "2", "--eval-batches", "4", "--data-bytes",
+BASE = ["--preset", "tiny", "--eval-every", "2", "--eval-batches", "4", "--data-bytes",
         "300000", "--sample-tokens", "16", "--no-progress"]
 MOE = [*BASE, "--batch-size", "2", "--grad-accum", "2", "--steps", "4"]  # experts 4, ep 2: the defaults
 RUNS = {
@@ -106,7 +107,8 @@ def test_pp2_summary_reports_the_pipeline(runs: dict) -> None:
     assert p["bubble_fraction_theory"] == (2 - 1) / (2 + 2 - 1) == bubble_fraction("1f1b", 2, 1, 2)
     assert 0.0 <= p["bubble_fraction_measured"] < 1.0
     assert [(s["stage"], s["pp_rank"], s["blocks"]) for s in p["stage_table"]] == [(0, 0, [0]), (1, 1, [1])]
-    assert sum(s["num_params"] for s in p["stage_table"]) == summary["num_params"]  # every expert counted
+    # every expert counted; the last stage also holds its copy of the tied embedding (256 x d_model 64)
+    assert sum(s["num_params"] for s in p["stage_table"]) == summary["num_params"] + 256 * 64
     # 2 sequences x 64 bytes x d_model 64 in fp32 per micro-batch: activations forward from stage 0, gradients back
     # from stage 1, one send per micro-batch each
     activation = 2 * 64 * 64 * 4
@@ -120,7 +122,9 @@ def test_pp2_summary_reports_the_pipeline(runs: dict) -> None:
         # each stage's one block: gathered in forward and backward, reduce-scattered once per step, not per
         # micro-batch; its MoE all-to-alls over the stage's ep group (3 forward + 2 backward per micro-batch)
         assert comm["inner_reduce_scatter"]["count"] == 2 and comm["ep_all_to_all"]["count"] == 2 * (3 + 2)
-        assert comm["replicate_all_reduce"]["count"] == 0 and comm["other"]["count"] == 1  # the norm
+        # the tied embedding's copy, kept whole on each end: one all-reduce over the stage's data-parallel ranks,
+        # then one over the pipeline ends ("other"), besides the norm's ("other")
+        assert comm["replicate_all_reduce"]["count"] == 1 and comm["other"]["count"] == 2
         assert r["p2p_per_step"] == {"count": 2, "wire_bytes": 2 * activation, "cross_node_bytes": 0}
     assert "pipeline         pp 2, 1f1b, 2 stages (1 per rank), 2 micro-batches" in stdout
     assert "pp rank 1 (stages 1)" in stdout
@@ -147,8 +151,6 @@ def test_interleaved_two_stages_per_rank(runs: dict) -> None:
 
 # (flags, the start of the one error line): each refused before any worker starts, with exit status 2
 USAGE_ERRORS = {
-    "tied": (["--pp", "2"], "--pp 2 needs untied embeddings: the token embedding is on the first stage and the lm "
-                            "head on the last, so they cannot share one weight; add --no-tie-embeddings"),
     "microbatches-below-stages": (["--pp", "2", "--no-tie-embeddings", "--microbatches", "1"],
                                   "--microbatches 1 is fewer than the 2 pipeline stages (--pp 2 x 1 per rank)"),
     "layers": (["--pp", "2", "--no-tie-embeddings", "--n-layer", "3"],
@@ -176,10 +178,6 @@ USAGE_ERRORS = {
                  "--pp-schedule must be one of gpipe, 1f1b, interleaved, got 'zb'"),
     "microbatches-without-pp": (["--microbatches", "4"], "--microbatches 4 applies only to a pipeline"),
 }
-if not CHECKPOINTS_TAKE_STAGE_LISTS:  # until sf.checkpoint takes a list of stage models (see pipeline_config)
-    USAGE_ERRORS["checkpoints"] = (["--pp", "2", "--no-tie-embeddings", "--save-every", "2"],
-                                   "--pp 2 with checkpoints (--save-every, --stop-after, --max-restarts or an --out "
-                                   "that holds one) is not available yet")
 
 
 @pytest.mark.timeout(60)
@@ -202,7 +200,7 @@ def test_usage_errors_as_commands(tmp_path: Path) -> None:
     """Two of them as real commands: exit status 2, one line, no worker launched, nothing written."""
     out = tmp_path / "run"
     started = {case: _start(["--preset", "tiny", "--steps", "1", "--data-bytes", "300000", "--out", str(out),
-                             *USAGE_ERRORS[case][0]]) for case in ("tied", "world")}
+                             *USAGE_ERRORS[case][0]]) for case in ("layers", "world")}
     for case, process in started.items():
         result = _finish(process, 60)
         assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
@@ -213,10 +211,8 @@ def test_usage_errors_as_commands(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(2 * RUNS_TIMEOUT_S + 60)
-@pytest.mark.skipif(not CHECKPOINTS_TAKE_STAGE_LISTS,
-                    reason="sf.checkpoint does not take a list of stage models yet (pipeline_config)")
 def test_pp_resume_is_exact(runs: dict, tmp_path: Path) -> None:
-    """Once checkpoints take stage lists: 2 steps, a checkpoint, 2 more steps in a second run equal `pp2`'s 4."""
+    """2 steps, a checkpoint, 2 more steps in a second run equal `pp2`'s 4 (checkpoints of the stage list)."""
     out = tmp_path / "run"
     first = _finish(_start([*RUNS["pp2"], "--stop-after", "2", "--out", str(out)]), RUNS_TIMEOUT_S)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
