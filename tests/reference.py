@@ -587,6 +587,11 @@ def token_batch(seed: int, rows: int, seq: int) -> tuple[torch.Tensor, torch.Ten
     return data[:, :-1], data[:, 1:]
 
 
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy in fp32 of logits (B, T, V) against targets (B, T): a pipeline schedule's ``loss_fn``."""
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 def rows_of(batch: tuple[torch.Tensor, ...], dp_world: int, dp_rank: int) -> tuple[torch.Tensor, ...]:
     """Data-parallel rank ``dp_rank``'s contiguous rows of each tensor of ``batch`` (rows divisible by dp_world)."""
     per_rank = batch[0].shape[0] // dp_world

@@ -67,16 +67,16 @@ class _MeasuredStage(PipelineStage):
         self._node_of, self._node = node_of, node_of(dist.get_rank())
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any):
-        t0 = time.perf_counter()
-        try:
-            return super().forward_one_chunk(*args, **kwargs)
-        finally:
-            self.busy_s += time.perf_counter() - t0
+        return self._timed(super().forward_one_chunk, *args, **kwargs)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any):
+        return self._timed(super().backward_one_chunk, *args, **kwargs)
+
+    def _timed(self, work, *args: Any, **kwargs: Any):
+        """``work(*args, **kwargs)``, its seconds added to ``busy_s``."""
         t0 = time.perf_counter()
         try:
-            return super().backward_one_chunk(*args, **kwargs)
+            return work(*args, **kwargs)
         finally:
             self.busy_s += time.perf_counter() - t0
 

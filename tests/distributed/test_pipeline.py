@@ -24,9 +24,9 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from harness import run_distributed
+from harness import raised, run_distributed
+from reference import lm_loss, token_batch
 
 JOB_TIMEOUT_S = 300
 STEPS, LR, CLIP = 3, 1e-2, 0.5
@@ -67,14 +67,10 @@ ALL_CASES = [(*c, "dense") for c in CASES] + MODEL_CASES
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of `step`: idx and targets, (ROWS, SEQ) int64 bytes each."""
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, 256, (ROWS, SEQ + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
+    return token_batch(1000 + step, ROWS, SEQ)
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy in fp32: logits (B, T, V), targets (B, T)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+loss_fn = lm_loss
 
 
 def build_gpt(kind: str, ep_group=None):
@@ -173,11 +169,9 @@ def pipeline_job(cases: list) -> dict:
 
 
 def _raised(fn) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return "nothing raised"
+    """The message of the ValueError ``fn()`` raises (anything else: its type and message, which no check accepts)."""
+    kind, message = raised(fn)
+    return message if kind == "ValueError" else f"{kind}: {message}"
 
 
 def refusal_job() -> dict:

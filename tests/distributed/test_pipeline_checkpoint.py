@@ -30,9 +30,9 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from harness import raised, run_distributed
+from reference import lm_loss, token_batch
 
 JOB_TIMEOUT_S = 240
 pytestmark = pytest.mark.timeout(JOB_TIMEOUT_S + 60)
@@ -65,14 +65,10 @@ REFUSED = {  # sub-case: words every rank's ValueError must hold
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of `step`: idx and targets, (ROWS, SEQ) int64 bytes each."""
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, 256, (ROWS, SEQ + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
+    return token_batch(1000 + step, ROWS, SEQ)
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy in fp32: logits (B, T, V), targets (B, T)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+loss_fn = lm_loss
 
 
 def build_gpt(seed: int = 0, tied: bool = False):
