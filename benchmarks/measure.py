@@ -8,7 +8,8 @@ size. Like ``CommDebugMode`` it steps aside (``NotImplemented``) for tensor subc
 desugared first and its collectives are seen.
 
 Wire bytes per rank are those of the ring algorithms (the bandwidth-optimal volume; NCCL and gloo's ring reach it):
-all-gather and reduce-scatter of N bytes over G ranks send ``(G-1)/G * N`` per rank, an all-reduce ``2(G-1)/G * N``.
+all-gather and reduce-scatter of N bytes over G ranks send ``(G-1)/G * N`` per rank, an all-reduce ``2(G-1)/G * N``;
+a point-to-point send of N bytes sends N, a receive nothing.
 
 Memory: :func:`persistent_bytes` sums the distinct storages of the tensors a rank keeps across steps (parameter
 shards, gradients, optimizer state); the transient full buffers are sampled at every op of one step by a callback of
@@ -30,7 +31,8 @@ class Collective:
     """One collective issued on this rank.
 
     Attributes:
-        kind: ``all_gather``, ``reduce_scatter``, ``all_reduce``, ``broadcast``, ``all_to_all`` or ``other:<op>``.
+        kind: ``all_gather``, ``reduce_scatter``, ``all_reduce``, ``broadcast``, ``all_to_all``, ``p2p_send``,
+            ``p2p_recv`` or ``other:<op>``.
         ranks: global ranks of its group, sorted.
         numel: elements of the full tensor (see the module doc).
         elem_size: bytes per element.
@@ -58,7 +60,9 @@ class Collective:
 def wire_bytes(kind: str, nbytes: float, group_size: int) -> float:
     """Per-rank bytes sent by a ring all-gather / reduce-scatter / all-reduce of a full tensor of ``nbytes``."""
     G = group_size
-    if G <= 1:
+    if kind == "p2p_send":  # the whole tensor goes to one peer
+        return float(nbytes)
+    if G <= 1 or kind == "p2p_recv":  # a receive sends nothing
         return 0.0
     if kind == "all_reduce":
         return 2.0 * (G - 1) / G * nbytes
@@ -89,6 +93,10 @@ _OPS = {
     "reduce_scatter_tensor": ("reduce_scatter", 0, False),
     "all_to_all_single": ("all_to_all", 0, False),
     "broadcast": ("broadcast", 0, False),
+    # point-to-point (pipeline stages' activations and their gradients): (tensors, pg, peer, tag)
+    "send": ("p2p_send", 0, False),
+    "recv_": ("p2p_recv", 0, False),
+    "recv_any_source_": ("p2p_recv", 0, False),
 }
 _NAMESPACES = {"c10d", "_c10d_functional"}
 _IGNORED = {"wait_tensor", "barrier", "monitored_barrier", "_wrap_tensor_autograd"}

@@ -1,5 +1,6 @@
 """Turn the raw measurements of `benchmarks/compare.py` into a summary (medians, ratios, theory, targets) and a
-markdown report, and those of `benchmarks/memory.py` likewise (`memory_summary`, `memory_markdown`, at the end).
+markdown report, and those of `benchmarks/memory.py` (`memory_summary`, `memory_markdown`) and `benchmarks/pipeline.py`
+(`pipeline_summary`, `pipeline_markdown`) likewise, at the end.
 Pure functions of the raw JSON, so a report can be rebuilt from a saved run:
 
     python -m benchmarks.report benchmarks/results/cpu-fp32.json     # rewrites cpu-fp32.md
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 
 SMALL_NUMEL = 1024
@@ -67,9 +69,11 @@ def theory(variant: str, root: int, blocks: list[int], inner: int, outer: int, b
 
 
 def group_label(ranks: tuple, groups: dict[str, tuple]) -> str:
-    """"inner", "outer", "world" or "other" for a collective's ranks (inner wins when groups coincide)."""
-    for name in ("inner", "outer", "world"):
-        if tuple(ranks) == tuple(groups[name]):
+    """The name of the group with a collective's ranks: "inner", "outer", any other name in ``groups`` (e.g. "pp"),
+    "world", in that order when groups coincide; "other" when none has them."""
+    names = ["inner", "outer", *[k for k in groups if k not in ("inner", "outer", "world")], "world"]
+    for name in names:
+        if name in groups and tuple(ranks) == tuple(groups[name]):
             return name
     return "other"
 
@@ -474,8 +478,302 @@ def write_memory(raw: dict, out_dir: Path) -> tuple[Path, Path]:
     return _write_files(raw, summary, memory_markdown(raw, summary), out_dir)
 
 
+# ---- benchmarks/pipeline.py ---------------------------------------------------------------------------------------
+def pipeline_theory(units: list, stages: list[int], num_stages: int, micro: int, reshard: str, inner: int,
+                    outer: int, p2p_numel: int, b: int = 4) -> dict:
+    """Per rank and step, for the units it holds (``[kind, elements, stage]``, kind "root" or "block") and its
+    ``stages`` out of ``num_stages``, at ``micro`` micro-batches: {"op/group": {"count", "wire_bytes"}}.
+
+    all-gather (inner): per micro-batch every unit in its forward, and every block again in its backward under
+    ``after_forward`` (the root unit stays gathered from forward to backward); under ``after_backward`` every unit once
+    per micro-batch (gathered in forward, kept until that micro-batch's backward). ``all_gather/inner@once`` is the
+    least any policy can do: each unit once per step (the stage kept gathered from its first forward to the end of
+    the step). reduce-scatter (inner): each unit once per step. all-reduce (outer): each unit's shard once per step.
+    P2P: per micro-batch each stage sends its output to the next stage (all but the last) and the gradient of its
+    input to the previous one (all but the first), ``p2p_numel`` elements each, and receives as many."""
+    blocks = [n for kind, n, _ in units if kind == "block"]
+    roots = [n for kind, n, _ in units if kind == "root"]
+    P = sum(blocks) + sum(roots)
+    per_block = 2 if reshard == "after_forward" else 1
+    out: dict = {}
+    if inner > 1:
+        f = (inner - 1) / inner * b
+        out["all_gather/inner"] = {"count": micro * (per_block * len(blocks) + len(roots)),
+                                   "wire_bytes": f * micro * (per_block * sum(blocks) + sum(roots))}
+        out["all_gather/inner@once"] = {"count": len(blocks) + len(roots), "wire_bytes": f * P}
+        out["reduce_scatter/inner"] = {"count": len(blocks) + len(roots), "wire_bytes": f * P}
+    if outer > 1:
+        out["all_reduce/outer"] = {"count": len(blocks) + len(roots),
+                                   "wire_bytes": 2 * (outer - 1) / outer * P / inner * b}
+    sends = micro * sum((s < num_stages - 1) + (s > 0) for s in stages)
+    out["p2p_send/pp"] = {"count": sends, "wire_bytes": sends * p2p_numel * b}
+    out["p2p_recv/pp"] = {"count": sends, "wire_bytes": 0.0}
+    return out
+
+
+def bubble_theory(pp: int, micro: int, stages_per_rank: int) -> float:
+    """The idle fraction of a step of equal stages and free communication: ``(p-1) / (v*m + p-1)`` (GPipe and 1F1B
+    with v = 1; interleaved 1F1B with v stages per rank)."""
+    return (pp - 1) / (stages_per_rank * micro + pp - 1)
+
+
+def in_flight_theory(schedule: str, micro: int, pp: int, pp_rank: int) -> int | None:
+    """Micro-batches whose activations a stage holds at once: GPipe all ``m``; 1F1B ``min(m, p - stage)``; None for
+    the interleaved schedule (not modelled here)."""
+    if schedule == "gpipe":
+        return micro
+    if schedule == "1f1b":
+        return min(micro, pp - pp_rank)
+    return None
+
+
+def _merge_small(table: dict) -> dict:
+    """A rank's collective table with "/small" dropped from every key but the all-reduces' (P2P and gathers of a tiny
+    model stay counted with their kind); rows that then share a key are added."""
+    out: dict = {}
+    for key, row in table.items():
+        k = key if key.startswith("all_reduce") else key.replace("/small", "")
+        acc = out.setdefault(k, {"count": 0, "wire_bytes": 0.0, "bytes": 0})
+        for f in ("count", "wire_bytes", "bytes"):
+            acc[f] += row[f]
+    return out
+
+
+def pipeline_summary(raw: dict) -> dict:
+    """Per case and variant: step time (median over repeats and steps of the slowest rank), its ratio to the other
+    library (and the paired ratio), the pipeline's measured bubble against theory, and per stage (pp rank) the
+    collectives against ``pipeline_theory``, where the all-gathers ran, and memory."""
+    cfg = raw["config"]
+    pp, inner, outer = cfg["pp"], cfg["inner"], cfg["outer"]
+    ranks = sorted(raw["ranks"], key=lambda r: r["rank"])
+    tokens = cfg["mb_rows"] * cfg["seq"] * (cfg["world_size"] // pp)  # per micro-batch, over the stage's replicas
+    p2p_numel = cfg["mb_rows"] * cfg["seq"] * cfg["d_model"]
+    out: dict = {}
+    for c in cfg["cases"]:
+        name = f"{c['schedule']}-M{c['micro']}-{c['reshard']}"
+        v_per = 2 if c["schedule"] == "interleaved" else 1
+        num_stages = pp * v_per
+        rows: dict = {}
+        for v in cfg["variants"]:
+            per_rank = [r["results"][name][v] for r in ranks]
+            err = next((x["error"] for x in per_rank if x.get("error")), None)
+            if err or not per_rank[0]["steps"]:
+                rows[v] = {"error": err or "no steps"}
+                continue
+            reps = len(per_rank[0]["steps"])
+            step_s, pipe_s, per_rep = [], [], []
+            bubbles: dict[int, list] = {}
+            cores = []
+            for i in range(reps):
+                n = len(per_rank[0]["steps"][i])
+                rep = []
+                for j in range(n):
+                    ts = [x["steps"][i][j] for x in per_rank]
+                    t = max(s["step_s"] for s in ts)
+                    rep.append(t)
+                    pipe_s.append(max(s["pipe_s"] for s in ts))
+                    cores.append(sum(s["cpu_s"] for s in ts) / t)
+                    for r, s in zip(ranks, ts):
+                        bubbles.setdefault(r["pp_rank"], []).append(1 - s["busy_s"] / s["pipe_s"])
+                step_s += rep
+                per_rep.append(_median(rep))
+            med = _median(step_s)
+            last = next(x for r, x in zip(ranks, per_rank) if r["pp_rank"] == (num_stages - 1) % pp
+                        and r["dp_rank"] == 0)
+            row = {"median_step_s": med, "min_step_s": min(step_s), "max_step_s": max(step_s), "n_steps": len(step_s),
+                   "median_per_repeat_s": per_rep, "median_pipe_s": _median(pipe_s),
+                   "tokens_per_s": tokens * c["micro"] / med,
+                   "cores_busy": _median(cores),
+                   "bubble_by_stage": {k: _median(b) for k, b in sorted(bubbles.items())},
+                   "losses": last["losses"][0], "stages": {}}
+            row["bubble_measured"] = statistics.mean(row["bubble_by_stage"].values())
+            for k in sorted(bubbles):
+                mine = [(r, x) for r, x in zip(ranks, per_rank) if r["pp_rank"] == k]
+                r0, x0 = mine[0]
+                units = r0["units"][name]
+                held = list(range(k, num_stages, pp))
+                th = pipeline_theory(units, held, num_stages, c["micro"], c["reshard"], inner, outer, p2p_numel)
+                tables = [_merge_small(x["collectives"]) for _, x in mine]
+                counts = [{q: t[q]["count"] for q in t} for t in tables]
+                table = tables[0]
+                for key, t in th.items():
+                    got = table.get(key.split("@")[0], {"count": 0, "wire_bytes": 0.0, "bytes": 0})
+                    table[key] = {**got, "theory_count": t["count"], "theory_wire_bytes": t["wire_bytes"],
+                                  "ratio": got["wire_bytes"] / t["wire_bytes"] if t["wire_bytes"] else None,
+                                  "count_ratio": got["count"] / t["count"] if t["count"] else None}
+                mem = [x["memory"] for _, x in mine]
+                trans = [x["transient"] for _, x in mine]
+                P = sum(n for _, n, _ in units)
+                stage = {"stages": held, "units": units, "collectives": table,
+                         "same_on_every_rank_of_the_stage": all(n == counts[0] for n in counts),
+                         "by_phase": x0["by_phase"],
+                         "cross_check": x0.get("cross_check"),
+                         "live_before_bytes": max(m["live_before_bytes"] for m in mem),
+                         "step_peak_growth_bytes": max(m["step_peak_growth_bytes"] for m in mem),
+                         "peak_bytes": max(m["live_before_bytes"] + m["step_peak_growth_bytes"] for m in mem),
+                         "peak_at": max(mem, key=lambda m: m["live_before_bytes"] + m["step_peak_growth_bytes"])
+                         .get("step_peak_at", "-"),
+                         "persistent_bytes": max(m["persistent_bytes"] for m in mem),
+                         "persistent_theory_bytes": PERSISTENT_BYTES_PER_PARAM * P / inner,
+                         "full_param_bytes": max(t.get("full_param_bytes", 0) for t in trans),
+                         "full_grad_bytes": max(t.get("full_grad_bytes", 0) for t in trans),
+                         "blocks_unsharded": max(t.get("blocks_unsharded", 0) for t in trans),
+                         "in_flight_theory": in_flight_theory(c["schedule"], c["micro"], pp, k)}
+                stage["persistent_ratio"] = stage["persistent_bytes"] / stage["persistent_theory_bytes"]
+                row["stages"][k] = stage
+            rows[v] = row
+        for v, row in rows.items():  # the other library is the peer
+            peer = next((rows[q] for q in rows if q != v and "median_step_s" in rows[q]), None)
+            if "median_step_s" not in row or peer is None:
+                continue
+            row["vs_peer"] = row["median_step_s"] / peer["median_step_s"]
+            row["vs_peer_paired"] = _median([a / b for a, b in zip(row["median_per_repeat_s"],
+                                                                   peer["median_per_repeat_s"]) if a and b])
+        losses = [row["losses"] for row in rows.values() if row.get("losses")]
+        diffs = [abs(a - b) for x in losses for y in losses for a, b in zip(x, y) if a is not None and b is not None]
+        out[name] = {**c, "stages_per_rank": v_per, "bubble_theory": bubble_theory(pp, c["micro"], v_per),
+                     "loss_max_abs_diff": max(diffs) if diffs else None, "variants": rows}
+    return {"cases": out}
+
+
+def _pp_cell(row: dict, fn) -> str:
+    """One figure per stage, joined by " / " (stage 0 first)."""
+    return " / ".join(fn(s) for _, s in sorted(row["stages"].items(), key=lambda kv: int(kv[0])))
+
+
+def _count_cell(table: dict, key: str) -> str:
+    c = table.get(key)
+    if c is None:
+        return "-"
+    th = c.get("theory_count")
+    return f"{c['count']}" + (f"/{th}" if th is not None else "")
+
+
+def pipeline_markdown(raw: dict, summary: dict) -> str:
+    """The report: setup, then step times and bubbles, collectives per stage, memory per stage, and the reshard
+    policies under 1F1B side by side."""
+    cfg, env = raw["config"], raw["env"]
+    pp, inner, outer = cfg["pp"], cfg["inner"], cfg["outer"]
+    lines = [f"# Pipeline parallel: shardfusion vs FSDP2 stages: {raw['name']}", "",
+             f"{cfg['world_size']} gloo ranks: pp {pp} x sharding {cfg['world_size'] // pp} (inner {inner} x outer "
+             f"{outer}). GPT {cfg['n_layer']} layers, d {cfg['d_model']}, {cfg['n_head']} heads, untied head, split "
+             f"by `split_gpt` into pp x v stages (v = 2 for the interleaved schedule). Each data-parallel rank of a "
+             f"stage takes M micro-batches of {cfg['mb_rows']} x {cfg['seq']} tokens per step (seed {cfg['seed']}, "
+             f"the same for both variants). AdamW (lr {cfg['lr']}), clipping to {cfg['max_norm']} by the norm over "
+             f"the whole model. {cfg['repeats']} repeats x ({cfg['warmup']} warm-up + {cfg['steps']} timed steps) "
+             f"per variant, cases rotated and the two variants swapped each repeat. {cfg['threads']} thread(s) per "
+             "worker.", "",
+             f"Machine: {env['cpu_count']} CPUs, torch {env['torch']}; load average before {env['load_before']}, "
+             f"after {env['load_after']}; wall {env.get('wall_s', 0):.0f} s. Command: `{cfg.get('command', '')}`.",
+             "", "MB = 2^20 bytes. Per-stage figures are given as stage 0 / stage 1 (the pp ranks; under the "
+             "interleaved schedule pp rank 0 holds stages 0 and 2, pp rank 1 stages 1 and 3).", ""]
+    lines += ["## Step time and bubble", "",
+              "| case | variant | step s (median) | min-max | vs peer (paired) | schedule.step s | bubble theory | "
+              "bubble measured (per stage) | cores busy | loss first -> last |", "|" + "---|" * 10]
+    for name, case in summary["cases"].items():
+        for v, row in case["variants"].items():
+            if "error" in row:
+                lines.append(f"| {name} | {v} | error: {row['error'].replace('|', '/')} |" + " |" * 7)
+                continue
+            loss = row["losses"]
+            lines.append("| " + " | ".join([
+                name, v, _f(row["median_step_s"]), f"{_f(row['min_step_s'])}-{_f(row['max_step_s'])}",
+                f"{_f(row.get('vs_peer'), '.2f')} ({_f(row.get('vs_peer_paired'), '.2f')})",
+                _f(row["median_pipe_s"]), _f(case["bubble_theory"], ".2f"),
+                f"{_f(row['bubble_measured'], '.2f')} (" + " / ".join(
+                    _f(b, ".2f") for _, b in sorted(row["bubble_by_stage"].items(), key=lambda kv: int(kv[0]))) + ")",
+                _f(row["cores_busy"], ".2f"), f"{_f(loss[0], '.4f')} -> {_f(loss[-1], '.4f')}"]) + " |")
+    lines += ["", "Largest loss difference between the variants of a case at the same step: " + ", ".join(
+        f"{n} {_f(c['loss_max_abs_diff'], '.1e')}" for n, c in summary["cases"].items()) + ".", ""]
+    lines += ["## Collectives per step, per stage", "",
+              "count/theory; bytes: the measured ring bytes per rank over the theory's (`benchmarks/report.py`, "
+              "`pipeline_theory`). `AG where`: the stage action the all-gathers ran in (F forward, B backward, "
+              "R the schedule's `perform_reduce_grad`, `between`: outside any stage action, issued by the "
+              "schedule). `AG once`: the all-gathers against one per unit per step.", "",
+              "| case | variant | stage | all-gathers | AG bytes x theory | AG once (count x) | AG where | "
+              "reduce-scatters | RS bytes x theory | outer all-reduces (bytes x theory) | "
+              "P2P sends (MB sent, x theory) | "
+              "P2P receives | small all-reduces |", "|" + "---|" * 13]
+    for name, case in summary["cases"].items():
+        for v, row in case["variants"].items():
+            if "error" in row:
+                continue
+            for k, s in sorted(row["stages"].items(), key=lambda kv: int(kv[0])):
+                t = s["collectives"]
+                where = Counter()
+                for key, n in s["by_phase"].items():
+                    op, _, at = key.partition("@")
+                    if op.startswith("all_gather"):
+                        where[at] += n
+                once = t.get("all_gather/inner@once", {})
+                send = t.get("p2p_send/pp", {})
+                small = ", ".join(f"{key.split('/')[1]} {c['count']}" for key, c in sorted(t.items())
+                                  if key.endswith("/small"))
+                lines.append("| " + " | ".join([
+                    name, v, f"{k} (stages {','.join(map(str, s['stages']))})", _count_cell(t, "all_gather/inner"),
+                    _f(t.get("all_gather/inner", {}).get("ratio"), ".4f"),
+                    f"{once.get('count', '-')}/{once.get('theory_count', '-')} ({_f(once.get('count_ratio'), '.2f')})",
+                    ", ".join(f"{at} {n}" for at, n in sorted(where.items())) or "-",
+                    _count_cell(t, "reduce_scatter/inner"), _f(t.get("reduce_scatter/inner", {}).get("ratio"), ".4f"),
+                    _count_cell(t, "all_reduce/outer") + (
+                        f" ({_f(t['all_reduce/outer'].get('ratio'), '.4f')})" if "all_reduce/outer" in t else ""),
+                    f"{_count_cell(t, 'p2p_send/pp')} ({_mb(send.get('wire_bytes'))}, {_f(send.get('ratio'), '.4f')})",
+                    _count_cell(t, "p2p_recv/pp"), small or "-"]) + " |")
+    lines += ["", "## Memory per stage", "",
+              "Bytes on the largest rank of each stage. `before`: distinct storages of the parameters and the AdamW "
+              "state at the start of a step (gradients freed); `step peak`: the largest running sum of the CPU "
+              "allocation events of one step (`torch.profiler`, `profile_memory=True`) over its start: activations, "
+              "gathered parameters, gradients; `peak` = before + step peak; `peak at`: where in the step it was "
+              "reached (`B0:3`: stage 0's backward of micro-batch 3; `schedule`: between stage actions); "
+              "`persistent`: parameters, gradients and "
+              "AdamW state after `optimizer.step()`, against 16 P_stage / I; `full params`/`full grads`: the largest "
+              "total of the library's full-size buffers sampled after every op, and how many blocks were gathered "
+              "at once; `in flight`: the micro-batches whose activations a stage holds at once in theory.", "",
+              "| case | variant | stage | before MB | step peak MB | peak MB | peak at | persistent MB (x theory) | "
+              "full params MB (blocks) | full grads MB | in flight |", "|" + "---|" * 11]
+    for name, case in summary["cases"].items():
+        for v, row in case["variants"].items():
+            if "error" in row:
+                continue
+            for k, s in sorted(row["stages"].items(), key=lambda kv: int(kv[0])):
+                lines.append("| " + " | ".join([
+                    name, v, str(k), _mb(s["live_before_bytes"]), _mb(s["step_peak_growth_bytes"]),
+                    _mb(s["peak_bytes"]), s["peak_at"], f"{_mb(s['persistent_bytes'])} ({s['persistent_ratio']:.4f})",
+                    f"{_mb(s['full_param_bytes'])} ({s['blocks_unsharded']})", _mb(s["full_grad_bytes"]),
+                    "-" if s["in_flight_theory"] is None else str(s["in_flight_theory"])]) + " |")
+    study = [(n, c) for n, c in summary["cases"].items() if c["schedule"] == "1f1b"]
+    if len({c["reshard"] for _, c in study}) > 1:
+        lines += ["", "## Reshard policy between micro-batches (1F1B)", "",
+                  "shardfusion's `reshard_policy` (FSDP2: `reshard_after_forward` True / False) at each micro-batch "
+                  "count; per stage: all-gathers per step and their MB sent per rank, peak memory.", "",
+                  "| M | policy | variant | all-gathers (stage 0 / 1) | AG MB sent | step s (median) | "
+                  "vs after_forward | peak MB | full params MB |", "|" + "---|" * 9]
+        for name, c in sorted(study, key=lambda nc: (nc[1]["micro"], nc[1]["reshard"])):
+            for v, row in c["variants"].items():
+                if "error" in row:
+                    continue
+                base = summary["cases"].get(f"1f1b-M{c['micro']}-after_forward", {}).get("variants", {}).get(v, {})
+                ratio = (row["median_step_s"] / base["median_step_s"]) if base.get("median_step_s") else None
+                lines.append("| " + " | ".join([
+                    str(c["micro"]), c["reshard"], v,
+                    _pp_cell(row, lambda s: _count_cell(s["collectives"], "all_gather/inner")),
+                    _pp_cell(row, lambda s: _mb(s["collectives"].get("all_gather/inner", {}).get("wire_bytes"))),
+                    _f(row["median_step_s"]), _f(ratio, ".2f"), _pp_cell(row, lambda s: _mb(s["peak_bytes"])),
+                    _pp_cell(row, lambda s: _mb(s["full_param_bytes"]))]) + " |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+
+def write_pipeline(raw: dict, out_dir: Path) -> tuple[Path, Path]:
+    """Write a pipeline run's ``<name>.json`` (raw and summary) and ``<name>.md`` under ``out_dir``."""
+    summary = pipeline_summary(raw)
+    return _write_files(raw, summary, pipeline_markdown(raw, summary), out_dir)
+
+
 if __name__ == "__main__":
     path = Path(sys.argv[1])
     data = json.loads(path.read_text())
     data.pop("summary", None)
-    print((write_memory if data.get("benchmark") == "memory" else write)(data, path.parent)[1].read_text())
+    writer = {"memory": write_memory, "pipeline": write_pipeline}.get(data.get("benchmark"), write)
+    print(writer(data, path.parent)[1].read_text())

@@ -119,22 +119,24 @@ def _build_shardfusion(model: GPT, ctx: Context, last_backward: Optional[bool] =
         note = (f"set_is_last_backward(model, {last_backward}): outer all-reduce overlapped with backward, as in FSDP2"
                 if last_backward else "set_is_last_backward(model, False): outer all-reduce at the step boundary")
     units = sf.get_units(model)
-
-    def sample() -> dict[str, int]:
-        full = grad = alive_blocks = 0
-        for u in units:
-            alive = 0
-            for g in u.groups:
-                if g.full is not g.shard:
-                    alive += g.full.untyped_storage().nbytes()
-                if g.grad_full is not None:
-                    grad += g.grad_full.untyped_storage().nbytes()
-            full += alive
-            alive_blocks += bool(alive) and u.name != ""
-        return {"full_param_bytes": full, "full_grad_bytes": grad, "blocks_unsharded": alive_blocks}
-
     return Built("shardfusion", model, _adamw(model), lambda: sf.clip_grad_norm_(model, MAX_NORM),
-                 sample_transient=sample, note=note)
+                 sample_transient=lambda: shardfusion_transient(units), note=note)
+
+
+def shardfusion_transient(units) -> dict[str, int]:
+    """Alive full-size buffers of shardfusion units (``sf.get_units``): full parameter and gradient bytes, and how
+    many units other than the root (name ``""``) hold a gathered parameter buffer."""
+    full = grad = alive_blocks = 0
+    for u in units:
+        alive = 0
+        for g in u.groups:
+            if g.full is not g.shard:
+                alive += g.full.untyped_storage().nbytes()
+            if g.grad_full is not None:
+                grad += g.grad_full.untyped_storage().nbytes()
+        full += alive
+        alive_blocks += bool(alive) and u.name != ""
+    return {"full_param_bytes": full, "full_grad_bytes": grad, "blocks_unsharded": alive_blocks}
 
 
 def _build_fsdp2(model: GPT, ctx: Context) -> Built:
