@@ -176,8 +176,9 @@ class TrainConfig(PipelineConfig):
     """Memory budget of one rank for --fsdp-outer-degree auto, bytes with an optional suffix (8GB, 512MiB, ...);
     activations are not counted against it (default: the GPU's memory; on CPU the host's memory / ranks per
     node)."""
-    reshard_policy: str = "after_forward"
-    """When gathered parameters are freed: after_forward (ZeRO-3) or after_backward (default after_forward)."""
+    reshard_policy: str | None = None
+    """When gathered parameters are freed: after_forward (ZeRO-3) or after_backward (default after_forward; with
+    --pp > 1 after_backward: measured faster between micro-batches at the same peak, docs/pipeline-benchmark.md)."""
     param_dtype: str = "fp32"
     """Compute dtype of the gathered parameters: fp32, bf16 or fp16; shards and optimizer state stay fp32
     (default fp32)."""
@@ -344,7 +345,7 @@ class TrainConfig(PipelineConfig):
         budget = self.max_memory_per_rank
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ValueError(f"--max-memory-per-rank must be a size in bytes > 0 (e.g. 8GB, 512MiB), got {budget!r}")
-        if self.reshard_policy not in RESHARD_POLICIES:
+        if self.reshard_policy is not None and self.reshard_policy not in RESHARD_POLICIES:
             raise ValueError(f"--reshard-policy must be {' or '.join(RESHARD_POLICIES)}, got {self.reshard_policy!r}")
         pipeline_config.check_flags(self)  # the pipeline section's own checks
 
