@@ -91,6 +91,10 @@ class PipelineStage(_TorchPipelineStage):
         device: the device of the stage's tensors (default: CUDA's current device if CUDA is available, else CPU).
         reduce_per_microbatch: reduce-scatter the gradients after every micro-batch's backward instead of
             accumulating full-size gradients until the last (less memory, ``M`` reduce-scatters per unit per step).
+        keep_gathered: keep the units gathered from the step's first forward to its last backward, one all-gather
+            per unit per step (FSDP2 under torch's stage does the same); default: when the stage was sharded with
+            ``reshard_policy="after_backward"`` (under ``"after_forward"`` each micro-batch gathers again, the least
+            memory).
         tied_parameters: names of this stage's parameters tied to a parameter of the other end of the pipeline (an
             embedding on the first stage and the head on the last share one weight: each end holds a copy under its
             own name, in the same order on both ends); default: ``submodule.tied_parameters`` if it has one
@@ -106,7 +110,8 @@ class PipelineStage(_TorchPipelineStage):
 
     def __init__(self, submodule: nn.Module, topo, stage_index: int, num_stages: int, *,
                  input_args: Any, output_args: Any, device: Optional[torch.device] = None,
-                 reduce_per_microbatch: bool = False, tied_parameters: Optional[Sequence[str]] = None) -> None:
+                 reduce_per_microbatch: bool = False, tied_parameters: Optional[Sequence[str]] = None,
+                 keep_gathered: Optional[bool] = None) -> None:
         placement = stage_ranks(num_stages, topo.pp)
         if not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index must be in [0, num_stages={num_stages}), got {stage_index!r}")
@@ -132,6 +137,14 @@ class PipelineStage(_TorchPipelineStage):
                              "shardfusion.fully_shard (its step boundary waits for the tied all-reduce)")
         self._tied = _tie(submodule, topo, stage_index, num_stages, self._tied_names) if names else None
         self._state = sharded_state(submodule) if self._sharded else None
+        if keep_gathered is None:
+            keep_gathered = self._sharded and not any(u.reshard_after_forward for u in self._state.units)
+        self.keep_gathered = bool(keep_gathered) and self._sharded
+
+    def forward_one_chunk(self, *args, **kwargs):
+        if self.keep_gathered and torch.is_grad_enabled():  # a training step: gathered until its last backward
+            self._state.keep_gathered = True
+        return super().forward_one_chunk(*args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if self._sharded:
@@ -142,6 +155,7 @@ class PipelineStage(_TorchPipelineStage):
             state = sharded_state(self.submod)
             state.requires_gradient_sync = bool(last_backward or self.reduce_per_microbatch)
             state.is_last_backward = bool(last_backward)
+            state.keep_gathered = self.keep_gathered and not last_backward  # the last reshards at its end
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:

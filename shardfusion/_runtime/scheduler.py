@@ -96,6 +96,10 @@ class Scheduler:
         self._forward_mode: tuple[bool, bool] | None = None  # (training, grad enabled) of the last root forward
         self.expert_buffers = expert_buffers  # ids of the buffers that belong to experts (distinct across ep)
         self.requires_gradient_sync = True
+        # Set by a pipeline stage (shardfusion.pipeline) between the micro-batches of a step: units gathered by one
+        # micro-batch stay gathered for the next (no reshard at a forward's start or a backward's end); the step's
+        # last backward clears it and reshards as usual. The parameters do not change within a step.
+        self.keep_gathered = False
         self.step_waits: list = []  # callables finish_grad_sync runs after the replicate all-reduces, in order
         self._reduce_order = [u for u in reversed(units) if u.trainable_groups]
         self._next_reduce = 0
@@ -313,8 +317,9 @@ class Scheduler:
 
     def _reshard(self, unit: Unit) -> None:
         """Reshard ``unit`` unless a create_graph backward's graph may still be differentiated (it holds views of the
-        full buffers: see ``_post_backward``)."""
-        if not (self._graph_kept or self._creates_graph):
+        full buffers: see ``_post_backward``) or a pipeline keeps it gathered between micro-batches
+        (``keep_gathered``)."""
+        if not (self._graph_kept or self._creates_graph or self.keep_gathered):
             unit.reshard()
 
     def _make_pre_accumulate(self, group, view_index: int):
@@ -493,8 +498,8 @@ class Scheduler:
     def release_kept_units(self) -> None:
         """Reshard the units kept unsharded after a create_graph backward (see ``_post_backward``): called before an
         optimizer step, which makes their full buffers stale (a graph built before the step is stale as well)."""
-        if self._graph_kept:
-            self._graph_kept = False
+        if self._graph_kept or self.keep_gathered:  # keep_gathered: a pipeline step that did not end its backward
+            self._graph_kept = self.keep_gathered = False
             for u in self.units:
                 u.reshard()
 

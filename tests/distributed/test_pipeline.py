@@ -50,6 +50,9 @@ CASES = [
     ("W4-pp2-I2-interleaved", 4, dict(pp=2, sharding=2), "interleaved", 4, 2, False),
     ("W4-pp2-I2-1f1b-rs-per-mb", 4, dict(pp=2, sharding=2), "1f1b", 2, 2, True),
     ("W4-pp2-O2", 4, dict(pp=2, sharding=2, fsdp_outer_degree=2), "1f1b", 2, 2, False),
+    # reshard_policy="after_backward": the stage keeps its units gathered for the whole step (keep_gathered)
+    ("W4-pp2-I2-1f1b-keep", 4, dict(pp=2, sharding=2), "1f1b", 2, 4, False),
+    ("W4-pp2-I2-interleaved-keep", 4, dict(pp=2, sharding=2), "interleaved", 4, 2, False),
     ("W8-pp2-O2-I2-1f1b", 8, dict(pp=2, sharding=4, fsdp_outer_degree=2), "1f1b", 2, 2, False),
     ("W8-pp2-O2-I2-interleaved", 8, dict(pp=2, sharding=4, fsdp_outer_degree=2), "interleaved", 4, 2, False),
 ]
@@ -77,6 +80,11 @@ def build_gpt(kind: str, ep_group=None):
     from shardfusion.models import GPT, GPTConfig
     torch.manual_seed(0)
     return GPT(GPTConfig(**CONFIG, **MODELS[kind]), ep_group=ep_group)
+
+
+def _policy(name: str) -> str:
+    """The reshard policy of a case: after_backward for the "-keep" cases, else after_forward."""
+    return "after_backward" if name.endswith("-keep") else "after_forward"
 
 
 def reference(kind: str, chunks: int = 4) -> dict:
@@ -130,7 +138,8 @@ def pipeline_job(cases: list) -> dict:
                 for block in part.blocks.values():
                     parallelize_module(block, topo.get_mesh("mp"), block_plan(part.config))
             tied = part.tied_parameters  # kept whole: both ends hold the same fragment
-            part = sf.fully_shard(part, topo, units=(Block,), replicate_filter=lambda n, p, tied=tied: n in tied)
+            part = sf.fully_shard(part, topo, units=(Block,), replicate_filter=lambda n, p, tied=tied: n in tied,
+                                  reshard_policy=_policy(name))
             first, last = s == 0, s == num_stages - 1
             hidden = torch.empty(mb, SEQ, C, device="meta", requires_grad=True)  # activations carry gradients
             inp = torch.empty(mb, SEQ, dtype=torch.long, device="meta") if first else hidden
@@ -246,7 +255,8 @@ def test_collectives_per_step_not_per_microbatch(runs, case):
     """Per optimizer step, on every rank: one reduce-scatter per unit that holds parameters (M with
     reduce_per_microbatch), on the inner group; one replicate all-reduce per such unit under HSDP; per micro-batch
     an all-gather of each unit in forward and of each block again in backward (reshard after forward; the root unit
-    stays gathered); one scalar all-reduce over the world (the norm over every stage). Nothing else."""
+    stays gathered), or under after_backward one all-gather per unit per step (the stage keeps its units gathered
+    between micro-batches); one scalar all-reduce over the world (the norm over every stage). Nothing else."""
     name, world, _, _, _, micro, per_mb = case
     for rank, r in enumerate(runs[world]):  # dense GPT cases (an MoE unit has expert buffers too)
         got = r[name]
@@ -255,7 +265,10 @@ def test_collectives_per_step_not_per_microbatch(runs, case):
         want = Counter()
         if sharded:
             want["reduce_scatter"] = len(held) * (micro if per_mb else 1)
-            want["all_gather"] = sum(micro * (1 if n == "" else 2) for n, _ in held)
+            if _policy(name) == "after_backward":  # gathered once, kept for the step (PipelineStage.keep_gathered)
+                want["all_gather"] = len(held)
+            else:
+                want["all_gather"] = sum(micro * (1 if n == "" else 2) for n, _ in held)
         if got["replicas"] > 1:
             want["replicate_all_reduce"] = len(held)
         want["world_all_reduce"] = 1
