@@ -136,6 +136,7 @@ class PipelineStage(_TorchPipelineStage):
             raise ValueError(f"tied_parameters {self._tied_names}: stage {stage_index} must be sharded with "
                              "shardfusion.fully_shard (its step boundary waits for the tied all-reduce)")
         self._tied = _tie(submodule, topo, stage_index, num_stages, self._tied_names) if names else None
+        self._tie_due = False
         self._state = sharded_state(submodule) if self._sharded else None
         if keep_gathered is None:
             keep_gathered = self._sharded and not any(u.reshard_after_forward for u in self._state.units)
@@ -156,17 +157,19 @@ class PipelineStage(_TorchPipelineStage):
             state.requires_gradient_sync = bool(last_backward or self.reduce_per_microbatch)
             state.is_last_backward = bool(last_backward)
             state.keep_gathered = self.keep_gathered and not last_backward  # the last reshards at its end
+            self._tie_due = self._tie_due or bool(last_backward)  # perform_reduce_grad sums the tied gradients
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         if self._sharded:
             sharded_state(self.submod).finish_grad_sync()  # a no-op after the last backward, which waited for it
         super().perform_reduce_grad(grad_scale_factor)
-        if self._tied is not None:  # after the scaling, which writes the gradients in place
+        if self._tied is not None and self._tie_due:  # after the scaling, which writes the gradients in place; only
+            # after a step's last backward (not after a forward-only schedule.eval)
+            self._tie_due = False
             group, fragments = self._tied
-            for f in fragments:  # the sum of the two ends' gradients, on both ends
-                if f.grad is None:
-                    f.grad = torch.zeros_like(f)
+            for f in fragments:  # the sum of the two ends' gradients, on both ends (every rank reduces every unit,
+                # so a fragment's gradient is never None after a backward)
                 # asynchronous: an interleaved schedule still runs this rank's other stages, which the other end
                 # waits for; waited for at the step boundary (finish_grad_sync: optimizer step, clipping)
                 work = comm.all_reduce(f.grad, group, async_op=True)

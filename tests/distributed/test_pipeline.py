@@ -14,7 +14,8 @@ W=8 pp 2 x outer 2 x inner 2 (1F1B, interleaved); inside the stages a GPT-MoE wi
 tensor parallel over mp 2 (W=8, pp 2 x inner 2 x mp 2). Checked: the losses and the norm of every step, every
 parameter after the last step (assembled from the stages), and for the dense cases the collectives of each step:
 one reduce-scatter per unit (M with ``reduce_per_microbatch``), one outer all-reduce per unit under HSDP, the
-all-gathers of the reshard policy per micro-batch, one norm all-reduce. Refusals: a stage on the wrong pp rank, a
+all-gathers of the reshard policy per micro-batch, one norm all-reduce. The tied cases also run a forward-only
+`schedule.eval` of the training schedule between steps (it must not touch the gradients or the tie). Refusals: a stage on the wrong pp rank, a
 stage count that is not a multiple of pp, missing shapes, zero-bubble and unknown schedules.
 """
 
@@ -163,6 +164,9 @@ def pipeline_job(cases: list) -> dict:
                 norm = sf.clip_grad_norm_(models, CLIP)
             opt.step()
             opt.zero_grad()
+            if model_kind == "tied":  # a forward-only pass of the training schedule between steps changes nothing
+                with torch.no_grad():
+                    schedule.eval(*args, **({"target": y, "losses": []} if has_last else {}))
             counts.append(Counter((r.op, r.label) for r in cc.records))
             norms.append(float(norm))
             # the step's loss: the mean over the micro-batches and the ranks of the last stage (its mp ranks hold
