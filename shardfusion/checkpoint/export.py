@@ -1,4 +1,4 @@
-"""`python -m shardfusion.export CKPT OUT [--overwrite]`: a checkpoint as one safetensors file plus its config.
+"""`python -m shardfusion.export CKPT OUT [--overwrite] [--tokenizer DIR]`: a checkpoint as one safetensors file plus its config.
 
 Reads a checkpoint folder written by :mod:`shardfusion.checkpoint` (any layout) in one process, with no process group,
 and writes ``OUT/model.safetensors`` (parameters, persistent buffers; original names and shapes, the dtypes they were
@@ -18,6 +18,12 @@ A checkpoint of a Hugging Face model (its ``extra`` holds ``hf_config``: ``shard
 (``architectures`` included) and ``OUT/model.safetensors`` holds the parameters under their HF names (the names of
 the sharded module, which is the HF module itself), a tied weight once, with the metadata ``{"format": "pt"}`` that
 HF expects (and ``source``).
+
+The tokenizer goes beside the weights, so ``AutoTokenizer.from_pretrained(OUT)`` loads the one the model was trained
+with: the files of the training run's ``tokenizer/`` folder (``shardfusion.train`` keeps a copy of every tokenizer
+other than bytes there, and the checkpoint lies in that run's ``checkpoints/``), or those of the folder given as
+``tokenizer``. A Hugging Face model trained on bytes gets the byte-level tokenizer whose ids are the byte values
+(``shardfusion.train.tokenizer.hf_byte_tokenizer``; needs transformers, which such a model needs anyway).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from typing import Optional
 
@@ -34,32 +41,60 @@ from shardfusion import checkpoint
 from shardfusion.checkpoint.folder import find_checkpoint
 
 
-def export(ckpt: str, out: str, overwrite: bool = False) -> str:
+TOKENIZER_FOLDER = "tokenizer"
+"""A training run's copy of its tokenizer, beside its ``checkpoints/`` folder."""
+
+
+def _run_tokenizer(path: str) -> Optional[str]:
+    """The tokenizer folder of the run whose checkpoint is ``path``: ``<run>/tokenizer`` with ``path`` =
+    ``<run>/checkpoints/step-N``, or None."""
+    run = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    folder = os.path.join(run, TOKENIZER_FOLDER)
+    return folder if os.path.isdir(folder) else None
+
+
+def _byte_run(extra: object) -> bool:
+    config = extra.get("config") if isinstance(extra, dict) else None
+    return isinstance(config, dict) and config.get("tokenizer") in (None, "bytes") and not config.get(
+        "train_tokenizer")
+
+
+def _tokenizer_files(folder: str) -> list[str]:
+    return sorted(name for name in os.listdir(folder) if os.path.isfile(os.path.join(folder, name)))
+
+
+def export(ckpt: str, out: str, overwrite: bool = False, tokenizer: Optional[str] = None) -> str:
     """Write ``out/model.safetensors`` and ``out/config.json`` from the checkpoint folder ``ckpt`` (or the latest
     checkpoint under a root folder, or under the one such root inside ``ckpt``, see ``find_checkpoint``). Returns the safetensors path.
 
     ``config.json`` holds ``source`` (the checkpoint folder), ``extra`` (the checkpoint's ``extra``: for a checkpoint
     of shardfusion.train: the model config under 'model', the step, the schedule settings) and ``shapes`` (the
     parameter shapes); for a checkpoint whose ``extra`` holds ``hf_config`` (a Hugging Face model), it is that HF
-    config, and ``model.safetensors`` carries HF's metadata ``{"format": "pt"}``. Without ``overwrite``, nothing is
-    written when either file exists already.
+    config, and ``model.safetensors`` carries HF's metadata ``{"format": "pt"}``. The tokenizer's files are
+    copied beside them (see the module docstring; ``tokenizer``: a tokenizer folder to take instead of the run's).
+    Without ``overwrite``, nothing is written when any of these files exists already.
 
     Raises:
-        ValueError: ``out/model.safetensors`` or ``out/config.json`` exists and not ``overwrite`` (names the file);
+        ValueError: ``out/model.safetensors``, ``out/config.json`` or a tokenizer file exists and not ``overwrite``
+            (names the file); ``tokenizer`` is not a folder;
             ``ckpt`` is not a readable checkpoint, or a data file of it is truncated, corrupt or missing (one line
             naming the path).
     """
     path = find_checkpoint(ckpt)  # a checkpoint folder, a root of step-N folders, or a training run's --out
     meta = checkpoint.read_meta(path)  # an unreadable checkpoint first: the more basic error
     target, config_path = os.path.join(out, "model.safetensors"), os.path.join(out, "config.json")
+    extra = meta.get("extra")
+    if tokenizer is not None and not os.path.isdir(tokenizer):
+        raise ValueError(f"tokenizer {tokenizer!r} is not a folder")
+    source = tokenizer or _run_tokenizer(path)
+    tokenizer_files = [os.path.join(out, name) for name in _tokenizer_files(source)] if source else []
     if not overwrite:  # before the tensors are read, before anything is written
-        for existing in (target, config_path):
+        for existing in (target, config_path, *tokenizer_files):
             if os.path.lexists(existing):
                 raise ValueError(f"{existing!r} exists; export does not replace it unless overwrite=True "
                                  f"(--overwrite)")
     tensors = {name: t.contiguous() for name, t in checkpoint.load_full(path).items()}
     os.makedirs(out, exist_ok=True)
-    extra = meta.get("extra")
     hf_config = extra.get("hf_config") if isinstance(extra, dict) else None
     if hf_config is not None:  # a Hugging Face model: HF's own folder layout
         save_file(tensors, target, metadata={"format": "pt", "source": os.path.abspath(path)})
@@ -70,6 +105,12 @@ def export(ckpt: str, out: str, overwrite: bool = False) -> str:
                   "shapes": {n: list(s) for n, s in meta["shapes"].items()}}
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2, default=str)
+    if source is not None:
+        for name in _tokenizer_files(source):
+            shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
+    elif hf_config is not None and _byte_run(extra):
+        from shardfusion.train.tokenizer import hf_byte_tokenizer  # transformers: an HF model's export needs it
+        hf_byte_tokenizer().save_pretrained(out)
     return target
 
 
@@ -81,10 +122,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "(the latest checkpoint)")
     parser.add_argument("out", help="output folder for model.safetensors and config.json")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace OUT/model.safetensors and OUT/config.json if they exist (default: refuse)")
+                        help="replace OUT/model.safetensors, OUT/config.json and the tokenizer files if they exist "
+                             "(default: refuse)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a tokenizer folder to write beside the weights (default: the training run's tokenizer/)")
     args = parser.parse_args(argv)
     try:
-        target = export(args.ckpt, args.out, overwrite=args.overwrite)
+        target = export(args.ckpt, args.out, overwrite=args.overwrite, tokenizer=args.tokenizer)
     except ValueError as error:
         message = str(error).replace("\n", " ")  # one line, whatever the cause
         parser.exit(2, f"{parser.prog}: error: {message}\n")

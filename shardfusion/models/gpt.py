@@ -33,7 +33,7 @@ from shardfusion import comm, context_parallel
 from shardfusion.moe import MoE, is_expert
 
 VOCAB_SIZE = 256
-"""Bytes are tokens: the vocabulary is fixed at 256."""
+"""The default vocabulary: bytes are tokens (`GPTConfig.vocab_size`)."""
 
 INIT_STD = 0.02
 """Standard deviation of the normal initialisation of every weight matrix and embedding."""
@@ -51,6 +51,9 @@ class GPTConfig:
     """Width of the residual stream (C)."""
     seq_len: int
     """Longest context the model accepts; the size of the learned position table."""
+    vocab_size: int = VOCAB_SIZE
+    """Token ids are in [0, vocab_size): the rows of the embedding and the lm head (default 256: one token per
+    byte; the training job sets its tokenizer's, `shardfusion.train.tokenizer`)."""
     dropout: float = 0.0
     """Dropout probability on embeddings, attention weights and residual branches (default 0.0: off)."""
     tie_embeddings: bool = True
@@ -73,7 +76,7 @@ class GPTConfig:
     function; only the parameter names differ (tests/unit/test_gpt.py)."""
 
     def __post_init__(self) -> None:
-        for name in ("n_layer", "n_head", "d_model", "seq_len"):
+        for name in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
@@ -245,13 +248,13 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.context_group = context_group
-        self.wte = NormalEmbedding(VOCAB_SIZE, config.d_model)
+        self.wte = NormalEmbedding(config.vocab_size, config.d_model)
         self.wpe = NormalEmbedding(config.seq_len, config.d_model)
         self.drop = nn.Dropout(config.dropout)
         # A MoE draws the same amount from the global RNG at any ep (one seed for its experts; see `MoE`).
         self.blocks = nn.ModuleList(Block(config, ep_group, context_group) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model)
-        self.lm_head = NormalLinear(config.d_model, VOCAB_SIZE, bias=False)
+        self.lm_head = NormalLinear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             # One Parameter registered in two modules: named_parameters() yields it once, as "wte.weight". The head's
             # draw above is replaced; weight_tied keeps its later reset_parameters off the embedding's values.
@@ -323,7 +326,7 @@ class GPT(nn.Module):
         logits = self.lm_head(x)  # (B, T, V)
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.float().view(B * T, VOCAB_SIZE), targets.reshape(B * T))  # fp32 loss
+        loss = F.cross_entropy(logits.float().view(B * T, logits.shape[-1]), targets.reshape(B * T))  # fp32 loss
         return logits, loss
 
     @torch.no_grad()

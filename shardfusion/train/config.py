@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from shardfusion.train.data import corpus_size, min_corpus_bytes, split_sizes
-from shardfusion.models.gpt import PRESETS, GPTConfig
+from shardfusion.models.gpt import PRESETS, VOCAB_SIZE, GPTConfig
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_POLICIES
 from shardfusion.train.hf_models import HF_MODELS
-from shardfusion.train import pipeline_config
+from shardfusion.train import data_config, pipeline_config
+from shardfusion.train.data_config import DataConfig
+from shardfusion.train.tokenizer import BYTES
 from shardfusion.train.pipeline_config import PipelineConfig
 from shardfusion.plan import parse_bytes
 from shardfusion.topology import Degrees
@@ -69,12 +71,14 @@ def memory_arg(text: str) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig(PipelineConfig):
+class TrainConfig(PipelineConfig, DataConfig):
     """Everything one training run depends on; written to OUT/config.json.
 
     Sections owned by other modules are base classes, whose fields are flags like these and whose checks live with
     them: `PipelineConfig` (--pp, --pp-schedule, --stages-per-rank, --microbatches;
-    `shardfusion.train.pipeline_config`).
+    `shardfusion.train.pipeline_config`) and `DataConfig` (--data, --data-bytes, --tokenizer, --train-tokenizer,
+    --text-field, --data-cache; `shardfusion.train.data_config`). A field with ``metadata={"flag": False}`` is set at
+    run time, not on the command line.
     """
 
     preset: str = "small"
@@ -200,10 +204,6 @@ class TrainConfig(PipelineConfig):
     """Ranks per node for the communication accounting: rank r is on node r // ranks-per-node, and the bytes sent
     between nodes are reported apart. It places no rank; use it to see what a multi-node layout would send across
     nodes (default: LOCAL_WORLD_SIZE, which torchrun and the local launcher set: one node for a local run)."""
-    data: str | None = None
-    """A text file or a folder of files to train on (default: the Python standard library's source)."""
-    data_bytes: int = 16_000_000
-    """Read at most this many bytes of the corpus (default 16000000)."""
     out: str | None = None
     """Output folder for metrics.jsonl, config.json, loss.png, summary.json and checkpoints/ (default
     runs/<timestamp>). A run whose --out holds a checkpoint resumes from the latest one."""
@@ -237,6 +237,7 @@ class TrainConfig(PipelineConfig):
             if getattr(self, name) is not None
         }
         return dataclasses.replace(PRESETS[self.preset], dropout=self.dropout, n_experts=self.experts,
+                                   vocab_size=self.vocab_size or VOCAB_SIZE,
                                    top_k=self.top_k, fused_qkv=self.fused_qkv, tie_embeddings=self.tie_embeddings,
                                    **overrides)
 
@@ -295,7 +296,7 @@ class TrainConfig(PipelineConfig):
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         for flag, value in (("--grad-accum", self.grad_accum),
                             ("--eval-every", self.eval_every), ("--eval-batches", self.eval_batches),
-                            ("--data-bytes", self.data_bytes), ("--steps", self.steps)):
+                            ("--steps", self.steps)):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         if self.warmup is not None and not 0 <= self.warmup <= self.steps:
@@ -348,6 +349,7 @@ class TrainConfig(PipelineConfig):
         if self.reshard_policy is not None and self.reshard_policy not in RESHARD_POLICIES:
             raise ValueError(f"--reshard-policy must be {' or '.join(RESHARD_POLICIES)}, got {self.reshard_policy!r}")
         pipeline_config.check_flags(self)  # the pipeline section's own checks
+        data_config.check_flags(self)  # the data section's
 
 
 DEFAULT_WARMUP = 20
@@ -458,6 +460,8 @@ def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
 
     if config.init_from is not None:
         check_pretrained(config)
+    if not data_config.plain_bytes(config):
+        return  # tokens, not bytes: data_config.prepare tokenizes the corpus and checks it
     where = "the standard library" if config.data is None else f"--data {config.data}"
     try:
         size = corpus_size(config.data, min(config.data_bytes, need))
@@ -533,7 +537,7 @@ def check_pretrained(config: TrainConfig) -> None:
         raise ValueError(f"{flag} holds a {model_type} model, not --hf-model {config.hf_model}; drop --hf-model (the "
                          f"folder's config.json decides the model) or make them agree")
     vocab = fields.get("vocab_size")
-    if isinstance(vocab, int) and vocab < 256:
+    if isinstance(vocab, int) and vocab < 256 and data_config.tokenizer_spec(config) == BYTES:
         raise ValueError(f"{flag}: its vocab_size is {vocab}, but the job's tokens are the 256 byte values")
     positions = fields.get("max_position_embeddings")
     seq_len = config.model_config().seq_len
@@ -672,6 +676,8 @@ def build_parser(cls: type = TrainConfig) -> argparse.ArgumentParser:
     hints = typing.get_type_hints(cls)
     own = cls.__dict__.get("__annotations__", {})  # the class's own fields first, then its sections' (base classes)
     for field in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
+        if field.metadata.get("flag", True) is False:  # set at run time (e.g. DataConfig.vocab_size)
+            continue
         kind = hints[field.name]
         args = [a for a in typing.get_args(kind) if a is not type(None)]
         base = args[0] if args else kind

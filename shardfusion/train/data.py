@@ -1,6 +1,8 @@
-"""Byte-level text data for `shardfusion.train`: a corpus, a fixed train/val split and a seeded batch sampler.
+"""Text data for `shardfusion.train`: the byte corpus, a fixed train/val split and a seeded batch sampler.
 
-The corpus is raw bytes (one token per byte, vocabulary 256). By default it is the Python standard library's own
+With the byte tokenizer (the default) the corpus is raw bytes (one token per byte, vocabulary 256); other
+tokenizers and JSON Lines / Parquet data give a token stream from the token cache (`shardfusion.train.data_config`),
+which the split and the sampler treat the same way, counting tokens instead of bytes. By default it is the Python standard library's own
 source: every `*.py` file under `sysconfig.get_paths()["stdlib"]` (site-packages and dist-packages excluded), in
 sorted path order, concatenated, capped at `max_bytes`. The last `VAL_FRACTION` of the corpus is the validation split.
 
@@ -143,8 +145,9 @@ def min_corpus_bytes(seq_len: int) -> int:
     return n
 
 
-def split_corpus(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split a 1-D byte tensor into (train, val): val is the last VAL_FRACTION, at least one byte."""
+def split_corpus(data):
+    """Split a 1-D token tensor or array into (train, val) views: val is the last VAL_FRACTION, at least one
+    token."""
     _, n_val = split_sizes(len(data))
     return data[:-n_val], data[-n_val:]
 
@@ -163,14 +166,15 @@ class BatchSampler:
             seq_len + 1 bytes.
     """
 
-    train: torch.Tensor
-    """Training bytes, 1-D uint8."""
-    val: torch.Tensor
-    """Validation bytes, 1-D uint8."""
+    train: torch.Tensor | np.ndarray
+    """Training tokens, 1-D: uint8 bytes (a torch tensor), or a token stream (a numpy array, e.g. the memory map
+    of `shardfusion.train.token_cache`)."""
+    val: torch.Tensor | np.ndarray
+    """Validation tokens, as `train`."""
     batch_size: int
     """Windows per batch per data-parallel rank per micro-batch (B); the global batch holds B * dp_world."""
     seq_len: int
-    """Tokens per window; each window reads seq_len + 1 bytes (inputs and shifted targets)."""
+    """Tokens per window; each window reads seq_len + 1 tokens (inputs and shifted targets)."""
     seed: int
     """Base seed; together with step and micro-step (and G) it determines every batch."""
     dp_rank: int = 0
@@ -189,7 +193,7 @@ class BatchSampler:
             raise ValueError(f"data_order must be one of {DATA_ORDERS}, got {self.data_order!r}")
         for name, split in (("train", self.train), ("val", self.val)):
             if len(split) < self.seq_len + 1:
-                raise ValueError(f"the {name} split has {len(split)} bytes, fewer than seq_len + 1 = "
+                raise ValueError(f"the {name} split has {len(split)} tokens, fewer than seq_len + 1 = "
                                  f"{self.seq_len + 1}; use more data (--data, --data-bytes) or a smaller --seq-len")
 
     @property
@@ -201,9 +205,12 @@ class BatchSampler:
         rng = np.random.default_rng(seed_words)
         return rng.integers(0, len(split) - self.seq_len, size=count)  # (count,) int64
 
-    def _windows(self, split: torch.Tensor, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.from_numpy(starts)[:, None] + torch.arange(self.seq_len + 1)  # (n, T + 1)
-        window = split[index].long()  # (n, T + 1)
+    def _windows(self, split: torch.Tensor | np.ndarray, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(split, np.ndarray):  # a memory-mapped token stream (shardfusion.train.token_cache)
+            window = torch.from_numpy(split[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int64))
+        else:
+            index = torch.from_numpy(starts)[:, None] + torch.arange(self.seq_len + 1)  # (n, T + 1)
+            window = split[index].long()  # (n, T + 1)
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()  # 2 x (n, T)
 
     def _global_starts(self, step: int, micro_step: int) -> np.ndarray:
@@ -233,6 +240,18 @@ class BatchSampler:
         if split == "val":
             return self._windows(self.val, self._starts(self.val, [self.seed, _VAL, step], self.batch_size))
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+
+    def val_bytes_per_token(self, token_bytes: np.ndarray, num_batches: int) -> float:
+        """Mean UTF-8 bytes per target token over the whole validation set of `num_batches` batches (every rank's
+        indices, so the same on every rank; no communication): mean loss in nats / (ln 2 x this) is bits per byte.
+        token_bytes: (V,) bytes per id (`shardfusion.train.tokenizer.Tokenizer.token_bytes`)."""
+        per_rank = -(-num_batches // self.dp_world)
+        total = count = 0
+        for i in range(per_rank * self.dp_world):
+            _, targets = self.get_batch("val", i)
+            total += int(token_bytes[targets.numpy()].sum())
+            count += targets.numel()
+        return total / count
 
     def val_indices(self, num_batches: int) -> range:
         """This rank's share of the fixed validation set of `num_batches` batches, rounded up to a multiple of

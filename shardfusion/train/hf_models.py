@@ -41,7 +41,7 @@ EXPERTS_IMPLEMENTATION = "eager"
 """HF expert kernel (transformers >= 5 has several): the plain per-expert loop, which every version has."""
 
 VOCAB_SIZE = 256
-"""The job's tokens are bytes."""
+"""The presets' vocabulary with the byte tokenizer (the job's default)."""
 
 ALIGN = 8
 """Derived intermediate sizes are rounded up to a multiple of this."""
@@ -77,10 +77,11 @@ def kv_heads(n_head: int) -> int:
 
 
 def preset_config(name: str, *, n_layer: int, n_head: int, d_model: int, seq_len: int, n_experts: int, top_k: int,
-                  expert_hidden: Optional[int], dropout: float, aux_loss_coef: float) -> Any:
+                  expert_hidden: Optional[int], dropout: float, aux_loss_coef: float,
+                  vocab_size: int = VOCAB_SIZE) -> Any:
     """The HF config of the `--hf-model name` preset, from the job's shape flags.
 
-    Every preset: vocab_size 256, hidden_size d_model, num_hidden_layers n_layer, num_attention_heads n_head,
+    Every preset: vocab_size (the tokenizer's; 256 for bytes), hidden_size d_model, num_hidden_layers n_layer, num_attention_heads n_head,
     num_key_value_heads `kv_heads(n_head)`, head_dim d_model // n_head, max_position_embeddings seq_len,
     attention_dropout dropout, initializer_range 0.02 (the GPT's), RoPE and RMSNorm at HF's defaults.
 
@@ -100,7 +101,7 @@ def preset_config(name: str, *, n_layer: int, n_head: int, d_model: int, seq_len
         raise ValueError(f"--hf-model {name} is a mixture of experts: it needs --experts >= 1, got {n_experts} "
                          f"(--hf-model llama is the dense model)")
     transformers = import_transformers()
-    common = dict(vocab_size=VOCAB_SIZE, hidden_size=d_model, num_hidden_layers=n_layer, num_attention_heads=n_head,
+    common = dict(vocab_size=vocab_size, hidden_size=d_model, num_hidden_layers=n_layer, num_attention_heads=n_head,
                   num_key_value_heads=kv_heads(n_head), head_dim=d_model // n_head, max_position_embeddings=seq_len,
                   attention_dropout=dropout, initializer_range=0.02, bos_token_id=None, eos_token_id=None,
                   pad_token_id=None)
@@ -220,13 +221,14 @@ def losses(model: nn.Module, config: Any, x: torch.Tensor,
 
 @torch.no_grad()
 def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, seq_len: int, temperature: float = 1.0,
-             top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Extend idx (B, T) by max_new_tokens bytes sampled from an (unsharded) HF model; returns (B, T + new).
+             top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
+             vocab_size: int = VOCAB_SIZE) -> torch.Tensor:
+    """Extend idx (B, T) by max_new_tokens tokens sampled from an (unsharded) HF model; returns (B, T + new).
 
     The GPT's sampler (`shardfusion.models.gpt.GPT.generate`) on the model's logits: the context cropped to
-    seq_len, no KV cache, only the 256 byte tokens eligible (a pretrained vocabulary may be larger); temperature
-    <= 0 is greedy decoding, top_k keeps the k most likely bytes."""
+    seq_len, no KV cache, only the tokenizer's vocab_size ids eligible (a model's embedding may hold more rows);
+    temperature <= 0 is greedy decoding, top_k keeps the k most likely tokens."""
     for _ in range(max_new_tokens):
-        logits = model(input_ids=idx[:, -seq_len:], use_cache=False).logits[:, -1, :VOCAB_SIZE].float()  # (B, 256)
+        logits = model(input_ids=idx[:, -seq_len:], use_cache=False).logits[:, -1, :vocab_size].float()  # (B, V)
         idx = torch.cat([idx, sample_next(logits, temperature, top_k, generator)], dim=1)  # (B, T + 1)
     return idx

@@ -93,7 +93,7 @@ def hf_config(config: TrainConfig) -> Any:
     return hf_models.preset_config(config.hf_model, n_layer=shape.n_layer, n_head=shape.n_head, d_model=shape.d_model,
                                    seq_len=shape.seq_len, n_experts=shape.n_experts, top_k=shape.top_k,
                                    expert_hidden=shape.expert_hidden, dropout=config.dropout,
-                                   aux_loss_coef=config.aux_loss_coef)
+                                   aux_loss_coef=config.aux_loss_coef, vocab_size=shape.vocab_size)
 
 
 def meta_model(config: TrainConfig) -> nn.Module:
@@ -204,7 +204,8 @@ def _build_hf(config: TrainConfig) -> JobModel:
         return hf_models.losses(m, hf, x, y)
 
     def generate(m: nn.Module, idx: torch.Tensor, new: int, temperature: float, k: int, generator: torch.Generator):
-        return hf_models.generate(m, idx, new, seq_len, temperature=temperature, top_k=k, generator=generator)
+        return hf_models.generate(m, idx, new, seq_len, temperature=temperature, top_k=k, generator=generator,
+                                  vocab_size=config.vocab_size or hf_models.VOCAB_SIZE)
 
     def plain() -> nn.Module:
         with torch.device("cpu"):  # build() runs under the meta device; the copy needs storage

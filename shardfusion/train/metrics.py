@@ -4,7 +4,9 @@ metrics.jsonl holds one JSON object per line. Training records (one per optimize
 `step, loss, grad_norm, lr, tokens_per_s, elapsed_s` (`loss` is the cross-entropy); a GPT-MoE's also carry
 `aux_loss, tokens_per_expert, load_balance, worst_layer_balance` (see `expert_balance`), and every one carries
 `comm`: the step's collectives on rank 0 per accounting category (`comm_step_record`). Evaluation records carry
-`step, val_loss, elapsed_s`, where `step` counts the optimizer steps done (0: before training). Only rank 0 writes.
+`step, val_loss, val_bpb, elapsed_s`, where `step` counts the optimizer steps done (0: before training: the
+pretrained model's figures with --init-from), `val_loss` is the mean cross-entropy in nats per token and `val_bpb`
+the same loss in bits per byte of text (comparable across tokenizers; docs/data.md). Only rank 0 writes.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from shardfusion.accounting import CATEGORIES
 TRAIN_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "elapsed_s")
 """Keys of every training record in metrics.jsonl."""
 
-VAL_KEYS = ("step", "val_loss", "elapsed_s")
+VAL_KEYS = ("step", "val_loss", "val_bpb", "elapsed_s")
 """Keys of every evaluation record in metrics.jsonl."""
 
 MOE_KEYS = ("aux_loss", "tokens_per_expert", "load_balance", "worst_layer_balance")
@@ -190,6 +192,8 @@ def summarize(log: MetricsLog, *, total_s: float, train_s: float, steps: int, nu
     `worst_layer_balance` (see `expert_balance`) and the mean aux loss of the last 10 steps added."""
     first_val = log.val[0]["val_loss"] if log.val else math.nan
     final_val = log.val[-1]["val_loss"] if log.val else math.nan
+    first_bpb = log.val[0].get("val_bpb", math.nan) if log.val else math.nan  # records of older runs lack it
+    final_bpb = log.val[-1].get("val_bpb", math.nan) if log.val else math.nan
     drop = 100.0 * (first_val - final_val) / first_val if log.val and first_val else math.nan
     tail = [r["loss"] for r in log.train[-10:]]
     if experts is not None:
@@ -212,6 +216,8 @@ def summarize(log: MetricsLog, *, total_s: float, train_s: float, steps: int, nu
         "first_val_loss": first_val,
         "final_val_loss": final_val,
         "val_loss_drop_pct": drop,
+        "first_val_bpb": first_bpb,
+        "final_val_bpb": final_bpb,
         "total_s": total_s,
         "train_s": train_s,
         "steps": steps,
@@ -282,8 +288,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"train loss       {summary['final_train_loss']:.4f} (last 10 steps: "
         f"{summary['final_train_loss_mean10']:.4f})",
         f"val loss         {summary['first_val_loss']:.4f} -> {summary['final_val_loss']:.4f} "
-        f"({summary['val_loss_drop_pct']:.1f}% lower)",
+        f"({summary['val_loss_drop_pct']:.1f}% lower) nats/token",
     ]
+    if not math.isnan(summary.get("final_val_bpb", math.nan)):
+        lines.append(f"val bits/byte    {summary.get('first_val_bpb', math.nan):.4f} -> "
+                     f"{summary['final_val_bpb']:.4f}")
     moe = summary.get("experts")
     if moe is not None:
         lines += [

@@ -14,8 +14,9 @@ from shardfusion.train.metrics import MetricsLog
 RUN_CONTROL = frozenset({"stop_after", "max_restarts", "progress", "resumed", "out"})
 """config.json fields that only control one run (not how its steps are trained): `write_config` ignores them."""
 
-RUN_FILES = ("config.json", "metrics.jsonl", "metrics.dropped.jsonl", "summary.json", "loss.png")
-"""Files of a run in its output folder (besides checkpoints/ and config.step-*.json)."""
+RUN_FILES = ("config.json", "metrics.jsonl", "metrics.dropped.jsonl", "summary.json", "loss.png", "tokenizer")
+"""Files of a run in its output folder (besides checkpoints/ and config.step-*.json); tokenizer/ is a folder (the
+run's copy of its tokenizer, `shardfusion.train.data_config.save_run_tokenizer`)."""
 
 
 def open_outputs(out: Path, config: dict[str, Any], resumed: Optional[dict[str, Any]],
@@ -34,7 +35,7 @@ def open_outputs(out: Path, config: dict[str, Any], resumed: Optional[dict[str, 
 def archive_run(out: Path) -> Optional[str]:
     """Move the `RUN_FILES` and config.step-*.json files of `out` into the first free out/earlier-<n>/ (n = 1, 2,
     ...); returns its path, or None when there was nothing to move."""
-    files = [out / name for name in RUN_FILES if (out / name).is_file()] + sorted(out.glob("config.step-*.json"))
+    files = [out / name for name in RUN_FILES if (out / name).exists()] + sorted(out.glob("config.step-*.json"))
     if not files:
         return None
     n = 1

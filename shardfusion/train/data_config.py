@@ -1,0 +1,301 @@
+"""The data section of the training job's settings (`--data`, `--data-bytes`, `--tokenizer`, `--train-tokenizer`,
+`--text-field`, `--data-cache`) and its checks: this module owns them, `shardfusion.train.config` includes the section
+(`TrainConfig` derives from `DataConfig`) and calls `check_flags` with the other flag checks; the job calls
+`prepare` once before any worker starts (it trains a tokenizer if asked, tokenizes the corpus into the token cache
+and checks that each split holds a window) and each worker calls `load_splits`. docs/data.md tells the whole story.
+
+Two paths, chosen by the tokenizer and the files (`plain_bytes`):
+
+- `--tokenizer bytes` (the default) on text files: the corpus is the files' raw bytes, concatenated, as before
+  tokenizers existed (`shardfusion.train.data.load_corpus`): nothing is cached, the data of older runs are unchanged.
+- any other tokenizer, or JSON Lines / Parquet files: the documents (`shardfusion.train.documents`) are tokenized
+  once into the token cache (`shardfusion.train.token_cache`), each closed by the end-of-text id, and memory-mapped.
+
+Either way the stream is split as before (the last `VAL_FRACTION` is validation) and the batches are the same pure
+function of (seed, step, micro-step) (`shardfusion.train.data.BatchSampler`), in tokens instead of bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+
+from shardfusion.train import tokenizer as tok
+from shardfusion.train.documents import data_files, documents, is_structured
+
+if TYPE_CHECKING:  # annotations only: config.py imports this module
+    from shardfusion.train.config import TrainConfig
+
+RUN_TOKENIZER = "tokenizer"
+"""OUT/tokenizer: the run's copy of its tokenizer (not for bytes), which an export writes beside the weights."""
+
+DEFAULT_TEXT_FIELD = "text"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """The data settings of a training run (a section of `TrainConfig`, which derives from it)."""
+
+    data: str | None = None
+    """A text file, a JSON Lines file (.jsonl, one JSON object per line), a Parquet file (.parquet, needs pyarrow),
+    or a folder of such files (recursively, sorted by path) to train on (default: the Python standard library's
+    source)."""
+    data_bytes: int = 16_000_000
+    """Read at most this many bytes of text of the corpus (JSON Lines and Parquet: whole documents until the text
+    reaches it) (default 16000000)."""
+    tokenizer: str | None = None
+    """bytes (one token per byte, vocabulary 256), a Hugging Face tokenizer folder or a tokenizer.json; loaded with
+    transformers/tokenizers (pip install 'shardfusion[hf]') (default: the --init-from folder's own tokenizer, or
+    bytes)."""
+    train_tokenizer: int | None = None
+    """Train a byte-level BPE tokenizer of at most this many tokens (>= 257) on the training part of --data with the
+    tokenizers library, cached beside the data, and train with it; kept in OUT/tokenizer (default: none)."""
+    text_field: str = DEFAULT_TEXT_FIELD
+    """The field (JSON Lines) or column (Parquet) that holds each document's text (default text)."""
+    data_cache: str | None = None
+    """Folder of the token cache: each corpus is tokenized once per tokenizer and memory-mapped from here
+    (default: .shardfusion-tokens beside --data, or ~/.cache/shardfusion/tokens when that is not writable)."""
+    vocab_size: int | None = field(default=None, metadata={"flag": False})
+    """The tokenizer's vocabulary, set by `prepare` (not a flag): the GPT's embedding rows."""
+    tokenizer_fingerprint: str | None = field(default=None, metadata={"flag": False})
+    """The tokenizer's `Tokenizer.fingerprint`, set by `prepare` (not a flag); recorded so a resume can refuse
+    another tokenizer."""
+
+
+def check_flags(config: TrainConfig) -> None:
+    """The data flags on their own and against each other (no file system needed).
+
+    Raises:
+        ValueError: one line naming the flag.
+    """
+    if config.data_bytes < 1:
+        raise ValueError(f"--data-bytes must be >= 1, got {config.data_bytes}")
+    if config.train_tokenizer is not None:
+        if config.tokenizer is not None:
+            raise ValueError(f"--train-tokenizer {config.train_tokenizer} with --tokenizer {config.tokenizer}: give "
+                             f"one of them")
+        if config.train_tokenizer < 257:
+            raise ValueError(f"--train-tokenizer {config.train_tokenizer} is too small: a byte-level BPE holds the "
+                             f"256 bytes and the end-of-text token, so it needs >= 257")
+        if config.init_from is not None:
+            raise ValueError(f"--train-tokenizer with --init-from {config.init_from}: a pretrained model keeps the "
+                             f"vocabulary it was trained with; drop --train-tokenizer")
+    if not config.text_field:
+        raise ValueError("--text-field must not be empty")
+
+
+def _files(config: TrainConfig) -> list[Path]:
+    if config.data is None:
+        from shardfusion.train.data import stdlib_files
+        return stdlib_files()
+    return data_files(Path(config.data))
+
+
+def where(config: TrainConfig) -> str:
+    return "the standard library" if config.data is None else f"--data {config.data}"
+
+
+def plain_bytes(config: TrainConfig) -> bool:
+    """Whether the run reads raw bytes (`--tokenizer bytes`, text files only): the path of runs before tokenizers."""
+    if config.tokenizer not in (None, tok.BYTES) or config.train_tokenizer is not None:
+        return False
+    if config.init_from is not None and config.tokenizer is None and tok.is_tokenizer_folder(config.init_from):
+        return False
+    try:
+        return not any(is_structured(p) for p in _files(config))
+    except FileNotFoundError:
+        return True  # check_run names the missing --data
+
+
+def _pretrained_vocab(folder: str) -> Optional[int]:
+    try:
+        vocab = json.loads((Path(folder) / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return vocab if isinstance(vocab, int) else None
+
+
+def tokenizer_spec(config: TrainConfig, resuming: bool = False) -> str:
+    """What `--tokenizer` resolves to, before `--train-tokenizer` (see `prepare`): the flag; else the run's own
+    OUT/tokenizer when resuming a run that has one; else the `--init-from` folder when it holds a tokenizer; else
+    bytes.
+
+    Raises:
+        ValueError: --init-from names a folder without a tokenizer whose model's vocabulary is not the 256 bytes.
+    """
+    if config.tokenizer is not None:
+        return config.tokenizer
+    if resuming and config.out is not None and tok.is_tokenizer_folder(Path(config.out) / RUN_TOKENIZER):
+        return str(Path(config.out) / RUN_TOKENIZER)
+    if config.init_from is not None:
+        if tok.is_tokenizer_folder(config.init_from):
+            return config.init_from
+        vocab = _pretrained_vocab(config.init_from)
+        if vocab != 256:
+            raise ValueError(f"--init-from {config.init_from} holds no tokenizer ({' nor '.join(tok.TOKENIZER_FILES)})"
+                             f" and its model's vocabulary is {vocab}, not the 256 bytes: pass the tokenizer it was "
+                             f"trained with (--tokenizer PATH), or --tokenizer bytes to feed it bytes anyway")
+    return tok.BYTES
+
+
+def _train_texts(config: TrainConfig):
+    """The documents a tokenizer is trained on: those that begin in the first 1 - VAL_FRACTION of the text, so that
+    the validation text is not seen (the split itself is on tokens, close to the same place)."""
+    from shardfusion.train.data import VAL_FRACTION
+    files = _files(config)
+    limit = (1 - VAL_FRACTION) * min(config.data_bytes, sum(p.stat().st_size for p in files))
+
+    def texts():
+        seen = 0
+        for _, text in documents(files, config.text_field, config.data_bytes):
+            if seen >= limit:
+                return
+            seen += len(text.encode("utf-8"))
+            yield text
+    return texts
+
+
+def _trained(config: TrainConfig, progress: bool) -> tok.Tokenizer:
+    """`--train-tokenizer N`: the BPE of the corpus and N, trained once and kept in the token cache."""
+    from shardfusion.train.token_cache import _locked, cache_folder, cache_key
+    files = _files(config)
+    key = cache_key(files, tok.byte_tokenizer(), config.text_field, config.data_bytes)
+    folder = cache_folder(config.data, config.data_cache) / f"bpe{config.train_tokenizer}-{key}"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(folder.with_suffix(".lock")):
+        if not tok.is_tokenizer_folder(folder):
+            print(f"shardfusion: training a byte-level BPE tokenizer of {config.train_tokenizer} tokens on "
+                  f"{where(config)} into {folder}", flush=True)
+            tmp = folder.with_name(folder.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tok.train_bpe(_train_texts(config), config.train_tokenizer, tmp, progress=progress)
+            tmp.replace(folder)
+    return tok.load(str(folder))
+
+
+def resolve_tokenizer(config: TrainConfig, resuming: bool = False, progress: bool = False) -> tok.Tokenizer:
+    """The run's tokenizer: trained (`--train-tokenizer`, unless a resumed run has its own copy) or loaded
+    (`tokenizer_spec`)."""
+    if config.train_tokenizer is not None and not (
+            resuming and config.out is not None and tok.is_tokenizer_folder(Path(config.out) / RUN_TOKENIZER)):
+        return _trained(config, progress)
+    return tok.load(tokenizer_spec(config, resuming))
+
+
+def check_vocabulary(config: TrainConfig, tokenizer: tok.Tokenizer) -> None:
+    """A pretrained model (`--init-from`) must have an embedding row for every id of the tokenizer.
+
+    Raises:
+        ValueError: naming both sizes.
+    """
+    if config.init_from is None:
+        return
+    vocab = _pretrained_vocab(config.init_from)
+    if vocab is not None and vocab < tokenizer.vocab_size:
+        raise ValueError(f"--init-from {config.init_from}: its model has vocab_size {vocab}, but the tokenizer "
+                         f"{tokenizer.name} has {tokenizer.vocab_size} ids; use the tokenizer the model was trained "
+                         f"with (--tokenizer PATH)")
+
+
+def check_saved(config: TrainConfig, tokenizer: tok.Tokenizer, saved: Optional[dict[str, Any]]) -> None:
+    """A resumed run must tokenize as the saved run did (saved: the checkpoint's settings; a checkpoint without a
+    fingerprint was written by a byte-level run).
+
+    Raises:
+        ValueError: naming the saved tokenizer and this one.
+    """
+    if saved is None:
+        return
+    was = saved.get("tokenizer_fingerprint") or tok.BYTES
+    if was != tokenizer.fingerprint:
+        before = saved.get("tokenizer") or tok.BYTES
+        raise ValueError(f"--tokenizer: the checkpoint in --out {config.out} was trained with the tokenizer {before}, "
+                         f"this run's is {tokenizer.name} (another vocabulary or tokenization); resume with the saved "
+                         f"run's tokenizer, or use another --out")
+
+
+def _token_stream(config: TrainConfig, tokenizer: tok.Tokenizer, progress: bool) -> tuple[np.ndarray, dict]:
+    from shardfusion.train.token_cache import cache_folder, cached_tokens
+    return cached_tokens(_files(config), tokenizer, text_field=config.text_field, max_bytes=config.data_bytes,
+                         folder=cache_folder(config.data, config.data_cache), progress=progress,
+                         where=where(config))
+
+
+def check_stream(config: TrainConfig, n_tokens: int, meta: dict) -> None:
+    """Each split of the token stream must hold one window of seq_len + 1 tokens.
+
+    Raises:
+        ValueError: naming the corpus, its tokens and what a window needs.
+    """
+    from shardfusion.train.data import min_corpus_bytes, split_sizes
+    seq_len = config.model_config().seq_len
+    need = min_corpus_bytes(seq_len)
+    if meta.get("documents", 1) == 0:
+        raise ValueError(f"{where(config)} holds no documents; pass --data with a non-empty text, JSON Lines or "
+                         f"Parquet file or folder")
+    if n_tokens < need:
+        n_train, n_val = split_sizes(n_tokens) if n_tokens > 1 else (n_tokens, 0)
+        raise ValueError(f"{where(config)} holds only {n_tokens} tokens ({meta.get('documents')} documents), which "
+                         f"split into {n_train} train / {n_val} val tokens, but each split needs seq_len + 1 = "
+                         f"{seq_len + 1} tokens (a corpus of >= {need} tokens); use more data or a smaller --seq-len")
+
+
+def prepare(config: TrainConfig, saved: Optional[dict[str, Any]] = None, progress: bool = True) -> TrainConfig:
+    """Before any worker starts: resolve and load the tokenizer (training it with `--train-tokenizer`), check it
+    against the pretrained model and the resumed checkpoint, tokenize the corpus into the cache (unless the run
+    reads plain bytes, which `check_run` checked) and check its size. Returns ``config`` with `tokenizer` set to the
+    resolved one (bytes or a path), `vocab_size` and `tokenizer_fingerprint`.
+
+    Raises:
+        ValueError: one line naming the flag (see the functions above and `shardfusion.train.documents`).
+    """
+    tokenizer = resolve_tokenizer(config, resuming=saved is not None, progress=progress)
+    check_vocabulary(config, tokenizer)
+    check_saved(config, tokenizer, saved)
+    resolved = dataclasses.replace(config, tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size,
+                                   tokenizer_fingerprint=tokenizer.fingerprint)
+    if not plain_bytes(resolved):
+        stream, meta = _token_stream(resolved, tokenizer, progress)
+        check_stream(resolved, len(stream), meta)
+    return resolved
+
+
+def load_splits(config: TrainConfig, tokenizer: tok.Tokenizer) -> tuple[Any, Any, dict]:
+    """(train, val, info) of a `prepare`d config: 1-D uint8 tensors for plain bytes, else read-only numpy views of
+    the cached stream; info: {"tokens", "documents", "text_bytes", "cache"} (documents and cache None for bytes)."""
+    from shardfusion.train.data import load_corpus, split_corpus
+    if plain_bytes(config):
+        train, val = split_corpus(load_corpus(config.data, config.data_bytes))
+        n = len(train) + len(val)
+        return train, val, {"tokens": n, "documents": None, "text_bytes": n, "cache": None}
+    stream, meta = _token_stream(config, tokenizer, progress=False)
+    train, val = split_corpus(stream)
+    return train, val, {"tokens": len(stream), "documents": meta["documents"], "text_bytes": meta["text_bytes"],
+                        "cache": meta["path"]}
+
+
+def save_run_tokenizer(out: Path, tokenizer: tok.Tokenizer) -> Optional[Path]:
+    """Rank 0, at the start of a run, after `open_outputs`: copy a non-byte tokenizer to OUT/tokenizer (unless it
+    is already the one there), so the run folder holds what its checkpoints need to be used; returns the folder
+    (None for bytes). A different tokenizer already there is moved to OUT/tokenizer.earlier-<n>, not deleted."""
+    if tokenizer.is_bytes:
+        return None
+    folder = out / RUN_TOKENIZER
+    if tok.is_tokenizer_folder(folder) and tok.load(str(folder)).fingerprint == tokenizer.fingerprint:
+        return folder
+    tmp = out / (RUN_TOKENIZER + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer.save(tmp)
+    if folder.exists():  # a tokenizer of another run: kept aside
+        n = 1
+        while (out / f"{RUN_TOKENIZER}.earlier-{n}").exists():
+            n += 1
+        folder.replace(out / f"{RUN_TOKENIZER}.earlier-{n}")
+    tmp.replace(folder)
+    return folder

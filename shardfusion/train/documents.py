@@ -1,0 +1,128 @@
+"""The documents of a corpus (`--data`): text files, JSON Lines and Parquet, read in a fixed order.
+
+`--data` is a file or a folder; a folder's files are taken recursively, sorted by relative path, hidden files and
+folders (a name starting with ".", such as the token cache `.shardfusion-tokens`) left out. Each file is read by
+its suffix:
+
+- ``.jsonl`` / ``.ndjson``: JSON Lines, one object per line, its `--text-field` (default "text") a document; blank
+  lines are skipped.
+- ``.parquet``: a Parquet table (pyarrow, an optional extra: ``pip install 'shardfusion[data]'``), its
+  `--text-field` column, one document per row, read a row group at a time.
+- anything else: text, the whole file one document (UTF-8; invalid bytes become U+FFFD).
+
+`documents` yields the documents in that order, stopping after the one that reaches `max_bytes` bytes of text, and
+raises a one-line ValueError naming --data, the file and (for JSON Lines) the line for input it cannot use. The
+training job tokenizes them once into a token cache (`shardfusion.train.token_cache`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+DATA_INSTALL_HINT = "pip install 'shardfusion[data]'"
+
+
+def is_structured(path: Path) -> bool:
+    """Whether the file holds documents of its own (JSON Lines or Parquet) rather than one text."""
+    return path.suffix.lower() in JSONL_SUFFIXES + PARQUET_SUFFIXES
+
+
+def data_files(root: Path) -> list[Path]:
+    """The files of `--data root`: root itself if it is a file, else its non-hidden files, recursively, sorted by
+    relative path.
+
+    Raises:
+        FileNotFoundError: root is neither a file nor a folder.
+    """
+    if root.is_file():
+        return [root]
+    if root.is_dir():
+        files = [p for p in root.rglob("*")
+                 if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)]
+        return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    raise FileNotFoundError(f"--data {str(root)!r} is neither a file nor a folder")
+
+
+def _jsonl(path: Path, field: str) -> Iterator[str]:
+    with path.open("r", encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"--data {path} line {number}: not JSON ({error.msg}); a JSON Lines file holds one "
+                                 f"JSON object per line") from None
+            if not isinstance(record, dict) or field not in record:
+                fields = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+                raise ValueError(f"--data {path} line {number}: no {field!r} field (it has: {fields or 'none'}); "
+                                 f"name the text field with --text-field")
+            text = record[field]
+            if not isinstance(text, str):
+                raise ValueError(f"--data {path} line {number}: the {field!r} field is a {type(text).__name__}, "
+                                 f"not a string")
+            yield text
+
+
+def _parquet(path: Path, field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as error:
+        raise ValueError(f"--data {path}: reading Parquet needs pyarrow ({DATA_INSTALL_HINT}): {error}") from None
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as error:  # pyarrow raises ArrowInvalid, OSError, ...
+        raise ValueError(f"--data {path}: cannot read it as Parquet: {str(error).splitlines()[0]}") from None
+    names = table.schema_arrow.names
+    if field not in names:
+        raise ValueError(f"--data {path}: no {field!r} column (it has: {', '.join(names) or 'none'}); name the text "
+                         f"column with --text-field")
+    for group in range(table.num_row_groups):
+        try:
+            column = table.read_row_group(group, columns=[field]).column(0)
+        except Exception as error:
+            raise ValueError(f"--data {path}: cannot read row group {group}: {str(error).splitlines()[0]}") from None
+        for value in column.to_pylist():
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise ValueError(f"--data {path}: the {field!r} column holds {type(value).__name__} values, not "
+                                 f"strings")
+            yield value
+
+
+def _text(path: Path) -> Iterator[str]:
+    try:
+        yield path.read_bytes().decode("utf-8", errors="replace")
+    except OSError as error:
+        raise ValueError(f"--data: cannot read {path}: {error.strerror or error}") from None
+
+
+def file_documents(path: Path, text_field: str) -> Iterator[str]:
+    """The documents of one file, by its suffix (see the module docstring)."""
+    suffix = path.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        return _jsonl(path, text_field)
+    if suffix in PARQUET_SUFFIXES:
+        return _parquet(path, text_field)
+    return _text(path)
+
+
+def documents(files: list[Path], text_field: str, max_bytes: int) -> Iterator[tuple[Path, str]]:
+    """(file, document) of the files in order, until the text read reaches max_bytes UTF-8 bytes (the document
+    that crosses it is the last, whole).
+
+    Raises:
+        ValueError: a file it cannot use (see `file_documents`).
+    """
+    total = 0
+    for path in files:
+        for text in file_documents(path, text_field):
+            yield path, text
+            total += len(text.encode("utf-8"))
+            if total >= max_bytes:
+                return
