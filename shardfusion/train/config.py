@@ -537,7 +537,8 @@ def check_pretrained(config: TrainConfig) -> None:
         raise ValueError(f"{flag} holds a {model_type} model, not --hf-model {config.hf_model}; drop --hf-model (the "
                          f"folder's config.json decides the model) or make them agree")
     vocab = fields.get("vocab_size")
-    if isinstance(vocab, int) and vocab < 256 and data_config.tokenizer_spec(config) == BYTES:
+    spec = data_config.tokenizer_spec(config)  # a folder without a tokenizer: bytes only for a byte vocabulary
+    if isinstance(vocab, int) and vocab < 256 and spec == BYTES:
         raise ValueError(f"{flag}: its vocab_size is {vocab}, but the job's tokens are the 256 byte values")
     positions = fields.get("max_position_embeddings")
     seq_len = config.model_config().seq_len

@@ -143,6 +143,7 @@ def test_hf_flags(capsys: pytest.CaptureFixture) -> None:
 
 def test_init_from_folder_checks(tmp_path: Path) -> None:
     def check(folder: Path, **fields) -> None:
+        fields.setdefault("tokenizer", "bytes")  # the folders below hold no tokenizer
         check_pretrained(TrainConfig(init_from=str(folder), preset="tiny", **fields))
 
     with pytest.raises(ValueError, match="^--init-from .*: cannot read a Hugging Face config.json there"):
@@ -154,6 +155,9 @@ def test_init_from_folder_checks(tmp_path: Path) -> None:
         check(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")
     check(tmp_path)
+    with pytest.raises(ValueError, match=r"holds no tokenizer .* its model's vocabulary is 300, not the 256 bytes: "
+                                         r"pass the tokenizer it was trained with \(--tokenizer PATH\)"):
+        check(tmp_path, tokenizer=None)  # a pretrained vocabulary fed bytes would train nonsense
     check(tmp_path, hf_model="llama")
     with pytest.raises(ValueError, match="holds a llama model, not --hf-model mixtral; drop --hf-model"):
         check(tmp_path, hf_model="mixtral")

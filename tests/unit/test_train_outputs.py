@@ -41,11 +41,11 @@ def test_comm_summary_figures() -> None:
 
 def test_metrics_log_resume_keeps_records_up_to_the_checkpoint(tmp_path: Path) -> None:
     log = MetricsLog(tmp_path)
-    log.log_val(step=0, val_loss=5.0, elapsed_s=0.0)
+    log.log_val(step=0, val_loss=5.0, val_bpb=7.214, elapsed_s=0.0)
     for step in range(1, 9):
         log.log_train(step=step, loss=1.0 / step, grad_norm=1.0, lr=0.1, tokens_per_s=1.0, elapsed_s=step)
-    log.log_val(step=4, val_loss=4.0, elapsed_s=4.0)
-    log.log_val(step=8, val_loss=3.0, elapsed_s=8.0)
+    log.log_val(step=4, val_loss=4.0, val_bpb=5.771, elapsed_s=4.0)
+    log.log_val(step=8, val_loss=3.0, val_bpb=4.328, elapsed_s=8.0)
 
     resumed = MetricsLog(tmp_path, resume_step=5)  # a checkpoint at step 5; steps 6..8 will run again
     assert [r["step"] for r in resumed.train] == [1, 2, 3, 4, 5] and [r["step"] for r in resumed.val] == [0, 4]
