@@ -10,7 +10,7 @@ its suffix:
   `--text-field` column, one document per row, read a row group at a time.
 - anything else: text, the whole file one document (UTF-8; invalid bytes become U+FFFD).
 
-`documents` yields the documents in that order, stopping after the one that reaches `max_bytes` bytes of text, and
+`documents` yields the non-empty documents in that order, stopping after the one that reaches `max_bytes` bytes of text, and
 raises a one-line ValueError naming --data, the file and (for JSON Lines) the line for input it cannot use. The
 training job tokenizes them once into a token cache (`shardfusion.train.token_cache`).
 """
@@ -122,6 +122,8 @@ def documents(files: list[Path], text_field: str, max_bytes: int) -> Iterator[tu
     total = 0
     for path in files:
         for text in file_documents(path, text_field):
+            if not text:
+                continue  # an empty document would be a lone end-of-text token
             yield path, text
             total += len(text.encode("utf-8"))
             if total >= max_bytes:

@@ -107,9 +107,9 @@ def _build(files: list[Path], tokenizer: Tokenizer, text_field: str, max_bytes: 
     try:
         with open(tmp, "wb") as out:
             for batch in _batches(files, text_field, max_bytes):
-                ids = [i for doc in tokenizer.document_ids(batch) for i in doc]
-                out.write(np.asarray(ids, dtype=tokenizer.id_dtype).astype(tokenizer.id_dtype.newbyteorder("<"))
-                          .tobytes())
+                dtype = tokenizer.id_dtype.newbyteorder("<")
+                ids = np.concatenate([np.asarray(doc, dtype=dtype) for doc in tokenizer.document_ids(batch)])
+                out.write(ids.tobytes())
                 size = sum(len(t.encode("utf-8")) for t in batch)
                 counts["tokens"] += len(ids)
                 counts["documents"] += len(batch)
