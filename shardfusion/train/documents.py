@@ -8,7 +8,7 @@ its suffix:
   lines are skipped.
 - ``.parquet``: a Parquet table (pyarrow, an optional extra: ``pip install 'shardfusion[data]'``), its
   `--text-field` column, one document per row, read a row group at a time.
-- anything else: text, the whole file one document (UTF-8; invalid bytes become U+FFFD).
+- anything else: text, the whole file one document (UTF-8; invalid bytes become U+FFFD; an empty file none).
 
 `documents` yields the non-empty documents in that order, stopping after the one that reaches `max_bytes` bytes of text, and
 raises a one-line ValueError naming --data, the file and (for JSON Lines) the line for input it cannot use. The
@@ -97,9 +97,11 @@ def _parquet(path: Path, field: str) -> Iterator[str]:
 
 def _text(path: Path) -> Iterator[str]:
     try:
-        yield path.read_bytes().decode("utf-8", errors="replace")
+        text = path.read_bytes().decode("utf-8", errors="replace")
     except OSError as error:
         raise ValueError(f"--data: cannot read {path}: {error.strerror or error}") from None
+    if text:  # an empty file holds no document
+        yield text
 
 
 def file_documents(path: Path, text_field: str) -> Iterator[str]:

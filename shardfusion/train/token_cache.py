@@ -145,6 +145,9 @@ def cached_tokens(files: list[Path], tokenizer: Tokenizer, *, text_field: str, m
     stem = folder / cache_key(files, tokenizer, text_field, max_bytes)
     meta_path = stem.with_suffix(".json")
     if not meta_path.is_file():
+        if not os.access(folder, os.W_OK | os.X_OK):  # else the lock file's open raises a bare PermissionError
+            raise ValueError(f"--data-cache: cannot write the token cache folder {folder} (permission denied); "
+                             f"pass --data-cache with a writable folder")
         with _locked(stem.with_suffix(".lock")):
             if not meta_path.is_file():  # another process may have built it while this one waited
                 _build(files, tokenizer, text_field, max_bytes, stem, progress, where)

@@ -222,11 +222,11 @@ def load(spec: str) -> Tokenizer:
     if not path.exists():
         raise ValueError(f"{what}: no such file or folder (give a Hugging Face tokenizer folder, a tokenizer.json, "
                          f"or bytes)")
+    if path.is_dir() and not is_tokenizer_folder(path):
+        raise ValueError(f"{what}: the folder holds neither {' nor '.join(TOKENIZER_FILES)}")
     transformers = _import(what, "transformers")
     try:
         if path.is_dir():
-            if not is_tokenizer_folder(path):
-                raise ValueError(f"{what}: the folder holds neither {' nor '.join(TOKENIZER_FILES)}")
             hf = transformers.AutoTokenizer.from_pretrained(str(path))
         else:
             hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
@@ -234,9 +234,7 @@ def load(spec: str) -> Tokenizer:
             eot = next((n for n in EOT_NAMES if n in vocab), None)
             if eot is not None:
                 hf.eos_token = eot
-    except ValueError:
-        raise
-    except Exception as error:  # the libraries raise many kinds; the user needs one line
+    except Exception as error:  # the libraries raise many kinds (ValueError too); the user needs one line
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"{what}: cannot load it as a Hugging Face tokenizer: {first}") from None
     return _wrap(hf, str(spec))

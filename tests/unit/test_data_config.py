@@ -1,0 +1,206 @@
+"""The data section of the training job (shardfusion.train.data_config): flag checks, which tokenizer a run gets,
+the checks against a pretrained model and a resumed checkpoint, `prepare` and `load_splits` on both paths (plain
+bytes, the token cache), the run's tokenizer copy, and the batch sampler over a numpy token stream."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("transformers")
+
+from shardfusion.train import data_config as dc  # noqa: E402
+from shardfusion.train import tokenizer as tk  # noqa: E402
+from shardfusion.train.config import TrainConfig  # noqa: E402
+from shardfusion.train.data import BatchSampler, min_corpus_bytes, split_corpus  # noqa: E402
+
+DOCS = [f"record {i}: a small document about cats and hats, ☃\n" for i in range(80)]  # ~4 kB of text
+
+
+@pytest.fixture(scope="module")
+def bpe_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("bpe")
+    tk.train_bpe(lambda: iter(DOCS), 300, folder)
+    return folder
+
+
+def jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+def pretrained(folder: Path, vocab_size: int, tokenizer_from: Path | None = None) -> str:
+    """An --init-from folder: a config.json with vocab_size, and the tokenizer files of tokenizer_from if given."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": vocab_size}))
+    if tokenizer_from is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (folder / name).write_bytes((tokenizer_from / name).read_bytes())
+    return str(folder)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"train_tokenizer": 256}, ["--train-tokenizer 256 is too small", "257"]),
+    ({"train_tokenizer": 300, "tokenizer": "bytes"}, ["--train-tokenizer 300 with --tokenizer bytes"]),
+    ({"train_tokenizer": 300, "init_from": "m"}, ["--train-tokenizer with --init-from m"]),
+    ({"text_field": ""}, ["--text-field"]),
+    ({"data_bytes": 0}, ["--data-bytes must be >= 1"]),
+])
+def test_check_flags_refusals(fields: dict, words: list[str]) -> None:
+    """check_flags refuses a BPE of < 257 ids, --train-tokenizer with --tokenizer or with --init-from, an empty
+    --text-field and --data-bytes < 1, each in one line naming the flags; TrainConfig.validate runs it."""
+    config = TrainConfig(**fields)
+    with pytest.raises(ValueError) as caught:
+        dc.check_flags(config)
+    assert "\n" not in str(caught.value) and all(w in str(caught.value) for w in words), str(caught.value)
+    dc.check_flags(TrainConfig(train_tokenizer=257))
+    with pytest.raises(ValueError, match="--train-tokenizer 256"):
+        TrainConfig(train_tokenizer=256).validate()
+
+
+def test_tokenizer_spec_defaults(tmp_path: Path, bpe_folder: Path) -> None:
+    """Without --tokenizer: bytes; an --init-from folder with a tokenizer gives that folder; one without a tokenizer
+    gives bytes if its vocabulary is 256, else a one-line error naming --init-from and its vocabulary; a resumed run
+    takes OUT/tokenizer; --tokenizer always wins."""
+    assert dc.tokenizer_spec(TrainConfig()) == "bytes"
+    with_tok = pretrained(tmp_path / "with", 300, bpe_folder)
+    assert dc.tokenizer_spec(TrainConfig(init_from=with_tok)) == with_tok
+    assert dc.tokenizer_spec(TrainConfig(init_from=pretrained(tmp_path / "b256", 256))) == "bytes"
+    big = pretrained(tmp_path / "v1000", 1000)
+    with pytest.raises(ValueError) as caught:
+        dc.tokenizer_spec(TrainConfig(init_from=big))
+    assert "\n" not in str(caught.value) and f"--init-from {big}" in str(caught.value) and "1000" in str(caught.value)
+    assert dc.tokenizer_spec(TrainConfig(init_from=big, tokenizer="bytes")) == "bytes"
+    out = tmp_path / "out"
+    tk.load(str(bpe_folder)).save(out / "tokenizer")
+    assert dc.tokenizer_spec(TrainConfig(out=str(out)), resuming=True) == str(out / "tokenizer")
+    assert dc.tokenizer_spec(TrainConfig(out=str(out)), resuming=False) == "bytes"
+
+
+def test_check_vocabulary(tmp_path: Path, bpe_folder: Path) -> None:
+    """A tokenizer with more ids than the pretrained model's vocab_size is refused, naming both numbers; as many
+    or fewer ids pass; without --init-from nothing is checked."""
+    t = tk.load(str(bpe_folder))
+    small = pretrained(tmp_path / "small", t.vocab_size - 20)
+    with pytest.raises(ValueError) as caught:
+        dc.check_vocabulary(TrainConfig(init_from=small, tokenizer=str(bpe_folder)), t)
+    message = str(caught.value)
+    assert f"vocab_size {t.vocab_size - 20}" in message and f"has {t.vocab_size} ids" in message, message
+    dc.check_vocabulary(TrainConfig(init_from=pretrained(tmp_path / "same", t.vocab_size)), t)
+    dc.check_vocabulary(TrainConfig(init_from=pretrained(tmp_path / "larger", 4096)), t)
+    dc.check_vocabulary(TrainConfig(), t)
+
+
+def test_check_saved(bpe_folder: Path) -> None:
+    """A resumed checkpoint of another tokenizer is refused, naming it and this run's; one without a fingerprint
+    (an older byte-level run) resumes with bytes only; the same fingerprint resumes."""
+    bpe, byte = tk.load(str(bpe_folder)), tk.byte_tokenizer()
+    config = TrainConfig(out="runs/x")
+    with pytest.raises(ValueError, match=r"^--tokenizer: the checkpoint in --out runs/x .* tokenizer bytes"):
+        dc.check_saved(config, bpe, {"lr": 1.0})
+    with pytest.raises(ValueError, match="trained with the tokenizer /old/tok, this run's is bytes"):
+        dc.check_saved(config, byte, {"tokenizer": "/old/tok", "tokenizer_fingerprint": bpe.fingerprint})
+    dc.check_saved(config, byte, {"lr": 1.0})
+    dc.check_saved(config, bpe, {"tokenizer_fingerprint": bpe.fingerprint})
+    dc.check_saved(config, bpe, None)
+
+
+def test_prepare_plain_bytes_keeps_the_old_path(tmp_path: Path) -> None:
+    """Text files with bytes: prepare resolves bytes (vocabulary 256) and creates no cache folder; load_splits gives
+    uint8 tensors that are the file's bytes, split at the end."""
+    data = tmp_path / "corpus.txt"
+    data.write_text("".join(DOCS), encoding="utf-8")
+    config = dc.prepare(TrainConfig(data=str(data), seq_len=16), progress=False)
+    assert (config.tokenizer, config.vocab_size, config.tokenizer_fingerprint) == ("bytes", 256, "bytes")
+    assert dc.plain_bytes(config) and not (tmp_path / ".shardfusion-tokens").exists()
+    train, val, info = dc.load_splits(config, tk.byte_tokenizer())
+    assert train.dtype == val.dtype == torch.uint8
+    assert bytes(torch.cat([train, val]).tolist()) == data.read_bytes()
+    assert info == {"tokens": len(data.read_bytes()), "documents": None, "text_bytes": len(data.read_bytes()),
+                    "cache": None}
+    assert list(tmp_path.iterdir()) == [data]
+
+
+def test_prepare_jsonl_with_a_tokenizer(tmp_path: Path, bpe_folder: Path) -> None:
+    """JSON Lines with a BPE: prepare sets the tokenizer's vocabulary and fingerprint and builds the cache beside
+    the data; load_splits' train + val is the packed stream (ids then eot per document, by the HF tokenizer)."""
+    data = jsonl(tmp_path / "docs.jsonl", DOCS)
+    t = tk.load(str(bpe_folder))
+    config = dc.prepare(TrainConfig(data=str(data), tokenizer=str(bpe_folder), seq_len=16), progress=False)
+    assert (config.vocab_size, config.tokenizer_fingerprint) == (t.vocab_size, t.fingerprint)
+    assert config.model_config().vocab_size == t.vocab_size
+    train, val, info = dc.load_splits(config, t)
+    expected = [i for d in DOCS for i in [*t.hf.encode(d, add_special_tokens=False), t.eot_id]]
+    assert isinstance(train, np.ndarray) and np.concatenate([train, val]).tolist() == expected
+    assert info["documents"] == len(DOCS) and Path(info["cache"]).parent == tmp_path / ".shardfusion-tokens"
+
+
+def test_prepare_refuses_too_small_corpora(tmp_path: Path) -> None:
+    """A corpus that tokenizes to fewer tokens than a window per split needs is refused, naming its tokens and
+    --seq-len; a corpus of empty files is refused as holding no documents."""
+    data = jsonl(tmp_path / "tiny.jsonl", ["abc", "de"])  # 4 + 3 byte tokens with the eots
+    with pytest.raises(ValueError) as caught:
+        dc.prepare(TrainConfig(data=str(data), seq_len=16), progress=False)
+    message = str(caught.value)
+    assert "holds only 7 tokens (2 documents)" in message and f">= {min_corpus_bytes(16)} tokens" in message
+    assert "--seq-len" in message and "\n" not in message
+    (tmp_path / "empty").mkdir()
+    jsonl(tmp_path / "empty" / "a.jsonl", [])
+    (tmp_path / "empty" / "b.txt").write_text("")
+    with pytest.raises(ValueError, match="holds no documents"):
+        dc.prepare(TrainConfig(data=str(tmp_path / "empty"), tokenizer="bytes", seq_len=16), progress=False)
+
+
+def test_prepare_trains_a_tokenizer_once(tmp_path: Path, monkeypatch) -> None:
+    """--train-tokenizer N trains a BPE of <= N ids into the cache folder and runs with it; a second prepare of the
+    same corpus reuses it without training; a resume against another fingerprint is refused."""
+    data = jsonl(tmp_path / "docs.jsonl", DOCS)
+    first = dc.prepare(TrainConfig(data=str(data), train_tokenizer=290, seq_len=16), progress=False)
+    assert Path(first.tokenizer).parent == tmp_path / ".shardfusion-tokens" and 257 <= first.vocab_size <= 290
+    monkeypatch.setattr(tk, "train_bpe", lambda *a, **k: pytest.fail("trained again"))
+    again = dc.prepare(TrainConfig(data=str(data), train_tokenizer=290, seq_len=16), progress=False)
+    assert (again.tokenizer, again.tokenizer_fingerprint) == (first.tokenizer, first.tokenizer_fingerprint)
+    with pytest.raises(ValueError, match="^--tokenizer: the checkpoint"):
+        dc.prepare(TrainConfig(data=str(data), train_tokenizer=290, seq_len=16, out=str(tmp_path / "o")),
+                   saved={"tokenizer_fingerprint": "another"}, progress=False)
+
+
+def test_save_run_tokenizer(tmp_path: Path, bpe_folder: Path) -> None:
+    """Bytes write nothing; a BPE is copied to OUT/tokenizer (same fingerprint when loaded), kept as is on a second
+    call, and another tokenizer moves it to OUT/tokenizer.earlier-1."""
+    assert dc.save_run_tokenizer(tmp_path, tk.byte_tokenizer()) is None and not list(tmp_path.iterdir())
+    bpe = tk.load(str(bpe_folder))
+    folder = dc.save_run_tokenizer(tmp_path, bpe)
+    assert folder == tmp_path / "tokenizer" and tk.load(str(folder)).fingerprint == bpe.fingerprint
+    assert dc.save_run_tokenizer(tmp_path, bpe) == folder and not (tmp_path / "tokenizer.earlier-1").exists()
+    other = tk.train_bpe(lambda: iter(DOCS[:10]), 270, tmp_path / "other")
+    dc.save_run_tokenizer(tmp_path, other)
+    assert tk.load(str(tmp_path / "tokenizer")).fingerprint == other.fingerprint
+    assert tk.load(str(tmp_path / "tokenizer.earlier-1")).fingerprint == bpe.fingerprint
+
+
+def test_batch_sampler_over_a_numpy_stream() -> None:
+    """Over a uint16 numpy stream the sampler gives the same int64 windows as over a torch tensor of the same
+    values and seed; each window is the stream sliced at its start (inputs) and one later (targets);
+    val_bytes_per_token is 1.0 for bytes and the table's mean where every id has the same length."""
+    values = np.arange(3000, dtype=np.uint16) * 7 % 5000  # distinct values: a window's first value is its start
+    train_np, val_np = split_corpus(values)
+    train_t, val_t = split_corpus(torch.from_numpy(values.astype(np.int64)))
+    make = lambda train, val: BatchSampler(train=train, val=val, batch_size=3, seq_len=8, seed=5, dp_world=2)  # noqa
+    over_np, over_t = make(train_np, val_np), make(train_t, val_t)
+    for split, step in (("train", 0), ("train", 4), ("val", 1)):
+        a, b = over_np.get_batch(split, step), over_t.get_batch(split, step)
+        assert a[0].dtype == torch.int64 and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        source = train_np if split == "train" else val_np
+        for row_in, row_out in zip(*a):
+            start = int(np.flatnonzero(source == row_in[0].item())[0])
+            assert row_in.tolist() == source[start:start + 8].tolist()
+            assert row_out.tolist() == source[start + 1:start + 9].tolist()
+    assert torch.equal(over_np.global_batch(2)[0], over_t.global_batch(2)[0])
+    byte_stream = np.frombuffer("".join(DOCS).encode(), dtype=np.uint8)
+    byte_sampler = make(*split_corpus(byte_stream))
+    assert byte_sampler.val_bytes_per_token(tk.byte_tokenizer().token_bytes(), 4) == 1.0
+    assert byte_sampler.val_bytes_per_token(np.full(256, 3), 4) == 3.0

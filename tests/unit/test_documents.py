@@ -1,0 +1,136 @@
+"""The corpus readers (shardfusion.train.documents): text, JSON Lines and Parquet files, folders in path order
+without hidden entries, the byte cap, and the one-line errors that name --data, the file and the line."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardfusion.train.documents import data_files, documents, file_documents
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+
+def read(path: Path, field: str = "text") -> list[str]:
+    return list(file_documents(path, field))
+
+
+def error_of(path: Path, field: str = "text") -> str:
+    """The message of the ValueError that reading `path` raises; it must be one line naming --data and the file."""
+    with pytest.raises(ValueError) as caught:
+        read(path, field)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("--data") and str(path) in message, message
+    return message
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def test_jsonl_text_field_and_blank_lines(tmp_path: Path) -> None:
+    """JSON Lines: each object's "text" is a document, in file order, other fields ignored; blank and
+    whitespace-only lines are skipped; a custom --text-field reads another field; .ndjson is JSON Lines too."""
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"text": "first", "id": 1}\n\n   \n{"text": "sé\\ncond ☃"}\n{"id": 3, "text": ""}\n',
+                    encoding="utf-8")
+    assert read(path) == ["first", "sé\ncond ☃", ""]
+    custom = write_jsonl(tmp_path / "b.ndjson", [{"body": "x", "text": 1}, {"body": "y"}])
+    assert read(custom, "body") == ["x", "y"]
+
+
+def test_jsonl_errors_name_the_line(tmp_path: Path) -> None:
+    """A missing field names the line number (blank lines counted) and the fields the line has; a line that is not
+    JSON, a JSON value that is not an object, and a field that is not a string are refused with their line."""
+    path = tmp_path / "missing.jsonl"
+    path.write_text('{"text": "ok"}\n\n{"title": "t", "body": "b"}\n')
+    message = error_of(path)
+    assert "line 3" in message and "'text'" in message and "title, body" in message and "--text-field" in message
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
+    assert "line 2: not JSON" in error_of(tmp_path / "bad.jsonl")
+    write_jsonl(tmp_path / "list.jsonl", [[1, 2]])
+    assert "line 1" in error_of(tmp_path / "list.jsonl")
+    write_jsonl(tmp_path / "num.jsonl", [{"text": "a"}, {"text": 7}])
+    message = error_of(tmp_path / "num.jsonl")
+    assert "line 2" in message and "int" in message and "not a string" in message
+
+
+def test_parquet_row_groups_and_nulls(tmp_path: Path) -> None:
+    """Parquet: the text column's rows in order across several row groups, a null row skipped, other columns
+    ignored; --text-field picks another column."""
+    rows = [f"document {i} ☃" for i in range(7)]
+    values = rows[:3] + [None] + rows[3:]
+    path = tmp_path / "data.parquet"
+    pq.write_table(pa.table({"id": list(range(8)), "text": values, "alt": [str(i) for i in range(8)]}), path,
+                   row_group_size=3)
+    assert pq.ParquetFile(path).num_row_groups == 3
+    assert read(path) == rows
+    assert read(path, "alt") == [str(i) for i in range(8)]
+
+
+def test_parquet_errors(tmp_path: Path) -> None:
+    """A missing column names the columns there are; a non-string column, a text file named .parquet, an empty
+    .parquet and a truncated one give one-line errors naming the file."""
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"title": ["a"], "n": [1]}), path)
+    message = error_of(path)
+    assert "'text'" in message and "title, n" in message and "--text-field" in message
+    assert "not strings" in error_of(path, "n")
+    (tmp_path / "x.parquet").write_text("some text, not Parquet\n" * 20)
+    assert "cannot read it as Parquet" in error_of(tmp_path / "x.parquet")
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    assert "cannot read it as Parquet" in error_of(tmp_path / "empty.parquet")
+    good = path.read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(good[: len(good) // 2])
+    assert "cannot read" in error_of(tmp_path / "cut.parquet")
+
+
+def test_empty_files_hold_no_documents(tmp_path: Path) -> None:
+    """An empty text file, an empty JSON Lines file (or one of blank lines) and a Parquet table of no rows yield no
+    document."""
+    (tmp_path / "e.txt").write_bytes(b"")
+    (tmp_path / "e.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n \n")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "e.parquet")
+    for name in ("e.txt", "e.jsonl", "blank.jsonl", "e.parquet"):
+        assert read(tmp_path / name) == [], name
+
+
+def test_text_files_are_one_document(tmp_path: Path) -> None:
+    """Any other suffix is text: the whole file one document, UTF-8, invalid bytes become U+FFFD."""
+    (tmp_path / "a.py").write_bytes("line 1\nline ☃\n".encode() + b"\xff")
+    assert read(tmp_path / "a.py") == ["line 1\nline ☃\n\ufffd"]
+
+
+def test_folder_order_and_hidden_entries(tmp_path: Path) -> None:
+    """A folder's files, recursively, sorted by relative path as a string ("a.txt" < "a/b.jsonl" < "a_c.txt"),
+    hidden files and hidden folders (the token cache .shardfusion-tokens, .git) left out; a file is its own list;
+    a missing path raises FileNotFoundError naming --data."""
+    for rel in ("b/z.txt", "a.txt", "a/b.jsonl", "a_c.txt", ".hidden.txt", ".shardfusion-tokens/x.tokens",
+                ".git/config", "b/.env"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text('{"text": "j"}\n' if rel.endswith(".jsonl") else rel)
+    assert [p.relative_to(tmp_path).as_posix() for p in data_files(tmp_path)] == [
+        "a.txt", "a/b.jsonl", "a_c.txt", "b/z.txt"]
+    assert data_files(tmp_path / "a.txt") == [tmp_path / "a.txt"]
+    docs = [(p.name, t) for p, t in documents(data_files(tmp_path), "text", 10**6)]
+    assert docs == [("a.txt", "a.txt"), ("b.jsonl", "j"), ("a_c.txt", "a_c.txt"), ("z.txt", "b/z.txt")]
+    with pytest.raises(FileNotFoundError, match="--data"):
+        data_files(tmp_path / "nowhere")
+
+
+def test_max_bytes_cap(tmp_path: Path) -> None:
+    """`documents` stops after the whole document whose UTF-8 bytes reach the cap (counted in bytes, not
+    characters), across files; files after it are not opened."""
+    write_jsonl(tmp_path / "1.jsonl", [{"text": "é" * 5}, {"text": "abcd"}, {"text": "xyz"}])  # 10, 4, 3 bytes
+    (tmp_path / "2.jsonl").write_text("not json at all\n")
+    files = data_files(tmp_path)
+    texts = lambda cap: [t for _, t in documents(files, "text", cap)]  # noqa: E731
+    assert texts(1) == ["é" * 5]
+    assert texts(10) == ["é" * 5]
+    assert texts(11) == ["é" * 5, "abcd"]
+    assert texts(17) == ["é" * 5, "abcd", "xyz"]
+    with pytest.raises(ValueError, match="2.jsonl line 1"):
+        texts(18)
