@@ -50,12 +50,18 @@ CHECKPOINT_DIR = "checkpoints"
 
 RESUME_FIELDS = ("seed", "steps", "lr", "min_lr", "warmup", "weight_decay", "clip", "global_batch_size",
                  "grad_accum", "aux_loss_coef", "data", "data_bytes", "dropout", "param_dtype", "grad_comm_dtype",
-                 "outer_comm_dtype", "expert_policy", "device", "hf_model", "init_from", "optimizer", "muon_lr")
+                 "outer_comm_dtype", "expert_policy", "device", "hf_model", "init_from", "optimizer", "muon_lr",
+                 "text_field")
 """TrainConfig fields that decide the learning rate schedule, the data order, the loss or the arithmetic (dtypes,
 device, where expert gradients are summed): a resume with other values continues, but not as the saved run would
 have. The per-rank batch_size is not one of them (it follows from the global one and the world size), except for
 a checkpoint of the per-rank data order, whose saved batch_size is compared too. `optimizer` is not merely compared:
 a resume with another one is refused (`check_optimizer`)."""
+
+SAVED_TOKENIZER_FIELDS = ("tokenizer", "tokenizer_fingerprint", "train_tokenizer")
+"""TrainConfig fields saved beside `RESUME_FIELDS` but not compared by `restore`: the tokenizer a resume must use.
+Its path may change (a resumed run reads its own OUT/tokenizer), so `shardfusion.train.data_config.check_saved`
+compares the fingerprint instead, before any worker starts."""
 
 SAVED_OPTIMIZER_DEFAULT = "adamw"
 """The optimizer of a checkpoint whose settings name none (written before --optimizer existed: AdamW)."""
@@ -191,7 +197,8 @@ def save(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.opti
             written, a disk full).
     """
     extra = {"step": step, "elapsed_s": elapsed_s, "world_size": dist.get_world_size(), "layout": layout,
-             **model_extra, "config": {name: getattr(config, name) for name in RESUME_FIELDS},
+             **model_extra,
+             "config": {name: getattr(config, name) for name in RESUME_FIELDS + SAVED_TOKENIZER_FIELDS},
              "data_order": data_order}
     return ckpt.save_checkpoint(model, list(optimizers), os.path.join(out, CHECKPOINT_DIR), step, keep=keep,
                                 extra=extra, rank_state=rng_state(device))
