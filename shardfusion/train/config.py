@@ -24,8 +24,9 @@ from shardfusion.train.data import corpus_size, min_corpus_bytes, split_sizes
 from shardfusion.models.gpt import PRESETS, VOCAB_SIZE, GPTConfig
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_POLICIES
 from shardfusion.train.hf_models import HF_MODELS
-from shardfusion.train import data_config, pipeline_config
+from shardfusion.train import data_config, ft_config, pipeline_config
 from shardfusion.train.data_config import DataConfig
+from shardfusion.train.ft_config import FTConfig
 from shardfusion.train.tokenizer import BYTES
 from shardfusion.train.pipeline_config import PipelineConfig
 from shardfusion.plan import parse_bytes
@@ -71,14 +72,15 @@ def memory_arg(text: str) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig(PipelineConfig, DataConfig):
+class TrainConfig(PipelineConfig, DataConfig, FTConfig):
     """Everything one training run depends on; written to OUT/config.json.
 
     Sections owned by other modules are base classes, whose fields are flags like these and whose checks live with
     them: `PipelineConfig` (--pp, --pp-schedule, --stages-per-rank, --microbatches;
-    `shardfusion.train.pipeline_config`) and `DataConfig` (--data, --data-bytes, --tokenizer, --train-tokenizer,
-    --text-field, --data-cache; `shardfusion.train.data_config`). A field with ``metadata={"flag": False}`` is set at
-    run time, not on the command line.
+    `shardfusion.train.pipeline_config`), `DataConfig` (--data, --data-bytes, --tokenizer, --train-tokenizer,
+    --text-field, --data-cache; `shardfusion.train.data_config`) and `FTConfig` (--ft-lighthouse, --ft-replica-id,
+    --ft-replicas, --ft-min-replicas, --ft-join-wait, --ft-timeout, --ft-host; `shardfusion.train.ft_config`). A field with
+    ``metadata={"flag": False}`` is set at run time, not on the command line.
     """
 
     preset: str = "small"
@@ -350,6 +352,7 @@ class TrainConfig(PipelineConfig, DataConfig):
             raise ValueError(f"--reshard-policy must be {' or '.join(RESHARD_POLICIES)}, got {self.reshard_policy!r}")
         pipeline_config.check_flags(self)  # the pipeline section's own checks
         data_config.check_flags(self)  # the data section's
+        ft_config.check_flags(self)  # the fault-tolerance section's
 
 
 DEFAULT_WARMUP = 20
@@ -367,6 +370,12 @@ def data_parallel_size(config: TrainConfig, world_size: int) -> int:
     not divide it (check_run reports that)."""
     split = max(1, config.pp) * max(1, config.mp) * max(1, config.cp)
     return world_size // split if world_size % split == 0 else world_size
+
+
+def batch_world(config: TrainConfig, world_size: int) -> int:
+    """The ranks the global batch is cut for: `data_parallel_size`, times --ft-replicas with fault tolerance (each
+    replica group of world_size ranks takes its share; `shardfusion.train.ft_config.data_slices`)."""
+    return data_parallel_size(config, world_size) * ft_config.replicas(config)
 
 
 def check_batch(config: TrainConfig, *, dp_world: int, world: str) -> None:
@@ -424,7 +433,7 @@ def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
     pp = config.pp
     split = "".join(f" / {flag} {degree}" for flag, degree in (("--pp", pp), ("--mp", mp), ("--cp", cp))
                     if degree > 1)
-    check_batch(config, dp_world=data_parallel_size(config, world_size), world=world + split)
+    check_batch(config, dp_world=batch_world(config, world_size), world=world + split)
     with_mp = "".join(f" with {flag} {degree}" for flag, degree in (("--pp", pp), ("--mp", mp), ("--cp", cp))
                       if degree > 1)
     try:
@@ -599,7 +608,7 @@ def resolve(config: TrainConfig, *, device: str, world_size: int,
         moe_sharding = sharding // ep if sharding % ep == 0 else sharding
         outer = 2 if world_size // max(1, config.pp) >= 4 and moe_sharding % 2 == 0 else 1
     out = config.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
-    config = resolve_batch(config, dp_world=data_parallel_size(config, world_size), saved=saved)
+    config = resolve_batch(config, dp_world=batch_world(config, world_size), saved=saved)
     return dataclasses.replace(config, device=device, ep=ep, fsdp_outer_degree=outer, out=out,
                                warmup=warmup_steps(config, saved), **pipeline_config.resolve(config))
 

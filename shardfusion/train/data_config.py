@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -289,9 +290,12 @@ def save_run_tokenizer(out: Path, tokenizer: tok.Tokenizer) -> Optional[Path]:
     folder = out / RUN_TOKENIZER
     if tok.is_tokenizer_folder(folder) and tok.load(str(folder)).fingerprint == tokenizer.fingerprint:
         return folder
-    tmp = out / (RUN_TOKENIZER + ".tmp")
+    tmp = out / f"{RUN_TOKENIZER}.tmp-{os.getpid()}"  # of this process: fault-tolerant replica groups share OUT
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer.save(tmp)
+    if tok.is_tokenizer_folder(folder) and tok.load(str(folder)).fingerprint == tokenizer.fingerprint:
+        shutil.rmtree(tmp, ignore_errors=True)  # another replica group wrote the same one meanwhile
+        return folder
     if folder.exists():  # a tokenizer of another run: kept aside
         n = 1
         while (out / f"{RUN_TOKENIZER}.earlier-{n}").exists():

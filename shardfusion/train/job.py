@@ -52,7 +52,7 @@ from shardfusion.train.launch import (cpu_cores, default_nproc, exit_now, init_w
                                       pick_device, restart_problem, threads_per_worker, under_torchrun)
 from shardfusion.train.metrics import (MetricsLog, comm_step_record, expert_balance, format_summary, plot_losses,
                                  summarize)
-from shardfusion.train import data_config, job_model, job_pipeline, pipeline_config
+from shardfusion.train import data_config, ft_config, job_ft, job_model, job_pipeline, pipeline_config
 from shardfusion.train import tokenizer as tokenizers
 from shardfusion.train.job_model import JobModel, Losses
 from shardfusion.train.outputs import open_outputs
@@ -239,15 +239,16 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     dist.broadcast_object_list(shared, src=0)  # under torchrun each rank made its own timestamp: use rank 0's
     config = dataclasses.replace(config, out=shared[0])
     is_main = rank == 0
-    out = Path(config.out)
+    out = Path(ft_config.outputs_folder(config, config.out))  # metrics, summary; checkpoints in config.out
     if config.fsdp_outer_degree == AUTO:  # the cost model's choice, an int from here on (config.json records it)
         config = dataclasses.replace(config, fsdp_outer_degree=plan_outer_degree(config, device, world))
 
     topo = sf.Topology(fsdp_outer_degree=config.fsdp_outer_degree, ep=config.ep, mp=config.mp, cp=config.cp,
                        pp=config.pp)
     # the same ValueError on every rank, before the model is built (preflight ran it against the world size)
-    check_batch(config, dp_world=topo.dp * topo.sharding,
-                world=f"dp {topo.dp} x sharding {topo.sharding} of {world} ranks")
+    check_batch(config, dp_world=topo.dp * topo.sharding * ft_config.replicas(config),
+                world=f"dp {topo.dp} x sharding {topo.sharding} of {world} ranks"
+                      + (f" x --ft-replicas {config.ft_replicas}" if ft_config.enabled(config) else ""))
     job = job_model.build(config, topo.get_group("ep"), device, mp_mesh=topo.get_mesh("mp"),
                           context_group=topo.get_group("context"))
     moe, num_params, num_active = job.moe, job.num_params, job.num_active
@@ -292,13 +293,19 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
                   f"{hint}; outputs in {out} are kept", flush=True)
         return None
 
-    dp_world = topo.dp * topo.sharding
     context = (topo.context_rank, topo.sep * topo.cp)  # each context rank takes its part of every sequence
     tokenizer = tokenizers.load(config.tokenizer or tokenizers.BYTES)  # resolved by data_config.prepare
     train_data, val_data, data_info = data_config.load_splits(config, tokenizer)
+    # with --ft-lighthouse this replica group's ranks take their slices of each global batch (ft_config)
+    dp_rank, dp_world = ft_config.data_slices(config, topo.data_parallel_rank, topo.dp * topo.sharding)
     sampler = BatchSampler(train=train_data, val=val_data, batch_size=config.global_batch_size // dp_world,
-                           seq_len=job.seq_len, seed=config.seed, dp_rank=topo.data_parallel_rank,
-                           dp_world=dp_world, data_order=data_order)
+                           seq_len=job.seq_len, seed=config.seed, dp_rank=dp_rank, dp_world=dp_world,
+                           data_order=data_order)
+    val_sampler = sampler  # a replica group evaluates the whole validation set (the same one as HSDP)
+    if ft_config.enabled(config):
+        val_sampler = BatchSampler(train=train_data, val=val_data, batch_size=sampler.batch_size, seq_len=job.seq_len,
+                                   seed=config.seed, dp_rank=topo.data_parallel_rank,
+                                   dp_world=topo.dp * topo.sharding, data_order=data_order)
     tokens_per_step = config.global_batch_size * job.seq_len * config.grad_accum
 
     record = {**dataclasses.asdict(config), "model": next(iter(job.extra.values())), "world_size": world,
@@ -312,11 +319,12 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
 
     def outputs() -> str | None:
         moved = open_outputs(out, record, resumed, opened)
-        data_config.save_run_tokenizer(out, tokenizer)  # OUT/tokenizer: what an export writes beside the weights
+        # OUT/tokenizer: what an export writes beside the weights (shared by fault-tolerant replica groups)
+        data_config.save_run_tokenizer(Path(config.out), tokenizer)
         return moved
 
     archived = call_on_rank0(outputs, f"cannot write to --out {out}")
-    bytes_per_token = sampler.val_bytes_per_token(tokenizer.token_bytes(), config.eval_batches)
+    bytes_per_token = val_sampler.val_bytes_per_token(tokenizer.token_bytes(), config.eval_batches)
     log = opened[0] if opened else None
     if is_main:
         experts = (f" ({job.n_experts} experts per layer, top-{job.top_k}: {num_active:,} active per token)" if moe
@@ -350,7 +358,7 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
 
     def run_eval(step: int, elapsed: float) -> None:
         val_loss = (pipe.evaluate(sampler, config.eval_batches) if pipe is not None
-                    else evaluate(model, job.losses, sampler, config.eval_batches, device, context))
+                    else evaluate(model, job.losses, val_sampler, config.eval_batches, device, context))
         val_bpb = val_loss / (math.log(2) * bytes_per_token)  # bits per byte: comparable across tokenizers
         if log is not None:
             log.log_val(step=step, val_loss=val_loss, val_bpb=val_bpb, elapsed_s=elapsed)
@@ -362,8 +370,10 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     max_norm = config.clip if config.clip > 0 else float("inf")
     bar = tqdm(total=stop, initial=start, disable=not (is_main and config.progress), dynamic_ncols=True,
                desc="train", file=sys.stderr)
+    ft_run = (job_ft.FTRun(config, model, optimizers, start=start, device=device, is_main=is_main)
+              if ft_config.enabled(config) else None)
     t_step = time.perf_counter()
-    for step in range(start, stop):
+    for step in (ft_run.steps(stop) if ft_run is not None else range(start, stop)):
         lr = set_learning_rates(optimizers, config, step)
         loss_sum = torch.zeros((), device=device)
         aux_sum = torch.zeros((), device=device)
@@ -383,11 +393,20 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
                     aux_sum += aux.detach()
                     if moe:
                         tokens += assigned
+            if ft_run is not None:  # gradients and figures over the live replica groups, then the vote
+                figures = ft_run.sync(loss_sum / config.grad_accum, aux_sum / config.grad_accum, device)
             grad_norm = sf.clip_grad_norm_(model, max_norm)  # over the whole model, before every optimizer
-            for optimizer in optimizers:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        if pipe is not None:
+            if ft_run is not None:
+                if not ft_run.commit(step):
+                    continue  # discarded: the quorum gives this step again
+            else:
+                for optimizer in optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+        if ft_run is not None:
+            loss_value, aux_value = figures
+            load = expert_load(tokens, topo) if moe else None  # (L, E): this replica group's tokens
+        elif pipe is not None:
             loss_value, aux_value, load = pipe.step_figures()  # load: (L, E) or None
             pipe.record_comm(step_comm.summary())
         else:
@@ -404,6 +423,7 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         if log is not None:
             log.log_train(step=step + 1, loss=loss_value, grad_norm=float(grad_norm), lr=lr,
                           tokens_per_s=tokens_per_s, elapsed_s=elapsed(), **moe_record, **muon_record,
+                          **({"ft_participants": ft_run.participants} if ft_run is not None else {}),
                           comm=comm_step_record(step_comm.summary()))
             postfix = {"loss": f"{loss_value:.3f}", "gnorm": f"{float(grad_norm):.2f}"}
             if moe:
@@ -414,7 +434,8 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         if done % config.eval_every == 0 or done == stop:
             run_eval(done, elapsed())
             t_step = time.perf_counter()  # keep evaluation time out of the next step's tokens/s
-        if (config.save_every and done % config.save_every == 0) or (save_at_stop and done == stop):
+        if ((config.save_every and done % config.save_every == 0) or (save_at_stop and done == stop)) and (
+                ft_run is None or ft_run.writes_checkpoints()):  # fault tolerance: the quorum's first group saves
             path = train_state.save(model, optimizers, config.out, step=done, keep=config.keep, config=config,
                                     model_extra=job.extra, layout=topo.describe(), elapsed_s=elapsed(),
                                     device=device, data_order=data_order)
@@ -424,6 +445,10 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     bar.close()
     train_s = time.perf_counter() - t_train
 
+    ft_report = None
+    if ft_run is not None:
+        ft_report = ft_run.report()
+        ft_run.shutdown()
     sample = generate_sample(model, job, sampler, config, rank, tokenizer, pipe) if config.sample_tokens else None
     pipeline = pipe.report(optimizers) if pipe is not None else None  # collective: before rank 0 goes on alone
     if log is None:
@@ -439,6 +464,8 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     summary["optimizer"] = config.optimizer
     if pipeline is not None:
         summary["pipeline"] = pipeline
+    if ft_report is not None:
+        summary["fault_tolerance"] = ft_report
     if balance is not None:
         summary["owner_balance"] = balance
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -483,6 +510,11 @@ def preflight(config: TrainConfig, *, torchrun: bool) -> TrainConfig:
         raise ValueError(f"--device cuda with {local} workers on this node, but only {torch.cuda.device_count()} "
                          f"GPUs are visible; use {'--nproc-per-node' if torchrun else '--nproc'} "
                          f"{torch.cuda.device_count()} or fewer")
+    config = ft_config.resolve(config)  # a fault-tolerant replica group: outer degree 1
+    if ft_config.enabled(config):
+        from shardfusion.ft import check_lighthouse, import_torchft
+        import_torchft()
+        check_lighthouse(config.ft_lighthouse)
     # a resumed run keeps the saved global batch size unless a batch flag is given (resolve_batch)
     saved = train_state.saved_settings(config.out)
     config = resolve(config, device=device, world_size=world, saved=saved)

@@ -306,6 +306,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines += format_comm(summary["comm"], summary["comm"].get("steps", summary["steps"]))
     if summary.get("pipeline") is not None:
         lines += format_pipeline(summary["pipeline"])
+    if summary.get("fault_tolerance") is not None:
+        from shardfusion.train.job_ft import format_ft  # noqa: PLC0415 (job_ft imports the training stack)
+        lines += format_ft(summary["fault_tolerance"])
     if summary.get("sample") is not None:
         lines += ["sample (validation prompt ⟫ generated):", "-" * 72, summary["sample"], "-" * 72]
     return "\n".join(lines)

@@ -1,0 +1,128 @@
+"""The fault-tolerance section of the training job's settings (`--ft-lighthouse`, `--ft-replica-id`,
+`--ft-replicas`, `--ft-min-replicas`, `--ft-join-wait`, `--ft-timeout`, `--ft-host`) and its checks: this module owns them,
+`shardfusion.train.config` includes the section (`TrainConfig` derives from `FTConfig`) and calls `check_flags`
+with the other flag checks; the job calls `resolve` and `check_lighthouse` in its preflight. The run itself is
+`shardfusion.train.job_ft` over `shardfusion.ft`; docs/fault-tolerance.md tells the whole story.
+
+With --ft-lighthouse, each replica group is a job of its own (one per node, or per few nodes), started with the
+same flags but its own --ft-replica-id. Inside it the job is FSDP with outer degree 1; what HSDP's outer
+all-reduce did goes through torchft over the replica groups alive each step. The data slices are those of HSDP
+with --ft-replicas outer groups: data-parallel rank ``replica_id x inner + rank`` of ``ft_replicas x inner``, so
+with every replica alive the run trains on the same global batches as HSDP ft_replicas x inner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: config.py imports this module
+    from shardfusion.train.config import TrainConfig
+
+REPLICA_FOLDER = "replica-{}"
+"""Each replica group's outputs (metrics, config, summary, plot) go to OUT/replica-<id>; checkpoints to OUT."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FTConfig:
+    """The fault-tolerance settings of a training run (a section of `TrainConfig`, which derives from it)."""
+
+    ft_lighthouse: str | None = None
+    """http://host:port of a torchft lighthouse (start one with `torchft_lighthouse --min_replicas 1 --bind
+    HOST:PORT`): this job is then one fault-tolerant replica group, its gradients averaged with the other groups
+    alive each step; needs --ft-replica-id, --ft-replicas and --out; pip install 'shardfusion[ft]'
+    (docs/fault-tolerance.md) (default: none, no fault tolerance)."""
+    ft_replica_id: int | None = None
+    """This replica group's id, 0 .. --ft-replicas - 1: which slice of each global batch it trains on; its metrics
+    and summary go to OUT/replica-<id>, the checkpoints of the run to OUT/checkpoints (default: none)."""
+    ft_replicas: int | None = None
+    """Replica groups the run is planned for: the global batch is cut into that many slices, one per group; a
+    group that is down leaves its slice out of the step (default: none)."""
+    ft_min_replicas: int = 1
+    """A step commits only when at least this many replica groups take part; below, the groups wait and say so
+    (default 1)."""
+    ft_join_wait: float = 30.0
+    """Seconds a new run (no replica group has trained a step) waits for all --ft-replicas groups to join the
+    first quorum before it starts with those that did (they then start together; a later one copies their state)
+    (default 30)."""
+    ft_timeout: float = 10.0
+    """Seconds after which a collective with a replica group that stopped answering fails, and the step is
+    discarded; torchft's RPCs use it too (default 10)."""
+    ft_host: str = "127.0.0.1"
+    """The address the other replica groups reach this one's store and torchft manager at (default 127.0.0.1)."""
+
+
+def enabled(config: FTConfig) -> bool:
+    return config.ft_lighthouse is not None
+
+
+def check_flags(config: TrainConfig) -> None:
+    """The section's flags together, and against the flags it cannot run with.
+
+    Raises:
+        ValueError: naming the flag and the numbers.
+    """
+    given = [f"--ft-{name}" for name in ("replica-id", "replicas")
+             if getattr(config, f"ft_{name.replace('-', '_')}") is not None]
+    if not enabled(config):
+        if given:
+            raise ValueError(f"{given[0]} needs --ft-lighthouse (the torchft lighthouse of the run)")
+        return
+    if config.ft_replicas is None or config.ft_replicas < 1:
+        raise ValueError(f"--ft-lighthouse needs --ft-replicas >= 1 (the replica groups the global batch is cut "
+                         f"for), got {config.ft_replicas}")
+    if config.ft_replica_id is None or not 0 <= config.ft_replica_id < config.ft_replicas:
+        raise ValueError(f"--ft-replica-id {config.ft_replica_id} must be in 0 .. {config.ft_replicas - 1} "
+                         f"(--ft-replicas {config.ft_replicas})")
+    if not 1 <= config.ft_min_replicas <= config.ft_replicas:
+        raise ValueError(f"--ft-min-replicas {config.ft_min_replicas} must be in 1 .. --ft-replicas "
+                         f"{config.ft_replicas}")
+    if not config.ft_join_wait >= 0:
+        raise ValueError(f"--ft-join-wait {config.ft_join_wait} must be >= 0 seconds")
+    if not config.ft_timeout > 0:
+        raise ValueError(f"--ft-timeout {config.ft_timeout} must be > 0 seconds")
+    if config.out is None:
+        raise ValueError("--ft-lighthouse needs --out (a folder every replica group reaches: shared storage on a "
+                         "cluster): the groups share its checkpoints, so a timestamped default would differ between "
+                         "them")
+    refused = [(flag, value) for flag, value in (("--pp", config.pp), ("--mp", config.mp), ("--cp", config.cp))
+               if value != 1]
+    if config.fsdp_outer_degree not in (None, 1):
+        refused.append(("--fsdp-outer-degree", config.fsdp_outer_degree))
+    if config.optimizer != "adamw":
+        refused.append(("--optimizer", config.optimizer))
+    if config.max_restarts:
+        refused.append(("--max-restarts", config.max_restarts))
+    if refused:
+        flag, value = refused[0]
+        raise ValueError(f"{flag} {value} with --ft-lighthouse: a fault-tolerant replica group is FSDP with outer "
+                         f"degree 1 and AdamW, its replicas joined by torchft (restart a replica group with its "
+                         f"launcher; no --pp, --mp, --cp or --max-restarts yet); see docs/fault-tolerance.md")
+
+
+def resolve(config: TrainConfig) -> TrainConfig:
+    """With --ft-lighthouse: outer degree 1 (the replicas are the other jobs)."""
+    return dataclasses.replace(config, fsdp_outer_degree=1) if enabled(config) else config
+
+
+def outputs_folder(config: FTConfig, out: str) -> str:
+    """Where this job writes its metrics, config.json, summary.json and loss.png: ``out`` itself, or with fault
+    tolerance OUT/replica-<id> (each replica group its own). The checkpoints and the tokenizer stay in OUT itself,
+    shared: whichever replica group is first in the quorum writes them, and a restarted one resumes from them."""
+    return os.path.join(out, REPLICA_FOLDER.format(config.ft_replica_id)) if enabled(config) else out
+
+
+def data_slices(config: FTConfig, inner_rank: int, inner_world: int) -> tuple[int, int]:
+    """(dp_rank, dp_world) of the sampler: this rank's slice of each global batch. Without fault tolerance the
+    replica group is the whole data-parallel world; with it, replica r's ranks take slices r x inner .. of
+    ft_replicas x inner."""
+    if not enabled(config):
+        return inner_rank, inner_world
+    return config.ft_replica_id * inner_world + inner_rank, config.ft_replicas * inner_world
+
+
+def replicas(config: FTConfig) -> int:
+    """Replica groups the global batch is cut for: --ft-replicas, or 1 without fault tolerance."""
+    return config.ft_replicas if enabled(config) else 1
