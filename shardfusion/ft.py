@@ -14,16 +14,16 @@ A step (`ReplicaGroup`):
    the live state here, before its forward, and takes part in this very step).
 2. forward and backward as usual; the sharded gradients are final inside the replica group.
 3. `sync_gradients` averages each trainable flat buffer's sharded gradient (``grad_shard``, shape (S,), whole
-   buffers) over the participating replicas (SUM / number of participants: each replica's gradient is the mean over its own
-   samples, so with equal batches every sample counts once), then votes: a 1-element all-reduce of ones over the
-   same replicas must equal the number of participants, and torchft's ``should_commit`` ANDs the votes of the ranks
-   of each replica group in `commit`: only then do the optimizers step (clip between the two). A failed collective (a replica died mid-step) fails the
-   vote: the survivors discard the step (no optimizer step, gradients dropped) and retry it at the next quorum,
-   which forms without the dead replica once its heartbeat times out.
+   buffers) over the participating replicas (SUM / number of participants: each replica's gradient is the mean over
+   its own samples, so with equal batches every sample counts once), then votes: a 1-element all-reduce of ones over
+   the same replicas must equal the number of participants, and torchft's ``should_commit`` ANDs the votes of the
+   ranks of each replica group in `commit`: only then do the optimizers step (clip between the two). A failed
+   collective (a replica died mid-step) fails the vote: the survivors discard the step (no optimizer step, gradients
+   dropped) and retry it at the next quorum, which forms without the dead replica once its heartbeat times out.
 
 Live recovery: every rank registers its state with torchft: the shard of every flat buffer (parameters and frozen
-weights, in place), each optimizer's ``state_dict()`` and the caller's own state (`extra_state`: e.g. the data
-position). A replica that joins (a restart, a new node) gets it from the peer of the same group rank over the
+weights, in place), each optimizer's local state (`local_optimizer_state`: no collective, unlike a sharded model's
+``optimizer.state_dict()``) and the caller's own state (`extra_state`). A replica that joins (a restart, a new node) gets it from the peer of the same group rank over the
 cross-replica process group (torchft's ``PGTransport``) and then runs the same arithmetic as its peers: bitwise in
 step from its first step. See docs/fault-tolerance.md for the guarantees and the limits.
 """

@@ -287,6 +287,20 @@ def run_command(command: list[str], timeout: float, env: dict[str, str] | None =
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
+USAGE_ERROR = "shardfusion-train: error: "
+"""How the training job's one usage-error line begins."""
+
+
+def usage_error_line(result: subprocess.CompletedProcess) -> str:
+    """The message of a run refused before any worker started: exit status 2, no traceback, no launched worker,
+    exactly one `USAGE_ERROR` line on stderr (returned without its prefix)."""
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr and "elastic" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith(USAGE_ERROR)]
+    assert len(errors) == 1, result.stderr[-3000:]
+    return errors[0].removeprefix(USAGE_ERROR)
+
+
 TRAIN_TIMEOUT_S = 150
 """Seconds a whole run of the training job in the integration tests may take (a tiny model, a few steps)."""
 

@@ -79,8 +79,8 @@ class TrainConfig(PipelineConfig, DataConfig, FTConfig):
     them: `PipelineConfig` (--pp, --pp-schedule, --stages-per-rank, --microbatches;
     `shardfusion.train.pipeline_config`), `DataConfig` (--data, --data-bytes, --tokenizer, --train-tokenizer,
     --text-field, --data-cache; `shardfusion.train.data_config`) and `FTConfig` (--ft-lighthouse, --ft-replica-id,
-    --ft-replicas, --ft-min-replicas, --ft-join-wait, --ft-timeout, --ft-host; `shardfusion.train.ft_config`). A field with
-    ``metadata={"flag": False}`` is set at run time, not on the command line.
+    --ft-replicas, --ft-min-replicas, --ft-join-wait, --ft-timeout, --ft-host; `shardfusion.train.ft_config`). A
+    field with ``metadata={"flag": False}`` is set at run time, not on the command line.
     """
 
     preset: str = "small"

@@ -1,6 +1,6 @@
 """The fault-tolerance section of the training job's settings (`--ft-lighthouse`, `--ft-replica-id`,
-`--ft-replicas`, `--ft-min-replicas`, `--ft-join-wait`, `--ft-timeout`, `--ft-host`) and its checks: this module owns them,
-`shardfusion.train.config` includes the section (`TrainConfig` derives from `FTConfig`) and calls `check_flags`
+`--ft-replicas`, `--ft-min-replicas`, `--ft-join-wait`, `--ft-timeout`, `--ft-host`) and its checks: this module
+owns them, `shardfusion.train.config` includes the section (`TrainConfig` derives from `FTConfig`) and calls `check_flags`
 with the other flag checks; the job calls `resolve` and `check_lighthouse` in its preflight. The run itself is
 `shardfusion.train.job_ft` over `shardfusion.ft`; docs/fault-tolerance.md tells the whole story.
 
@@ -73,7 +73,10 @@ def check_flags(config: TrainConfig) -> None:
     if config.ft_replicas is None or config.ft_replicas < 1:
         raise ValueError(f"--ft-lighthouse needs --ft-replicas >= 1 (the replica groups the global batch is cut "
                          f"for), got {config.ft_replicas}")
-    if config.ft_replica_id is None or not 0 <= config.ft_replica_id < config.ft_replicas:
+    if config.ft_replica_id is None:
+        raise ValueError(f"--ft-lighthouse needs --ft-replica-id (this replica group's id, 0 .. "
+                         f"{config.ft_replicas - 1})")
+    if not 0 <= config.ft_replica_id < config.ft_replicas:
         raise ValueError(f"--ft-replica-id {config.ft_replica_id} must be in 0 .. {config.ft_replicas - 1} "
                          f"(--ft-replicas {config.ft_replicas})")
     if not 1 <= config.ft_min_replicas <= config.ft_replicas:

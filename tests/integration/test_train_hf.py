@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from harness import TRAIN_TIMEOUT_S, run_command, run_train  # noqa: E402
+from harness import TRAIN_TIMEOUT_S, run_command, run_train, usage_error_line  # noqa: E402
 from shardfusion.checkpoint import read_all  # noqa: E402
 from shardfusion.checkpoint.export import export  # noqa: E402
 from shardfusion.train.data import BatchSampler, load_corpus, split_corpus  # noqa: E402
@@ -175,19 +175,13 @@ def test_init_from_pretrained_folder(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(TRAIN_TIMEOUT_S)
 def test_hf_usage_errors_before_launch(tmp_path: Path) -> None:
-    def error_line(result) -> str:
-        assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
-        assert "Traceback" not in result.stdout + result.stderr and "elastic" not in result.stderr
-        errors = [line for line in result.stderr.splitlines() if line.startswith("shardfusion-train: error: ")]
-        assert len(errors) == 1, result.stderr
-        return errors[0].removeprefix("shardfusion-train: error: ")
-
     out = tmp_path / "run"
-    line = error_line(run_train([*COMMON, "--ep", "2", "--hf-model", "qwen3_moe", "--nproc", "2", "--out", str(out)]))
+    line = usage_error_line(run_train([*COMMON, "--ep", "2", "--hf-model", "qwen3_moe", "--nproc", "2", "--out",
+                                       str(out)]))
     assert line.startswith("--ep 2 does not apply to --hf-model qwen3_moe") and "ep must be 1" in line, line
     # without transformers (hidden from this process): the flag, and how to install it
     code = ("import sys; sys.modules['transformers'] = None; from shardfusion.train.job import main; "
             f"sys.exit(main({[*COMMON, '--hf-model', 'llama', '--nproc', '2', '--out', str(out)]!r}))")
-    line = error_line(run_command([sys.executable, "-c", code], timeout=TRAIN_TIMEOUT_S))
+    line = usage_error_line(run_command([sys.executable, "-c", code], timeout=TRAIN_TIMEOUT_S))
     assert line.startswith("--hf-model llama needs the transformers package (pip install 'shardfusion[hf]')"), line
     assert not out.exists()

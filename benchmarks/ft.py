@@ -1,0 +1,332 @@
+"""Fault-tolerant replica groups under failure: one replica group killed with SIGKILL mid-run, restarted later.
+
+    python -m benchmarks.ft                         # on this machine's loopback: 2 replica groups x 2 ranks
+    python -m benchmarks.ft --nodes 3 --rate 1gbit  # on an emulated cluster (benchmarks/netcluster.py, root)
+
+Each replica group is one `python -m shardfusion.train --ft-lighthouse ...` job (on its own emulated node with
+--nodes; the lighthouse runs on node 0). The scenario (`run_scenario`): all groups start; when the victim (the last
+group) has committed `kill_at` steps, its whole process group is killed (SIGKILL: the process dies, as on a lost
+node); the survivors discard the step in flight and go on; once they have committed `restart_after` more steps the
+victim is started again with the same command: it resumes from the run's shared checkpoint and copies the live
+state from a peer at the next quorum. The run ends at --steps.
+
+Measured, from the jobs' own records (metrics.jsonl, summary.json): the survivors' step times around the failure
+(median step, the failed step's time to the next commit: the gap, and the gap less a median step, which is the
+detection and re-forming time the lighthouse's --heartbeat_timeout_ms bounds), the discarded steps, the recovery
+(bytes, seconds, step), whether every group rank's state digest is the same in all groups at the end (bitwise
+equal parameters and optimizer state), and the final losses. The benchmark adds the same run without a failure at
+two seeds: the failure run's final loss against the seed-to-seed difference (the noise). Results:
+benchmarks/results/ft-<where>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+HEARTBEAT_MS = 2000
+"""The lighthouse's --heartbeat_timeout_ms here: how long a dead replica group stays in the quorum's view."""
+JOIN_MS = 1000
+SAVE_EVERY = 20
+"""--save-every of the failure run (the restarted group resumes from the last one, then heals)."""
+
+TRAIN = ["--preset", "tiny", "--experts", "0", "--batch-size", "4", "--seq-len", "64", "--data-bytes", "300000",
+         "--eval-batches", "4", "--warmup", "5", "--sample-tokens", "0", "--no-progress", "--ft-timeout", "5"]
+"""The replica groups' flags (a tiny dense GPT; --steps, --save-every and the ft flags are added)."""
+
+
+def lighthouse_bin() -> str:
+    """The torchft_lighthouse executable beside this Python (installed with torchft)."""
+    return str(Path(sys.executable).parent / "torchft_lighthouse")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def lighthouse_argv(bind: str, heartbeat_ms: int = HEARTBEAT_MS, join_ms: int = JOIN_MS) -> list[str]:
+    """A lighthouse at ``bind`` (host:port) that forms a quorum of any one replica group (min_replicas 1: the job's
+    --ft-min-replicas decides when a step may commit)."""
+    return [lighthouse_bin(), "--min_replicas", "1", "--bind", bind, "--join_timeout_ms", str(join_ms),
+            "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", str(heartbeat_ms)]
+
+
+class Replicas:
+    """The lighthouse and the replica group jobs of one run, on loopback or on an `EmulatedCluster` (group g on
+    node g, the lighthouse on node 0). Every process is killed on leaving the ``with`` block."""
+
+    def __init__(self, out: Path, train: Sequence[str], *, replicas: int = 2, nproc: int = 2, cluster: Any = None,
+                 heartbeat_ms: int = HEARTBEAT_MS) -> None:
+        self.out, self.train, self.replicas, self.nproc, self.cluster = Path(out), list(train), replicas, nproc, cluster
+        shutil.rmtree(self.out, ignore_errors=True)  # a fresh run: no checkpoint of an earlier one to resume
+        self.host = [cluster.addr(g) if cluster else "127.0.0.1" for g in range(replicas)]
+        port = free_port() if cluster is None else 29650
+        self.lighthouse = f"http://{self.host[0]}:{port}"
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._start("lighthouse", 0, lighthouse_argv(f"{self.host[0]}:{port}", heartbeat_ms))
+        time.sleep(0.5)
+
+    def _start(self, name: str, node: int, argv: list[str]) -> subprocess.Popen:
+        log = self.out / f"{name}.log"
+        if self.cluster is not None:
+            proc = self.cluster.popen(node, argv, cwd=REPO, log=log)
+        else:
+            with open(log, "w") as handle:
+                proc = subprocess.Popen(argv, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT,
+                                        start_new_session=True,
+                                        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        self.procs[name] = proc
+        return proc
+
+    def argv(self, group: int, extra: Sequence[str] = ()) -> list[str]:
+        return [sys.executable, "-m", "shardfusion.train", *self.train, "--nproc", str(self.nproc),
+                "--ft-lighthouse", self.lighthouse, "--ft-replicas", str(self.replicas), "--ft-replica-id",
+                str(group), "--ft-host", self.host[group], "--out", str(self.out), *extra]
+
+    def start(self, group: int, tag: str = "", extra: Sequence[str] = ()) -> subprocess.Popen:
+        """Start replica group ``group``'s job (log: OUT/replica<group><tag>.log)."""
+        return self._start(f"replica{group}{tag}", group, self.argv(group, extra))
+
+    def log(self, name: str) -> str:
+        path = self.out / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def committed(self, group: int) -> int:
+        """The last step in OUT/replica-<group>/metrics.jsonl (0 before the first)."""
+        path = self.out / f"replica-{group}" / "metrics.jsonl"
+        if not path.exists():
+            return 0
+        steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if '"loss"' in line]
+        return max(steps, default=0)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL every process of the job (its session): its launcher and all its workers at once."""
+        os.killpg(self.procs[name].pid, signal.SIGKILL)
+        self.procs[name].wait()
+
+    def wait(self, names: Sequence[str], timeout: float) -> dict[str, int]:
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for name in names:
+            try:
+                codes[name] = self.procs[name].wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[name] = None
+        return codes
+
+    def until(self, check, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: not within {timeout} s")
+            time.sleep(0.05)
+
+    def __enter__(self) -> "Replicas":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+
+
+def read_run(out: Path, group: int) -> dict[str, Any]:
+    """Replica group ``group``'s train records, val records and summary."""
+    train, val = [], []
+    for line in (out / f"replica-{group}" / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        (val if "val_loss" in record else train).append(record)
+    summary = json.loads((out / f"replica-{group}" / "summary.json").read_text())
+    return {"train": train, "val": val, "summary": summary}
+
+
+def step_times(train: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """(step, seconds since the previous record) of consecutive train records (elapsed_s differences)."""
+    return [(b["step"], b["elapsed_s"] - a["elapsed_s"]) for a, b in zip(train, train[1:])
+            if b["step"] == a["step"] + 1]
+
+
+def run_scenario(out: Path, *, steps: int, kill_at: int, restart_after: int, replicas: int = 2, nproc: int = 2,
+                 cluster: Any = None, seed: int = 42, heartbeat_ms: int = HEARTBEAT_MS, timeout: float = 300,
+                 train: Sequence[str] = TRAIN, save_every: int = SAVE_EVERY) -> dict[str, Any]:
+    """One run with a failure (module docstring); returns the measured record. ``restart_after`` None: never
+    restarted. Raises RuntimeError with the logs' ends when a job fails."""
+    victim = replicas - 1
+    flags = [*train, "--steps", str(steps), "--save-every", str(save_every), "--eval-every", str(steps),
+             "--seed", str(seed)]
+    t0 = time.monotonic()
+    with Replicas(out, flags, replicas=replicas, nproc=nproc, cluster=cluster, heartbeat_ms=heartbeat_ms) as run:
+        for g in range(replicas):
+            run.start(g)
+        run.until(lambda: run.committed(victim) >= kill_at, timeout, f"replica group {victim} at step {kill_at}")
+        run.kill(f"replica{victim}")
+        killed_at, t_kill = run.committed(0), time.monotonic() - t0
+        restarted_at = None
+        if restart_after is not None:
+            run.until(lambda: run.committed(0) >= killed_at + restart_after, timeout,
+                      f"the survivors at step {killed_at + restart_after}")
+            restarted_at = run.committed(0)
+            run.start(victim, "b")
+        names = [f"replica{g}" for g in range(replicas - 1)] + ([f"replica{victim}b"] if restart_after is not None
+                                                               else [])
+        codes = run.wait(names, timeout)
+        if any(c != 0 for c in codes.values()):
+            tails = "\n".join(f"---- {n} (exit {c}):\n{run.log(n)[-3000:]}" for n, c in codes.items())
+            raise RuntimeError(f"a replica group failed: {codes}\n{tails}")
+        logs = {n: run.log(n) for n in names}
+    runs = {g: read_run(out, g) for g in range(replicas)}
+    survivor = runs[0]
+    times = step_times(survivor["train"])
+    median = statistics.median(t for _, t in times)
+    ft = {g: r["summary"]["fault_tolerance"] for g, r in runs.items()}
+    discarded = ft[0]["discarded"]
+    gap = max((t for s, t in times if discarded and s == discarded[0]["step"] + 1), default=None)
+    return {
+        "steps": steps, "replicas": replicas, "nproc": nproc, "seed": seed, "heartbeat_ms": heartbeat_ms,
+        "where": "emulated cluster" if cluster is not None else "loopback",
+        "killed_at_step": killed_at, "killed_at_s": round(t_kill, 2), "restarted_at_step": restarted_at,
+        "survivor_median_step_s": median, "survivor_gap_s": gap,
+        "detection_s": None if gap is None else gap - median,
+        "survivor_steps_around_failure": [(s, round(t, 4)) for s, t in times
+                                          if discarded and abs(s - discarded[0]["step"] - 1) <= 3],
+        "discarded": discarded, "recoveries": ft[victim]["recoveries"],
+        "digests_equal": all(ft[g]["state_digests"] == ft[0]["state_digests"] for g in ft),
+        "final_loss": {str(g): r["train"][-1]["loss"] for g, r in runs.items()},
+        "final_val_loss": {str(g): r["val"][-1]["val_loss"] for g, r in runs.items()},
+        "ft": {str(g): record for g, record in ft.items()}, "logs_tail": {n: text[-1500:] for n, text in logs.items()},
+    }
+
+
+def run_clean(out: Path, *, steps: int, replicas: int = 2, nproc: int = 2, cluster: Any = None, seed: int = 42,
+              timeout: float = 300, train: Sequence[str] = TRAIN) -> dict[str, Any]:
+    """The same run without a failure: the final losses of replica group 0."""
+    flags = [*train, "--steps", str(steps), "--eval-every", str(steps), "--seed", str(seed)]
+    with Replicas(out, flags, replicas=replicas, nproc=nproc, cluster=cluster) as run:
+        for g in range(replicas):
+            run.start(g)
+        codes = run.wait([f"replica{g}" for g in range(replicas)], timeout)
+        if any(c != 0 for c in codes.values()):
+            raise RuntimeError(f"a replica group failed: {codes}\n{run.log('replica0')[-3000:]}")
+    r = read_run(out, 0)
+    return {"seed": seed, "final_loss": r["train"][-1]["loss"], "final_val_loss": r["val"][-1]["val_loss"],
+            "median_step_s": statistics.median(t for _, t in step_times(r["train"]))}
+
+
+def run_hsdp(out: Path, *, steps: int, replicas: int = 2, nproc: int = 2, train: Sequence[str] = TRAIN,
+             timeout: float = 600) -> dict[str, Any]:
+    """The peer without fault tolerance: HSDP replicas x nproc in one job of the same flags (loopback), whose
+    failure would restart every rank from the last checkpoint. Returns its median step time and start-up time."""
+    at = list(train).index("--ft-timeout") if "--ft-timeout" in train else len(train)
+    flags = list(train[:at]) + list(train[at + 2:])
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "shardfusion.train", *flags, "--steps", str(steps), "--eval-every",
+                             str(steps), "--nproc", str(replicas * nproc), "--fsdp-outer-degree", str(replicas),
+                             "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if result.returncode != 0:
+        raise RuntimeError(f"the HSDP run failed:\n{result.stderr[-3000:]}")
+    wall = time.monotonic() - t0
+    summary = json.loads((out / "summary.json").read_text())
+    train_records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    return {"median_step_s": statistics.median(t for _, t in step_times(train_records)),
+            "startup_s": wall - summary["train_s"]}
+
+
+def report(result: dict[str, Any]) -> str:
+    f, c = result["failure"], result["clean"]
+    noise = abs(c[0]["final_val_loss"] - c[1]["final_val_loss"])
+    lines = [f"# Fault-tolerant replica groups: one killed and restarted ({f['where']})", "",
+             f"`{result['command']}`", "",
+             f"{f['replicas']} replica groups x {f['nproc']} ranks, {f['steps']} steps of a tiny GPT; the lighthouse's "
+             f"heartbeat timeout {f['heartbeat_ms']} ms. Group {f['replicas'] - 1} killed (SIGKILL) at step "
+             f"{f['killed_at_step']}, restarted at step {f['restarted_at_step']}.", "",
+             "| measure | value |", "|---|---|",
+             f"| survivors' median step | {f['survivor_median_step_s'] * 1000:.0f} ms |",
+             f"| survivors' failed step to the next commit (gap) | {f['survivor_gap_s']:.2f} s |",
+             f"| gap - median step (detection and new quorum) | {f['detection_s']:.2f} s "
+             f"(heartbeat timeout {f['heartbeat_ms'] / 1000:.1f} s: ratio "
+             f"{f['detection_s'] * 1000 / f['heartbeat_ms']:.2f}) |",
+             f"| discarded steps | {[d['step'] for d in f['discarded']]} |"]
+    for r in f["recoveries"]:
+        lines.append(f"| recovery | step {r['step']}: {r['bytes'] / 2**20:.2f} MiB in {r['seconds']:.2f} s |")
+    failure = f["final_val_loss"]["0"]
+    lines += [f"| state digests equal in every group at the end | {f['digests_equal']} |",
+              f"| final val loss, failure run | {failure:.4f} |",
+              f"| final val loss, no failure, seeds {c[0]['seed']} / {c[1]['seed']} | {c[0]['final_val_loss']:.4f} / "
+              f"{c[1]['final_val_loss']:.4f} (noise {noise:.4f}) |", ""]
+    h = result["hsdp"]
+    overhead = c[0]["median_step_s"] / h["median_step_s"]
+    since = f["killed_at_step"] % result["save_every"]
+    lost_elastic = since * h["median_step_s"] + h["startup_s"]
+    lines += [f"Against HSDP {f['replicas']} x {f['nproc']} in one job (no fault tolerance): median step "
+              f"{h['median_step_s'] * 1000:.0f} ms; with fault tolerance and no failure "
+              f"{c[0]['median_step_s'] * 1000:.0f} ms ({overhead:.2f} x: the quorum and the vote each step). "
+              f"A failure there restarts every rank from the last checkpoint: here {since} steps since it "
+              f"(--save-every {result['save_every']}; {result['save_every'] / 2:.0f} on average) and a start-up of "
+              f"{h['startup_s']:.1f} s: {lost_elastic:.1f} s lost on every node, against the survivors' "
+              f"{f['survivor_gap_s']:.2f} s here.", ""]
+    lines.append(f"The failure run's final val loss is {abs(failure - c[0]['final_val_loss']):.4f} from the run of "
+                 f"the same seed without a failure; the two seeds differ by {noise:.4f}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--kill-at", type=int, default=210)
+    parser.add_argument("--restart-after", type=int, default=100)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nodes", type=int, default=0, help="emulated nodes (0: loopback); one replica group each")
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--out", default="/tmp/shardfusion-ft-bench")
+    args = parser.parse_args(argv)
+    command = "python -m benchmarks.ft " + " ".join(argv if argv is not None else sys.argv[1:])
+    cluster = None
+    if args.nodes:
+        from benchmarks.netcluster import EmulatedCluster
+        cluster = EmulatedCluster(nodes=args.nodes, rate=args.rate).__enter__()
+        args.replicas = args.nodes
+    try:
+        base = Path(args.out)
+        failure = run_scenario(base / "failure", steps=args.steps, kill_at=args.kill_at,
+                               restart_after=args.restart_after, replicas=args.replicas, nproc=args.nproc,
+                               cluster=cluster, timeout=1200)
+        clean = [run_clean(base / f"clean-{seed}", steps=args.steps, replicas=args.replicas, nproc=args.nproc,
+                           cluster=cluster, seed=seed, timeout=1200) for seed in (42, 43)]
+        hsdp = run_hsdp(base / "hsdp", steps=args.steps, replicas=args.replicas, nproc=args.nproc)
+    finally:
+        if cluster is not None:
+            cluster.close()
+    result = {"command": command, "failure": failure, "clean": clean, "hsdp": hsdp, "save_every": SAVE_EVERY}
+    where = f"cluster{args.nodes}" if args.nodes else "loopback"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"ft-{where}.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = report(result)
+    (RESULTS / f"ft-{where}.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
