@@ -64,8 +64,8 @@ def check_flags(config: TrainConfig) -> None:
     Raises:
         ValueError: naming the flag and the numbers.
     """
-    given = [f"--ft-{name}" for name in ("replica-id", "replicas")
-             if getattr(config, f"ft_{name.replace('-', '_')}") is not None]
+    given = [flag for flag, value in (("--ft-replica-id", config.ft_replica_id), ("--ft-replicas", config.ft_replicas))
+             if value is not None]
     if not enabled(config):
         if given:
             raise ValueError(f"{given[0]} needs --ft-lighthouse (the torchft lighthouse of the run)")

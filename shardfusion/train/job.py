@@ -403,15 +403,12 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
                 for optimizer in optimizers:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-        if ft_run is not None:
-            loss_value, aux_value = figures
-            load = expert_load(tokens, topo) if moe else None  # (L, E): this replica group's tokens
-        elif pipe is not None:
+        if pipe is not None:
             loss_value, aux_value, load = pipe.step_figures()  # load: (L, E) or None
             pipe.record_comm(step_comm.summary())
-        else:
-            loss_value, aux_value = global_mean([loss_sum / config.grad_accum, aux_sum / config.grad_accum],
-                                                device)
+        else:  # with fault tolerance the figures are the live groups' means; the expert load this group's
+            loss_value, aux_value = figures if ft_run is not None else global_mean(
+                [loss_sum / config.grad_accum, aux_sum / config.grad_accum], device)
             load = expert_load(tokens, topo) if moe else None  # (L, E)
         moe_record = {}
         muon_record = {"muon_lr": optimizers[0].param_groups[0]["lr"]} if matrices is not None else {}

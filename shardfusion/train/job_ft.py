@@ -29,13 +29,12 @@ class FTRun:
     def __init__(self, config: Any, model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                  *, start: int, device: torch.device, is_main: bool) -> None:
         self.config, self.is_main = config, is_main
-        t0 = time.perf_counter()
+        self.t0 = time.perf_counter()
         self.group = ReplicaGroup(model, optimizers, lighthouse=config.ft_lighthouse,
                                   replica_id=config.ft_replica_id, min_replicas=config.ft_min_replicas,
                                   timeout=timedelta(seconds=config.ft_timeout), host=config.ft_host, device=device)
         if start:
             self.group.manager.load_state_dict({"step": start, "batches_committed": 0})
-        self.t0 = t0
         self.participants: int | None = None  # of the last quorum
         self.changes: list[dict[str, Any]] = []  # the quorum's membership: {"step", "participants", "was", "at_s"}
         self.failures: list[dict[str, Any]] = []  # discarded steps: {"step", "participants", "at_s", "lost_s"}
