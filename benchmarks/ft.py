@@ -5,7 +5,8 @@
 
 Each replica group is one `python -m shardfusion.train --ft-lighthouse ...` job (on its own emulated node with
 --nodes; the lighthouse runs on node 0). The scenario (`run_scenario`): all groups start; when the victim (the last
-group) has committed `kill_at` steps, its whole process group is killed (SIGKILL: the process dies, as on a lost
+group) is inside step `kill_at` (after its backward, before the gradients are averaged: job_ft.PAUSE_ENV), its
+whole process group is killed (SIGKILL: the process dies, as on a lost
 node); the survivors discard the step in flight and go on; once they have committed `restart_after` more steps the
 victim is started again with the same command: it resumes from the run's shared checkpoint and copies the live
 state from a peer at the next quorum. The run ends at --steps.
@@ -35,6 +36,9 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from shardfusion.train.ft_config import REPLICA_FOLDER  # noqa: E402
+from shardfusion.train.job_ft import PAUSE_ENV, PAUSED_FILE  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 HEARTBEAT_MS = 2000
 """The lighthouse's --heartbeat_timeout_ms here: how long a dead replica group stays in the quorum's view."""
@@ -58,10 +62,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def lighthouse_argv(bind: str, heartbeat_ms: int = HEARTBEAT_MS, join_ms: int = JOIN_MS) -> list[str]:
+def lighthouse_argv(bind: str, heartbeat_ms: int = HEARTBEAT_MS, join_ms: int = JOIN_MS,
+                    min_replicas: int = 1) -> list[str]:
     """A lighthouse at ``bind`` (host:port) that forms a quorum of any one replica group (min_replicas 1: the job's
-    --ft-min-replicas decides when a step may commit)."""
-    return [lighthouse_bin(), "--min_replicas", "1", "--bind", bind, "--join_timeout_ms", str(join_ms),
+    --ft-min-replicas decides when a step may commit; more makes a lone group's quorum time out)."""
+    return [lighthouse_bin(), "--min_replicas", str(min_replicas), "--bind", bind, "--join_timeout_ms", str(join_ms),
             "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", str(heartbeat_ms)]
 
 
@@ -70,7 +75,7 @@ class Replicas:
     node g, the lighthouse on node 0). Every process is killed on leaving the ``with`` block."""
 
     def __init__(self, out: Path, train: Sequence[str], *, replicas: int = 2, nproc: int = 2, cluster: Any = None,
-                 heartbeat_ms: int = HEARTBEAT_MS) -> None:
+                 heartbeat_ms: int = HEARTBEAT_MS, lighthouse_min: int = 1) -> None:
         self.out, self.train, self.replicas, self.nproc, self.cluster = Path(out), list(train), replicas, nproc, cluster
         shutil.rmtree(self.out, ignore_errors=True)  # a fresh run: no checkpoint of an earlier one to resume
         self.host = [cluster.addr(g) if cluster else "127.0.0.1" for g in range(replicas)]
@@ -78,18 +83,20 @@ class Replicas:
         self.lighthouse = f"http://{self.host[0]}:{port}"
         self.out.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
-        self._start("lighthouse", 0, lighthouse_argv(f"{self.host[0]}:{port}", heartbeat_ms))
+        self._start("lighthouse", 0, lighthouse_argv(f"{self.host[0]}:{port}", heartbeat_ms,
+                                                     min_replicas=lighthouse_min))
         time.sleep(0.5)
 
-    def _start(self, name: str, node: int, argv: list[str]) -> subprocess.Popen:
+    def _start(self, name: str, node: int, argv: list[str], env: Optional[dict] = None) -> subprocess.Popen:
         log = self.out / f"{name}.log"
         if self.cluster is not None:
-            proc = self.cluster.popen(node, argv, cwd=REPO, log=log)
+            proc = self.cluster.popen(node, argv, env, cwd=REPO, log=log)
         else:
             with open(log, "w") as handle:
                 proc = subprocess.Popen(argv, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT,
                                         start_new_session=True,
-                                        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+                                        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                                             **(env or {})})
         self.procs[name] = proc
         return proc
 
@@ -98,9 +105,10 @@ class Replicas:
                 "--ft-lighthouse", self.lighthouse, "--ft-replicas", str(self.replicas), "--ft-replica-id",
                 str(group), "--ft-host", self.host[group], "--out", str(self.out), *extra]
 
-    def start(self, group: int, tag: str = "", extra: Sequence[str] = ()) -> subprocess.Popen:
-        """Start replica group ``group``'s job (log: OUT/replica<group><tag>.log)."""
-        return self._start(f"replica{group}{tag}", group, self.argv(group, extra))
+    def start(self, group: int, tag: str = "", extra: Sequence[str] = (), env: Optional[dict] = None
+              ) -> subprocess.Popen:
+        """Start replica group ``group``'s job (log: OUT/replica<group><tag>.log), with ``env`` added."""
+        return self._start(f"replica{group}{tag}", group, self.argv(group, extra), env)
 
     def log(self, name: str) -> str:
         path = self.out / f"{name}.log"
@@ -175,9 +183,12 @@ def run_scenario(out: Path, *, steps: int, kill_at: int, restart_after: int, rep
              "--seed", str(seed)]
     t0 = time.monotonic()
     with Replicas(out, flags, replicas=replicas, nproc=nproc, cluster=cluster, heartbeat_ms=heartbeat_ms) as run:
-        for g in range(replicas):
+        for g in range(replicas - 1):
             run.start(g)
-        run.until(lambda: run.committed(victim) >= kill_at, timeout, f"replica group {victim} at step {kill_at}")
+        # the victim stops inside step kill_at, after its backward (job_ft.PAUSE_ENV): the kill lands mid-step
+        run.start(victim, env={PAUSE_ENV: str(kill_at)})
+        marker = out / REPLICA_FOLDER.format(victim) / PAUSED_FILE
+        run.until(marker.exists, timeout, f"replica group {victim} inside step {kill_at}")
         run.kill(f"replica{victim}")
         killed_at, t_kill = run.committed(0), time.monotonic() - t0
         restarted_at = None

@@ -31,8 +31,11 @@ step from its first step. See docs/fault-tolerance.md for the guarantees and the
 from __future__ import annotations
 
 import hashlib
+import re
+import socket
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -72,6 +75,15 @@ def check_lighthouse(address: str, timeout_s: float = 5.0) -> None:
                          f"`torchft_lighthouse --min_replicas 1 --bind HOST:PORT` (docs/fault-tolerance.md)") from None
 
 
+def _first_line(error: BaseException) -> str:
+    """An error's message in one line; of a gRPC status from torchft's client, its message only."""
+    text = str(error).strip()
+    grpc = re.search(r'message: "([^"]*)"', text)
+    if grpc:
+        return grpc.group(1)
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 @dataclass
 class FTRecord:
     """What the fault tolerance did, for the job's summary (times in seconds, on this rank)."""
@@ -97,8 +109,19 @@ def local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
                       for g in optimizer.param_groups]}
 
 
+def _state_device(key: str, value: torch.Tensor, param: torch.Tensor, mine: dict) -> torch.device:
+    """Where a received optimizer-state tensor belongs on this rank: beside this rank's own tensor of that key,
+    else beside the parameter, except 0-dim tensors (AdamW's ``step``), which torch's optimizers keep on the CPU
+    unless they run fused or capturable."""
+    if isinstance(mine.get(key), torch.Tensor):
+        return mine[key].device
+    return torch.device("cpu") if value.dim() == 0 else param.device
+
+
 def load_local_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
-    """Put `local_optimizer_state`'s result (a peer's, of the same shard) into ``optimizer``: copies of the tensors."""
+    """Put `local_optimizer_state`'s result (a peer's, of the same shard) into ``optimizer``: copies of the tensors,
+    each on this rank's device for it (`_state_device`: a transport may hand tensors over on the CPU while the
+    parameters live on a GPU)."""
     if len(saved["groups"]) != len(optimizer.param_groups):
         raise RuntimeError(f"recovery: the peer's optimizer has {len(saved['groups'])} parameter groups, this one "
                            f"{len(optimizer.param_groups)}")
@@ -106,20 +129,98 @@ def load_local_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) ->
         group.update(settings)
         for param, state in zip(group["params"], states):
             if state:
-                optimizer.state[param] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                                          for k, v in state.items()}
+                mine = optimizer.state.get(param, {})
+                optimizer.state[param] = {
+                    k: v.to(_state_device(k, v, param, mine), copy=True) if isinstance(v, torch.Tensor) else v
+                    for k, v in state.items()}
             else:
                 optimizer.state.pop(param, None)
 
 
 def _nbytes(tree: Any) -> int:
+    """Bytes a transport sends for ``tree``: torchft's PGTransport sends each tensor's whole storage (a view of a
+    larger buffer carries all of it)."""
     if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
+        return tree.untyped_storage().nbytes()
     if isinstance(tree, dict):
         return sum(_nbytes(v) for v in tree.values())
     if isinstance(tree, (list, tuple)):
         return sum(_nbytes(v) for v in tree)
     return 0
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an IPv4/IPv6 address) is this machine's loopback (127.0.0.0/8, ::1,
+    localhost)."""
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return True
+    try:
+        return socket.gethostbyname(host).startswith("127.")
+    except OSError:
+        return False
+
+
+def lighthouse_host(address: str) -> str:
+    """The host of a lighthouse address ``http://host:port``."""
+    return urllib.parse.urlsplit(address).hostname or ""
+
+
+def reachable_host(lighthouse: str) -> str:
+    """The address other replica groups can reach this one at, by default: this machine's address on the interface
+    that routes to the lighthouse (a UDP socket 'connected' to it: no packet is sent). 127.0.0.1 for a lighthouse
+    on 127.0.0.1; the veth address of a network namespace for a lighthouse across its link.
+
+    Raises:
+        ValueError: no route to the lighthouse's host.
+    """
+    split = urllib.parse.urlsplit(lighthouse)
+    host = split.hostname or ""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, split.port or 80))
+            return probe.getsockname()[0]
+    except OSError as error:
+        raise ValueError(f"--ft-lighthouse {lighthouse}: cannot find this machine's address towards {host!r} "
+                         f"({error}); give it with --ft-host") from None
+
+
+ID_BITS = 62
+"""Replica ids below this are checked for duplicates (`agreement`: one bit each of an int64)."""
+
+
+def agreement(replica_id: int, replicas: int, group_world: int, fingerprint: str) -> torch.Tensor:
+    """What every replica group of a quorum must agree on, as 5 int64s to SUM over it (`check_agreement`):
+    replicas, the group's world size, a 62-bit settings fingerprint (hex) cut in two 31-bit halves, and the bit
+    1 << replica_id (0 for ids >= `ID_BITS`). Sums of n powers of two have n bits set exactly when they are
+    distinct; the other sums equal n x each value exactly when all values are equal."""
+    value = int(fingerprint[:16], 16) >> 2
+    bit = 1 << replica_id if replica_id < ID_BITS else 0
+    return torch.tensor([replicas, group_world, value >> 31, value & (2**31 - 1), bit], dtype=torch.long)
+
+
+def check_agreement(mine: torch.Tensor, summed: torch.Tensor, participants: int) -> Optional[str]:
+    """None if the quorum's groups agree, else what differs (one line). ``mine``: this group's `agreement`;
+    ``summed``: its SUM over the ``participants`` groups. Each group compares the sums with its own values, and all
+    see the same sums, so every group reaches the same answer."""
+    n = participants
+    if int(summed[0]) != n * int(mine[0]):
+        return f"the {n} replica groups in the quorum differ in --ft-replicas (this one {int(mine[0])})"
+    if int(summed[1]) != n * int(mine[1]):
+        return (f"the {n} replica groups in the quorum have different numbers of ranks (this one {int(mine[1])}, "
+                f"{int(summed[1])} in all); start each with the same --nproc")
+    if int(summed[2]) != n * int(mine[2]) or int(summed[3]) != n * int(mine[3]):
+        return ("the replica groups in the quorum were started with different settings (model, data, batch, "
+                "optimizer or schedule); start every group with the same flags but --ft-replica-id")
+    if int(mine[0]) <= ID_BITS and bin(int(summed[4])).count("1") != n:  # every id sets a bit
+        return (f"two replica groups in the quorum use the same --ft-replica-id (this one "
+                f"{int(mine[4]).bit_length() - 1}); each group needs its own")
+    return None
+
+
+class FTError(RuntimeError):
+    """A replica group cannot go on (the quorum did not form in time, too many steps discarded in a row, the
+    groups disagree on their settings); its message is one line naming the flag to look at. Raised on every rank
+    of the group."""
 
 
 class ReplicaGroup:
@@ -129,36 +230,51 @@ class ReplicaGroup:
     fsdp_outer_degree 1. optimizers: the optimizers stepped at each committed step. extra_state: () -> dict and
     dict -> None, the caller's own state sent with a recovery (plain Python values and tensors).
 
-    lighthouse: ``http://host:port`` of the torchft lighthouse; replica_id: this group's id, an int, the same on
-    its ranks; min_replicas: a step commits only with at least this many replicas (else it is discarded and the
-    group waits, saying so); timeout: the failure-detection bound of a collective (a hung peer) and of torchft's
-    RPCs; quorum_timeout: how long a quorum may take to form before `start_step` raises; host: the address other
-    replica groups reach this one at (its store and manager server).
+    lighthouse: ``http://host:port`` of the torchft lighthouse; replica_id: this group's id, an int in
+    0 .. replicas - 1, the same on its ranks; replicas: the groups the run is planned for; min_replicas: a step
+    commits only with at least this many replicas (else it is discarded and the group waits, saying so);
+    timeout: the failure-detection bound of a collective (a hung peer) and of torchft's RPCs; quorum_timeout: how
+    long a quorum may take to form before `start_step` raises `FTError`; max_discards: consecutive steps
+    discarded with enough replicas after which `commit` raises `FTError` (None: never); host: the address the other
+    replica groups reach this one at (its store and manager server; default `reachable_host`); fingerprint: a hex
+    digest of the settings every group must share (`agreement`, checked at each new quorum, before any gradient
+    is exchanged).
 
     Raises:
-        ValueError: torchft missing, no lighthouse at ``lighthouse``, min_replicas < 1.
+        ValueError: torchft missing, no lighthouse at ``lighthouse``, min_replicas < 1, replica_id outside
+            0 .. replicas - 1.
     """
 
     def __init__(self, models: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], *,
-                 lighthouse: str, replica_id: int, min_replicas: int = 1, timeout: timedelta = timedelta(seconds=10),
-                 quorum_timeout: timedelta = timedelta(seconds=120), host: str = "127.0.0.1",
+                 lighthouse: str, replica_id: int, replicas: int, min_replicas: int = 1,
+                 timeout: timedelta = timedelta(seconds=10), quorum_timeout: timedelta = timedelta(seconds=120),
+                 max_discards: Optional[int] = 20, host: Optional[str] = None, fingerprint: str = "0" * 16,
                  extra_state: Optional[tuple[Callable[[], dict], Callable[[dict], None]]] = None,
                  device: Optional[torch.device] = None) -> None:
         if min_replicas < 1:
             raise ValueError(f"min_replicas must be >= 1, got {min_replicas}")
+        if not 0 <= replica_id < replicas:
+            raise ValueError(f"replica_id {replica_id} must be in 0 .. {replicas - 1} (replicas {replicas})")
         torchft = import_torchft()
         self.models = [models] if isinstance(models, nn.Module) else list(models)
         self.optimizers = list(optimizers)
         self.min_replicas = min_replicas
         self.replica_id = replica_id
+        self.max_discards = max_discards
+        self.quorum_timeout = quorum_timeout
+        self.lighthouse = lighthouse
         self.extra_state = extra_state
         self.record = FTRecord()
         self.device = device or torch.device("cpu")
+        self.host = host or reachable_host(lighthouse)
         rank, world = dist.get_rank(), dist.get_world_size()
+        self._agreement = agreement(replica_id, replicas, world, fingerprint)
+        self._discards_in_a_row = 0
+        self._checked_quorum: Any = None
         store = None
-        port = torch.zeros(1, dtype=torch.long)
+        port = torch.zeros(1, dtype=torch.long, device=self.device)  # on the device: NCCL's default group
         if rank == 0:  # the group's own store for torchft, reachable by the other replica groups at `host`
-            store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=quorum_timeout)
+            store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=quorum_timeout)
             port[0] = store.port
         dist.broadcast(port, 0)
         self._store = store  # kept alive for the manager
@@ -171,12 +287,12 @@ class ReplicaGroup:
             self.manager = torchft.Manager(
                 pg=self.pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=min_replicas,
                 use_async_quorum=False, timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=timeout,
-                rank=rank, world_size=world, store_addr=host, store_port=int(port[0]),
-                lighthouse_addr=lighthouse, replica_id=f"replica_{replica_id}", hostname=host,
+                rank=rank, world_size=world, store_addr=self.host, store_port=int(port[0]),
+                lighthouse_addr=lighthouse, replica_id=f"replica_{replica_id}", hostname=self.host,
                 checkpoint_transport=transport)
         except RuntimeError as error:
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise ValueError(f"--ft-lighthouse {lighthouse}: cannot join the lighthouse: {first}") from None
+            raise ValueError(f"--ft-lighthouse {lighthouse}: cannot join the lighthouse: {_first_line(error)}") \
+                from None
 
     # ---- the state a recovering replica receives -----------------------------------------------------------
     def _buffers(self, trainable_only: bool = False) -> list:
@@ -210,9 +326,29 @@ class ReplicaGroup:
         return self.manager.current_step()
 
     def start_step(self) -> None:
-        """Join this step's quorum (blocking; a replica behind the others recovers here)."""
+        """Join this step's quorum (blocking; a replica behind the others recovers here).
+
+        Raises:
+            FTError: no quorum within quorum_timeout (the lighthouse is gone, or a peer that still sends heartbeats
+                no longer takes part: with two groups, one alone is not a majority), or the quorum's groups disagree
+                on their settings (`check_agreement`; raised on every rank of every group), in one line.
+        """
         self._quorum_started = time.perf_counter()
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except Exception as error:  # torchft raises RuntimeError or TimeoutError from its RPC client
+            raise FTError(f"no quorum within --ft-quorum-timeout {self.quorum_timeout.total_seconds():g} s "
+                          f"(lighthouse {self.lighthouse}): {_first_line(error)}; is the lighthouse up, and does "
+                          f"every replica group in it still train? (docs/fault-tolerance.md)") from None
+        quorum = getattr(self.manager, "_quorum_id", None)  # torchft 0.2 keeps it private; a new one: check
+        if quorum is None or quorum != self._checked_quorum:
+            summed = self._agreement.clone()
+            self.manager.allreduce(summed, reduce_op=dist.ReduceOp.SUM).wait()
+            if self.manager.errored() is None:  # else the step is discarded and the next quorum checks again
+                problem = check_agreement(self._agreement, summed, self.participants())
+                if problem is not None:
+                    raise FTError(problem)
+                self._checked_quorum = quorum
 
     def participants(self) -> int:
         """Replica groups taking part in this step."""
@@ -221,30 +357,41 @@ class ReplicaGroup:
     def sync_gradients(self, figures: Optional[torch.Tensor] = None) -> None:
         """Average each trainable flat buffer's sharded gradient ((S,), whole buffers, in place) over this step's
         participating replicas (SUM / participants), and ``figures`` (any float tensor, e.g. the step's loss
-        already averaged inside the replica group) likewise; then vote: a 1-element SUM of ones over the same
-        replicas must equal the number of participants. A failed collective or vote marks the step failed
-        (torchft's ``report_error``); `commit` then discards it. Clip after this, before `commit`."""
+        already averaged inside the replica group) likewise; then vote. A failed collective or vote marks the step
+        failed (torchft's ``report_error``); `commit` then discards it. Clip after this, before `commit`.
+
+        The vote is one int64 SUM over the same replicas of [1, had-a-gradient per buffer]: its first element must
+        equal the number of participants, and a buffer that had no gradient in this group takes the average only
+        where some group had one (so every group attaches the same gradients, also an all-zero average).
+        """
         works, empty = [], []
-        for buffer in self._buffers(trainable_only=True):
+        buffers = self._buffers(trainable_only=True)
+        had = torch.zeros(len(buffers), dtype=torch.long)
+        for i, buffer in enumerate(buffers):
             grad = buffer.grad_shard
             if grad is None or all(f.grad is None for f in buffer.fragments):
-                # no gradient here this step: still join the collective; keep the result only if a peer had one
+                # no gradient here this step: still join the collective; the vote says whether a peer had one
                 grad = torch.zeros_like(buffer.shard)
-                empty.append((buffer, grad))
+                empty.append((i, buffer, grad))
+            else:
+                had[i] = 1
             works.append(self.manager.allreduce(grad))  # SUM / participants, in place
         if figures is not None:
             works.append(self.manager.allreduce(figures))
+        vote = torch.cat([torch.ones(1, dtype=torch.long), had])
+        works.append(self.manager.allreduce(vote, reduce_op=dist.ReduceOp.SUM))
         for work in works:
             work.wait()
-        for buffer, grad in empty:
-            if grad.any():
+        self._participants = self.participants()
+        if self.manager.errored() is not None:
+            return  # a collective failed: the vote is void, commit discards the step
+        if int(vote[0]) != self._participants:
+            self.manager.report_error(RuntimeError(f"vote {int(vote[0])} of {self._participants} replicas"))
+            return
+        for i, buffer, grad in empty:
+            if int(vote[1 + i]) > 0:
                 buffer.grad_shard = grad
                 buffer._attach_fragment_grads()
-        vote = torch.ones(1)
-        self.manager.allreduce(vote, reduce_op=dist.ReduceOp.SUM).wait()
-        self._participants = self.participants()
-        if int(vote.item()) != self._participants:
-            self.manager.report_error(RuntimeError(f"vote {int(vote.item())} of {self._participants} replicas"))
 
     def commit(self) -> bool:
         """Step the optimizers if every rank of every participating replica voted yes (torchft's
@@ -258,10 +405,17 @@ class ReplicaGroup:
                 optimizer.step()
             self.record.committed += 1
             self.record.participants.append(participants)
+            self._discards_in_a_row = 0
         else:
             self.record.discarded.append({"step": self.step, "participants": participants, "at_s": started})
+            if participants >= self.min_replicas:
+                self._discards_in_a_row += 1
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
+        if self.max_discards is not None and self._discards_in_a_row > self.max_discards:
+            raise FTError(f"{self._discards_in_a_row} steps in a row discarded with {participants} replica groups "
+                          f"in the quorum (--ft-max-discards {self.max_discards}): the collectives between the "
+                          f"groups fail; can every group reach this one at --ft-host {self.host}?")
         return ok
 
     def state_digest(self) -> str:

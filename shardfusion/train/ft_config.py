@@ -1,5 +1,6 @@
 """The fault-tolerance section of the training job's settings (`--ft-lighthouse`, `--ft-replica-id`,
-`--ft-replicas`, `--ft-min-replicas`, `--ft-join-wait`, `--ft-timeout`, `--ft-host`) and its checks: this module
+`--ft-replicas`, `--ft-min-replicas`, `--ft-join-wait`, `--ft-timeout`, `--ft-host`, `--ft-quorum-timeout`,
+`--ft-max-discards`) and its checks: this module
 owns them, `shardfusion.train.config` includes the section (`TrainConfig` derives from `FTConfig`) and calls `check_flags`
 with the other flag checks; the job calls `resolve` and `check_lighthouse` in its preflight. The run itself is
 `shardfusion.train.job_ft` over `shardfusion.ft`; docs/fault-tolerance.md tells the whole story.
@@ -14,6 +15,8 @@ with every replica alive the run trains on the same global batches as HSDP ft_re
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -50,8 +53,16 @@ class FTConfig:
     ft_timeout: float = 10.0
     """Seconds after which a collective with a replica group that stopped answering fails, and the step is
     discarded; torchft's RPCs use it too (default 10)."""
-    ft_host: str = "127.0.0.1"
-    """The address the other replica groups reach this one's store and torchft manager at (default 127.0.0.1)."""
+    ft_host: str | None = None
+    """The address the other replica groups reach this one's store and torchft manager at (default: 127.0.0.1 when
+    the lighthouse is on loopback, else this machine's address on the interface that routes to the lighthouse;
+    a loopback address with a lighthouse elsewhere is refused)."""
+    ft_quorum_timeout: float = 120.0
+    """Seconds a quorum may take to form (the lighthouse gone, or a group that sends heartbeats but no longer
+    trains) before the group stops with a one-line error (default 120)."""
+    ft_max_discards: int = 20
+    """Consecutive steps discarded with at least --ft-min-replicas groups in the quorum after which the group stops
+    with a one-line error: the collectives between the groups keep failing (default 20)."""
 
 
 def enabled(config: FTConfig) -> bool:
@@ -86,6 +97,16 @@ def check_flags(config: TrainConfig) -> None:
         raise ValueError(f"--ft-join-wait {config.ft_join_wait} must be >= 0 seconds")
     if not config.ft_timeout > 0:
         raise ValueError(f"--ft-timeout {config.ft_timeout} must be > 0 seconds")
+    if not config.ft_quorum_timeout > 0:
+        raise ValueError(f"--ft-quorum-timeout {config.ft_quorum_timeout} must be > 0 seconds")
+    if config.ft_max_discards < 1:
+        raise ValueError(f"--ft-max-discards {config.ft_max_discards} must be >= 1")
+    from shardfusion.ft import is_loopback, lighthouse_host  # torch only: no torchft import
+    there = lighthouse_host(config.ft_lighthouse)
+    if config.ft_host is not None and is_loopback(config.ft_host) and there and not is_loopback(there):
+        raise ValueError(f"--ft-host {config.ft_host} is this machine's loopback, but the lighthouse is at {there}: "
+                         f"the other replica groups could not reach this one; give an address they reach, or leave "
+                         f"--ft-host out (then this machine's address towards the lighthouse is used)")
     if config.out is None:
         raise ValueError("--ft-lighthouse needs --out (a folder every replica group reaches: shared storage on a "
                          "cluster): the groups share its checkpoints, so a timestamped default would differ between "
@@ -106,8 +127,33 @@ def check_flags(config: TrainConfig) -> None:
 
 
 def resolve(config: TrainConfig) -> TrainConfig:
-    """With --ft-lighthouse: outer degree 1 (the replicas are the other jobs)."""
-    return dataclasses.replace(config, fsdp_outer_degree=1) if enabled(config) else config
+    """With --ft-lighthouse: outer degree 1 (the replicas are the other jobs) and --ft-host
+    (`shardfusion.ft.reachable_host` when not given).
+
+    Raises:
+        ValueError: no --ft-host given and no route to the lighthouse's host.
+    """
+    if not enabled(config):
+        return config
+    from shardfusion.ft import reachable_host
+    return dataclasses.replace(config, fsdp_outer_degree=1,
+                               ft_host=config.ft_host or reachable_host(config.ft_lighthouse))
+
+
+SHARED_SETTINGS = ("ft_replicas", "ft_min_replicas", "tokenizer_fingerprint", "vocab_size", "text_field",
+                   "data_bytes", "preset", "hf_model", "n_layer", "n_head", "d_model", "seq_len", "dropout", "experts",
+                   "top_k", "expert_hidden", "ep", "aux_loss_coef", "expert_policy", "fused_qkv", "tie_embeddings",
+                   "batch_size", "global_batch_size", "grad_accum", "steps", "lr", "min_lr", "warmup",
+                   "weight_decay", "optimizer", "clip", "seed", "param_dtype", "grad_comm_dtype", "device")
+"""The settings every replica group must share for its arithmetic to be its peers' (`settings_fingerprint`).
+Paths (--out, --data, --init-from) are left out: shared storage may be mounted at other paths on other nodes."""
+
+
+def settings_fingerprint(config: TrainConfig) -> str:
+    """Hex SHA-256 of the `SHARED_SETTINGS` of a resolved config, compared across the quorum's groups
+    (`shardfusion.ft.agreement`)."""
+    shared = {name: getattr(config, name) for name in SHARED_SETTINGS}
+    return hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def outputs_folder(config: FTConfig, out: str) -> str:

@@ -46,6 +46,7 @@ import shardfusion as sf
 from shardfusion.train import resume as train_state
 from shardfusion.accounting import ranks_per_node_from_env
 from shardfusion.comm import call_on_rank0
+from shardfusion.ft import FTError
 from shardfusion.plan import default_memory_budget
 from shardfusion.train.data import DATA_ORDER, DATA_ORDER_PER_RANK, BatchSampler, context_parallel_slice
 from shardfusion.train.launch import (cpu_cores, default_nproc, exit_now, init_worker, launch, nproc_warning,
@@ -66,6 +67,8 @@ SAMPLE_TEMPERATURE = 0.8
 SAMPLE_TOP_K = 40
 PEER_REPORT_WAIT_S = 10.0
 """Under torchrun, how long a worker other than local rank 0 waits before exiting on a bad flag (see `main`)."""
+FT_ERROR = "ft_error"
+"""The key of the one-line error a replica group's worker returns instead of its summary (`worker`)."""
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -284,7 +287,10 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     stop = config.stop_after or config.steps
     # Save at the last step of this run also without --save-every when the run ends early (--stop-after) or resumed
     # from a checkpoint: the next run then goes on from there, or knows that nothing is left to train.
-    save_at_stop = bool(config.save_every) or stop < config.steps or resume_from is not None
+    # With fault tolerance always: every replica group then agrees on it, and a group restarted after the others
+    # finished finds the last step's checkpoint instead of training alone from the start.
+    save_at_stop = (bool(config.save_every) or stop < config.steps or resume_from is not None
+                    or ft_config.enabled(config))
     if start >= stop:
         if is_main:
             limit = f"--stop-after {stop}" if config.stop_after else f"--steps {config.steps}"
@@ -394,7 +400,8 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
                     if moe:
                         tokens += assigned
             if ft_run is not None:  # gradients and figures over the live replica groups, then the vote
-                figures = ft_run.sync(loss_sum / config.grad_accum, aux_sum / config.grad_accum, device)
+                figures = ft_run.sync(step, loss_sum / config.grad_accum, aux_sum / config.grad_accum,
+                                      device)
             grad_norm = sf.clip_grad_norm_(model, max_norm)  # over the whole model, before every optimizer
             if ft_run is not None:
                 if not ft_run.commit(step):
@@ -477,8 +484,18 @@ def worker(config: TrainConfig) -> dict[str, Any] | None:
     device = init_worker(config.device)
     try:
         return train(config, device)
+    except FTError as error:  # a replica group that cannot go on, on every rank of it: one line, not a traceback
+        return {FT_ERROR: str(error)}
     finally:
         dist.destroy_process_group()
+
+
+def worker_error(results: dict[int, Any] | None) -> str | None:
+    """The one-line error a worker returned instead of a summary (`worker`), if any."""
+    for value in (results or {}).values():
+        if isinstance(value, dict) and FT_ERROR in value:
+            return value[FT_ERROR]
+    return None
 
 
 def preflight(config: TrainConfig, *, torchrun: bool) -> TrainConfig:
@@ -574,11 +591,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         usage_error(str(error))
     if torchrun:
-        worker(config)
-        exit_now(0)  # not a normal exit, which can abort in torch's teardown (see shardfusion.train.launch)
+        error = worker_error({0: worker(config)})
+        if error and os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"shardfusion: error: {error}", flush=True)
+        exit_now(1 if error else 0)  # not a normal exit, which can abort in torch's teardown (shardfusion.train.launch)
     threads = threads_per_worker(config.nproc) if config.device == "cpu" else 1
     results = launch(worker, (config,), config.nproc, threads, max_restarts=config.max_restarts)
-    return 0 if results is not None else 1
+    error = worker_error(results)
+    if error:
+        print(f"shardfusion: error: {error}", flush=True)
+    return 0 if results is not None and not error else 1
 
 
 if __name__ == "__main__":

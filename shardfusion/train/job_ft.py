@@ -8,8 +8,10 @@ samples were never applied. `FTRun.report` is the summary's `fault_tolerance` re
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -17,9 +19,16 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardfusion.ft import ReplicaGroup
+from shardfusion.train import ft_config
 
 WAIT_POLL_S = 1.0
 """Seconds between two quorums while fewer than --ft-min-replicas replica groups are up."""
+PAUSE_ENV = "SHARDFUSION_FT_PAUSE_AT"
+"""Fault injection for tests and benchmarks (benchmarks/ft.py): with this set to a step, every rank of the group
+stops inside that step, after its backward and before the gradients are averaged, and sleeps until it is killed;
+rank 0 first writes OUT/replica-<id>/`PAUSED_FILE`. A kill then lands mid-step, while the peers wait in the
+average: the case the discard exists for."""
+PAUSED_FILE = "paused"
 
 
 class FTRun:
@@ -28,11 +37,14 @@ class FTRun:
 
     def __init__(self, config: Any, model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                  *, start: int, device: torch.device, is_main: bool) -> None:
-        self.config, self.is_main = config, is_main
+        self.config, self.is_main, self.device = config, is_main, device
         self.t0 = time.perf_counter()
         self.group = ReplicaGroup(model, optimizers, lighthouse=config.ft_lighthouse,
-                                  replica_id=config.ft_replica_id, min_replicas=config.ft_min_replicas,
-                                  timeout=timedelta(seconds=config.ft_timeout), host=config.ft_host, device=device)
+                                  replica_id=config.ft_replica_id, replicas=config.ft_replicas,
+                                  min_replicas=config.ft_min_replicas, timeout=timedelta(seconds=config.ft_timeout),
+                                  quorum_timeout=timedelta(seconds=config.ft_quorum_timeout),
+                                  max_discards=config.ft_max_discards, host=config.ft_host,
+                                  fingerprint=ft_config.settings_fingerprint(config), device=device)
         if start:
             self.group.manager.load_state_dict({"step": start, "batches_committed": 0})
         self.participants: int | None = None  # of the last quorum
@@ -69,8 +81,8 @@ class FTRun:
                     self._say(f"step {step}: {n} replica group(s) in the quorum (was {self.participants})")
                 self.changes.append({"step": step, "participants": n, "was": self.participants, "at_s": self._now()})
                 self.participants = n
-            joining = (step == 0 and n < self.config.ft_replicas
-                       and time.perf_counter() - first_quorum < self.config.ft_join_wait)
+            joining = (n >= self.config.ft_min_replicas and step == 0 and n < self.config.ft_replicas
+                       and self._agree_to_wait(time.perf_counter() - first_quorum < self.config.ft_join_wait))
             if n < self.config.ft_min_replicas or joining:
                 if waiting_since is None:
                     waiting_since = time.perf_counter()
@@ -93,14 +105,37 @@ class FTRun:
                 return
             yield step
 
-    def sync(self, loss: torch.Tensor, aux: torch.Tensor, device: torch.device) -> tuple[float, float]:
+    def _agree_to_wait(self, mine: bool) -> bool:
+        """Whether the quorum's groups go on waiting for a new run's missing groups: this group's answer is its
+        rank 0's (broadcast: one clock per group), and the quorum waits while any group's does (a SUM over the
+        groups). A failed collective: wait, the next quorum asks again. Collective over the group and the
+        quorum."""
+        flag = torch.tensor([int(mine)], dtype=torch.long, device=self.device)  # NCCL's default group: device
+        dist.broadcast(flag, 0)
+        flag = flag.cpu()  # the replica groups' process group is gloo's
+        self.group.manager.allreduce(flag, reduce_op=dist.ReduceOp.SUM).wait()
+        return self.group.manager.errored() is not None or int(flag) > 0
+
+    def sync(self, step: int, loss: torch.Tensor, aux: torch.Tensor, device: torch.device) -> tuple[float, float]:
         """Average the gradients over the live replica groups and vote (`ReplicaGroup.sync_gradients`); returns
         the step's (loss, aux loss), each the mean over this group's ranks and then over the live groups."""
         figures = torch.stack([loss.detach().float(), aux.detach().float()]).to(device)
         dist.all_reduce(figures)
         figures /= dist.get_world_size()
+        if os.environ.get(PAUSE_ENV) == str(step):
+            self._pause(step)
         self.group.sync_gradients(figures)
         return float(figures[0]), float(figures[1])
+
+    def _pause(self, step: int) -> None:
+        """`PAUSE_ENV`: say so, write the marker, sleep until killed."""
+        if self.is_main:
+            self._say(f"paused inside step {step} ({PAUSE_ENV})")
+            folder = Path(ft_config.outputs_folder(self.config, self.config.out))
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / PAUSED_FILE).write_text(f"{step}\n")
+        while True:
+            time.sleep(3600)
 
     def commit(self, step: int) -> bool:
         """Step the optimizers if the vote passed (`ReplicaGroup.commit`); a discarded step is recorded and said."""

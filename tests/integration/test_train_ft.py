@@ -8,6 +8,8 @@ of its own (2 gloo ranks), joined by a torchft lighthouse (benchmarks/ft.py star
   are available, else on loopback): the survivor discards the step in flight, goes on alone after about the
   lighthouse's heartbeat timeout (not a restart), the restarted group resumes from the shared checkpoint, copies the
   live state from the survivor at a quorum and ends bitwise equal to it (state digests of both group ranks).
+- Groups started with different settings, and a quorum that cannot form within --ft-quorum-timeout, stop with one
+  line (exit 1) instead of a traceback or a silent divergence.
 - Bad fault-tolerance flags and an unreachable lighthouse are one-line usage errors before any worker starts.
 """
 
@@ -106,6 +108,41 @@ def test_a_killed_replica_group_is_survived_and_recovers(tmp_path: Path) -> None
     assert survivor["summary"]["fault_tolerance"]["quorum_changes"][-1]["participants"] == 2
 
 
+def _error_line(log: str) -> str:
+    lines = [line for line in log.splitlines() if line.startswith("shardfusion: error: ")]
+    assert len(lines) == 1, log[-3000:]
+    return lines[0]
+
+
+@pytest.mark.timeout(TRAIN_TIMEOUT_S)
+def test_groups_started_with_different_settings_stop_in_one_line(tmp_path: Path) -> None:
+    """Another --lr in one group: both groups find it at their first quorum, before any gradient is averaged,
+    and exit 1 with the same line (not a traceback, not a silent divergence)."""
+    with Replicas(tmp_path, FLAGS) as run:
+        run.start(0, extra=["--lr", "1e-3"])
+        run.start(1)
+        codes = run.wait(["replica0", "replica1"], TRAIN_TIMEOUT_S)
+        assert codes == {"replica0": 1, "replica1": 1}, codes
+        lines = {_error_line(run.log(f"replica{g}")) for g in (0, 1)}
+    assert len(lines) == 1 and "started with different settings" in lines.pop()
+    assert run.committed(0) == run.committed(1) == 0 and not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.timeout(TRAIN_TIMEOUT_S)
+def test_a_quorum_that_cannot_form_stops_after_the_quorum_timeout(tmp_path: Path) -> None:
+    """A lighthouse that needs two groups and one group alone (as with a peer that heartbeats but hangs): after
+    --ft-quorum-timeout the group exits 1 with one line naming the flag."""
+    with Replicas(tmp_path, FLAGS, lighthouse_min=2) as run:
+        started = time.monotonic()
+        run.start(0, extra=["--ft-quorum-timeout", "3"])
+        codes = run.wait(["replica0"], TRAIN_TIMEOUT_S)
+        took = time.monotonic() - started
+        line = _error_line(run.log("replica0"))
+    assert codes == {"replica0": 1} and took >= 3.0
+    assert line.startswith("shardfusion: error: no quorum within --ft-quorum-timeout 3 s (lighthouse http://"), line
+    assert "Timeout expired" in line
+
+
 @pytest.mark.timeout(TRAIN_TIMEOUT_S)
 @pytest.mark.parametrize("extra, words", [
     (["--ft-replica-id", "0"], "--ft-replica-id needs --ft-lighthouse"),
@@ -115,6 +152,8 @@ def test_a_killed_replica_group_is_survived_and_recovers(tmp_path: Path) -> None
     (["--ft-lighthouse", "LH", "--ft-replicas", "2", "--ft-replica-id", "0", "--ft-min-replicas", "3"],
      "--ft-min-replicas 3 must be in 1 .. --ft-replicas 2"),
     (["--ft-lighthouse", "LH", "--ft-replicas", "2", "--ft-replica-id", "0"], "no lighthouse answers there"),
+    (["--ft-lighthouse", "http://10.9.8.7:29510", "--ft-replicas", "2", "--ft-replica-id", "0", "--ft-host",
+      "127.0.0.1"], "--ft-host 127.0.0.1 is this machine's loopback, but the lighthouse is at 10.9.8.7"),
 ])
 def test_usage_errors_before_launch(tmp_path: Path, extra: list[str], words: str) -> None:
     lighthouse = f"http://127.0.0.1:{free_port()}"  # nobody listens there

@@ -32,6 +32,12 @@ ON = dict(ft_lighthouse="http://127.0.0.1:1", ft_replicas=3, ft_replica_id=1, ou
     ({**ON, "fsdp_outer_degree": 2}, "--fsdp-outer-degree 2 with --ft-lighthouse"),
     ({**ON, "optimizer": "muon"}, "--optimizer muon with --ft-lighthouse"),
     ({**ON, "max_restarts": 1, "save_every": 5}, "--max-restarts 1 with --ft-lighthouse"),
+    ({**ON, "ft_quorum_timeout": 0.0}, "--ft-quorum-timeout 0.0 must be > 0"),
+    ({**ON, "ft_max_discards": 0}, "--ft-max-discards 0 must be >= 1"),
+    ({**ON, "ft_lighthouse": "http://10.1.2.3:29510", "ft_host": "127.0.0.1"},
+     "--ft-host 127.0.0.1 is this machine's loopback, but the lighthouse is at 10.1.2.3"),
+    ({**ON, "ft_lighthouse": "http://10.1.2.3:29510", "ft_host": "localhost"},
+     "--ft-host localhost is this machine's loopback"),
 ])
 def test_check_flags_refusals(fields: dict, words: str) -> None:
     with pytest.raises(ValueError, match="^" + words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
@@ -42,9 +48,55 @@ def test_flags_parse_and_defaults() -> None:
     fc.check_flags(TrainConfig())  # off: nothing to check
     config = TrainConfig(**ON)
     fc.check_flags(config)
-    assert (config.ft_min_replicas, config.ft_timeout, config.ft_join_wait, config.ft_host) == (1, 10.0, 30.0,
-                                                                                                "127.0.0.1")
-    assert fc.resolve(config).fsdp_outer_degree == 1 and fc.resolve(TrainConfig()).fsdp_outer_degree is None
+    assert (config.ft_min_replicas, config.ft_timeout, config.ft_join_wait, config.ft_host,
+            config.ft_quorum_timeout, config.ft_max_discards) == (1, 10.0, 30.0, None, 120.0, 20)
+    resolved = fc.resolve(config)
+    assert resolved.fsdp_outer_degree == 1 and fc.resolve(TrainConfig()).fsdp_outer_degree is None
+    assert resolved.ft_host == "127.0.0.1"  # the lighthouse is on loopback: so is the way to it
+    assert fc.resolve(TrainConfig(**ON, ft_host="10.0.0.7")).ft_host == "10.0.0.7"  # given: kept
+
+
+def test_default_host_is_the_address_towards_the_lighthouse() -> None:
+    """No packet is sent: the kernel picks the interface that routes to the lighthouse. Loopback for a lighthouse
+    on loopback; anything else is an address of this machine that is not loopback (when it has a route at all)."""
+    assert ft.reachable_host("http://127.0.0.1:29510") == "127.0.0.1"
+    assert ft.reachable_host("http://localhost:29510") == "127.0.0.1"
+    try:
+        host = ft.reachable_host("http://192.0.2.1:29510")  # TEST-NET-1: routed by a default route, never sent to
+    except ValueError as error:  # no default route on this machine
+        assert "give it with --ft-host" in str(error)
+    else:
+        assert not ft.is_loopback(host)
+    assert ft.is_loopback("127.3.4.5") and ft.is_loopback("localhost") and not ft.is_loopback("192.0.2.1")
+
+
+def test_settings_fingerprint_covers_the_arithmetic_not_the_paths() -> None:
+    base = fc.settings_fingerprint(TrainConfig(**ON))
+    assert fc.settings_fingerprint(TrainConfig(**{**ON, "ft_replica_id": 2, "out": "/mnt/other"})) == base
+    assert fc.settings_fingerprint(TrainConfig(**ON, ft_host="10.0.0.7", data="/elsewhere")) == base
+    for change in ({"lr": 1e-3}, {"seed": 7}, {"n_layer": 3}, {"batch_size": 5}, {"ft_replicas": 4}):
+        assert fc.settings_fingerprint(TrainConfig(**{**ON, **change})) != base, change
+
+
+@pytest.mark.parametrize("groups, words", [
+    ([(0, 2, 2, "a" * 16), (1, 2, 2, "a" * 16)], None),
+    ([(0, 3, 2, "a" * 16), (1, 3, 2, "a" * 16), (2, 3, 2, "a" * 16)], None),
+    ([(0, 2, 2, "a" * 16), (0, 2, 2, "a" * 16)], "use the same --ft-replica-id (this one 0)"),
+    ([(0, 3, 2, "a" * 16), (1, 3, 2, "a" * 16), (1, 3, 2, "a" * 16)], "use the same --ft-replica-id"),
+    ([(0, 2, 2, "a" * 16), (1, 2, 4, "a" * 16)], "different numbers of ranks"),
+    ([(0, 2, 2, "a" * 16), (1, 2, 2, "b" * 16)], "different settings"),
+    ([(0, 2, 2, "a" * 16), (1, 3, 2, "a" * 16)], "differ in --ft-replicas"),
+    ([(0, 70, 2, "f" * 16), (65, 70, 2, "f" * 16)], None),  # ids past ID_BITS: the other checks still hold
+])
+def test_agreement_of_the_quorums_groups(groups: list, words: str | None) -> None:
+    """Each group sums the same vectors and compares with its own: every group reaches the same verdict."""
+    vectors = [ft.agreement(*g) for g in groups]
+    summed = sum(vectors[1:], vectors[0].clone())
+    verdicts = [ft.check_agreement(v, summed, len(groups)) for v in vectors]
+    if words is None:
+        assert verdicts == [None] * len(groups)
+    else:
+        assert all(v is not None for v in verdicts) and words in verdicts[0], verdicts
 
 
 def test_data_slices_are_hsdps() -> None:
@@ -99,6 +151,30 @@ def test_local_optimizer_state_round_trip() -> None:
         ft.load_local_optimizer_state(torch.optim.AdamW(twin.parameters()), state)
 
 
+def test_received_optimizer_state_goes_where_this_ranks_state_lives() -> None:
+    """A transport may hand the peer's tensors over on the CPU: they land beside this rank's own state (here the
+    meta device stands in for a GPU), a 0-dim ``step`` without state of its own stays on the CPU, as torch keeps it."""
+    model, opt = _trained_adamw()
+    state = ft.local_optimizer_state(opt)  # CPU tensors, as received
+    twin = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).to("meta")
+    twin_opt = torch.optim.AdamW([{"params": twin[0].parameters()}, {"params": twin[1].parameters()}])
+    first = twin[0].weight
+    twin_opt.state[first] = {"step": torch.zeros((), device="meta"), "exp_avg": torch.zeros(3, 4, device="meta")}
+    ft.load_local_optimizer_state(twin_opt, state)
+    assert twin_opt.state[first]["exp_avg"].device.type == "meta"  # beside its own
+    assert twin_opt.state[first]["step"].device.type == "meta"
+    assert twin_opt.state[first]["exp_avg_sq"].device.type == "meta"  # beside the parameter
+    second = twin[1].weight  # no state of its own yet
+    assert twin_opt.state[second]["exp_avg"].device.type == "meta"
+    assert twin_opt.state[second]["step"].device.type == "cpu"
+
+
+def test_recovery_bytes_count_whole_storages() -> None:
+    """PGTransport sends a view's whole storage: the count says what travels."""
+    flat = torch.zeros(100)
+    assert ft._nbytes({"shards": [flat[:10]], "x": [torch.zeros(3, dtype=torch.float64)]}) == 400 + 24
+
+
 def test_check_lighthouse_errors() -> None:
     with pytest.raises(ValueError, match="must be an http://host:port address"):
         ft.check_lighthouse("127.0.0.1:29510")
@@ -114,3 +190,95 @@ def test_missing_torchft_names_the_extra(monkeypatch) -> None:
     with pytest.raises(ValueError, match=r"needs the torchft package \(pip install 'shardfusion\[ft\]'\)"):
         ft.import_torchft()
 
+
+
+class _Buffer:
+    """The part of a flat buffer `ReplicaGroup.sync_gradients` touches."""
+
+    def __init__(self, grad: torch.Tensor | None) -> None:
+        self.shard = torch.zeros(3)
+        self.grad_shard = grad
+        self.fragments = [torch.nn.Parameter(torch.zeros(3))]
+        if grad is not None:
+            self.fragments[0].grad = grad
+        self.attached = False
+
+    def _attach_fragment_grads(self) -> None:
+        self.attached = True
+
+
+class _Work:
+    def wait(self) -> None:
+        pass
+
+
+class _TwoGroups:
+    """torchft's Manager as this group sees it in a quorum of two: SUM adds the peer's tensor, AVG halves that."""
+
+    def __init__(self, peer: list[torch.Tensor], commit: bool = True) -> None:
+        self.peer, self.commit, self.reported = list(peer), commit, []
+
+    def allreduce(self, tensor, reduce_op=None):
+        tensor += self.peer.pop(0)
+        if reduce_op is None:  # torchft's default: the average over the participants
+            tensor /= 2
+        return _Work()
+
+    def num_participants(self) -> int:
+        return 2
+
+    def errored(self):
+        return self.reported[0] if self.reported else None
+
+    def report_error(self, error) -> None:
+        self.reported.append(error)
+
+    def should_commit(self) -> bool:
+        return self.commit
+
+    def current_step(self) -> int:
+        return 0
+
+
+def _group(buffers: list, manager: _TwoGroups, **fields) -> ft.ReplicaGroup:
+    group = ft.ReplicaGroup.__new__(ft.ReplicaGroup)  # no torchft: the arithmetic of a step only
+    group.manager, group.optimizers, group.record = manager, [], ft.FTRecord()
+    group.min_replicas, group.max_discards, group.host, group._discards_in_a_row = 1, 2, "10.0.0.7", 0
+    group._participants = 0
+    group.__dict__.update(fields)
+    group._buffers = lambda trainable_only=False: buffers
+    return group
+
+
+def test_a_group_without_a_gradient_takes_the_average_when_a_peer_had_one_even_all_zero() -> None:
+    """The peer had a gradient of zeros for buffer 0 and none for buffer 1: this group attaches buffer 0's
+    average (zeros), as the peer keeps its own, and leaves buffer 1 without one, as the peer does."""
+    buffers = [_Buffer(None), _Buffer(None)]
+    peer = [torch.zeros(3), torch.zeros(3), torch.tensor([1, 1, 0])]  # grads, then [vote, had 0, had 1]
+    _group(buffers, _TwoGroups(peer)).sync_gradients()
+    assert buffers[0].attached and torch.equal(buffers[0].grad_shard, torch.zeros(3))
+    assert not buffers[1].attached and buffers[1].grad_shard is None
+
+
+def test_a_vote_short_of_the_participants_discards_the_step() -> None:
+    manager = _TwoGroups([torch.ones(3), torch.tensor([0, 1])])  # the peer voted no
+    _group([_Buffer(torch.ones(3))], manager).sync_gradients()
+    assert manager.reported and "vote 1 of 2" in str(manager.reported[0])
+
+
+def test_steps_discarded_in_a_row_stop_the_group_in_one_line() -> None:
+    """With enough replicas, --ft-max-discards (here 2) consecutive discards end the run; a commit resets the
+    count, and discards while below min_replicas (a wait) do not count."""
+    group = _group([], _TwoGroups([], commit=False), _participants=2)
+    assert group.commit() is False and group.commit() is False
+    group.manager.commit = True
+    assert group.commit() is True and group._discards_in_a_row == 0
+    group.manager.commit = False
+    group.min_replicas = 3  # below it: waiting, not failing
+    for _ in range(5):
+        group.commit()
+    group.min_replicas = 1
+    group.commit(), group.commit()
+    with pytest.raises(ft.FTError, match=r"^3 steps in a row discarded with 2 replica groups in the quorum "
+                                         r"\(--ft-max-discards 2\).*--ft-host 10\.0\.0\.7\?$"):
+        group.commit()
