@@ -22,6 +22,7 @@ from shardfusion import moe
 from shardfusion.amp import install_grad_scaler_sync
 from shardfusion.checkpoint.streaming import load_safetensors
 from shardfusion.clip import clip_grad_norm_, install_torch_clip_wrappers
+from shardfusion.diloco import DiLoCo
 from shardfusion.fully_shard import (
     MixedPrecisionPolicy,
     finish_grad_sync,
@@ -42,6 +43,7 @@ install_grad_scaler_sync()  # torch.amp.GradScaler agrees on found_inf over the 
 
 __all__ = [
     "Bandwidth",
+    "DiLoCo",
     "MixedPrecisionPolicy",
     "MoE",
     "Plan",

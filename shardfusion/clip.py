@@ -93,11 +93,18 @@ def _clip_fragment_grads(states: list, groups: list[tuple], max_norm: float, nor
     for state in states:
         state.finish_grad_sync()
     # What the optimizer will read: the fragments' .grad (None after zero_grad(set_to_none=True) is skipped).
+    # While replicate sync is off (DiLoCo's inner steps, shardfusion.diloco) each replica clips by its own norm:
+    # counted once within the replica, summed over its ranks only (no traffic between replicas).
+    alone = [g for g, _ in groups if not g.replicate_sync]
+    if alone and len(alone) != len(groups):
+        raise ValueError(f"clip_grad_norm_: {len(alone)} of {len(groups)} flat buffers have replicate sync off: "
+                         f"clip models of one mode together (all DiLoCo inner steps, or all synchronous)")
+    norm_group = alone[0].replica_group if alone else dist.group.WORLD
     counted, scaled = [], []
     for g, frags in groups:
         have = [f for f in frags if f.grad is not None and f.grad.numel()]
         scaled.extend(f.grad for f in have)
-        if g.is_primary or norm_type == math.inf:
+        if (g.is_replica_primary if alone else g.is_primary) or norm_type == math.inf:
             counted.extend(f.grad for f in have if _COPIES.get(id(f)) is not f)
     device = _norm_device([g for g, _ in groups])
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in scaled) else torch.float32
@@ -106,7 +113,7 @@ def _clip_fragment_grads(states: list, groups: list[tuple], max_norm: float, nor
         norms = torch.stack([n.to(device, dtype) for n in _norms(counted, norm_type, foreach)])
         local = norms.max() if norm_type == math.inf else norms.pow(norm_type).sum()
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-    comm.all_reduce(local, dist.group.WORLD, op=op)  # every rank, even one without gradients: the same collectives
+    comm.all_reduce(local, norm_group, op=op)  # every rank, even one without gradients: the same collectives
     total = local if norm_type == math.inf else local.sqrt() if norm_type == 2.0 else local.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(

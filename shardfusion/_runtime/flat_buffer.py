@@ -120,6 +120,9 @@ class FlatBuffer:
             fragment then has the parameter's shape on its owner and ``(0, *shape[1:])`` on the other ranks. In
             the other layout a fragment and its ``.grad`` have shape ``layout.fragment_shape(shape, numel)``:
             ``(rows_on_this_rank, *shape[1:])``.
+        is_replica_primary: this rank holds the canonical copy of this shard within its replica (``is_primary``
+            without the replicate-group condition: tensor parallel or mp rank 0); clipping counts it while
+            replicate sync is off (default: ``is_primary``).
 
     Attributes (besides the tensors of the note): ``shard_index`` (0 for a buffer without elements), ``is_expert``,
     ``is_primary``, ``unit_name``, and, for a later ``fully_shard`` call that absorbs this one, ``originals`` (a weak
@@ -147,6 +150,7 @@ class FlatBuffer:
         outer_comm_dtype: object = None,
         tp_specs: Optional[list] = None,
         owner_layout: bool = False,
+        is_replica_primary: Optional[bool] = None,
     ) -> None:
         self.layout = layout
         self.tp_specs = list(tp_specs) if tp_specs is not None else [None] * len(params)
@@ -154,10 +158,16 @@ class FlatBuffer:
         self.reduce_group = reduce_group if reduce_group is not None else shard_group
         self.replicate_group = replicate_group
         self.outer_comm_dtype = outer_comm_dtype
-        self.grad_divisor = grad_divisor
+        self.synced_grad_divisor = grad_divisor
+        self.replicate_sync = True
+        """Whether the step's gradient is all-reduced over ``replicate_group`` (``set_replicate_sync``)."""
         self.requires_grad = params[0].requires_grad
         self.is_expert = bool(is_expert)
         self.is_primary = bool(is_primary)
+        self.is_replica_primary = bool(is_primary if is_replica_primary is None else is_replica_primary)
+        self.replica_group: Optional[ProcessGroup] = None
+        """The ranks of this replica (one index of the replicate group), set while replicate sync is off: clipping
+        then takes the norm over them (``shardfusion.diloco``)."""
         self.unit_name = unit_name
         self.originals = [weakref.ref(p) for p in params]
         self.param_attrs = [dict(vars(p)) for p in params]
@@ -168,7 +178,7 @@ class FlatBuffer:
         if P == 0:  # only zero-element parameters: nothing to communicate, on every rank alike
             self.shard_group = self.reduce_group = self.replicate_group = None
             data_parallel_group = None
-        self.overlap_replicate = bool(overlap_replicate) and comm.group_size(self.replicate_group) > 1
+        self._overlap_replicate = bool(overlap_replicate) and comm.group_size(self.replicate_group) > 1
         self.data_parallel_group = data_parallel_group
         self.shard_index = shard_index if P else 0
         self.shard = torch.zeros(S, dtype=dtype, device=device)  # (S,) filled by fill_from_params / fill_slot
@@ -217,6 +227,37 @@ class FlatBuffer:
         self.direct_grad: Optional[torch.Tensor] = None
         self.late_grad: Optional[torch.Tensor] = None
         self._stashed_grads: dict[int, Optional[torch.Tensor]] = {}  # fragment index -> its .grad before autograd
+
+    # ---- replicas that step alone (DiLoCo's inner steps, shardfusion.diloco) --------------------------------------
+    def set_replicate_sync(self, on: bool) -> None:
+        """Whether this buffer's gradient is all-reduced over its replicate group each step (True, the default) or
+        stays this replica's own (False: no collective on ``replicate_group``; the gradient is the mean over this
+        replica's ranks only, ``grad_divisor`` = ``synced_grad_divisor`` / replicate group size). Switch only
+        between steps (no gradient pending). The layout, ``replicate_group`` and ``is_primary`` stay as they are:
+        the shard is still described as replicated (checkpoints, state dicts)."""
+        if self.step_grad is not None or self._sync_started or self._reduce_out is not None:
+            raise RuntimeError(f"set_replicate_sync on {self._collective('buffer')} with a gradient pending: switch "
+                               f"between steps only")
+        self.replicate_sync = bool(on)
+
+    @property
+    def sync_group(self) -> Optional[ProcessGroup]:
+        """The group the step's gradient is all-reduced over: ``replicate_group``, or None (no collective) while
+        replicate sync is off."""
+        return self.replicate_group if self.replicate_sync else None
+
+    @property
+    def grad_divisor(self) -> int:
+        """What the reduced gradient is divided by: the ranks whose losses average into it (all data-parallel
+        ranks; this replica's while replicate sync is off)."""
+        if self.replicate_sync:
+            return self.synced_grad_divisor
+        return self.synced_grad_divisor // comm.group_size(self.replicate_group)
+
+    @property
+    def overlap_replicate(self) -> bool:
+        """Whether the replicate all-reduce may be handed off to overlap with backward (see replicate_sync.py)."""
+        return self._overlap_replicate and self.replicate_sync
 
     # ---- initial values ----------------------------------------------------------------------------------------
     def fill_from_params(self, params: list[Optional[torch.Tensor]]) -> None:
@@ -479,7 +520,7 @@ class FlatBuffer:
             return
         with torch.no_grad():
             target = self._late_buffer() if self._sync_started else self.step_grad
-            target.add_(self.direct_grad, alpha=1.0 / comm.group_size(self.replicate_group))
+            target.add_(self.direct_grad, alpha=1.0 / comm.group_size(self.sync_group))
         self.direct_grad = None
 
     def restore_fragment_grads(self) -> None:
@@ -507,16 +548,16 @@ class FlatBuffer:
             self._sync_buf = self.all_reduce_replicas(self.step_grad)
         else:
             self._sync_buf = self._replicate_comm_buffer(self.step_grad)
-            self._sync_work = comm.all_reduce(self._sync_buf, self.replicate_group, async_op=True)
+            self._sync_work = comm.all_reduce(self._sync_buf, self.sync_group, async_op=True)
         self._sync_started = True
 
     @property
     def _compressed(self) -> bool:
-        return self.outer_comm_dtype is not None and comm.group_size(self.replicate_group) > 1
+        return self.outer_comm_dtype is not None and comm.group_size(self.sync_group) > 1
 
     def _replicate_comm_buffer(self, grad: torch.Tensor) -> torch.Tensor:
         """``grad`` ((S,), the shard's dtype) itself, or a copy in the communication dtype."""
-        if grad.dtype == self.grad_comm_dtype or comm.group_size(self.replicate_group) == 1:
+        if grad.dtype == self.grad_comm_dtype or comm.group_size(self.sync_group) == 1:
             return grad
         with torch.no_grad():
             return grad.to(self.grad_comm_dtype)  # (S,)
@@ -527,17 +568,17 @@ class FlatBuffer:
         if self._compressed:
             return self.all_reduce_replicas(grad), None
         buf = self._replicate_comm_buffer(grad)
-        return buf, comm.all_reduce(buf, self.replicate_group, async_op=True)
+        return buf, comm.all_reduce(buf, self.sync_group, async_op=True)
 
     def all_reduce_replicas(self, grad: torch.Tensor) -> torch.Tensor:
         """All-reduce ``grad`` ((S,), the shard's dtype) over the replicate group and wait; returns the result
         (``grad`` itself, or a copy in the communication dtype). With ``outer_comm_dtype``: in place, sent in that
         format (``compress.compressed_all_reduce``)."""
         if self._compressed:
-            compress.compressed_all_reduce(grad, self.replicate_group, self.outer_comm_dtype)
+            compress.compressed_all_reduce(grad, self.sync_group, self.outer_comm_dtype)
             return grad
         buf = self._replicate_comm_buffer(grad)
-        work = comm.all_reduce(buf, self.replicate_group, async_op=True)
+        work = comm.all_reduce(buf, self.sync_group, async_op=True)
         if work is not None:
             comm.wait(work, self._collective("all_reduce"))
         return buf
@@ -598,7 +639,7 @@ class FlatBuffer:
         replicate group, by itself and synchronously, and add it into ``grad_shard``, except for fragments whose
         gradient the user dropped."""
         if self.direct_grad is not None:  # direct gradients that came after the all-reduce was issued
-            self._late_buffer().add_(self.direct_grad, alpha=1.0 / comm.group_size(self.replicate_group))
+            self._late_buffer().add_(self.direct_grad, alpha=1.0 / comm.group_size(self.sync_group))
             self.direct_grad = None
         late, self.late_grad = self.late_grad, None
         if late is None:

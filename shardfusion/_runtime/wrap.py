@@ -449,7 +449,8 @@ def _flat_buffer(unit: Unit, kind: tuple, members: list, plan: _GroupPlan) -> Fl
         grad_comm_dtype=plan.mp_policy.grad_comm_dtype if cast else None,
         overlap_replicate=replicate_group is topology.get_replicate_group(),
         outer_comm_dtype=None if placement == "replicate" or not cast else plan.outer_comm_dtype,
-        tp_specs=[tp.spec_of(p) for _, p, _ in members], owner_layout=placement == "owner")
+        tp_specs=[tp.spec_of(p) for _, p, _ in members], owner_layout=placement == "owner",
+        is_replica_primary=tensor_parallel or topology.mp_rank == 0)
     for name, p, _ in members:
         REPLACED_PARAMS[p] = name
     return buffer
