@@ -24,9 +24,10 @@ from shardfusion.train.data import corpus_size, min_corpus_bytes, split_sizes
 from shardfusion.models.gpt import PRESETS, VOCAB_SIZE, GPTConfig
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_POLICIES
 from shardfusion.train.hf_models import HF_MODELS
-from shardfusion.train import data_config, ft_config, pipeline_config
+from shardfusion.train import data_config, ft_config, outer_config, pipeline_config
 from shardfusion.train.data_config import DataConfig
 from shardfusion.train.ft_config import FTConfig
+from shardfusion.train.outer_config import OuterConfig
 from shardfusion.train.tokenizer import BYTES
 from shardfusion.train.pipeline_config import PipelineConfig
 from shardfusion.plan import parse_bytes
@@ -72,14 +73,16 @@ def memory_arg(text: str) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig(PipelineConfig, DataConfig, FTConfig):
+class TrainConfig(PipelineConfig, DataConfig, FTConfig, OuterConfig):
     """Everything one training run depends on; written to OUT/config.json.
 
     Sections owned by other modules are base classes, whose fields are flags like these and whose checks live with
     them: `PipelineConfig` (--pp, --pp-schedule, --stages-per-rank, --microbatches;
     `shardfusion.train.pipeline_config`), `DataConfig` (--data, --data-bytes, --tokenizer, --train-tokenizer,
     --text-field, --data-cache; `shardfusion.train.data_config`) and `FTConfig` (--ft-lighthouse, --ft-replica-id,
-    --ft-replicas, --ft-min-replicas, --ft-join-wait, --ft-timeout, --ft-host; `shardfusion.train.ft_config`). A
+    --ft-replicas, --ft-min-replicas, --ft-join-wait, --ft-timeout, --ft-host, --ft-quorum-timeout, --ft-max-discards;
+    `shardfusion.train.ft_config`) and `OuterConfig` (--outer-sync, --outer-every, --outer-lr, --outer-momentum,
+    --outer-fragments; `shardfusion.train.outer_config`). A
     field with ``metadata={"flag": False}`` is set at run time, not on the command line.
     """
 
@@ -353,6 +356,7 @@ class TrainConfig(PipelineConfig, DataConfig, FTConfig):
         pipeline_config.check_flags(self)  # the pipeline section's own checks
         data_config.check_flags(self)  # the data section's
         ft_config.check_flags(self)  # the fault-tolerance section's
+        outer_config.check_flags(self)  # the outer-synchronisation section's
 
 
 DEFAULT_WARMUP = 20
@@ -430,6 +434,7 @@ def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
             raise ValueError(f"--cp {cp} needs --dropout 0 (got {config.dropout}): attention dropout would differ "
                              "from one process's")
     pipeline_config.check_world(config, world_size=world_size, world=world)  # --pp divides the world, and more
+    outer_config.check_layout(config, world)  # diloco has replicas
     pp = config.pp
     split = "".join(f" / {flag} {degree}" for flag, degree in (("--pp", pp), ("--mp", mp), ("--cp", cp))
                     if degree > 1)

@@ -53,7 +53,8 @@ from shardfusion.train.launch import (cpu_cores, default_nproc, exit_now, init_w
                                       pick_device, restart_problem, threads_per_worker, under_torchrun)
 from shardfusion.train.metrics import (MetricsLog, comm_step_record, expert_balance, format_summary, plot_losses,
                                  summarize)
-from shardfusion.train import data_config, ft_config, job_ft, job_model, job_pipeline, pipeline_config
+from shardfusion.train import (data_config, ft_config, job_ft, job_model, job_outer, job_pipeline, outer_config,
+                               pipeline_config)
 from shardfusion.train import tokenizer as tokenizers
 from shardfusion.train.job_model import JobModel, Losses
 from shardfusion.train.outputs import open_outputs
@@ -76,11 +77,11 @@ def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, DTYPES[name])
 
 
-def global_mean(values: list[float | torch.Tensor], device: torch.device) -> list[float]:
-    """Means of each value over all ranks, in one all-reduce."""
+def global_mean(values: list[float | torch.Tensor], device: torch.device, group=None) -> list[float]:
+    """Means of each value over the ranks of ``group`` (default: all), in one all-reduce."""
     t = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).detach() for v in values])
-    dist.all_reduce(t)
-    return (t / dist.get_world_size()).tolist()
+    dist.all_reduce(t, group=group)
+    return (t / dist.get_world_size(group)).tolist()
 
 
 def expert_load(tokens: torch.Tensor, topo: sf.Topology) -> torch.Tensor:
@@ -275,12 +276,18 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     if config.init_from is not None and resume_from is None:  # a resumed run takes its weights from the checkpoint
         job_model.load_pretrained(model, config.init_from)
     optimizers = build_optimizers(model, config, matrices)
+    # --outer-sync diloco: the replicas step alone, an outer step every --outer-every steps (job_outer)
+    outer = job_outer.OuterRun(config, model, topo, optimizers) if outer_config.enabled(config) else None
     start, elapsed_before, notes, data_order = 0, 0.0, [], DATA_ORDER
     if resume_from is not None:  # the saved run's data order: DATA_ORDER_PER_RANK for a checkpoint of an older run
         flags = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers]
+        outer_state = outer.placeholders() if outer is not None else None
         start, elapsed_before, notes, data_order = train_state.restore(
             model, optimizers, resume_from, config=config, model_extra=job.extra, layout=topo.describe(),
-            device=device)
+            device=device, rank_extra=outer_state)
+        if outer is not None:
+            note = outer.restored(outer_state, start)
+            notes += [note] if note else []
         for opt, mine in zip(optimizers, flags):  # this run's hyperparameters, not the saved ones (lr: per step)
             for group, settings in zip(opt.param_groups, mine):
                 group.update(settings)
@@ -410,12 +417,14 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
                 for optimizer in optimizers:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
+            synced = outer.step() if outer is not None else None  # DiLoCo: the outer step of the fragments due
         if pipe is not None:
             loss_value, aux_value, load = pipe.step_figures()  # load: (L, E) or None
             pipe.record_comm(step_comm.summary())
         else:  # with fault tolerance the figures are the live groups' means; the expert load this group's
-            loss_value, aux_value = figures if ft_run is not None else global_mean(
-                [loss_sum / config.grad_accum, aux_sum / config.grad_accum], device)
+            loss_value, aux_value = figures if ft_run is not None else global_mean(  # DiLoCo: this replica's
+                [loss_sum / config.grad_accum, aux_sum / config.grad_accum], device,
+                outer.replica_group if outer is not None else None)
             load = expert_load(tokens, topo) if moe else None  # (L, E)
         moe_record = {}
         muon_record = {"muon_lr": optimizers[0].param_groups[0]["lr"]} if matrices is not None else {}
@@ -428,6 +437,7 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             log.log_train(step=step + 1, loss=loss_value, grad_norm=float(grad_norm), lr=lr,
                           tokens_per_s=tokens_per_s, elapsed_s=elapsed(), **moe_record, **muon_record,
                           **({"ft_participants": ft_run.participants} if ft_run is not None else {}),
+                          **({"outer_synced": synced} if outer is not None else {}),
                           comm=comm_step_record(step_comm.summary()))
             postfix = {"loss": f"{loss_value:.3f}", "gnorm": f"{float(grad_norm):.2f}"}
             if moe:
@@ -442,7 +452,8 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
                 ft_run is None or ft_run.writes_checkpoints()):  # fault tolerance: the quorum's first group saves
             path = train_state.save(model, optimizers, config.out, step=done, keep=config.keep, config=config,
                                     model_extra=job.extra, layout=topo.describe(), elapsed_s=elapsed(),
-                                    device=device, data_order=data_order)
+                                    device=device, data_order=data_order,
+                                    rank_extra=outer.rank_tensors() if outer is not None else None)
             if is_main:
                 tqdm.write(f"step {done:5d}  saved {path} in {time.perf_counter() - t_step:.1f} s")
             t_step = time.perf_counter()
@@ -470,6 +481,11 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         summary["pipeline"] = pipeline
     if ft_report is not None:
         summary["fault_tolerance"] = ft_report
+    if outer is not None:
+        d = outer.diloco
+        summary["outer_sync"] = {"mode": "diloco", "every": d.every, "lr": d.lr, "momentum": d.momentum,
+                                 "fragments": len(d.fragments), "outer_steps": list(d.outer_steps),
+                                 "comm_dtype": config.outer_comm_dtype}
     if balance is not None:
         summary["owner_balance"] = balance
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

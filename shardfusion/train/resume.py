@@ -51,7 +51,7 @@ CHECKPOINT_DIR = "checkpoints"
 RESUME_FIELDS = ("seed", "steps", "lr", "min_lr", "warmup", "weight_decay", "clip", "global_batch_size",
                  "grad_accum", "aux_loss_coef", "data", "data_bytes", "dropout", "param_dtype", "grad_comm_dtype",
                  "outer_comm_dtype", "expert_policy", "device", "hf_model", "init_from", "optimizer", "muon_lr",
-                 "text_field")
+                 "text_field", "outer_sync", "outer_every", "outer_lr", "outer_momentum", "outer_fragments")
 """TrainConfig fields that decide the learning rate schedule, the data order, the loss or the arithmetic (dtypes,
 device, where expert gradients are summed): a resume with other values continues, but not as the saved run would
 have. The per-rank batch_size is not one of them (it follows from the global one and the world size), except for
@@ -182,7 +182,7 @@ def check_resume(out: str, meta_model: Callable[[], nn.Module]) -> None:
 
 def save(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], out: str, *,
          step: int, keep: int, config: Any, model_extra: dict[str, dict[str, Any]], layout: str, elapsed_s: float,
-         device: torch.device, data_order: int) -> str:
+         device: torch.device, data_order: int, rank_extra: Optional[dict[str, torch.Tensor]] = None) -> str:
     """Publish ``out/checkpoints/step-<step>`` (see `shardfusion.checkpoint.save_checkpoint`); returns its path.
     Collective. ``model``: the sharded model, or with --pp the list of this rank's stage models (each named as in
     the whole model, so the checkpoint is the whole model's). ``optimizers``: the run's optimizers
@@ -190,7 +190,8 @@ def save(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.opti
     ``[muon, adamw]``), each parameter in one of them; the checkpoint keeps their states under the parameters'
     names, so it loads into any layout. ``model_extra``: the model's record (`JobModel.extra`), merged into the
     checkpoint's ``extra``;
-    ``data_order``: the sampler's (`shardfusion.train.data.DATA_ORDERS`).
+    ``data_order``: the sampler's (`shardfusion.train.data.DATA_ORDERS`); ``rank_extra``: more per-rank tensors
+    (``{key: tensor}``, saved under ``rank/<rank>/<key>`` beside the RNG states; DiLoCo's, `job_outer`).
 
     Raises:
         ValueError: on every rank: what `shardfusion.checkpoint.save_checkpoint` raises (a folder that cannot be
@@ -201,16 +202,19 @@ def save(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.opti
              "config": {name: getattr(config, name) for name in RESUME_FIELDS + SAVED_TOKENIZER_FIELDS},
              "data_order": data_order}
     return ckpt.save_checkpoint(model, list(optimizers), os.path.join(out, CHECKPOINT_DIR), step, keep=keep,
-                                extra=extra, rank_state=rng_state(device))
+                                extra=extra, rank_state={**rng_state(device), **(rank_extra or {})})
 
 
 def restore(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], path: str, *,
             config: Any, model_extra: dict[str, dict[str, Any]], layout: str,
-            device: torch.device) -> tuple[int, float, list[str], int]:
+            device: torch.device, rank_extra: Optional[dict[str, torch.Tensor]] = None
+            ) -> tuple[int, float, list[str], int]:
     """Load the checkpoint at `path` into `model` and `optimizers` (the list `save` took; any layout: with Muon's
     whole matrices on other owner ranks too) and this rank's RNG states. Collective. The optimizers'
     hyperparameters are the saved ones afterwards: the caller re-applies its own.
     ``model_extra``: this run's model record (`JobModel.extra`), compared field by field with the saved one.
+    ``rank_extra``: the per-rank tensors `save` took, as placeholders: afterwards it holds the ones the checkpoint
+    had (in their saved shapes), the others removed.
 
     Returns (steps done, training seconds so far, notes, data order): the notes name every way in which the
     continuation will differ from the saved run (changed `RESUME_FIELDS` or model fields, another world size or
@@ -223,8 +227,9 @@ def restore(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.o
             the message says how to go on.
     """
     rng = rng_state(device)
+    rank = {**rng, **(rank_extra or {})}
     try:
-        extra = ckpt.load(model, list(optimizers), path, rank_state=rng)
+        extra = ckpt.load(model, list(optimizers), path, rank_state=rank)
     except ValueError as error:
         raise ValueError(f"cannot resume from {path}: {error}. Resume with the model flags of the saved run, use "
                          f"another --out, or move the checkpoint away") from error
@@ -233,7 +238,10 @@ def restore(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.o
                          f"not written by shardfusion.train; use another --out")
     if isinstance(extra.get("config"), dict):  # preflight refused this already; a worker started otherwise too
         check_optimizer(os.path.dirname(os.path.dirname(path)), config.optimizer, extra["config"])
-    set_rng_state(rng, device)
+    set_rng_state({key: rank[key] for key in rng if key in rank}, device)
+    if rank_extra is not None:
+        rank_extra.clear()
+        rank_extra.update({key: value for key, value in rank.items() if key not in rng})
     try:
         order = saved_data_order(extra)
     except ValueError as error:

@@ -1,0 +1,112 @@
+"""DiLoCo in the training job (--outer-sync diloco): the outer step after the inner ones, and the per-rank state a
+checkpoint needs for an exact resume. `shardfusion.train.job` builds an `OuterRun` after the optimizers, passes
+`OuterRun.rank_tensors` to every save and `OuterRun.placeholders` to the restore, then calls `OuterRun.restored`,
+and calls `OuterRun.step` after every optimizer step. The engine is `shardfusion.diloco`; the flags
+`shardfusion.train.outer_config`; docs/slow-links.md the whole story.
+
+Why per-rank state: between two outer steps the replicas differ (their parameters and their AdamW moments), while a
+checkpoint stores a replicated shard once (replica 0's). So each rank also saves, under ``rank/<rank>/diloco/...``:
+its own shards, the outer snapshot and momentum, and its AdamW state. A resume loads them back over replica 0's
+copy: the continuation is the run that was saved, mid-period too. That needs the saved layout and world size; a
+checkpoint without DiLoCo state (an every-step run) starts a new period from the loaded parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+
+import shardfusion as sf
+from shardfusion.diloco import DiLoCo
+
+PREFIX = "diloco/"
+ADAMW_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+def _wire_format(name: str | None) -> object:
+    """--outer-comm-dtype as `shardfusion.diloco.DiLoCo`'s comm_dtype."""
+    return None if name is None else "int8" if name == "int8" else getattr(torch, name)
+
+
+class OuterRun:
+    """This rank's DiLoCo (see the module docstring)."""
+
+    def __init__(self, config: Any, model: nn.Module, topo: sf.Topology,
+                 optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.config = config
+        self.optimizers = list(optimizers)
+        self.diloco = DiLoCo(model, topo, every=config.outer_every, lr=config.outer_lr,
+                             momentum=config.outer_momentum, comm_dtype=_wire_format(config.outer_comm_dtype),
+                             fragments=config.outer_fragments)
+        self.replica_group = self.diloco.replica_group
+
+    def _params(self) -> list[tuple[str, torch.Tensor]]:
+        return [(f"{o}/{j}", p) for o, opt in enumerate(self.optimizers)
+                for j, p in enumerate(p for g in opt.param_groups for p in g["params"])]
+
+    def rank_tensors(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of this rank (the live tensors; the save copies them)."""
+        tensors = {f"{PREFIX}shard/{i}": b.shard for i, b in enumerate(self.diloco.buffers)}
+        for key, value in self.diloco.state_dict().items():
+            if isinstance(value, torch.Tensor):
+                tensors[PREFIX + key] = value
+        tensors[PREFIX + "outer_steps"] = torch.tensor(self.diloco.outer_steps, dtype=torch.long)
+        for name, p in self._params():
+            for key, value in self.optimizers[int(name.split("/")[0])].state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"{PREFIX}opt/{name}/{key}"] = value
+        return tensors
+
+    def placeholders(self) -> dict[str, torch.Tensor]:
+        """Keys a restore may find, as empty tensors (the checkpoint's own shapes come back): never the live
+        ones, which the same load also fills from replica 0's copy."""
+        keys = [f"{PREFIX}shard/{i}" for i in range(len(self.diloco.buffers))]
+        keys += [f"{PREFIX}{k}/{i}" for k in ("snapshot", "momentum") for i in range(len(self.diloco.buffers))]
+        keys += [PREFIX + "outer_steps"]
+        keys += [f"{PREFIX}opt/{name}/{key}" for name, _ in self._params() for key in ADAMW_KEYS]
+        return {key: torch.empty(0) for key in keys}
+
+    def restored(self, loaded: dict[str, torch.Tensor], start: int) -> str | None:
+        """Put the per-rank state of a restore back (``loaded``: what `placeholders` became); ``start``: the
+        step resumed at. Returns a note when the checkpoint had no DiLoCo state (a new period starts).
+
+        Raises:
+            ValueError: the saved state does not fit this layout (another world size, degrees or model).
+        """
+        d = self.diloco
+        if f"{PREFIX}snapshot/0" not in loaded:
+            with torch.no_grad():
+                for snap, m, b in zip(d.snapshot, d.momentum_buffers, d.buffers):
+                    snap.copy_(b.shard)
+                    m.zero_()
+            d.inner_steps = start
+            return "the checkpoint has no DiLoCo state (an every-step run): a new outer period starts here"
+        state: dict[str, Any] = {"inner_steps": start, "outer_steps": loaded[PREFIX + "outer_steps"].tolist()}
+        state.update({key[len(PREFIX):]: value for key, value in loaded.items()
+                      if key.startswith((PREFIX + "snapshot/", PREFIX + "momentum/"))})
+        d.load_state_dict(state)
+        with torch.no_grad():
+            for i, b in enumerate(d.buffers):
+                saved = loaded.get(f"{PREFIX}shard/{i}")
+                if saved is None or saved.shape != b.shard.shape:
+                    raise ValueError(f"DiLoCo state: shard {i} of this rank was saved with another layout; resume a "
+                                     f"DiLoCo run with the layout and world size it was saved with")
+                b.shard.copy_(saved)
+            for name, p in self._params():
+                opt_state = self.optimizers[int(name.split("/")[0])].state.get(p, {})
+                for key in ADAMW_KEYS:
+                    saved = loaded.get(f"{PREFIX}opt/{name}/{key}")
+                    mine = opt_state.get(key)
+                    if saved is None or not isinstance(mine, torch.Tensor):
+                        continue
+                    if saved.shape != mine.shape:
+                        raise ValueError(f"DiLoCo state: AdamW {key} of parameter {name} was saved with another "
+                                         f"layout; resume with the saved layout")
+                    mine.copy_(saved)
+        return None
+
+    def step(self) -> list[int]:
+        """After an inner optimizer step: the outer step of each fragment now due (`DiLoCo.step`)."""
+        return self.diloco.step()

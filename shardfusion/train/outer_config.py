@@ -1,0 +1,96 @@
+"""The outer-synchronisation section of the training job's settings (`--outer-sync`, `--outer-every`,
+`--outer-lr`, `--outer-momentum`, `--outer-fragments`) and its checks: this module owns them,
+`shardfusion.train.config` includes the section (`TrainConfig` derives from `OuterConfig`) and calls `check_flags`
+with the other flag checks and `check_layout` with the world-size checks. The engine is `shardfusion.diloco`;
+docs/slow-links.md tells the whole story.
+
+``--outer-sync every-step`` (the default) is HSDP as it is: one gradient all-reduce per step across the replicas,
+exact. ``--outer-sync diloco`` takes --outer-every inner steps per replica without any traffic between nodes, then
+one outer Nesterov step on the pseudo-gradients (sent in --outer-comm-dtype when given).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from shardfusion.diloco import DEFAULT_EVERY, DEFAULT_LR, DEFAULT_MOMENTUM
+
+if TYPE_CHECKING:  # annotations only: config.py imports this module
+    from shardfusion.train.config import TrainConfig
+
+OUTER_SYNCS = ("every-step", "diloco")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterConfig:
+    """How the replicas of HSDP synchronise (a section of `TrainConfig`, which derives from it)."""
+
+    outer_sync: str = "every-step"
+    """every-step (HSDP: one gradient all-reduce across the replicas per step, exact) or diloco (each replica steps
+    alone for --outer-every steps, then an outer Nesterov step on the change of the parameters; Douillard et al.,
+    2023; needs --fsdp-outer-degree > 1; docs/slow-links.md) (default every-step)."""
+    outer_every: int = DEFAULT_EVERY
+    """With --outer-sync diloco: H, the inner steps between two outer steps (default 16)."""
+    outer_lr: float = DEFAULT_LR
+    """With --outer-sync diloco: the outer learning rate (default 0.7, the paper's)."""
+    outer_momentum: float = DEFAULT_MOMENTUM
+    """With --outer-sync diloco: the outer Nesterov momentum (default 0.9, the paper's)."""
+    outer_fragments: int = 1
+    """With --outer-sync diloco: streaming DiLoCo, the model cut into this many fragments synchronised at staggered
+    steps, so no step carries more than about 1/F of the model's bytes (default 1: all at once)."""
+
+
+def enabled(config: OuterConfig) -> bool:
+    return config.outer_sync == "diloco"
+
+
+def check_flags(config: TrainConfig) -> None:
+    """The section's flags together, and against the flags they cannot run with.
+
+    Raises:
+        ValueError: naming the flag and the numbers.
+    """
+    if config.outer_sync not in OUTER_SYNCS:
+        raise ValueError(f"--outer-sync must be {' or '.join(OUTER_SYNCS)}, got {config.outer_sync!r}")
+    if not enabled(config):
+        changed = [flag for flag, value, default in (
+            ("--outer-every", config.outer_every, DEFAULT_EVERY), ("--outer-lr", config.outer_lr, DEFAULT_LR),
+            ("--outer-momentum", config.outer_momentum, DEFAULT_MOMENTUM),
+            ("--outer-fragments", config.outer_fragments, 1)) if value != default]
+        if changed:
+            raise ValueError(f"{changed[0]} needs --outer-sync diloco (with every-step the replicas synchronise each "
+                             f"step)")
+        return
+    if config.outer_every < 1:
+        raise ValueError(f"--outer-every {config.outer_every} must be >= 1 (inner steps between two outer steps)")
+    if not config.outer_lr > 0:
+        raise ValueError(f"--outer-lr {config.outer_lr} must be > 0")
+    if not 0 <= config.outer_momentum < 1:
+        raise ValueError(f"--outer-momentum {config.outer_momentum} must be in [0, 1)")
+    if not 1 <= config.outer_fragments <= config.outer_every:
+        raise ValueError(f"--outer-fragments {config.outer_fragments} must be in 1 .. --outer-every "
+                         f"{config.outer_every} (each fragment is synchronised every H steps, at its own step)")
+    refused = [(flag, value) for flag, value in (("--pp", config.pp), ("--cp", config.cp)) if value != 1]
+    if config.ft_lighthouse is not None:
+        refused.append(("--ft-lighthouse", config.ft_lighthouse))
+    if config.optimizer != "adamw":
+        refused.append(("--optimizer", config.optimizer))
+    if config.experts and config.expert_policy == "shard":
+        refused.append(("--expert-policy", config.expert_policy))
+    if refused:
+        flag, value = refused[0]
+        raise ValueError(f"{flag} {value} with --outer-sync diloco: DiLoCo runs on HSDP's replicas with AdamW inside "
+                         f"(no --pp, --cp, --ft-lighthouse, --optimizer muon or --expert-policy shard yet); see "
+                         f"docs/slow-links.md")
+
+
+def check_layout(config: TrainConfig, world: str) -> None:
+    """With diloco, the resolved layout must have replicas (the outer degree is known once `resolve`d).
+
+    Raises:
+        ValueError: --fsdp-outer-degree 1 (or auto) with --outer-sync diloco.
+    """
+    if enabled(config) and (not isinstance(config.fsdp_outer_degree, int) or config.fsdp_outer_degree < 2):
+        raise ValueError(f"--outer-sync diloco needs replicas: --fsdp-outer-degree {config.fsdp_outer_degree} "
+                         f"({world}); give an outer degree >= 2 (one replica per node)")
