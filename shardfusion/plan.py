@@ -35,6 +35,12 @@ that use different links overlap fully, on a shared link they add up. With ``ove
 A_last``. Compute is not modelled: the time is the communication on the critical path of a step with no compute to
 hide it (a communication-bound step).
 
+With DiLoCo (``outer_every = H``, :class:`shardfusion.DiLoCo`) inner steps send no all-reduce; the outer step's
+all-reduce of each buffer's pseudo-gradient (the same ``P / inner`` elements, in ``outer_comm_dtype``) runs after
+the optimizer step, serially, once per H steps: its bytes and seconds count ``1/H`` in the per-step figures,
+``step_s`` is the mean step, and ``sync_step_s`` the step that carries it (``1/outer_fragments`` of it when
+streamed).
+
 Memory per rank: sharded parameters (``P / inner`` elements each, in the shard dtype), sharded gradients (the
 same), optimizer state (``optim_states`` values per element in ``optim_dtype``), and the full buffers of the units
 being run: every unit not resharded after forward, the ``prefetch + 2`` largest resharded ones (the running one,
@@ -110,7 +116,7 @@ class Traffic:
 
     Attributes:
         op: ``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``.
-        count: collectives issued per step.
+        count: collectives issued per step (a mean: with DiLoCo the all-reduces of an outer step / H).
         within_bytes: bytes sent to ranks of the same node.
         across_bytes: bytes sent to other nodes.
         within_s: seconds on the links within a node (bytes / bandwidth, plus the latency of groups in one node).
@@ -118,7 +124,7 @@ class Traffic:
     """
 
     op: str
-    count: int
+    count: float
     within_bytes: float
     across_bytes: float
     within_s: float
@@ -140,9 +146,12 @@ class Candidate:
         serial_s: ``within_s + across_s``: the step's communication with nothing overlapped.
         step_s: the predicted communication time per step (the last backward's all-reduces overlapped, see [Note:
             the outer-degree cost model]); the candidates are ranked by it.
-        memory: bytes per rank by part: ``params``, ``grads``, ``optimizer``, ``unsharded``, ``other``.
+        memory: bytes per rank by part: ``params``, ``grads``, ``optimizer``, ``unsharded``, ``other``, and with
+            DiLoCo ``outer`` (the snapshot and the momentum on the shards).
         memory_bytes: their sum.
         fits: ``memory_bytes <= max_memory_per_rank``.
+        sync_step_s: with DiLoCo, the communication time of the step that carries an outer step (or a fragment's):
+            the slowest step; ``step_s`` is the mean over H steps. None without DiLoCo.
     """
 
     outer: int
@@ -158,6 +167,7 @@ class Candidate:
     memory: dict
     memory_bytes: int
     fits: bool
+    sync_step_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -343,7 +353,8 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
          optim_states: int = 2, other_bytes: int = 0, overlap: bool = True, backend: str = "nccl",
          outer_degrees: Optional[Sequence[int]] = None, prefer: Optional[int] = None,
          tie_tolerance: float = 0.01,
-         whole_params: Optional[Callable[[str, nn.Parameter], bool]] = None) -> Plan:
+         whole_params: Optional[Callable[[str, nn.Parameter], bool]] = None,
+         outer_every: Optional[int] = None, outer_fragments: int = 1) -> Plan:
     """Predict bytes, time and memory per step for every outer degree and choose one (see [Note: the outer-degree
     cost model] above for every formula).
 
@@ -382,6 +393,13 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
         tie_tolerance: relative difference of ``step_s`` under which candidates tie (>= 0).
         whole_params: ``fully_shard``'s (only for a model): the parameters it chooses are laid out in owner layouts
             for each candidate's inner degree, so their padding counts in the bytes and the memory.
+        outer_every: None (every step: HSDP's all-reduce each step, overlapped with the last backward) or H >= 1:
+            DiLoCo (:class:`shardfusion.DiLoCo`): the replicate all-reduce of the pseudo-gradients once every H
+            steps, after the optimizer step (not overlapped), in ``outer_comm_dtype``; ``step_s`` is then the mean
+            over H steps, ``sync_step_s`` the step that carries it, and the memory holds the snapshot and the
+            momentum (2 x the shard, in ``shard_dtype``).
+        outer_fragments: with ``outer_every``: streaming DiLoCo's fragments (1 .. H): each outer step's bytes are
+            spread over that many steps (``sync_step_s`` carries 1/fragments of them).
 
     Returns:
         A :class:`Plan`.
@@ -402,6 +420,13 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
     optim_states = _check_int("optim_states", optim_states, 0)
     other_bytes = _check_int("other_bytes", other_bytes, 0)
     tie_tolerance = _check_seconds("tie_tolerance", tie_tolerance, positive=False)
+    if outer_every is not None:
+        outer_every = _check_int("outer_every", outer_every, 1)
+        fragments = _check_int("outer_fragments", outer_fragments, 1)
+        if fragments > outer_every:
+            raise ValueError(f"outer_fragments({fragments}) must be <= outer_every({outer_every})")
+    elif outer_fragments != 1:
+        raise ValueError(f"outer_fragments({outer_fragments!r}) needs outer_every (DiLoCo)")
     if not isinstance(bandwidth, Bandwidth):
         raise ValueError(f"bandwidth must be a shardfusion.plan.Bandwidth, got {bandwidth!r}")
     for name in ("within", "across"):
@@ -451,7 +476,8 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
                "outer": _outer_element_size(outer_comm_dtype, grad_comm_dtype)}
     align = max(1, ALIGN_BYTES // sizes_b["shard"])
     model = _Model(sizes, world_size, local, dp, ep, m, prefetch, expert_policy, sizes_b, align, optim_states,
-                   shard_dtype != param_dtype, other_bytes, bandwidth, overlap, backend)
+                   shard_dtype != param_dtype, other_bytes, bandwidth, overlap, backend,
+                   (outer_every, outer_fragments) if outer_every is not None else None)
     candidates = tuple(model.candidate(o, budget) for o in degrees)
     return _choose(candidates, budget, prefer, tie_tolerance, bandwidth, world_size, local, m)
 
@@ -460,11 +486,12 @@ class _Model:
     """The cost model of one :func:`plan` call; ``candidate(outer, budget)`` evaluates one outer degree."""
 
     def __init__(self, sizes, world_size, local, dp, ep, m, prefetch, expert_policy, nbytes, align, optim_states,
-                 cast, other_bytes, bandwidth, overlap, backend) -> None:
+                 cast, other_bytes, bandwidth, overlap, backend, diloco=None) -> None:
         self.sizes, self.world_size, self.local, self.dp, self.ep, self.m = sizes, world_size, local, dp, ep, m
         self.prefetch, self.expert_policy, self.nbytes, self.align = prefetch, expert_policy, nbytes, align
         self.optim_states, self.cast, self.other_bytes = optim_states, cast, other_bytes
         self.bw, self.overlap, self.backend = bandwidth, overlap, backend
+        self.diloco = diloco  # (H, fragments), or None: the all-reduce every step
 
     def _groups(self, outer: int) -> dict[str, _Group]:
         kinds = {"inner": "fsdp_inner", "replicate": "replicate"}
@@ -548,11 +575,20 @@ class _Model:
             grad_bytes.append(unit_grad)
             reduces.append(unit_reduce)
 
+        sync_step = None
+        if self.diloco is not None and total["all_reduce"][0]:  # DiLoCo: the all-reduces once per H steps, serial
+            every, fragments = self.diloco
+            outer_s = total["all_reduce"][3] + total["all_reduce"][4]
+            inner_s = sum(total[op][3] + total[op][4] for op in OPS if op != "all_reduce")
+            sync_step = inner_s + outer_s / fragments
+            total["all_reduce"] = [v / every for v in total["all_reduce"]]
         within_s = sum(total[op][3] for op in OPS)
         across_s = sum(total[op][4] for op in OPS)
         serial = within_s + across_s
         with_reduce = [i for i, r in enumerate(reduces) if r[0] or r[1]]
-        if self.overlap and with_reduce:
+        if sync_step is not None:
+            step = serial  # inner steps, plus the outer step's all-reduces spread over the H steps
+        elif self.overlap and with_reduce:
             last = with_reduce[0]  # reduce order is the reverse unit order: the first unit with an all-reduce
             ar_w = sum(r[0] for i, r in enumerate(reduces) if i != last)
             ar_x = sum(r[1] for i, r in enumerate(reduces) if i != last)
@@ -561,7 +597,8 @@ class _Model:
             step = serial - (iw + ix) - sum(total["all_reduce"][3:5]) + phase
         else:
             step = serial
-        traffic = {op: Traffic(op, int(total[op][0]), *total[op][1:]) for op in OPS}
+        traffic = {op: Traffic(op, total[op][0] if sync_step is not None else int(total[op][0]), *total[op][1:])
+                   for op in OPS}
 
         resharded = sorted((b for b, r in full_bytes if r), reverse=True)
         unsharded = (sum(b for b, r in full_bytes if not r) + sum(resharded[:self.prefetch + 2])
@@ -569,12 +606,14 @@ class _Model:
         memory = {"params": shard_elems * nb["shard"], "grads": shard_elems * nb["shard"],
                   "optimizer": shard_elems * nb["optim"] * self.optim_states, "unsharded": unsharded,
                   "other": self.other_bytes}
+        if sync_step is not None:  # replicas to synchronise: DiLoCo's snapshot and momentum on the shards
+            memory["outer"] = 2 * shard_elems * nb["shard"]
         need = sum(memory.values())
         return Candidate(outer=outer, inner=inner, expert_inner=expert_inner, traffic=traffic,
                          within_bytes=sum(t.within_bytes for t in traffic.values()),
                          across_bytes=sum(t.across_bytes for t in traffic.values()), within_s=within_s,
                          across_s=across_s, serial_s=serial, step_s=step, memory=memory, memory_bytes=need,
-                         fits=need <= budget)
+                         fits=need <= budget, sync_step_s=sync_step)
 
 
 def _choose(candidates: tuple, budget: int, prefer: Optional[int], tie: float, bandwidth: Bandwidth,

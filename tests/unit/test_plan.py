@@ -294,3 +294,28 @@ def test_plan_pads_buffers_as_the_row_aligned_layout() -> None:
     assert got[1].memory["params"] == 24 * 4
     plain = by_outer(plan([UnitSize("", 72, 0, False)], **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9))
     assert plain[1].memory["params"] == 20 * 4  # numel rounded up to inner * align: 80 / 4
+
+
+def test_diloco_spreads_the_outer_all_reduce_over_h_steps() -> None:
+    """outer 2, by hand (EXPECTED): the all-reduces send 18000 B across per step, at 1e7 B/s 1.8 ms (no latency).
+    DiLoCo with H = 8 sends them once per 8 steps after the optimizer step: 2250 B and 0.225 ms per step on
+    average, the inner collectives as before; the step that carries the outer step has all of it (half with 2
+    fragments); the snapshot and the momentum add 2 x the shard (4500 elements x 4 B x 2)."""
+    sync = by_outer(plan(UNITS, **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9))[2]
+    d = by_outer(plan(UNITS, **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9, outer_every=8))[2]
+    s2 = by_outer(plan(UNITS, **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9, outer_every=8,
+                       outer_fragments=2))[2]
+    assert sync.sync_step_s is None and sync.traffic["all_reduce"].across_bytes == 18000
+    assert d.traffic["all_reduce"].across_bytes == pytest.approx(18000 / 8)
+    assert d.traffic["all_reduce"].count == pytest.approx(3 / 8)  # one all-reduce per buffer, once per 8 steps
+    inner_s = sum(d.traffic[op].within_s + d.traffic[op].across_s for op in ("all_gather", "reduce_scatter"))
+    assert d.step_s == pytest.approx(inner_s + 18000 / 1e7 / 8)
+    assert d.sync_step_s == pytest.approx(inner_s + 18000 / 1e7)
+    assert s2.sync_step_s == pytest.approx(inner_s + 18000 / 1e7 / 2) and s2.step_s == pytest.approx(d.step_s)
+    assert d.memory["outer"] == 2 * 4500 * 4 and d.memory_bytes == sync.memory_bytes + 36000
+    assert "outer" not in by_outer(plan(UNITS, **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9,
+                                        outer_every=8))[1].memory  # outer 1: no replicas, nothing to sync
+    with pytest.raises(ValueError, match=r"outer_fragments\(3\) must be <= outer_every\(2\)"):
+        plan(UNITS, **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9, outer_every=2, outer_fragments=3)
+    with pytest.raises(ValueError, match="outer_every"):
+        plan(UNITS, **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9, outer_every=0)
