@@ -168,6 +168,15 @@ class DiLoCo:
             self.sync(f)
         return due
 
+    def finish(self) -> list[int]:
+        """The outer step of every fragment not synchronised at this step (the end of a run: the replicas end as
+        one model). Returns those fragments. Collective over the replicate group."""
+        done = set(self.due())
+        rest = [f for f in range(len(self.fragments)) if f not in done]
+        for f in rest:
+            self.sync(f)
+        return rest
+
     def sync(self, fragment: int) -> None:
         """The outer step of one fragment (module docstring): all-reduce the pseudo-gradients over the replicas,
         the Nesterov update of the snapshot, every replica's shard set to it."""

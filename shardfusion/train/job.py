@@ -417,7 +417,7 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
                 for optimizer in optimizers:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-            synced = outer.step() if outer is not None else None  # DiLoCo: the outer step of the fragments due
+            synced = outer.step(step + 1) if outer is not None else None  # DiLoCo: the fragments due
         if pipe is not None:
             loss_value, aux_value, load = pipe.step_figures()  # load: (L, E) or None
             pipe.record_comm(step_comm.summary())

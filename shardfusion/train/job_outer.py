@@ -107,6 +107,10 @@ class OuterRun:
                     mine.copy_(saved)
         return None
 
-    def step(self) -> list[int]:
-        """After an inner optimizer step: the outer step of each fragment now due (`DiLoCo.step`)."""
-        return self.diloco.step()
+    def step(self, done: int) -> list[int]:
+        """After inner optimizer step ``done`` (1-based): the outer step of each fragment now due (`DiLoCo.step`);
+        at the run's last step (--steps) of every fragment, so the run ends as one model (`DiLoCo.finish`)."""
+        synced = self.diloco.step()
+        if done == self.config.steps:
+            synced = sorted(synced + self.diloco.finish())
+        return synced

@@ -179,3 +179,30 @@ def test_refusals_are_clear_errors_on_every_rank() -> None:
         assert "momentum (the outer momentum) must be in [0, 1), got 1.0" in texts[2]
         assert "fragments must be an int in 1 .. min(every 2" in texts[3]
         assert "DiLoCo needs replicas to synchronise: dp x fsdp_outer_degree is 1 x 1 = 1" in texts[4]
+
+
+def finish_run() -> dict:
+    import shardfusion as sf
+
+    topo = sf.Topology(sharding=4, fsdp_outer_degree=2)
+    model = build_model(KIND)
+    sf.fully_shard(model, topo, units=UNIT_CLASSES[KIND])
+    opt = _optimizer("adamw", model.parameters())
+    diloco = sf.DiLoCo(model, topo, every=4, fragments=2)
+    gen = torch.Generator().manual_seed(DATA_SEED + topo.data_parallel_rank)
+    for _ in range(3):  # fragment 1 synchronised at step 2; at step 3 nothing is due
+        loss_fn(KIND, model, make_batch(KIND, gen)).backward()
+        opt.step()
+        opt.zero_grad()
+        diloco.step()
+    finished = diloco.finish()
+    return {"finished": finished, "outer_steps": list(diloco.outer_steps),
+            "params": sf.full_state_dict(model, buffers=False)}
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_finish_makes_one_model() -> None:
+    ranks = run_distributed(finish_run, W, timeout=JOB_TIMEOUT_S)
+    assert ranks[0]["finished"] == [0, 1] and ranks[0]["outer_steps"] == [1, 2]
+    a, b = ranks[0]["params"], ranks[2]["params"]
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,6 +1,7 @@
 """--outer-sync diloco in the training job: W=4 as HSDP 2 x 2, an outer step every 4 steps.
 
-- A run stopped at step 6 (mid-period: outer steps at 4 and 8) and resumed equals the uninterrupted run: every
+- A run stopped at step 6 (mid-period: outer steps at 4 and 8, and at the last step 10, so the run ends as one
+  model) and resumed equals the uninterrupted run: every
   logged loss and gradient norm, and the final checkpoint bitwise. Replica 1 differs from replica 0 between outer
   steps, so this holds only if each rank's own parameters, AdamW moments, snapshot and momentum came back.
 - The inner steps send nothing across the replicas: the summary's per-step replicate all-reduce is the outer steps'
@@ -42,13 +43,13 @@ def test_resume_mid_period_is_exact(tmp_path: Path) -> None:
     assert "resuming at step 6" in result.stdout
     ours, theirs = _train(parts), _train(whole)
     assert [r[0] for r in ours] == list(range(1, 11)) and ours == theirs
-    assert [r[0] for r in theirs if r[3]] == [4, 8]  # the outer steps
+    assert [r[0] for r in theirs if r[3]] == [4, 8, 10]  # the outer steps, and the last step's: one model at the end
     a, b = read_all(str(whole / "checkpoints" / "step-10")), read_all(str(parts / "checkpoints" / "step-10"))
     assert a.keys() == b.keys() and any("/diloco/snapshot/" in k for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
     summary = json.loads((whole / "summary.json").read_text())
-    assert summary["outer_sync"]["outer_steps"] == [2] and summary["outer_sync"]["every"] == 4
+    assert summary["outer_sync"]["outer_steps"] == [3] and summary["outer_sync"]["every"] == 4
     # the outer steps' all-reduces only: 2 outer steps x one per trainable flat buffer, over 10 steps
     assert 0 < summary["comm"]["per_step"]["replicate_all_reduce"]["count"] < 1
 
