@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from shardfusion.train.flag_checks import refuse_first
+
 if TYPE_CHECKING:  # annotations only: config.py imports this module
     from shardfusion.train.config import TrainConfig
 
@@ -111,19 +113,14 @@ def check_flags(config: TrainConfig) -> None:
         raise ValueError("--ft-lighthouse needs --out (a folder every replica group reaches: shared storage on a "
                          "cluster): the groups share its checkpoints, so a timestamped default would differ between "
                          "them")
-    refused = [(flag, value) for flag, value in (("--pp", config.pp), ("--mp", config.mp), ("--cp", config.cp))
-               if value != 1]
-    if config.fsdp_outer_degree not in (None, 1):
-        refused.append(("--fsdp-outer-degree", config.fsdp_outer_degree))
-    if config.optimizer != "adamw":
-        refused.append(("--optimizer", config.optimizer))
-    if config.max_restarts:
-        refused.append(("--max-restarts", config.max_restarts))
-    if refused:
-        flag, value = refused[0]
-        raise ValueError(f"{flag} {value} with --ft-lighthouse: a fault-tolerant replica group is FSDP with outer "
-                         f"degree 1 and AdamW, its replicas joined by torchft (restart a replica group with its "
-                         f"launcher; no --pp, --mp, --cp or --max-restarts yet); see docs/fault-tolerance.md")
+    refuse_first([("--pp", config.pp, config.pp != 1), ("--mp", config.mp, config.mp != 1),
+                  ("--cp", config.cp, config.cp != 1),
+                  ("--fsdp-outer-degree", config.fsdp_outer_degree, config.fsdp_outer_degree not in (None, 1)),
+                  ("--optimizer", config.optimizer, config.optimizer != "adamw"),
+                  ("--max-restarts", config.max_restarts, bool(config.max_restarts))], "--ft-lighthouse",
+                 "a fault-tolerant replica group is FSDP with outer degree 1 and AdamW, its replicas joined by torchft "
+                 "(restart a replica group with its launcher; no --pp, --mp, --cp or --max-restarts yet); see "
+                 "docs/fault-tolerance.md")
 
 
 def resolve(config: TrainConfig) -> TrainConfig:

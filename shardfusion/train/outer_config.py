@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shardfusion.diloco import DEFAULT_EVERY, DEFAULT_LR, DEFAULT_MOMENTUM
+from shardfusion.train.flag_checks import refuse_first
 
 if TYPE_CHECKING:  # annotations only: config.py imports this module
     from shardfusion.train.config import TrainConfig
@@ -71,18 +72,12 @@ def check_flags(config: TrainConfig) -> None:
     if not 1 <= config.outer_fragments <= config.outer_every:
         raise ValueError(f"--outer-fragments {config.outer_fragments} must be in 1 .. --outer-every "
                          f"{config.outer_every} (each fragment is synchronised every H steps, at its own step)")
-    refused = [(flag, value) for flag, value in (("--pp", config.pp), ("--cp", config.cp)) if value != 1]
-    if config.ft_lighthouse is not None:
-        refused.append(("--ft-lighthouse", config.ft_lighthouse))
-    if config.optimizer != "adamw":
-        refused.append(("--optimizer", config.optimizer))
-    if config.experts and config.expert_policy == "shard":
-        refused.append(("--expert-policy", config.expert_policy))
-    if refused:
-        flag, value = refused[0]
-        raise ValueError(f"{flag} {value} with --outer-sync diloco: DiLoCo runs on HSDP's replicas with AdamW inside "
-                         f"(no --pp, --cp, --ft-lighthouse, --optimizer muon or --expert-policy shard yet); see "
-                         f"docs/slow-links.md")
+    refuse_first([("--pp", config.pp, config.pp != 1), ("--cp", config.cp, config.cp != 1),
+                  ("--ft-lighthouse", config.ft_lighthouse, config.ft_lighthouse is not None),
+                  ("--optimizer", config.optimizer, config.optimizer != "adamw"),
+                  ("--expert-policy", config.expert_policy, bool(config.experts) and config.expert_policy == "shard")],
+                 "--outer-sync diloco", "DiLoCo runs on HSDP's replicas with AdamW inside (no --pp, --cp, "
+                 "--ft-lighthouse, --optimizer muon or --expert-policy shard yet); see docs/slow-links.md")
 
 
 def check_layout(config: TrainConfig, world: str) -> None:

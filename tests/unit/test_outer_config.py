@@ -1,0 +1,42 @@
+"""The job's --outer-* section (shardfusion.train.outer_config): its checks and refusals, in one process. The runs
+themselves: tests/integration/test_train_diloco.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardfusion.train import outer_config as oc
+from shardfusion.train.config import TrainConfig
+
+ON = dict(outer_sync="diloco", fsdp_outer_degree=2)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"outer_sync": "sometimes"}, "--outer-sync must be every-step or diloco, got 'sometimes'"),
+    ({"outer_every": 8}, "--outer-every needs --outer-sync diloco"),
+    ({"outer_fragments": 2}, "--outer-fragments needs --outer-sync diloco"),
+    ({**ON, "outer_every": 0}, "--outer-every 0 must be >= 1"),
+    ({**ON, "outer_lr": 0.0}, "--outer-lr 0.0 must be > 0"),
+    ({**ON, "outer_momentum": 1.0}, "--outer-momentum 1.0 must be in [0, 1)"),
+    ({**ON, "outer_every": 4, "outer_fragments": 5}, "--outer-fragments 5 must be in 1 .. --outer-every 4"),
+    ({**ON, "pp": 2}, "--pp 2 with --outer-sync diloco"),
+    ({**ON, "cp": 2}, "--cp 2 with --outer-sync diloco"),
+    ({**ON, "optimizer": "muon"}, "--optimizer muon with --outer-sync diloco"),
+    ({**ON, "experts": 4, "expert_policy": "shard"}, "--expert-policy shard with --outer-sync diloco"),
+])
+def test_check_flags_refusals(fields: dict, words: str) -> None:
+    with pytest.raises(ValueError) as error:
+        oc.check_flags(TrainConfig(**fields))
+    assert str(error.value).startswith(words), str(error.value)
+
+
+def test_defaults_pass_and_layout_needs_replicas() -> None:
+    oc.check_flags(TrainConfig())
+    oc.check_flags(TrainConfig(**ON, outer_every=32, outer_fragments=4))
+    assert not oc.enabled(TrainConfig()) and oc.enabled(TrainConfig(**ON))
+    oc.check_layout(TrainConfig(**ON), "--nproc 4")
+    oc.check_layout(TrainConfig(fsdp_outer_degree=1), "--nproc 4")  # every-step: nothing to check
+    for outer in (1, "auto"):
+        with pytest.raises(ValueError, match=rf"^--outer-sync diloco needs replicas: --fsdp-outer-degree {outer} "
+                                             r"\(--nproc 4\)"):
+            oc.check_layout(TrainConfig(outer_sync="diloco", fsdp_outer_degree=outer), "--nproc 4")
