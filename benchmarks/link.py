@@ -1,8 +1,10 @@
-"""Side by side across an emulated network link: shardfusion HSDP and FSDP, FSDP2 HSDP and FSDP, DDP, on two nodes.
+"""Side by side across an emulated network link: shardfusion HSDP, FSDP and DiLoCo, FSDP2 HSDP and FSDP, DDP, on two
+nodes.
 
     python -m benchmarks.link                               # 100mbit, 1gbit, unlimited; 2 nodes x 2 ranks (root)
     python -m benchmarks.link --rates 200mbit,1gbit --quick # 1 repeat, 1 warm-up + 2 timed steps per variant
     python -m benchmarks.link --rates 200mbit --variants sf-hsdp,ddp --out-dir /tmp/x   # a subset elsewhere
+    python -m benchmarks.link --rates 200mbit,unlimited --variants sf-hsdp,sf-diloco-8,ddp  # DiLoCo vs one node
 
 Results: benchmarks/results/link-cpu.{json,md} (raw and summary; the markdown report).
 
@@ -18,21 +20,40 @@ The model is the comm-bound GPT of ``benchmarks/compare.py`` (regime ``comm``: b
 - ``fsdp2-hsdp``: FSDP2 ``fully_shard`` over the mesh (replicate 2, shard 2); ``fsdp2-fsdp``: over a 1-D mesh of 4;
 - ``ddp``: DistributedDataParallel over the 4 ranks;
 - ``sf-hsdp-bf16``, ``sf-hsdp-int8``: ``sf-hsdp`` with ``fully_shard(..., outer_comm_dtype=torch.bfloat16 / "int8")``,
-  run only when ``fully_shard`` takes that keyword (else skipped with a note).
+  run only when ``fully_shard`` takes that keyword (else skipped with a note);
+- ``sf-diloco-8``, ``sf-diloco-32``: ``sf-hsdp`` (default schedule) plus ``sf.DiLoCo(model, topo, every=H)`` with
+  H = 8 / 32 (fp32 pseudo-gradients, the outer defaults: Nesterov 0.9, lr 0.7, one fragment): one replica per node,
+  no gradient all-reduce between the nodes; ``DiLoCo.step()`` runs after every ``optimizer.step()`` (before
+  ``zero_grad``, inside the timed step), and every H-th step it carries the outer all-reduce of the pseudo-gradients
+  over the replicate group (the nodes); ``sf-diloco-8-int8``: H = 8 with ``DiLoCo(..., comm_dtype="int8")``
+  (``fully_shard`` itself gets no compression keyword). Run only when ``shardfusion`` has ``DiLoCo``.
 
 For each rate, each repeat runs every variant in turn (order rotated by one each repeat), each on a fresh model under
 the same seed and the same batches: W warm-up steps, a barrier, node 0's and node 1's veth ``tx_bytes`` read (local
 rank 0 of each node, in its namespace), a barrier, N timed steps, a barrier, the counters again. A step's time is the
 slowest rank's; the reported time is the median over every timed step of every repeat. Link bytes per step: the veth
-delta over the timed steps / N (the barriers add a few hundred bytes). For the shardfusion variants the timed steps
+delta over the timed steps / N (the barriers add a few hundred bytes).
+
+DiLoCo variants are timed over whole periods: their N is ``max(--steps, H)`` rounded up to a multiple of H, N
+consecutive steps right after the warm-up (with the warm-up's steps counted by ``DiLoCo``, as in training), so
+exactly N / H of the timed steps carry an outer step, whichever step the period starts at; the worker records for
+each timed step whether it did (``outer_step``). Their batches are the same as everyone's, continued (the batch
+list is made long enough for the longest window). Their figure is the *mean* step time over the window (the median
+is an inner step: it hides the outer steps), with the median inner step and the mean outer step beside it, and the
+ratio of means against ``sf-hsdp`` and ``ddp`` at the same rate and against the "one node" reference, ``sf-hsdp``
+at rate ``unlimited`` (the two nodes without a rate limit stand in for one node: a job on one machine would have
+other ranks and another topology); n/a when that rate was not run. For the shardfusion variants the timed steps
 run inside a ``sf.comm.CommCounter``: its cross-node bytes (shardfusion/accounting.py: node of rank r is r // 2; ring
 hops that join nodes, exact all-to-all bytes), summed over a node's ranks, are set next to that node's veth bytes.
 In the first repeat each variant also runs one untimed step under ``benchmarks.measure.CollectiveRecorder``: every
 collective of any library, with the cross-node bytes of the algorithm gloo runs (ring all-gather and all-reduce;
-FSDP2's reduce-scatter as gloo's full all-reduce; shardfusion's reduce-scatter as the all-to-all it issues on gloo).
+FSDP2's reduce-scatter as gloo's full all-reduce; shardfusion's reduce-scatter as the all-to-all it issues on gloo);
+for a DiLoCo variant the recorded step is an inner step, then one outer step (``DiLoCo.sync`` of every fragment,
+out of schedule: the model is dropped after) is recorded apart, and the modelled bytes per step are inner + outer / H.
 
 Ratios: against DDP and FSDP2 HSDP (ratio of medians, and the median over repeats of the within-repeat ratio), and
 against the link floor: the node's link bytes per step / the rate (the time the link needs for them at full rate).
+At 200 Mbit/s the targets include, per DiLoCo variant, its mean step within 1.15 x the one-node reference's.
 """
 
 from __future__ import annotations
@@ -58,7 +79,7 @@ NODES, NPROC_PER_NODE = 2, 2
 DEFAULT_RATES = "100mbit,1gbit,unlimited"
 
 # name: (library variant of benchmarks/variants.py, outer degree, set_is_last_backward before each step,
-#        fully_shard keywords as (key, value name), label)
+#        fully_shard keywords as (key, value name) (except DILOCO_KEYS), label)
 VARIANTS = {
     "sf-hsdp": ("shardfusion", 2, False, {}, "shardfusion HSDP 2x2, default"),
     "sf-hsdp-last": ("shardfusion", 2, True, {}, "same, set_is_last_backward(True) each step"),
@@ -68,8 +89,21 @@ VARIANTS = {
     "ddp": ("ddp", 1, False, {}, "DDP"),
     "sf-hsdp-bf16": ("shardfusion", 2, False, {"outer_comm_dtype": "bf16"}, "shardfusion HSDP, outer bf16"),
     "sf-hsdp-int8": ("shardfusion", 2, False, {"outer_comm_dtype": "int8"}, "shardfusion HSDP, outer int8"),
+    "sf-diloco-8": ("shardfusion", 2, False, {"diloco": 8}, "shardfusion DiLoCo H=8"),
+    "sf-diloco-32": ("shardfusion", 2, False, {"diloco": 32}, "shardfusion DiLoCo H=32"),
+    "sf-diloco-8-int8": ("shardfusion", 2, False, {"diloco": 8, "diloco_comm_dtype": "int8"},
+                         "shardfusion DiLoCo H=8, int8 pseudo-gradients"),
 }
 COMPRESSED = ("sf-hsdp-bf16", "sf-hsdp-int8")
+DILOCO_KEYS = ("diloco", "diloco_comm_dtype")
+"""Spec keys that are not ``fully_shard``'s: ``"diloco": H`` makes a ``sf.DiLoCo(model, topo, every=H)`` after
+``fully_shard``, ``"diloco_comm_dtype"`` its ``comm_dtype`` (value names as for ``fully_shard``: ``"bf16"``,
+``"int8"``)."""
+DILOCO = tuple(v for v, spec in VARIANTS.items() if "diloco" in spec[3])
+ONE_NODE_RATE = "unlimited"
+"""The one-node stand-in of the DiLoCo table: ``sf-hsdp`` at this rate (the two nodes with no rate limit)."""
+ONE_NODE_REF = "sf-hsdp"
+DILOCO_VS_ONE_NODE = 1.15
 TARGETS_RATE = "200mbit"
 """The issue's targets are stated at 200 Mbit/s."""
 
@@ -81,13 +115,34 @@ def has_outer_comm_dtype() -> bool:
     return "outer_comm_dtype" in inspect.signature(sf.fully_shard).parameters
 
 
-def _fs_kwargs(spec: dict) -> dict:
+def has_diloco() -> bool:
+    """Whether ``shardfusion`` has ``DiLoCo``."""
+    import shardfusion as sf
+
+    return hasattr(sf, "DiLoCo")
+
+
+def _dtype(value):
     import torch
 
-    out = {}
-    for k, v in spec.items():
-        out[k] = torch.bfloat16 if v == "bf16" else v
-    return out
+    return torch.bfloat16 if value == "bf16" else value
+
+
+def _fs_kwargs(spec: dict) -> dict:
+    """A spec's ``fully_shard`` keywords (all but ``DILOCO_KEYS``), value names turned into dtypes."""
+    return {k: _dtype(v) for k, v in spec.items() if k not in DILOCO_KEYS}
+
+
+def diloco_every(variant: str) -> Optional[int]:
+    """H of a DiLoCo variant, else None."""
+    return VARIANTS[variant][3].get("diloco")
+
+
+def timed_steps(variant: str, steps: int) -> int:
+    """Timed steps per repeat: ``steps``, or for a DiLoCo variant ``max(steps, H)`` rounded up to a multiple of H
+    (whole periods: exactly one step in H carries an outer step)."""
+    h = diloco_every(variant)
+    return steps if h is None else -(-max(steps, h) // h) * h
 
 
 # ---- worker (under torchrun, one per rank) ----------------------------------------------------------------------
@@ -156,26 +211,47 @@ def worker(opts: dict) -> Optional[dict]:
         mesh = (init_device_mesh("cpu", (outer, world // outer), mesh_dim_names=("replicate", "shard")) if outer > 1
                 else init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)))
         contexts[outer] = Context(device=device, topo=topo, mesh=mesh, param_dtype=None, seed=opts["seed"])
-    batches = _batches(regime, opts["warmup"] + opts["steps"] + 1, opts["seed"], rank, device)
-    timed = batches[opts["warmup"]:opts["warmup"] + opts["steps"]]
     variants = list(opts["variants"])
-    res: dict = {v: {"step_s": [], "link_bytes": [], "accounting": [], "losses": []} for v in variants}
+    n_timed = {v: timed_steps(v, opts["steps"]) for v in variants}  # opts["steps"], or whole DiLoCo periods
+    # the same batches for every variant; a longer list only continues the sequence (benchmarks.compare._batches)
+    longest = max(n_timed.values(), default=opts["steps"])
+    batches = _batches(regime, opts["warmup"] + longest + 1, opts["seed"], rank, device)
+    res: dict = {v: {"step_s": [], "link_bytes": [], "accounting": [], "losses": [], "timed_steps": n_timed[v]}
+                 for v in variants}
+    for v in variants:
+        if diloco_every(v) is not None:
+            res[v]["outer_step"] = []  # per repeat: per timed step, whether it carried the outer step
     for r in range(opts["repeats"]):
         k = r % len(variants)
         for v in variants[k:] + variants[:k]:
             lib, outer, per_step_last, spec, _ = VARIANTS[v]
+            n = n_timed[v]
+            timed = batches[opts["warmup"]:opts["warmup"] + n]
             torch.manual_seed(opts["seed"])
             model = GPT(config)
             b = wrap(lib, model, contexts[outer], **({"last_backward": None} if lib == "shardfusion" else {}),
                      **_fs_kwargs(spec))
+            diloco = None
+            carried: list = []  # DiLoCo: per step since the last clear, whether it carried the outer step
+            if "diloco" in spec:
+                diloco = sf.DiLoCo(b.model, contexts[outer].topo, every=spec["diloco"],
+                                   comm_dtype=_dtype(spec.get("diloco_comm_dtype")))
+                # Warm the outer step as the warm-up steps warm the inner ones: inner steps never touch the
+                # replicate group, so its first all-reduce would pay gloo's first-use costs inside the timed window.
+                # The replicas are still identical here: every pseudo-gradient is zero and the sync changes nothing.
+                for f in range(len(diloco.fragments)):
+                    diloco.sync(f)
 
             def one(x, y):
                 if per_step_last:
                     sf.set_is_last_backward(b.model, True)
-                return step(b, x, y)
+                if diloco is None:
+                    return step(b, x, y)
+                return step(b, x, y, after_optimizer=lambda: carried.append(bool(diloco.step())))
 
             for x, y in batches[:opts["warmup"]]:
                 one(x, y)
+            carried.clear()
             dist.barrier()
             tx0 = _read_tx()
             dist.barrier()
@@ -198,6 +274,8 @@ def worker(opts: dict) -> Optional[dict]:
             dist.all_gather_object(got, {"tx": None if tx0 is None else tx1 - tx0, "acct": acct})
             res[v]["step_s"].append(t.tolist())
             res[v]["losses"].append([float(loss) for loss in losses])
+            if diloco is not None:
+                res[v]["outer_step"].append(list(carried))
             res[v]["link_bytes"].append([g["tx"] for g in got if g["tx"] is not None])  # node by node
             if acct is not None:  # per node: {category: bytes over the timed steps}
                 cats = list(acct)
@@ -210,19 +288,40 @@ def worker(opts: dict) -> Optional[dict]:
                     # thread, would not be seen; at the step boundary they run on this thread (same collectives)
                     sf.set_is_last_backward(b.model, False)
                 with rec:
-                    step(b, *batches[-1])
+                    step(b, *batches[opts["warmup"] + n])  # the batch after the timed ones (no DiLoCo step)
                 mine = _modelled_cross(rec.collectives, lib, local)
+                outer_mine, outer_rec = 0.0, None
+                if diloco is not None:  # one outer step apart, out of schedule (the model is dropped after)
+                    outer_rec = CollectiveRecorder()
+                    with outer_rec:
+                        for f in range(len(diloco.fragments)):
+                            diloco.sync(f)
+                    outer_mine = _modelled_cross(outer_rec.collectives, lib, local)
                 allm: list = [None] * world
-                dist.all_gather_object(allm, mine)
-                res[v]["modelled_cross_bytes_per_step"] = _per_node(allm, local)
+                dist.all_gather_object(allm, (mine, outer_mine))
+                if diloco is None:
+                    res[v]["modelled_cross_bytes_per_step"] = _per_node([m for m, _ in allm], local)
+                else:
+                    h = diloco.every
+                    res[v]["modelled_cross_bytes_per_step"] = _per_node([m + o / h for m, o in allm], local)
+                    res[v]["modelled_inner_cross_bytes_per_step"] = _per_node([m for m, _ in allm], local)
+                    res[v]["modelled_outer_cross_bytes"] = _per_node([o for _, o in allm], local)
+                    res[v]["outer_collectives"] = len(outer_rec.collectives)
                 res[v]["collectives_per_step"] = len(rec.collectives)
                 res[v]["note"] = b.note
-            del b, model
+                if diloco is not None:
+                    res[v]["note"] += (f"; sf.DiLoCo(every={diloco.every}, comm_dtype="
+                                       f"{spec.get('diloco_comm_dtype')!r}), step() after every optimizer step")
+            del b, model, diloco
             gc.collect()
             if rank == 0:
                 med = statistics.median(res[v]["step_s"][-1])
-                print(f"[{opts['rate']}] repeat {r} {v}: median {med:.3f} s, link "
-                      f"{[round(x / opts['steps'] / 1e6, 2) for x in res[v]['link_bytes'][-1]]} MB/step per node",
+                extra = ""
+                if "outer_step" in res[v]:
+                    extra = (f", mean {statistics.mean(res[v]['step_s'][-1]):.3f} s over {n} steps "
+                             f"({sum(res[v]['outer_step'][-1])} outer)")
+                print(f"[{opts['rate']}] repeat {r} {v}: median {med:.3f} s{extra}, link "
+                      f"{[round(x / n / 1e6, 2) for x in res[v]['link_bytes'][-1]]} MB/step per node",
                       flush=True)
     dist.barrier()
     if rank != 0:
@@ -288,20 +387,22 @@ def _median(xs):
 
 def summarize(raw: dict) -> dict:
     """Per rate and variant: median step time, ratios, link bytes per step per node (veth), the accounting's and
-    the model's cross-node bytes per step, the floor."""
-    steps = raw["config"]["steps"]
-    out = {}
+    the model's cross-node bytes per step, the floor; per rate the DiLoCo table (`_diloco_rows`) and the targets."""
+    per_rate = {}
     for rate, rr in raw["rates"].items():
         bps = rr["link"]["rate_bps"]
         rows = {}
         for v, vr in rr["variants"].items():
             if not vr["step_s"]:
                 continue
+            steps = vr.get("timed_steps", raw["config"]["steps"])  # per repeat (older results: the config's)
             times = [t for rep in vr["step_s"] for t in rep]
             nodes = len(vr["link_bytes"][0])
             link = [_median([rep[n] / steps for rep in vr["link_bytes"]]) for n in range(nodes)]
             row = {"label": VARIANTS[v][4], "median_step_s": _median(times), "min_step_s": min(times),
-                   "max_step_s": max(times), "n_steps": len(times),
+                   "max_step_s": max(times), "n_steps": len(times), "timed_steps": steps,
+                   "mean_step_s": statistics.mean(times),
+                   "mean_per_repeat_s": [statistics.mean(rep) for rep in vr["step_s"]],
                    "median_per_repeat_s": [_median(rep) for rep in vr["step_s"]],
                    "link_bytes_per_step": link,
                    "modelled_cross_bytes_per_step": vr.get("modelled_cross_bytes_per_step"),
@@ -325,14 +426,51 @@ def summarize(raw: dict) -> dict:
                 row[f"vs_{peer}"] = row["median_step_s"] / p["median_step_s"]
                 pairs = [a / b for a, b in zip(row["median_per_repeat_s"], p["median_per_repeat_s"]) if a and b]
                 row[f"vs_{peer}_paired"] = _median(pairs)
-        out[rate] = {"rate_bps": bps, "variants": rows, "targets": _targets(rate, rows)}
+        per_rate[rate] = (bps, rows)
+    one_node = per_rate.get(ONE_NODE_RATE, (None, {}))[1].get(ONE_NODE_REF)
+    out = {}
+    for rate, (bps, rows) in per_rate.items():
+        diloco = _diloco_rows(raw["rates"][rate], rows, one_node)
+        out[rate] = {"rate_bps": bps, "variants": rows, "diloco": diloco, "targets": _targets(rate, rows, diloco)}
     return out
 
 
-def _targets(rate: str, rows: dict) -> list[dict]:
+def _diloco_rows(rr: dict, rows: dict, one_node: Optional[dict]) -> dict:
+    """Per DiLoCo variant at one rate: the mean step over the timed window (whole periods), the median inner step,
+    the mean outer step, link bytes per step per node, and the ratios of means against ``sf-hsdp`` and ``ddp`` at
+    this rate (and paired: the median over repeats of the ratio of the repeat's means) and against ``one_node``
+    (``sf-hsdp``'s row at ``ONE_NODE_RATE``, or None: n/a)."""
+    out = {}
+    for v, row in rows.items():
+        h = diloco_every(v)
+        vr = rr["variants"][v]
+        if h is None or "outer_step" not in vr:
+            continue
+        times = [t for rep in vr["step_s"] for t in rep]
+        flags = [f for rep in vr["outer_step"] for f in rep]
+        inner = [t for t, f in zip(times, flags) if not f]
+        outer = [t for t, f in zip(times, flags) if f]
+        d = {"label": row["label"], "every": h, "comm_dtype": VARIANTS[v][3].get("diloco_comm_dtype") or "fp32",
+             "timed_steps": row["timed_steps"], "outer_steps_per_repeat": [sum(rep) for rep in vr["outer_step"]],
+             "outer_step_indices": [[i for i, f in enumerate(rep) if f] for rep in vr["outer_step"]],
+             "mean_step_s": row["mean_step_s"], "median_inner_step_s": _median(inner),
+             "mean_outer_step_s": statistics.mean(outer) if outer else None,
+             "link_bytes_per_step": row["link_bytes_per_step"]}
+        for key, peer in (("sf-hsdp", rows.get("sf-hsdp")), ("ddp", rows.get("ddp")), ("one_node", one_node)):
+            d[f"vs_{key}"] = row["mean_step_s"] / peer["mean_step_s"] if peer else None
+            if key != "one_node":
+                pairs = ([a / b for a, b in zip(row["mean_per_repeat_s"], peer["mean_per_repeat_s"]) if a and b]
+                         if peer else [])
+                d[f"vs_{key}_paired"] = _median(pairs)
+        out[v] = d
+    return out
+
+
+def _targets(rate: str, rows: dict, diloco: Optional[dict] = None) -> list[dict]:
     """The issue's targets, at 200 Mbit/s only."""
     if rate != TARGETS_RATE:
         return []
+    diloco = diloco or {}
     out = []
 
     def ratio(v, peer):
@@ -347,6 +485,11 @@ def _targets(rate: str, rows: dict) -> list[dict]:
         val = None
     out.append({"target": "sf-hsdp-int8 link bytes <= 0.35 x sf-hsdp", "value": val,
                 "met": None if val is None else val <= 0.35})
+    for v in DILOCO:  # "DiLoCo step within 1.15 x of the same run on one node"
+        val = diloco[v]["vs_one_node"] if v in diloco else None
+        out.append({"target": f"{v} mean step <= {DILOCO_VS_ONE_NODE} x one node ({ONE_NODE_REF} at "
+                              f"{ONE_NODE_RATE}, mean)", "value": val,
+                    "met": None if val is None else val <= DILOCO_VS_ONE_NODE})
     return out
 
 
@@ -364,14 +507,18 @@ def markdown(raw: dict, summary: dict) -> str:
     shape = first["shape"]
     params = first["unit_numel"]["root"] + sum(first["unit_numel"]["blocks"])
     link = first["link"]
+    windows = {v: vr["timed_steps"] for rr in raw["rates"].values() for v, vr in rr["variants"].items()
+               if diloco_every(v) is not None and "timed_steps" in vr}
+    diloco_steps = ("" if not windows else " (DiLoCo: " + ", ".join(f"{v} {n}" for v, n in windows.items())
+                    + " timed steps, whole periods of H)")
     lines = [f"# Across an emulated link: {raw['name']}", "",
              f"{NODES} emulated nodes x {NPROC_PER_NODE} ranks (network namespaces joined by a veth pair, a tbf on "
              f"each end: burst/limit {link['tbf'] or 'none'} bytes at the first limited rate, MTU {link['mtu']}; see "
              f"docs/network-emulation.md), gloo, {first['threads']} thread per rank. GPT {shape['n_layer']} layers, d "
              f"{shape['d_model']}, batch {shape['batch']}, seq {shape['seq']} ({params / 1e6:.2f}M parameters, fp32); "
              f"AdamW, clip 1.0. {cfg['repeats']} repeats x ({cfg['warmup']} warm-up + {cfg['steps']} timed steps) "
-             f"per variant, variants interleaved (rotated each repeat). Step time: the median over steps and repeats "
-             f"of the slowest rank's step.", "",
+             f"per variant{diloco_steps}, variants interleaved (rotated each repeat). Step time: the median over "
+             f"steps and repeats of the slowest rank's step.", "",
              f"Machine: {env['cpu_count']} CPUs, torch {env['torch']}; load average before {env['load_before']}, "
              f"after {env['load_after']}; wall {env['wall_s']:.0f} s.", ""]
     names = [v for v in VARIANTS if any(v in s["variants"] for s in summary.values())]
@@ -399,8 +546,12 @@ def markdown(raw: dict, summary: dict) -> str:
                 f"{_f(row.get('vs_fsdp2-hsdp'), '.2f')} ({_f(row.get('vs_fsdp2-hsdp_paired'), '.2f')}) | {lk} | {ac} | "
                 f"{agree} | {mod} | {_f(row.get('floor_s'))} | {_f(row.get('vs_floor'), '.2f')} | "
                 f"{loss[0]:.4f} -> {loss[1]:.4f} |")
+        if s.get("diloco"):
+            lines += _diloco_markdown(rate, s["diloco"], ONE_NODE_RATE in summary)
         if s["targets"]:
-            lines += ["", "Targets (issue 13, at 200 Mbit/s):", "", "| target | value | met |", "|---|---|---|"]
+            lines += ["", "Targets (issue 13, at 200 Mbit/s; the DiLoCo rows: \"DiLoCo step within 1.15 x "
+                      f"of the same run on one node\", with {ONE_NODE_REF} at {ONE_NODE_RATE} standing in for one "
+                      "node):", "", "| target | value | met |", "|---|---|---|"]
             for t in s["targets"]:
                 met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
                 lines.append(f"| {t['target']} | {_f(t['value'], '.3f')} | {met} |")
@@ -410,11 +561,34 @@ def markdown(raw: dict, summary: dict) -> str:
               "*accounting* is shardfusion's `CommCounter` cross-node bytes over the same steps, summed over the "
               "node's ranks (shardfusion variants only); *modelled* is one recorded step's collectives with the "
               "cross-node bytes of the algorithms gloo runs; *floor* is the larger node's link bytes / the rate; "
-              "*vs floor* the step time over it.", ""]
+              "*vs floor* the step time over it. DiLoCo rows: their median is an inner step's; their figure is the "
+              "mean, in the DiLoCo table.", ""]
     notes = list(dict.fromkeys(n for n in raw.get("notes", [])))
     if notes:
         lines += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(lines)
+
+
+def _diloco_markdown(rate: str, rows: dict, have_one_node: bool) -> list[str]:
+    """The DiLoCo table of one rate (`_diloco_rows`)."""
+    ref = "" if have_one_node else f" (n/a here: rate {ONE_NODE_RATE} was not run)"
+    lines = ["", f"DiLoCo at {rate}: the mean step over the timed window, whole periods of H steps of which one "
+             f"carries the outer all-reduce (the median is an inner step and hides it); ratios are of means. "
+             f"\"One node\": {ONE_NODE_REF} at {ONE_NODE_RATE}, the two emulated nodes without a rate limit "
+             f"standing in for one node{ref}.", "",
+             "| variant | H | pseudo-gradient | timed steps (outer) | step s (mean) | inner step s (median) | "
+             "outer step s (mean) | link MB/step node 0, 1 (veth) | vs sf-hsdp (paired) | vs DDP (paired) | "
+             "vs one node |", "|---|" + "---|" * 10]
+    for row in rows.values():
+        lk = ", ".join(_mb(x) for x in row["link_bytes_per_step"])
+        outer = ", ".join(str(n) for n in row["outer_steps_per_repeat"])
+        one = "n/a" if row["vs_one_node"] is None else _f(row["vs_one_node"], ".2f")
+        lines.append(
+            f"| {row['label']} | {row['every']} | {row['comm_dtype']} | {row['timed_steps']} ({outer}) | "
+            f"{_f(row['mean_step_s'])} | {_f(row['median_inner_step_s'])} | {_f(row['mean_outer_step_s'])} | {lk} | "
+            f"{_f(row['vs_sf-hsdp'], '.2f')} ({_f(row['vs_sf-hsdp_paired'], '.2f')}) | "
+            f"{_f(row['vs_ddp'], '.2f')} ({_f(row['vs_ddp_paired'], '.2f')}) | {one} |")
+    return lines
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -424,7 +598,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from " + ",".join(VARIANTS))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per variant per repeat")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per variant per repeat (DiLoCo variants: "
+                   "max(steps, H) rounded up to a multiple of H)")
     p.add_argument("--quick", action="store_true", help="1 repeat, 1 warm-up step, 2 timed steps")
     p.add_argument("--regime", default="comm", help="a regime of benchmarks/compare.py")
     p.add_argument("--seed", type=int, default=42)
@@ -474,6 +649,12 @@ def main(argv=None) -> int:
         if skipped:
             notes.append(f"skipped {', '.join(skipped)}: shardfusion.fully_shard has no outer_comm_dtype keyword in "
                          f"this checkout")
+            print(f"benchmarks.link: {notes[-1]}", flush=True)
+    if not has_diloco():
+        skipped = [v for v in variants if v in DILOCO]
+        variants = [v for v in variants if v not in DILOCO]
+        if skipped:
+            notes.append(f"skipped {', '.join(skipped)}: shardfusion has no DiLoCo in this checkout")
             print(f"benchmarks.link: {notes[-1]}", flush=True)
     opts = {"variants": variants, "repeats": args.repeats, "warmup": args.warmup, "steps": args.steps,
             "regime": args.regime, "seed": args.seed}
