@@ -15,8 +15,9 @@ A step (`ReplicaGroup`):
 2. forward and backward as usual; the sharded gradients are final inside the replica group.
 3. `sync_gradients` averages each trainable flat buffer's sharded gradient (``grad_shard``, shape (S,), whole
    buffers) over the participating replicas (SUM / number of participants: each replica's gradient is the mean over
-   its own samples, so with equal batches every sample counts once), then votes: a 1-element all-reduce of ones over
-   the same replicas must equal the number of participants, and torchft's ``should_commit`` ANDs the votes of the
+   its own samples, so with equal batches every sample counts once), then votes: an all-reduce over the same
+   replicas of a one and a had-a-gradient flag per buffer, whose first element must equal the number of
+   participants, and torchft's ``should_commit`` ANDs the votes of the
    ranks of each replica group in `commit`: only then do the optimizers step (clip between the two). A failed
    collective (a replica died mid-step) fails the vote: the survivors discard the step (no optimizer step, gradients
    dropped) and retry it at the next quorum, which forms without the dead replica once its heartbeat times out.
@@ -94,8 +95,6 @@ class FTRecord:
     """Steps whose vote failed: {"step", "participants", "at_s"}."""
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     """State received from a peer: {"step", "bytes", "seconds"} (from the start of the quorum to the state loaded)."""
-    waits: list[dict[str, Any]] = field(default_factory=list)
-    """Quorums below min_replicas: {"step", "participants", "seconds"}."""
     participants: list[int] = field(default_factory=list)
     """Participating replicas of each committed step."""
 
@@ -109,13 +108,14 @@ def local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
                       for g in optimizer.param_groups]}
 
 
-def _state_device(key: str, value: torch.Tensor, param: torch.Tensor, mine: dict) -> torch.device:
+def _state_device(key: str, value: torch.Tensor, param: torch.Tensor, mine: dict, group: dict) -> torch.device:
     """Where a received optimizer-state tensor belongs on this rank: beside this rank's own tensor of that key,
     else beside the parameter, except 0-dim tensors (AdamW's ``step``), which torch's optimizers keep on the CPU
-    unless they run fused or capturable."""
+    unless the parameter group runs fused or capturable."""
     if isinstance(mine.get(key), torch.Tensor):
         return mine[key].device
-    return torch.device("cpu") if value.dim() == 0 else param.device
+    on_device = group.get("fused") or group.get("capturable")
+    return torch.device("cpu") if value.dim() == 0 and not on_device else param.device
 
 
 def load_local_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
@@ -131,7 +131,8 @@ def load_local_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) ->
             if state:
                 mine = optimizer.state.get(param, {})
                 optimizer.state[param] = {
-                    k: v.to(_state_device(k, v, param, mine), copy=True) if isinstance(v, torch.Tensor) else v
+                    k: v.to(_state_device(k, v, param, mine, group), copy=True) if isinstance(v, torch.Tensor)
+                    else v
                     for k, v in state.items()}
             else:
                 optimizer.state.pop(param, None)
@@ -198,17 +199,35 @@ def agreement(replica_id: int, replicas: int, group_world: int, fingerprint: str
     return torch.tensor([replicas, group_world, value >> 31, value & (2**31 - 1), bit], dtype=torch.long)
 
 
-def check_agreement(mine: torch.Tensor, summed: torch.Tensor, participants: int) -> Optional[str]:
+def _agree_in_group(problem: Optional[str], device: torch.device) -> Optional[str]:
+    """The first non-None ``problem`` of this replica group's ranks, on every rank (one all-gather of the messages
+    over the group's default process group): so all of its ranks stop together, or none."""
+    flag = torch.tensor([0 if problem is None else 1], dtype=torch.long, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not int(flag):
+        return None
+    problems: list = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return next(p for p in problems if p is not None)
+
+
+def check_agreement(mine: torch.Tensor, summed: torch.Tensor, maxed: torch.Tensor, participants: int
+                    ) -> Optional[str]:
     """None if the quorum's groups agree, else what differs (one line). ``mine``: this group's `agreement`;
-    ``summed``: its SUM over the ``participants`` groups. Each group compares the sums with its own values, and all
-    see the same sums, so every group reaches the same answer."""
+    ``summed`` and ``maxed``: its SUM and MAX over the ``participants`` groups. n values are all equal exactly when
+    their sum is n x their max; every group sees the same sums and maxima, so every group reaches the same
+    verdict."""
     n = participants
-    if int(summed[0]) != n * int(mine[0]):
+
+    def differ(i: int) -> bool:
+        return int(summed[i]) != n * int(maxed[i])
+
+    if differ(0):
         return f"the {n} replica groups in the quorum differ in --ft-replicas (this one {int(mine[0])})"
-    if int(summed[1]) != n * int(mine[1]):
+    if differ(1):
         return (f"the {n} replica groups in the quorum have different numbers of ranks (this one {int(mine[1])}, "
-                f"{int(summed[1])} in all); start each with the same --nproc")
-    if int(summed[2]) != n * int(mine[2]) or int(summed[3]) != n * int(mine[3]):
+                f"at most {int(maxed[1])}); start each with the same --nproc")
+    if differ(2) or differ(3):
         return ("the replica groups in the quorum were started with different settings (model, data, batch, "
                 "optimizer or schedule); start every group with the same flags but --ft-replica-id")
     if int(mine[0]) <= ID_BITS and bin(int(summed[4])).count("1") != n:  # every id sets a bit
@@ -306,8 +325,14 @@ class ReplicaGroup:
     def _load(self, state: dict) -> None:
         shards = self._buffers()
         if len(state["shards"]) != len(shards):
-            raise RuntimeError(f"recovery: the peer sent {len(state['shards'])} flat buffers, this model has "
-                               f"{len(shards)}: the replica groups do not train the same model")
+            raise FTError(f"recovery: the peer sent {len(state['shards'])} flat buffers, this model has "
+                          f"{len(shards)}: the replica groups do not train the same model; start every group with "
+                          f"the same flags")
+        for i, (buffer, shard) in enumerate(zip(shards, state["shards"])):
+            if shard.shape != buffer.shard.shape:
+                raise FTError(f"recovery: flat buffer {i} of the peer has {shard.numel()} elements on this group "
+                              f"rank, this model's {buffer.shard.numel()}: the replica groups do not train the same "
+                              f"model and layout; start every group with the same flags and --nproc")
         with torch.no_grad():
             for buffer, shard in zip(shards, state["shards"]):
                 buffer.shard.copy_(shard)
@@ -330,25 +355,33 @@ class ReplicaGroup:
 
         Raises:
             FTError: no quorum within quorum_timeout (the lighthouse is gone, or a peer that still sends heartbeats
-                no longer takes part: with two groups, one alone is not a majority), or the quorum's groups disagree
-                on their settings (`check_agreement`; raised on every rank of every group), in one line.
+                no longer takes part: with two groups, one alone is not a majority), the quorum's groups disagree
+                on their settings (`check_agreement`; raised on every rank of every group), or the state received
+                from a peer does not fit this model (another model or layout; raised on this group only). In one
+                line, on every rank of this group alike (the ranks agree on it first: one small all-reduce per
+                step over the group).
         """
         self._quorum_started = time.perf_counter()
+        problem = None
         try:
             self.manager.start_quorum()
+        except FTError as error:  # a recovery that cannot fit this model (`_load`)
+            problem = str(error)
         except Exception as error:  # torchft raises RuntimeError or TimeoutError from its RPC client
-            raise FTError(f"no quorum within --ft-quorum-timeout {self.quorum_timeout.total_seconds():g} s "
-                          f"(lighthouse {self.lighthouse}): {_first_line(error)}; is the lighthouse up, and does "
-                          f"every replica group in it still train? (docs/fault-tolerance.md)") from None
+            problem = (f"no quorum within --ft-quorum-timeout {self.quorum_timeout.total_seconds():g} s "
+                       f"(lighthouse {self.lighthouse}): {_first_line(error)}; is the lighthouse up, and does every "
+                       f"replica group in it still train? (docs/fault-tolerance.md)")
         quorum = getattr(self.manager, "_quorum_id", None)  # torchft 0.2 keeps it private; a new one: check
-        if quorum is None or quorum != self._checked_quorum:
-            summed = self._agreement.clone()
+        if problem is None and (quorum is None or quorum != self._checked_quorum):
+            summed, maxed = self._agreement.clone(), self._agreement.clone()
             self.manager.allreduce(summed, reduce_op=dist.ReduceOp.SUM).wait()
+            self.manager.allreduce(maxed, reduce_op=dist.ReduceOp.MAX).wait()
             if self.manager.errored() is None:  # else the step is discarded and the next quorum checks again
-                problem = check_agreement(self._agreement, summed, self.participants())
-                if problem is not None:
-                    raise FTError(problem)
-                self._checked_quorum = quorum
+                problem = check_agreement(self._agreement, summed, maxed, self.participants())
+                self._checked_quorum = quorum if problem is None else None
+        problem = _agree_in_group(problem, self.device)  # every rank of the group stops, or none
+        if problem is not None:
+            raise FTError(problem)
 
     def participants(self) -> int:
         """Replica groups taking part in this step."""

@@ -49,9 +49,8 @@ class FTConfig:
     """A step commits only when at least this many replica groups take part; below, the groups wait and say so
     (default 1)."""
     ft_join_wait: float = 30.0
-    """Seconds a new run (no replica group has trained a step) waits for all --ft-replicas groups to join the
-    first quorum before it starts with those that did (they then start together; a later one copies their state)
-    (default 30)."""
+    """Seconds a run that starts (or whose groups all restart from one checkpoint) waits for all --ft-replicas
+    groups to join before it trains with those that did (a later one copies their state) (default 30)."""
     ft_timeout: float = 10.0
     """Seconds after which a collective with a replica group that stopped answering fails, and the step is
     discarded; torchft's RPCs use it too (default 10)."""
@@ -63,8 +62,9 @@ class FTConfig:
     """Seconds a quorum may take to form (the lighthouse gone, or a group that sends heartbeats but no longer
     trains) before the group stops with a one-line error (default 120)."""
     ft_max_discards: int = 20
-    """Consecutive steps discarded with at least --ft-min-replicas groups in the quorum after which the group stops
-    with a one-line error: the collectives between the groups keep failing (default 20)."""
+    """The group stops with a one-line error when more than this many steps in a row are discarded with at least
+    --ft-min-replicas groups in the quorum (or as many join waits fail): the collectives between the groups keep
+    failing (default 20)."""
 
 
 def enabled(config: FTConfig) -> bool:

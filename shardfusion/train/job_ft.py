@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardfusion.ft import ReplicaGroup
+from shardfusion.ft import FTError, ReplicaGroup
 from shardfusion.train import ft_config
 
 WAIT_POLL_S = 1.0
@@ -29,6 +29,8 @@ stops inside that step, after its backward and before the gradients are averaged
 rank 0 first writes OUT/replica-<id>/`PAUSED_FILE`. A kill then lands mid-step, while the peers wait in the
 average: the case the discard exists for."""
 PAUSED_FILE = "paused"
+PAUSE_S = 300.0
+"""How long `PAUSE_ENV` pauses before the group gives up with an error (a leftover setting cannot hang a run)."""
 
 
 class FTRun:
@@ -39,14 +41,22 @@ class FTRun:
                  *, start: int, device: torch.device, is_main: bool) -> None:
         self.config, self.is_main, self.device = config, is_main, device
         self.t0 = time.perf_counter()
-        self.group = ReplicaGroup(model, optimizers, lighthouse=config.ft_lighthouse,
-                                  replica_id=config.ft_replica_id, replicas=config.ft_replicas,
-                                  min_replicas=config.ft_min_replicas, timeout=timedelta(seconds=config.ft_timeout),
-                                  quorum_timeout=timedelta(seconds=config.ft_quorum_timeout),
-                                  max_discards=config.ft_max_discards, host=config.ft_host,
-                                  fingerprint=ft_config.settings_fingerprint(config), device=device)
+        try:
+            self.group = ReplicaGroup(model, optimizers, lighthouse=config.ft_lighthouse,
+                                      replica_id=config.ft_replica_id, replicas=config.ft_replicas,
+                                      min_replicas=config.ft_min_replicas,
+                                      timeout=timedelta(seconds=config.ft_timeout),
+                                      quorum_timeout=timedelta(seconds=config.ft_quorum_timeout),
+                                      max_discards=config.ft_max_discards, host=config.ft_host,
+                                      fingerprint=ft_config.settings_fingerprint(config), device=device)
+        except ValueError as error:  # e.g. the lighthouse refused this group: one line, as the other FT errors
+            raise FTError(str(error)) from None
+        self.start = start
         if start:
             self.group.manager.load_state_dict({"step": start, "batches_committed": 0})
+        if os.environ.get(PAUSE_ENV):
+            self._say(f"warning: {PAUSE_ENV}={os.environ[PAUSE_ENV]} is set: this group stops inside that step "
+                      f"for a test's kill (unset it for a real run)")
         self.participants: int | None = None  # of the last quorum
         self.changes: list[dict[str, Any]] = []  # the quorum's membership: {"step", "participants", "was", "at_s"}
         self.failures: list[dict[str, Any]] = []  # discarded steps: {"step", "participants", "at_s", "lost_s"}
@@ -64,9 +74,14 @@ class FTRun:
     def steps(self, stop: int) -> Iterator[int]:
         """The steps to train, from the quorum: before each, join it (a replica behind the others receives the
         live state here, `shardfusion.ft.ReplicaGroup.start_step`); a committed step moves on, a discarded one comes
-        again. Fewer than --ft-min-replicas groups up, or a new run's first quorum without all --ft-replicas
-        (for at most --ft-join-wait seconds): wait, saying so. Ends at ``stop``."""
-        waiting_since, first_quorum = None, time.perf_counter()
+        again. Fewer than --ft-min-replicas groups up, or a run (re)starting without all --ft-replicas (for at
+        most --ft-join-wait seconds, `_agree_to_wait`): wait, saying so. Ends at ``stop``.
+
+        Raises:
+            FTError: what `ReplicaGroup.start_step` raises, or more than --ft-max-discards waits in a row whose
+                collectives failed (the groups cannot reach each other).
+        """
+        waiting_since, first_quorum, failed_waits = None, time.perf_counter(), 0
         while True:
             self._step_started = time.perf_counter()
             recoveries = len(self.group.record.recoveries)
@@ -81,14 +96,23 @@ class FTRun:
                     self._say(f"step {step}: {n} replica group(s) in the quorum (was {self.participants})")
                 self.changes.append({"step": step, "participants": n, "was": self.participants, "at_s": self._now()})
                 self.participants = n
-            joining = (n >= self.config.ft_min_replicas and step == 0 and n < self.config.ft_replicas
-                       and self._agree_to_wait(time.perf_counter() - first_quorum < self.config.ft_join_wait))
+            joining = failed = False
+            if self.config.ft_min_replicas <= n < self.config.ft_replicas:  # n is the quorum's: all groups ask
+                wish = (step == self.start and time.perf_counter() - first_quorum < self.config.ft_join_wait)
+                joining, failed = self._agree_to_wait(wish)
+            failed_waits = failed_waits + 1 if failed else 0
+            if failed_waits > self.config.ft_max_discards:
+                raise FTError(f"{failed_waits} quorums in a row whose collectives failed while waiting for "
+                              f"--ft-replicas {self.config.ft_replicas} (--ft-max-discards "
+                              f"{self.config.ft_max_discards}): can every group reach this one at --ft-host "
+                              f"{self.config.ft_host}?")
             if n < self.config.ft_min_replicas or joining:
                 if waiting_since is None:
                     waiting_since = time.perf_counter()
                     why = (f"--ft-min-replicas {self.config.ft_min_replicas}" if n < self.config.ft_min_replicas
-                           else f"--ft-replicas {self.config.ft_replicas} (a new run waits up to --ft-join-wait "
-                                f"{self.config.ft_join_wait:g} s for all)")
+                           else f"--ft-replicas {self.config.ft_replicas} (a run starting or restarting from a "
+                                f"checkpoint waits up to --ft-join-wait {self.config.ft_join_wait:g} s for all)")
+                    waiting_for = "--ft-min-replicas" if n < self.config.ft_min_replicas else "--ft-join-wait"
                     self._say(f"waiting at step {step}: {n} replica group(s) in the quorum, waiting for {why}; "
                               f"lighthouse {self.config.ft_lighthouse}")
                 # close this quorum's step without committing it: nothing was trained
@@ -97,7 +121,7 @@ class FTRun:
                 time.sleep(WAIT_POLL_S)
                 continue
             if waiting_since is not None:
-                self.waits.append({"step": step, "participants": n,
+                self.waits.append({"step": step, "participants": n, "for": waiting_for,
                                    "seconds": round(time.perf_counter() - waiting_since, 3)})
                 self._say(f"{n} replica group(s) in the quorum after {self.waits[-1]['seconds']:.1f} s: training")
                 waiting_since = None
@@ -105,16 +129,23 @@ class FTRun:
                 return
             yield step
 
-    def _agree_to_wait(self, mine: bool) -> bool:
-        """Whether the quorum's groups go on waiting for a new run's missing groups: this group's answer is its
-        rank 0's (broadcast: one clock per group), and the quorum waits while any group's does (a SUM over the
-        groups). A failed collective: wait, the next quorum asks again. Collective over the group and the
-        quorum."""
+    def _agree_to_wait(self, mine: bool) -> tuple[bool, bool]:
+        """(wait, failed): whether the quorum's groups wait for the missing ones, asked at every quorum with
+        fewer than --ft-replicas groups. A group wishes to wait (``mine``, its rank 0's: one clock per group) while
+        it has made no progress since it started (the quorum's step is still the one it started at: a new run, or
+        every group restarted from one checkpoint; a group that joins a running quorum has been healed past it)
+        and its --ft-join-wait has not run out; the quorum waits while any group wishes to (a SUM over the groups).
+        ``failed``: the collective between the groups failed (then wait: the next quorum asks again). The group's
+        ranks then agree (a MAX over the group), so all of them take the same branch. Collective over the group
+        and the quorum: two 1-element all-reduces and a broadcast while a group is missing."""
         flag = torch.tensor([int(mine)], dtype=torch.long, device=self.device)  # NCCL's default group: device
         dist.broadcast(flag, 0)
-        flag = flag.cpu()  # the replica groups' process group is gloo's
-        self.group.manager.allreduce(flag, reduce_op=dist.ReduceOp.SUM).wait()
-        return self.group.manager.errored() is not None or int(flag) > 0
+        cross = flag.cpu()  # the replica groups' process group is gloo's
+        self.group.manager.allreduce(cross, reduce_op=dist.ReduceOp.SUM).wait()
+        failed = self.group.manager.errored() is not None
+        verdict = torch.tensor([int(failed), int(failed or int(cross) > 0)], dtype=torch.long, device=self.device)
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+        return bool(verdict[1]), bool(verdict[0])
 
     def sync(self, step: int, loss: torch.Tensor, aux: torch.Tensor, device: torch.device) -> tuple[float, float]:
         """Average the gradients over the live replica groups and vote (`ReplicaGroup.sync_gradients`); returns
@@ -134,8 +165,9 @@ class FTRun:
             folder = Path(ft_config.outputs_folder(self.config, self.config.out))
             folder.mkdir(parents=True, exist_ok=True)
             (folder / PAUSED_FILE).write_text(f"{step}\n")
-        while True:
-            time.sleep(3600)
+        time.sleep(PAUSE_S)
+        raise FTError(f"{PAUSE_ENV}={step}: paused {PAUSE_S:g} s inside step {step} and nobody killed this group; "
+                      f"unset {PAUSE_ENV} (a test's fault injection)")
 
     def commit(self, step: int) -> bool:
         """Step the optimizers if the vote passed (`ReplicaGroup.commit`); a discarded step is recorded and said."""
@@ -184,5 +216,5 @@ def format_ft(ft: dict[str, Any]) -> list[str]:
     for r in ft["recoveries"]:
         lines.append(f"  recovered at step {r['step']}: {r['bytes'] / 2**20:.1f} MiB in {r['seconds']:.2f} s")
     for w in ft["waits"]:
-        lines.append(f"  waited {w['seconds']:.1f} s at step {w['step']} for --ft-min-replicas")
+        lines.append(f"  waited {w['seconds']:.1f} s at step {w['step']} for {w.get('for', '--ft-min-replicas')}")
     return lines

@@ -9,7 +9,8 @@ of its own (2 gloo ranks), joined by a torchft lighthouse (benchmarks/ft.py star
   lighthouse's heartbeat timeout (not a restart), the restarted group resumes from the shared checkpoint, copies the
   live state from the survivor at a quorum and ends bitwise equal to it (state digests of both group ranks).
 - Groups started with different settings, and a quorum that cannot form within --ft-quorum-timeout, stop with one
-  line (exit 1) instead of a traceback or a silent divergence.
+  line (exit 1) instead of a traceback or a silent divergence; a group of other shapes (--nproc 1) stops at the
+  recovery that precedes the check, and the other goes on waiting, saying so.
 - Bad fault-tolerance flags and an unreachable lighthouse are one-line usage errors before any worker starts.
 """
 
@@ -126,6 +127,24 @@ def test_groups_started_with_different_settings_stop_in_one_line(tmp_path: Path)
         lines = {_error_line(run.log(f"replica{g}")) for g in (0, 1)}
     assert len(lines) == 1 and "started with different settings" in lines.pop()
     assert run.committed(0) == run.committed(1) == 0 and not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.timeout(TRAIN_TIMEOUT_S)
+def test_a_group_of_other_shapes_stops_at_its_recovery_and_the_other_waits(tmp_path: Path) -> None:
+    """Group 1 with --nproc 1 (shards twice as long) is healed from group 0 at the first quorum, before the
+    agreement check: it stops with one line (exit 1) on all its ranks; group 0 goes on waiting for
+    --ft-min-replicas 2 and says so (no silent hang)."""
+    with Replicas(tmp_path, FLAGS) as run:
+        run.start(0, extra=["--ft-min-replicas", "2"])
+        run.until(lambda: "waiting at step 0" in run.log("replica0"), TRAIN_TIMEOUT_S, "replica group 0 waiting")
+        run.nproc = 1
+        run.start(1, extra=["--ft-min-replicas", "2"])
+        codes = run.wait(["replica1"], TRAIN_TIMEOUT_S)
+        line = _error_line(run.log("replica1"))
+        assert codes == {"replica1": 1}, run.log("replica1")[-3000:]
+        assert run.procs["replica0"].poll() is None  # still there, waiting
+        assert run.committed(0) == 0
+    assert "recovery: flat buffer 0 of the peer has 10304 elements on this group rank, this model's 20608" in line
 
 
 @pytest.mark.timeout(TRAIN_TIMEOUT_S)

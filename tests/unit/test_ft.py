@@ -87,12 +87,16 @@ def test_settings_fingerprint_covers_the_arithmetic_not_the_paths() -> None:
     ([(0, 2, 2, "a" * 16), (1, 2, 2, "b" * 16)], "different settings"),
     ([(0, 2, 2, "a" * 16), (1, 3, 2, "a" * 16)], "differ in --ft-replicas"),
     ([(0, 70, 2, "f" * 16), (65, 70, 2, "f" * 16)], None),  # ids past ID_BITS: the other checks still hold
+    ([(0, 3, 1, "a" * 16), (1, 3, 2, "a" * 16), (2, 3, 3, "a" * 16)], "different numbers of ranks"),  # 2 = mean
+    ([(0, 3, 2, "a" * 16), (1, 3, 2, "b" * 16), (2, 3, 2, "c" * 16)], "different settings"),
 ])
 def test_agreement_of_the_quorums_groups(groups: list, words: str | None) -> None:
-    """Each group sums the same vectors and compares with its own: every group reaches the same verdict."""
+    """Every group sees the same SUM and MAX of the vectors: every group reaches the same verdict, also when one
+    group's value is the mean of the others' (1, 2, 3 ranks)."""
     vectors = [ft.agreement(*g) for g in groups]
     summed = sum(vectors[1:], vectors[0].clone())
-    verdicts = [ft.check_agreement(v, summed, len(groups)) for v in vectors]
+    maxed = torch.stack(vectors).max(dim=0).values
+    verdicts = [ft.check_agreement(v, summed, maxed, len(groups)) for v in vectors]
     if words is None:
         assert verdicts == [None] * len(groups)
     else:
@@ -167,6 +171,11 @@ def test_received_optimizer_state_goes_where_this_ranks_state_lives() -> None:
     second = twin[1].weight  # no state of its own yet
     assert twin_opt.state[second]["exp_avg"].device.type == "meta"
     assert twin_opt.state[second]["step"].device.type == "cpu"
+    fused = torch.optim.AdamW([{"params": twin[0].parameters()}, {"params": twin[1].parameters()}], capturable=True)
+    for group in state["groups"]:  # the peer's settings are loaded too: a capturable peer
+        group["capturable"] = True
+    ft.load_local_optimizer_state(fused, state)  # capturable (or fused): torch keeps step beside the parameter
+    assert fused.state[second]["step"].device.type == "meta"
 
 
 def test_recovery_bytes_count_whole_storages() -> None:
