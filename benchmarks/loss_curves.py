@@ -10,7 +10,8 @@ int8 on the wire, compared step by step::
 
 writes ``<out>.png`` (training loss per step and validation loss per evaluation of every run) and ``<out>.md``
 (final training loss, averaged over the last ``--tail`` steps, and final validation loss of each run, with the
-relative difference against the first run). Needs matplotlib (the ``train`` extra).
+relative difference against the first run, or per run against the run ``--baselines`` names: the same seed's
+reference). ``--val-only`` plots the validation losses alone (for many runs). Needs matplotlib (the ``train`` extra).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ def read_metrics(run: Path) -> tuple[list[dict], list[dict]]:
     return train, val
 
 
-def summarize(runs: list[Path], labels: list[str], tail: int) -> list[dict]:
+def summarize(runs: list[Path], labels: list[str], tail: int, baselines: list[int] | None = None) -> list[dict]:
     """One row per run: its final training loss (mean over the last ``tail`` steps), final validation loss and
-    their relative differences against the first run."""
+    their relative differences against its baseline run (``baselines[i]``: an index into ``runs``; default the
+    first run for every row, e.g. the same seed's reference run when the runs are seeds)."""
     rows = []
     for run, label in zip(runs, labels):
         train, val = read_metrics(run)
@@ -46,23 +48,27 @@ def summarize(runs: list[Path], labels: list[str], tail: int) -> list[dict]:
                      "train_tail": sum(last) / len(last), "val_last": val[-1]["val_loss"] if val else None,
                      "outer_comm_dtype": config.get("outer_comm_dtype"),
                      "fsdp_outer_degree": config.get("fsdp_outer_degree")})
-    base = rows[0]
-    for row in rows:
+    for i, row in enumerate(rows):
+        base = rows[baselines[i] if baselines else 0]
+        row["baseline"] = base["label"]
         row["train_rel"] = row["train_tail"] / base["train_tail"] - 1
         row["val_rel"] = (None if row["val_last"] is None or base["val_last"] is None
                           else row["val_last"] / base["val_last"] - 1)
     return rows
 
 
-def plot(runs: list[Path], labels: list[str], path: Path) -> None:
+def plot(runs: list[Path], labels: list[str], path: Path, val_only: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9.5, 4.5) if val_only else (7, 4.5))
     for run, label in zip(runs, labels):
         train, val = read_metrics(run)
+        if val_only:
+            ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", lw=1.5, ms=3, label=label)
+            continue
         line, = ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, alpha=0.8,
                         label=f"{label} train")
         if val:
@@ -71,20 +77,24 @@ def plot(runs: list[Path], labels: list[str], path: Path) -> None:
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats / byte)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if val_only:
+        ax.set_title("validation loss")
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
+    else:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def report(rows: list[dict], tail: int) -> str:
-    out = [f"| run | outer degree | outer_comm_dtype | steps | train loss (mean of last {tail}) | vs first | "
-           "last val loss | vs first |", "|---|---|---|---|---|---|---|---|"]
+    out = [f"| run | outer degree | outer_comm_dtype | steps | train loss (mean of last {tail}) | vs baseline | "
+           "last val loss | vs baseline | baseline |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         val = "-" if r["val_last"] is None else f"{r['val_last']:.4f}"
         val_rel = "-" if r["val_rel"] is None else f"{100 * r['val_rel']:+.2f}%"
         out.append(f"| {r['label']} | {r['fsdp_outer_degree']} | {r['outer_comm_dtype']} | {r['steps']} | "
-                   f"{r['train_tail']:.4f} | {100 * r['train_rel']:+.2f}% | {val} | {val_rel} |")
+                   f"{r['train_tail']:.4f} | {100 * r['train_rel']:+.2f}% | {val} | {val_rel} | {r['baseline']} |")
     return "\n".join(out) + "\n"
 
 
@@ -94,14 +104,21 @@ def main(argv=None) -> None:
     p.add_argument("--labels", default=None, help="comma-separated, one per run (default: the folder names)")
     p.add_argument("--tail", type=int, default=10, help="steps averaged for the final training loss (default 10)")
     p.add_argument("--out", type=Path, required=True, help="path without suffix: writes OUT.png and OUT.md")
+    p.add_argument("--baselines", default=None,
+                   help="comma-separated, per run the index of the run it is compared with (default: 0 for all)")
+    p.add_argument("--val-only", action="store_true", help="plot the validation losses only")
     args = p.parse_args(argv)
     labels = args.labels.split(",") if args.labels else [r.name for r in args.runs]
     if len(labels) != len(args.runs):
         p.error(f"--labels has {len(labels)} names for {len(args.runs)} runs")
     if args.tail < 1:
         p.error(f"--tail must be >= 1, got {args.tail}")
-    rows = summarize(args.runs, labels, args.tail)
-    plot(args.runs, labels, args.out.with_suffix(".png"))
+    baselines = [int(i) for i in args.baselines.split(",")] if args.baselines else None
+    if baselines is not None and (len(baselines) != len(args.runs) or
+                                  not all(0 <= i < len(args.runs) for i in baselines)):
+        p.error(f"--baselines needs {len(args.runs)} indices in 0 .. {len(args.runs) - 1}, got {args.baselines}")
+    rows = summarize(args.runs, labels, args.tail, baselines)
+    plot(args.runs, labels, args.out.with_suffix(".png"), val_only=args.val_only)
     text = report(rows, args.tail)
     args.out.with_suffix(".md").write_text(text)
     args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
