@@ -62,10 +62,3 @@ def test_resume_mid_period_is_exact(tmp_path: Path) -> None:
 def test_usage_errors(tmp_path: Path, extra: list[str], words: str) -> None:
     result = run_train([*FLAGS, "--out", str(tmp_path / "run"), *extra])
     assert words in usage_error_line(result) and not (tmp_path / "run").exists()
-
-
-@pytest.mark.timeout(TRAIN_TIMEOUT_S)
-def test_outer_flags_need_diloco(tmp_path: Path) -> None:
-    flags = [f for f in FLAGS if f not in ("--outer-sync", "diloco")]
-    result = run_train([*flags, "--out", str(tmp_path / "run")])
-    assert "--outer-every needs --outer-sync diloco" in usage_error_line(result)
