@@ -25,7 +25,8 @@ The model is the comm-bound GPT of ``benchmarks/compare.py`` (regime ``comm``: b
   H = 8 / 32 (fp32 pseudo-gradients, the outer defaults: Nesterov 0.9, lr 0.7, one fragment): one replica per node,
   no gradient all-reduce between the nodes; ``DiLoCo.step()`` runs after every ``optimizer.step()`` (before
   ``zero_grad``, inside the timed step), and every H-th step it carries the outer all-reduce of the pseudo-gradients
-  over the replicate group (the nodes); ``sf-diloco-8-int8``: H = 8 with ``DiLoCo(..., comm_dtype="int8")``
+  over the replicate group (the nodes); ``sf-diloco-8-int8``, ``sf-diloco-32-int8``: H = 8 / 32 with
+  ``DiLoCo(..., comm_dtype="int8")``
   (``fully_shard`` itself gets no compression keyword). Run only when ``shardfusion`` has ``DiLoCo``.
 
 For each rate, each repeat runs every variant in turn (order rotated by one each repeat), each on a fresh model under
@@ -93,6 +94,8 @@ VARIANTS = {
     "sf-diloco-32": ("shardfusion", 2, False, {"diloco": 32}, "shardfusion DiLoCo H=32"),
     "sf-diloco-8-int8": ("shardfusion", 2, False, {"diloco": 8, "diloco_comm_dtype": "int8"},
                          "shardfusion DiLoCo H=8, int8 pseudo-gradients"),
+    "sf-diloco-32-int8": ("shardfusion", 2, False, {"diloco": 32, "diloco_comm_dtype": "int8"},
+                          "shardfusion DiLoCo H=32, int8 pseudo-gradients"),
 }
 COMPRESSED = ("sf-hsdp-bf16", "sf-hsdp-int8")
 DILOCO_KEYS = ("diloco", "diloco_comm_dtype")

@@ -26,6 +26,19 @@ fragment is synchronised every H steps and no step carries more than about 1/fra
 Layouts this supports: sep = cp = pp = 1 (their gradients are summed over the replicate group, which inner steps
 skip), element-sharded and owner-layout buffers whose replicate group is the Topology's (not kept-whole buffers,
 not experts under the ``shard`` policy). Anything else is a ValueError at construction.
+
+What still crosses the replicas in an inner step, outside the flat buffers: a model's module buffers (BatchNorm
+statistics, rotary caches), which every training forward broadcasts from the first data-parallel rank over the
+parameter-replica group (``Topology.get_param_replica_group``), and a ``torch.amp.GradScaler``'s found-inf flag
+(all-reduced over the world, ``shardfusion.amp``). Both are a few bytes for a transformer; a model with large
+buffers pays them every step.
+
+Construct it after the weights are final (loaded from a checkpoint or a pretrained file): the snapshot is taken
+then. After loading weights into a model that already has a DiLoCo, call `reset`.
+
+Peak memory at an outer step: the pseudo-gradients of one fragment (1/fragments of the shard) beside the snapshot
+and the momentum (``sf.plan`` counts all three); the int8 wire format adds its temporaries
+(``compress.compressed_all_reduce``).
 """
 
 from __future__ import annotations
@@ -123,7 +136,9 @@ class DiLoCo:
             raise ValueError(f"momentum (the outer momentum) must be in [0, 1), got {momentum!r}")
         check_layout(topology)
         self.models = [models] if isinstance(models, nn.Module) else list(models)
-        self.buffers = [b for m in self.models for b in flat_buffers(m, trainable_only=True)]
+        # a buffer of zero-element parameters only has nothing to synchronise (and no replicate group)
+        self.buffers = [b for m in self.models for b in flat_buffers(m, trainable_only=True)
+                        if b.layout.padded_numel > 0]
         replicate = topology.get_replicate_group()
         for b in self.buffers:
             if b.replicate_group is not replicate:
@@ -152,6 +167,15 @@ class DiLoCo:
         for b in self.buffers:
             b.set_replicate_sync(False)
             b.replica_group = self.replica_group
+
+    def reset(self) -> None:
+        """Start a new outer period from the shards as they are: snapshot = shard, momentum = 0 (e.g. after
+        loading weights). Local; the replicas must hold the same shards (as after a load), or the next outer step
+        averages their differences."""
+        with torch.no_grad():
+            for snap, m, b in zip(self.snapshot, self.momentum_buffers, self.buffers):
+                snap.copy_(b.shard)
+                m.zero_()
 
     # ---- the outer step ---------------------------------------------------------------------------------------
     def due(self, inner_steps: Optional[int] = None) -> list[int]:

@@ -397,7 +397,8 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
             DiLoCo (:class:`shardfusion.DiLoCo`): the replicate all-reduce of the pseudo-gradients once every H
             steps, after the optimizer step (not overlapped), in ``outer_comm_dtype``; ``step_s`` is then the mean
             over H steps, ``sync_step_s`` the step that carries it, and the memory holds the snapshot and the
-            momentum (2 x the shard, in ``shard_dtype``).
+            momentum (2 x the shard, in ``shard_dtype``), plus one fragment's pseudo-gradients at the outer step.
+            The pseudo-gradients travel in ``outer_comm_dtype``, or the shard's dtype when it is None.
         outer_fragments: with ``outer_every``: streaming DiLoCo's fragments (1 .. H): each outer step's bytes are
             spread over that many steps (``sync_step_s`` carries 1/fragments of them).
 
@@ -427,6 +428,9 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
             raise ValueError(f"outer_fragments({fragments}) must be <= outer_every({outer_every})")
     elif outer_fragments != 1:
         raise ValueError(f"outer_fragments({outer_fragments!r}) needs outer_every (DiLoCo)")
+    if outer_every is not None and expert_policy == "shard":
+        raise ValueError("outer_every (DiLoCo) with expert_policy='shard': DiLoCo needs every buffer replicated over "
+                         "the replicate group; use expert_policy='replicate'")
     if not isinstance(bandwidth, Bandwidth):
         raise ValueError(f"bandwidth must be a shardfusion.plan.Bandwidth, got {bandwidth!r}")
     for name in ("within", "across"):
@@ -473,7 +477,9 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
 
     sizes_b = {"shard": _element_size(shard_dtype), "param": _element_size(param_dtype),
                "comm": _element_size(grad_comm_dtype), "optim": _element_size(optim_dtype),
-               "outer": _outer_element_size(outer_comm_dtype, grad_comm_dtype)}
+               # DiLoCo all-reduces the pseudo-gradients in the shard's dtype unless a wire format is given
+               "outer": _outer_element_size(outer_comm_dtype,
+                                            shard_dtype if outer_every is not None else grad_comm_dtype)}
     align = max(1, ALIGN_BYTES // sizes_b["shard"])
     model = _Model(sizes, world_size, local, dp, ep, m, prefetch, expert_policy, sizes_b, align, optim_states,
                    shard_dtype != param_dtype, other_bytes, bandwidth, overlap, backend,
@@ -606,8 +612,9 @@ class _Model:
         memory = {"params": shard_elems * nb["shard"], "grads": shard_elems * nb["shard"],
                   "optimizer": shard_elems * nb["optim"] * self.optim_states, "unsharded": unsharded,
                   "other": self.other_bytes}
-        if sync_step is not None:  # replicas to synchronise: DiLoCo's snapshot and momentum on the shards
-            memory["outer"] = 2 * shard_elems * nb["shard"]
+        if sync_step is not None:  # replicas to synchronise: DiLoCo's snapshot and momentum on the shards, and
+            # at an outer step the pseudo-gradients of one fragment
+            memory["outer"] = (2 * shard_elems + math.ceil(shard_elems / self.diloco[1])) * nb["shard"]
         need = sum(memory.values())
         return Candidate(outer=outer, inner=inner, expert_inner=expert_inner, traffic=traffic,
                          within_bytes=sum(t.within_bytes for t in traffic.values()),

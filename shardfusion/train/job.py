@@ -84,13 +84,14 @@ def global_mean(values: list[float | torch.Tensor], device: torch.device, group=
     return (t / dist.get_world_size(group)).tolist()
 
 
-def expert_load(tokens: torch.Tensor, topo: sf.Topology) -> torch.Tensor:
+def expert_load(tokens: torch.Tensor, topo: sf.Topology, replica_only: bool = False) -> torch.Tensor:
     """(L, E) int64 assignments of tokens to experts, per MoE layer, summed over the data-parallel group: each rank
     counts its own tokens (`GPT.tokens_per_expert`), so the sum is the global count (with context parallel, also
     over the context group: each cp rank holds part of each sequence); mp ranks see the same tokens and are not
-    added."""
+    added. ``replica_only`` (DiLoCo's inner steps: nothing crosses the replicas): summed over this replica's
+    data-parallel ranks only (its inner group), this replica's load."""
     tokens = tokens.clone()
-    dist.all_reduce(tokens, group=topo.get_data_parallel_group())
+    dist.all_reduce(tokens, group=topo.get_fsdp_inner_group() if replica_only else topo.get_data_parallel_group())
     if topo.sep * topo.cp > 1:  # the context ranks count the tokens of their parts of the sequences
         dist.all_reduce(tokens, group=topo.get_group("context"))
     return tokens
@@ -425,7 +426,7 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             loss_value, aux_value = figures if ft_run is not None else global_mean(  # DiLoCo: this replica's
                 [loss_sum / config.grad_accum, aux_sum / config.grad_accum], device,
                 outer.replica_group if outer is not None else None)
-            load = expert_load(tokens, topo) if moe else None  # (L, E)
+            load = expert_load(tokens, topo, replica_only=outer is not None) if moe else None  # (L, E)
         moe_record = {}
         muon_record = {"muon_lr": optimizers[0].param_groups[0]["lr"]} if matrices is not None else {}
         if moe:

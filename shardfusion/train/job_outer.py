@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import shardfusion as sf
@@ -70,19 +71,40 @@ class OuterRun:
 
     def restored(self, loaded: dict[str, torch.Tensor], start: int) -> str | None:
         """Put the per-rank state of a restore back (``loaded``: what `placeholders` became); ``start``: the
-        step resumed at. Returns a note when the checkpoint had no DiLoCo state (a new period starts).
+        step resumed at. Returns a note when the checkpoint had no DiLoCo state (a new period starts; the next
+        outer step comes at the next multiple of --outer-every, so the schedule follows the global step).
+        Collective: every rank takes the same branch, or every rank raises.
 
         Raises:
-            ValueError: the saved state does not fit this layout (another world size, degrees or model).
+            ValueError: on every rank: the saved per-rank state does not fit this run (another world size, layout
+                or model): some ranks have it and others not, or its shapes differ.
         """
         d = self.diloco
-        if f"{PREFIX}snapshot/0" not in loaded:
-            with torch.no_grad():
-                for snap, m, b in zip(d.snapshot, d.momentum_buffers, d.buffers):
-                    snap.copy_(b.shard)
-                    m.zero_()
+        has = f"{PREFIX}snapshot/0" in loaded
+        seen = torch.tensor([int(has), int(not has)], dtype=torch.long, device=d.buffers[0].shard.device
+                            if d.buffers else None)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        if bool(seen[0]) and bool(seen[1]):
+            raise ValueError("the checkpoint's DiLoCo state was saved at another world size (some ranks have it, "
+                             "others not); resume a DiLoCo run at the world size and layout it was saved with")
+        if not has:
+            d.reset()
             d.inner_steps = start
             return "the checkpoint has no DiLoCo state (an every-step run): a new outer period starts here"
+        problem = None
+        try:
+            self._put_back(loaded, start)
+        except ValueError as error:
+            problem = str(error)
+        flag = torch.tensor([int(problem is not None)], dtype=torch.long, device=seen.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag):
+            raise ValueError(problem or "the checkpoint's DiLoCo state does not fit this layout on another rank; "
+                             "resume a DiLoCo run with the layout and world size it was saved with")
+        return None
+
+    def _put_back(self, loaded: dict[str, torch.Tensor], start: int) -> None:
+        d = self.diloco
         state: dict[str, Any] = {"inner_steps": start, "outer_steps": loaded[PREFIX + "outer_steps"].tolist()}
         state.update({key[len(PREFIX):]: value for key, value in loaded.items()
                       if key.startswith((PREFIX + "snapshot/", PREFIX + "momentum/"))})
@@ -105,7 +127,6 @@ class OuterRun:
                         raise ValueError(f"DiLoCo state: AdamW {key} of parameter {name} was saved with another "
                                          f"layout; resume with the saved layout")
                     mine.copy_(saved)
-        return None
 
     def step(self, done: int) -> list[int]:
         """After inner optimizer step ``done`` (1-based): the outer step of each fragment now due (`DiLoCo.step`);

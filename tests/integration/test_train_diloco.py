@@ -4,6 +4,7 @@
   model) and resumed equals the uninterrupted run: every
   logged loss and gradient norm, and the final checkpoint bitwise. Replica 1 differs from replica 0 between outer
   steps, so this holds only if each rank's own parameters, AdamW moments, snapshot and momentum came back.
+- Resumed at another world size (W=2), the per-rank state does not fit: every rank refuses.
 - The inner steps send nothing across the replicas: the summary's per-step replicate all-reduce is the outer steps'
   bytes / steps.
 - Bad flags are one-line usage errors before any worker starts.
@@ -48,6 +49,12 @@ def test_resume_mid_period_is_exact(tmp_path: Path) -> None:
     assert a.keys() == b.keys() and any("/diloco/snapshot/" in k for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    # at another world size the per-rank state cannot be put back: every rank refuses (no silent divergence)
+    nproc2 = [*FLAGS, "--out", str(parts), "--steps", "12"]
+    nproc2[nproc2.index("--nproc") + 1] = "2"
+    result = run_train(nproc2)
+    assert result.returncode != 0
+    assert "resume a DiLoCo run with the layout and world size it was saved with" in result.stdout + result.stderr
     summary = json.loads((whole / "summary.json").read_text())
     assert summary["outer_sync"]["outer_steps"] == [3] and summary["outer_sync"]["every"] == 4
     # the outer steps' all-reduces only: 2 outer steps x one per trainable flat buffer, over 10 steps

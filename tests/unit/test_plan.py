@@ -300,7 +300,9 @@ def test_diloco_spreads_the_outer_all_reduce_over_h_steps() -> None:
     """outer 2, by hand (EXPECTED): the all-reduces send 18000 B across per step, at 1e7 B/s 1.8 ms (no latency).
     DiLoCo with H = 8 sends them once per 8 steps after the optimizer step: 2250 B and 0.225 ms per step on
     average, the inner collectives as before; the step that carries the outer step has all of it (half with 2
-    fragments); the snapshot and the momentum add 2 x the shard (4500 elements x 4 B x 2)."""
+    fragments); the snapshot, the momentum and one fragment's pseudo-gradients add 3 x the shard (4500 elements
+    x 4 B x 3; 2.5 x with 2 fragments). Under bf16 gradients the pseudo-gradients still travel in fp32 (the shard's
+    dtype) unless outer_comm_dtype says otherwise."""
     sync = by_outer(plan(UNITS, **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9))[2]
     d = by_outer(plan(UNITS, **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9, outer_every=8))[2]
     s2 = by_outer(plan(UNITS, **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9, outer_every=8,
@@ -312,7 +314,15 @@ def test_diloco_spreads_the_outer_all_reduce_over_h_steps() -> None:
     assert d.step_s == pytest.approx(inner_s + 18000 / 1e7 / 8)
     assert d.sync_step_s == pytest.approx(inner_s + 18000 / 1e7)
     assert s2.sync_step_s == pytest.approx(inner_s + 18000 / 1e7 / 2) and s2.step_s == pytest.approx(d.step_s)
-    assert d.memory["outer"] == 2 * 4500 * 4 and d.memory_bytes == sync.memory_bytes + 36000
+    assert d.memory["outer"] == 3 * 4500 * 4 and d.memory_bytes == sync.memory_bytes + 54000
+    assert s2.memory["outer"] == (2 * 4500 + 2250) * 4
+    bf16 = dict(param_dtype=torch.bfloat16, max_memory_per_rank=10**9)
+    assert by_outer(plan(UNITS, **LAYOUT, bandwidth=SLOW, outer_every=8, **bf16))[2].traffic[
+        "all_reduce"].across_bytes == pytest.approx(18000 / 8)  # fp32 deltas
+    assert by_outer(plan(UNITS, **LAYOUT, bandwidth=SLOW, **bf16))[2].traffic[
+        "all_reduce"].across_bytes == pytest.approx(9000)  # the synchronous all-reduce in bf16
+    with pytest.raises(ValueError, match="expert_policy='shard'"):
+        plan(UNITS, **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9, outer_every=8, expert_policy="shard")
     assert "outer" not in by_outer(plan(UNITS, **LAYOUT, bandwidth=SLOW, max_memory_per_rank=10**9,
                                         outer_every=8))[1].memory  # outer 1: no replicas, nothing to sync
     with pytest.raises(ValueError, match=r"outer_fragments\(3\) must be <= outer_every\(2\)"):
