@@ -246,7 +246,7 @@ class DiLoCo:
                 if not isinstance(saved, torch.Tensor) or saved.shape != t.shape:
                     got = None if saved is None else tuple(getattr(saved, "shape", ()))
                     raise ValueError(f"DiLoCo state: {key}/{i} has shape {got}, this layout's is {tuple(t.shape)}: "
-                                     f"resume a DiLoCo run with the layout it was saved with")
+                                     f"resume a DiLoCo run with the layout and world size it was saved with")
                 with torch.no_grad():
                     t.copy_(saved)
         self.inner_steps = int(state["inner_steps"])

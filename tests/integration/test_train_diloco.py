@@ -7,7 +7,7 @@
 - Resumed at another world size (W=2), the per-rank state does not fit: every rank refuses.
 - The inner steps send nothing across the replicas: the summary's per-step replicate all-reduce is the outer steps'
   bytes / steps.
-- Bad flags are one-line usage errors before any worker starts.
+- The flag refusals: tests/unit/test_outer_config.py (each is a usage error before launch, as every section's).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import TRAIN_TIMEOUT_S, run_train, usage_error_line
+from harness import TRAIN_TIMEOUT_S, run_train
 from shardfusion.checkpoint import read_all
 
 FLAGS = ["--preset", "tiny", "--experts", "0", "--batch-size", "4", "--seq-len", "64", "--data-bytes", "300000",
@@ -59,13 +59,3 @@ def test_resume_mid_period_is_exact(tmp_path: Path) -> None:
     assert summary["outer_sync"]["outer_steps"] == [3] and summary["outer_sync"]["every"] == 4
     # the outer steps' all-reduces only: 2 outer steps x one per trainable flat buffer, over 10 steps
     assert 0 < summary["comm"]["per_step"]["replicate_all_reduce"]["count"] < 1
-
-
-@pytest.mark.timeout(TRAIN_TIMEOUT_S)
-@pytest.mark.parametrize("extra, words", [  # the other refusals: tests/unit/test_outer_config.py
-    (["--fsdp-outer-degree", "1"], "--outer-sync diloco needs replicas: --fsdp-outer-degree 1"),
-    (["--outer-every", "0"], "--outer-every 0 must be >= 1"),
-])
-def test_usage_errors(tmp_path: Path, extra: list[str], words: str) -> None:
-    result = run_train([*FLAGS, "--out", str(tmp_path / "run"), *extra])
-    assert words in usage_error_line(result) and not (tmp_path / "run").exists()
