@@ -474,4 +474,5 @@ class ReplicaGroup:
         return digest.hexdigest()
 
     def shutdown(self) -> None:
+        """Stop this rank's torchft manager (its server and quorum thread) without waiting for them. Local."""
         self.manager.shutdown(wait=False)

@@ -68,6 +68,7 @@ class FTConfig:
 
 
 def enabled(config: FTConfig) -> bool:
+    """Whether this job is a fault-tolerant replica group (--ft-lighthouse given)."""
     return config.ft_lighthouse is not None
 
 

@@ -202,6 +202,7 @@ class FTRun:
                 "recoveries": record.recoveries, "waits": self.waits, "state_digests": digests}
 
     def shutdown(self) -> None:
+        """Stop the replica group's torchft manager (`ReplicaGroup.shutdown`), after the last step. Local."""
         self.group.shutdown()
 
 

@@ -43,6 +43,7 @@ class OuterConfig:
 
 
 def enabled(config: OuterConfig) -> bool:
+    """Whether the replicas synchronise by DiLoCo (--outer-sync diloco)."""
     return config.outer_sync == "diloco"
 
 
