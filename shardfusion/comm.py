@@ -40,6 +40,25 @@ _all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def is_fake(group: Optional[ProcessGroup] = None) -> bool:
+    """Whether ``group`` (default: the world) runs on torch's fake backend (``init_process_group("fake")``): a dry
+    run (``shardfusion.dry_run``) playing one rank of a larger world. Its collectives move no data and its tensors
+    are fake (shapes only), so agreement checks whose answer needs the other ranks' values are skipped: in a dry run
+    every rank is built by the same code from the same arguments."""
+    return dist.is_initialized() and dist.get_backend(group) == "fake"
+
+
+_emulated_backend = {"fake": "nccl"}
+"""The backend a dry run's fake groups stand for (``shardfusion.dry_run(backend=...)`` sets it): the collectives
+it records are those that backend would run (gloo issues its reduce-scatters as all-to-alls)."""
+
+
+def backend(group: Optional[ProcessGroup] = None) -> str:
+    """The backend of ``group``, or for a dry run's fake group the one it emulates (``"nccl"`` unless set)."""
+    name = str(dist.get_backend(group))
+    return _emulated_backend.get(name, name)
+
+
 @dataclass
 class CommRecord:
     """One issued collective (see [Note: communication accounting] in ``accounting.py``).
@@ -168,6 +187,11 @@ def group_label(group: ProcessGroup) -> str:
 def group_size(group: Optional[ProcessGroup]) -> int:
     """Size of ``group`` (1 for ``None``, meaning "no group": a local operation)."""
     return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Optional[ProcessGroup]) -> int:
+    """This rank's index in ``group`` (0 for ``None``, a group of one)."""
+    return 0 if group is None else dist.get_rank(group)
 
 
 def _check_category(category: Optional[str]) -> None:
@@ -357,7 +381,7 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Optional[Proc
     if group_size(group) == 1:
         shard.copy_(full)
         return None
-    gloo = dist.get_backend(group) == "gloo"
+    gloo = backend(group) == "gloo"
     size = group_size(group)
     # on gloo the record carries the all-to-all's split, so that its bytes across nodes are the exact ones
     record = _record("reduce_scatter", group, full, [full.numel() // size] * size if gloo else None,

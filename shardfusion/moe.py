@@ -168,7 +168,8 @@ class Router(nn.Linear):
             if self.bias is not None:
                 nn.init.zeros_(self.bias)
         if self.seed_box is not None and self.seed_box.value is None:
-            self.seed_box.value = int(torch.randint(0, 2**62, (1,), device="cpu"))
+            # a dry run's tensors are fake (no values to read), and its values do not matter
+            self.seed_box.value = 0 if comm.is_fake() else int(torch.randint(0, 2**62, (1,), device="cpu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, C) any float dtype -> fp32 logits (T, E)."""
@@ -194,21 +195,40 @@ def _dispatch(x_TC: torch.Tensor, idx_TK: torch.Tensor, num_experts: int, group:
     e_local = num_experts // ep
     idx_N = idx_TK.reshape(-1)
     order_N = torch.argsort(idx_N, stable=True)                       # (N,) assignments sorted by expert
-    counts_E = torch.bincount(idx_N, minlength=num_experts)           # (E,) int64
+    fake = comm.is_fake()  # a dry run: fake tensors have no values to count (shardfusion.dry_run)
+    counts_E = (idx_N.new_zeros(num_experts) if fake                  # (E,) int64
+                else torch.bincount(idx_N, minlength=num_experts))
     recv_counts = comm.all_to_all_counts(counts_E, group).view(ep, e_local)  # (ep, E_local): [source, local expert]
     plan = {
         "order": order_N,
         "token": order_N // idx_TK.shape[1],                          # (N,) token of each sorted assignment
         "counts": counts_E,
-        "send": counts_E.view(ep, e_local).sum(dim=1).tolist(),       # rows to each ep rank
-        "recv": recv_counts.sum(dim=1).tolist(),                      # rows from each ep rank
-        "expert_sizes": recv_counts.sum(dim=0).tolist(),              # rows for each local expert
     }
+    if fake:  # an even router instead of the counts
+        plan.update(_even_routing(idx_N.numel(), num_experts, ep, comm.group_rank(group)))
+    else:
+        plan.update(send=counts_E.view(ep, e_local).sum(dim=1).tolist(),  # rows to each ep rank
+                    recv=recv_counts.sum(dim=1).tolist(),                 # rows from each ep rank
+                    expert_sizes=recv_counts.sum(dim=0).tolist())         # rows for each local expert
     x_NC = x_TC.index_select(0, plan["token"])
     x_recv = comm.all_to_all_single(x_NC, plan["recv"], plan["send"], group)  # (N_recv, C)
+    if fake:  # the rows' order does not matter to shapes and bytes
+        plan["regroup"] = torch.arange(x_recv.shape[0], device=x_TC.device)
+        return x_recv, plan
     local_id = torch.arange(e_local, device=x_TC.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
     plan["regroup"] = torch.argsort(local_id, stable=True)             # (N_recv,) rows grouped by local expert
     return x_recv, plan
+
+
+def _even_routing(n: int, num_experts: int, ep: int, ep_rank: int) -> dict[str, list[int]]:
+    """The send / recv / expert_sizes of :func:`_dispatch` under a perfectly even router, as a dry run assumes
+    (``shardfusion.dry_run``): expert ``e`` gets ``n // E`` of this rank's ``n`` assignments, plus one for ``e <
+    n % E``, and every ep rank routes alike."""
+    per_expert = [n // num_experts + (e < n % num_experts) for e in range(num_experts)]
+    e_local = num_experts // ep
+    per_rank = [sum(per_expert[j * e_local:(j + 1) * e_local]) for j in range(ep)]
+    mine = per_expert[ep_rank * e_local:(ep_rank + 1) * e_local]
+    return {"send": per_rank, "recv": [per_rank[ep_rank]] * ep, "expert_sizes": [ep * c for c in mine]}
 
 
 def _run_experts(x_recv: torch.Tensor, plan: dict, experts: list[nn.Module]) -> torch.Tensor:

@@ -108,7 +108,7 @@ def check_initializable(model: nn.Module, init_fn: Optional[InitFn], group) -> N
             problems.append(f"{name or '<root>'!r} ({type(m).__name__}: {', '.join(what)})")
     counts = torch.tensor([count, -count], dtype=torch.int64, device=default_device())
     comm.all_reduce(counts, group, op=dist.ReduceOp.MAX)
-    if counts[0].item() != -counts[1].item():
+    if not comm.is_fake(group) and counts[0].item() != -counts[1].item():
         raise ValueError(f"ranks disagree on the model's meta-device tensors: between {-counts[1].item()} and "
                          f"{counts[0].item()} tensors are on meta (this rank: {count}); build the model the same way on "
                          "every rank (all on meta, or all with values), then load weights with "

@@ -1,0 +1,369 @@
+"""A dry run of one training step at cluster scale, in one process: memory and collectives of the ranks it plays.
+
+[Note: dry run]
+:func:`dry_run` plays one rank of a world of ``world_size`` ranks at a time. It joins torch's fake process group
+(``init_process_group("fake", rank=r, world_size=W)``: every collective returns at once and moves nothing), builds
+the :class:`~shardfusion.Topology` with every group a real run would make, builds the model on the meta device and
+shards it with :func:`~shardfusion.fully_shard` under ``FakeTensorMode`` (each tensor has a shape, a dtype and a
+device, and no storage), then runs the step the caller describes (``micro_batches`` forwards and backwards, the
+clipping, ``optimizer.step()``) through the library's own code: the same units, flat buffers, hooks, prefetches and
+collectives as on the cluster. While it runs:
+
+- :class:`~shardfusion.comm.CommCounter` records every collective (op, group, bytes; bytes across nodes with
+  ``ranks_per_node`` consecutive ranks per node, [Note: communication accounting]);
+- :class:`~shardfusion.live_memory.LiveMemory` adds up the live tensor bytes after every op, by part: parameters,
+  gradients, optimizer state, the units' full parameter and gradient buffers, and the rest (activations and
+  temporaries) ([Note: live tensor bytes]).
+
+The ranks it plays are one per *kind*: ranks whose figures can differ. These are the pipeline stages (each holds
+other layers); within a stage every rank holds the same number of elements (shards are equal, expert-parallel ranks
+hold ``E / ep`` experts each) and sends the same bytes (the accounting shares a ring's bytes equally over its
+ranks), so a stage's first rank stands for all of it.
+
+What a dry run cannot know, and assumes: an even MoE router (each expert gets ``1/E`` of the assignments:
+``moe._even_routing``; a real router's imbalance moves the all-to-all bytes and the expert activations), and no
+data-dependent control flow (agreement checks that read other ranks' values are skipped: ``comm.is_fake``). The
+step time is not simulated: it is the cost model's (:func:`shardfusion.plan`) on the bandwidths given.
+
+The fake process group and fake tensors are torch's (``torch.distributed`` fake backend,
+``torch._subclasses.FakeTensorMode``); using them to size a job before booking it is the idea of torchtitan's and
+FSDP2's memory estimators. The figures, the kinds and the report are ours.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from shardfusion import accounting, comm
+from shardfusion.live_memory import PARTS, LiveMemory, model_storages
+from shardfusion.probe import Bandwidth
+from shardfusion.topology import Degrees
+
+__all__ = ["DEFAULT_BANDWIDTH", "DryRun", "RankFigures", "dry_run", "kinds_of", "measure_step"]
+
+DEFAULT_BANDWIDTH = Bandwidth(within=150e9, across=25e9, latency_within=5e-6, latency_across=15e-6)
+"""Links assumed when none are given: 150 GB/s per rank inside a node (NVLink class), 25 GB/s per rank across nodes
+(one 200 Gbit/s NIC per GPU), 5 and 15 us per ring step. Measure yours with :func:`shardfusion.measure_bandwidth`."""
+
+Build = Callable[["object"], nn.Module]
+Step = Callable[[nn.Module, "object"], torch.Tensor]
+
+
+@dataclass
+class RankFigures:
+    """What one played rank holds and sends in one optimizer step. Bytes everywhere.
+
+    Attributes:
+        rank: the global rank played; ``coordinates``: its index on every mesh axis (``pp``, ``ep``, ...).
+        kind: how the report names it (e.g. ``"pp stage 1"``, ``"all ranks"``).
+        memory: after the step, before ``zero_grad``: ``params`` (this rank's shards), ``grads`` (sharded
+            gradients), ``optimizer`` (state), and the step's peaks: ``full_params`` / ``full_grads`` (largest total
+            of gathered parameter / full gradient buffers alive at once), ``activations`` (live bytes at the end of
+            the last forward minus those before it: what backward keeps), ``other_peak`` (largest live bytes outside
+            the parameters, gradients, optimizer state and full buffers: activations and temporaries), ``peak`` (the
+            largest live total), ``largest_full_unit`` (the largest unit's gathered parameters).
+        collectives: one row per (op, group label, group size): ``count``, ``bytes`` (logical), ``wire_bytes`` (sent
+            by this rank), ``within_bytes`` / ``across_bytes`` (of the wire bytes, to the same node / other nodes).
+        categories: :meth:`CommCounter.summary` (per accounting category).
+        seconds: time of the dry run of this rank: ``topology``, ``wrap``, ``step``.
+    """
+
+    rank: int
+    coordinates: dict
+    kind: str
+    memory: dict
+    collectives: list
+    categories: dict
+    seconds: dict
+
+    @property
+    def wire_bytes(self) -> float:
+        return sum(c["wire_bytes"] for c in self.collectives)
+
+    @property
+    def across_bytes(self) -> float:
+        return sum(c["across_bytes"] for c in self.collectives)
+
+
+@dataclass
+class DryRun:
+    """The result of :func:`dry_run`.
+
+    Attributes:
+        world_size, ranks_per_node: the cluster played.
+        layout: ``Topology.describe()`` of the layout.
+        ranks: one :class:`RankFigures` per kind of rank played.
+        plan: the cost model's :class:`~shardfusion.plan.Candidate` for this layout's outer degree (``step_s``: the
+            predicted communication time of a step), or ``None`` when the model could not be planned (``plan_error``).
+        bandwidth: the links the prediction used.
+        seconds: wall time of the whole dry run; ``max_rss_bytes``: this process's peak resident memory.
+    """
+
+    world_size: int
+    ranks_per_node: int
+    layout: str
+    ranks: list
+    plan: object
+    bandwidth: Bandwidth
+    seconds: float
+    max_rss_bytes: int
+    plan_error: str = ""
+    notes: list = field(default_factory=list)
+
+    def table(self) -> str:
+        """The report as text: per kind of rank, memory by part, collectives with bytes within and across nodes,
+        then the predicted step time."""
+        nodes = self.world_size // self.ranks_per_node
+        out = [f"dry run: world {self.world_size} = {nodes} nodes x {self.ranks_per_node} ranks; {self.layout}"]
+        for r in self.ranks:
+            m = r.memory
+            out.append(f"rank {r.rank} ({r.kind}; " + ", ".join(f"{k} {v}" for k, v in r.coordinates.items()
+                                                                 if k != "world_size") + ")")
+            out.append("  memory: " + ", ".join(f"{k} {_size(m[k])}" for k in
+                                                ("params", "grads", "optimizer", "full_params", "full_grads",
+                                                 "activations", "other_peak", "peak")))
+            persistent = m["params"] + m["grads"] + m["optimizer"]
+            out.append(f"  persistent (params + grads + optimizer) {_size(persistent)}; largest unit gathered "
+                       f"{_size(m['largest_full_unit'])}")
+            out.append(f"  {'collective':<15} {'group':<34} {'size':>6} {'count':>6} {'MB':>11} {'within MB':>11} "
+                       f"{'across MB':>11}")
+            for c in r.collectives:
+                out.append(f"  {c['op']:<15} {c['label'][:34]:<34} {c['group_size']:>6} {c['count']:>6} "
+                           f"{c['bytes'] / 1e6:>11.3f} {c['within_bytes'] / 1e6:>11.3f} "
+                           f"{c['across_bytes'] / 1e6:>11.3f}")
+            out.append(f"  per step: {r.wire_bytes / 1e6:.3f} MB sent, {r.across_bytes / 1e6:.3f} MB across nodes")
+        if self.plan is not None:
+            p = self.plan
+            out.append(f"cost model ({self.bandwidth.describe()}): outer {p.outer} inner {p.inner}: within "
+                       f"{p.within_bytes / 1e6:.3f} MB ({p.within_s * 1e3:.3f} ms), across {p.across_bytes / 1e6:.3f} "
+                       f"MB ({p.across_s * 1e3:.3f} ms); predicted step {p.step_s * 1e3:.3f} ms of communication "
+                       f"(serial {p.serial_s * 1e3:.3f} ms; compute not modelled)")
+        elif self.plan_error:
+            out.append(f"cost model: not run ({self.plan_error})")
+        out += [f"note: {n}" for n in self.notes]
+        out.append(f"dry run itself: {self.seconds:.1f} s, peak RSS {_size(self.max_rss_bytes)}")
+        return "\n".join(out)
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _check(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def kinds_of(degrees: Degrees) -> list[tuple[int, str]]:
+    """``(rank, kind)`` of the ranks a dry run plays: the first rank of each pipeline stage."""
+    if degrees.pp == 1:
+        return [(0, "all ranks")]
+    firsts: dict[int, int] = {}
+    for r in range(degrees.world_size):
+        firsts.setdefault(degrees.coordinates(r)["pp"], r)
+    return [(r, f"pp stage {s}") for s, r in sorted(firsts.items())]
+
+
+def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, topology: Optional[dict] = None,
+            fully_shard: Optional[dict] = None, optimizer: Callable = None, micro_batches: int = 1,
+            max_norm: Optional[float] = 1.0, ranks: Optional[Sequence[int]] = None, backend: str = "nccl",
+            bandwidth: Optional[Bandwidth] = None, plan_model: bool = True) -> DryRun:
+    """Play one optimizer step of a ``world_size``-rank job in this process and report, for each kind of rank, its
+    memory and its collectives (see [Note: dry run]).
+
+    Args:
+        build: ``build(topo) -> model``, called under ``torch.device("meta")`` (parameters are materialized as fake
+            tensors by the wrap; a model that reads ``topo``, e.g. an MoE layer's ``ep_group``, gets the played
+            rank's groups). Called once more, for the cost model, when ``plan_model``.
+        step: ``step(model, topo) -> loss`` for one micro-batch: make the inputs (``torch.randint``/``torch.randn``
+            make fake tensors here) and run the forward; the dry run calls ``loss.backward()``.
+        world_size: ranks of the job played (>= 1); ``ranks_per_node``: consecutive ranks per node (divides it).
+        topology: keyword arguments of :class:`~shardfusion.Topology` (``dp``, ``pp``, ``sharding``, ``ep``,
+            ``fsdp_outer_degree``, ...).
+        fully_shard: keyword arguments of :func:`~shardfusion.fully_shard` (``units``, ``mp_policy``,
+            ``reshard_policy``, ``prefetch``, ...; not ``device``).
+        optimizer: ``optimizer(params) -> torch.optim.Optimizer`` (default: AdamW, lr 1e-3, its default
+            implementation).
+        micro_batches: forwards and backwards per optimizer step (>= 1); ``max_norm``: clip with
+            :func:`~shardfusion.clip_grad_norm_` (None: no clipping).
+        ranks: the global ranks to play (default: one per kind, :func:`kinds_of`).
+        backend: ``"nccl"`` (default) or ``"gloo"``: whose collectives to record (gloo's reduce-scatter is an
+            all-to-all with a full-size receive buffer).
+        bandwidth: links for the predicted step time (default :data:`DEFAULT_BANDWIDTH`).
+        plan_model: run the cost model (:func:`shardfusion.plan`) on a second meta copy of the model.
+
+    Returns:
+        :class:`DryRun`.
+
+    Raises:
+        ValueError: a process group is already initialized in this process (a dry run needs its own, fake one); a
+            bad ``world_size``, ``ranks_per_node``, ``micro_batches``, ``backend`` or rank; the layout's degree
+            errors (:class:`~shardfusion.topology.Degrees`).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import shardfusion as sf
+
+    _check("world_size", world_size)
+    _check("ranks_per_node", ranks_per_node)
+    _check("micro_batches", micro_batches)
+    if world_size % ranks_per_node:
+        raise ValueError(f"ranks_per_node({ranks_per_node}) must divide world_size({world_size})")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    if dist.is_initialized():
+        raise ValueError("dry_run needs a process without a process group: it joins a fake one of world_size ranks "
+                         "(run it before, or instead of, torch.distributed.init_process_group)")
+    topo_kwargs = dict(topology or {})
+    fs_kwargs = dict(fully_shard or {})
+    if "device" in fs_kwargs:
+        raise ValueError("fully_shard: a dry run picks the device itself (fake tensors); drop 'device'")
+    degrees = Degrees(world_size=world_size, **{k: v for k, v in topo_kwargs.items() if k != "timeout"})
+    played = kinds_of(degrees)
+    if ranks is not None:
+        for r in ranks:
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size:
+                raise ValueError(f"ranks: {r!r} is not a rank of world_size({world_size})")
+        kind = dict(played)
+        played = [(r, kind.get(r, "chosen rank")) for r in ranks]
+    optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
+    bandwidth = bandwidth or DEFAULT_BANDWIDTH
+    t0 = time.perf_counter()
+    figures, layout = [], ""
+    saved_backend = comm._emulated_backend["fake"]
+    comm._emulated_backend["fake"] = backend
+    try:
+        for rank, kind in played:
+            fig, layout = _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_kwargs,
+                                optimizer, micro_batches, max_norm, FakeTensorMode, sf)
+            figures.append(fig)
+    finally:
+        comm._emulated_backend["fake"] = saved_backend
+    candidate, plan_error = None, ""
+    if plan_model:
+        candidate, plan_error = _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batches,
+                                         backend, bandwidth, sf)
+    notes = []
+    if topo_kwargs.get("ep", 1) > 1:
+        notes.append("MoE all-to-alls and expert activations assume an even router (1/E of the assignments each)")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    return DryRun(world_size, ranks_per_node, layout, figures, candidate, bandwidth, time.perf_counter() - t0, rss,
+                  plan_error, notes)
+
+
+def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_kwargs, optimizer, micro_batches,
+          max_norm, fake_mode_cls, sf) -> tuple[RankFigures, str]:
+    """One rank: fake group, topology, then :func:`measure_step` on fake tensors."""
+    t = time.perf_counter()
+    dist.init_process_group("fake", rank=rank, world_size=world_size)
+    try:
+        topo = sf.Topology(**topo_kwargs)
+        topology_s = time.perf_counter() - t
+        with fake_mode_cls(allow_non_fake_inputs=True):
+            fig = measure_step(build, step, topo, ranks_per_node=ranks_per_node, fully_shard=fs_kwargs,
+                               optimizer=optimizer, micro_batches=micro_batches, max_norm=max_norm, kind=kind)
+        fig.seconds["topology"] = topology_s
+        return fig, topo.describe()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_shard: Optional[dict] = None,
+                 optimizer: Optional[Callable] = None, micro_batches: int = 1, max_norm: Optional[float] = 1.0,
+                 kind: str = "this rank", device: str = "cpu") -> RankFigures:
+    """Build, shard and step a model on the process group that ``topo`` was made on, under
+    :class:`~shardfusion.live_memory.LiveMemory` and a :class:`~shardfusion.comm.CommCounter`, and return this rank's
+    figures. :func:`dry_run` calls it on fake tensors and a fake group; on a real group (every rank calls it, as any
+    step) it measures the same figures, which is how a dry run is validated (``benchmarks/dry_run_check.py``).
+    Arguments as in :func:`dry_run`; ``device``: where the wrap materializes the model.
+    """
+    import shardfusion as sf
+
+    optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
+    seconds: dict[str, float] = {}
+    coords = {a: getattr(topo, f"{a}_rank") for a in ("dp", "pp", "sep", "cp", "mp", "ep", "outer", "inner")}
+    model = opt = None
+    tracker = LiveMemory(lambda: model_storages(model, opt) if model is not None else {})
+    with tracker:
+        t = time.perf_counter()
+        with torch.device("meta"):
+            module = build(topo)
+        model = sf.fully_shard(module, topo, device=device, **(fully_shard or {}))
+        opt = optimizer(model.parameters())
+        seconds["wrap"] = time.perf_counter() - t
+        t = time.perf_counter()
+        largest_unit = max((sum(g.full.numel() * g.full.element_size() for g in u.groups if g.full is not g.shard)
+                            for u in sf.get_units(model)), default=0)
+        tracker.reset_peak()
+        activations = 0
+        with comm.CommCounter(ranks_per_node) as counter:
+            for i in range(micro_batches):
+                if micro_batches > 1:
+                    sf.set_requires_gradient_sync(model, i == micro_batches - 1)
+                before = tracker.sample().total
+                loss = step(model, topo)
+                activations = max(activations, tracker.sample().total - before)
+                loss.backward()
+            if max_norm is not None:
+                sf.clip_grad_norm_(model, max_norm)
+            opt.step()
+            after = tracker.sample()
+            opt.zero_grad(set_to_none=True)
+        seconds["step"] = time.perf_counter() - t
+    memory = {p: after.parts[p] for p in ("params", "grads", "optimizer")}
+    memory.update(full_params=tracker.part_peaks["full_params"], full_grads=tracker.part_peaks["full_grads"],
+                  activations=activations, other_peak=tracker.part_peaks["other"], peak=tracker.peak.total,
+                  largest_full_unit=largest_unit)
+    return RankFigures(topo.rank, coords, kind, memory, _collectives(counter, ranks_per_node),
+                       counter.summary(ranks_per_node), seconds)
+
+
+def _collectives(counter, ranks_per_node: int) -> list[dict]:
+    """The counter's records added up per (op, group label, group size)."""
+    rows: dict[tuple, dict] = {}
+    for r in counter.records:
+        key = (r.op, r.label, len(r.group_ranks))
+        row = rows.setdefault(key, {"op": r.op, "label": r.label, "group_size": len(r.group_ranks), "count": 0,
+                                    "bytes": 0, "wire_bytes": 0.0, "within_bytes": 0.0, "across_bytes": 0.0})
+        across = accounting.cross_node_bytes(r, ranks_per_node)
+        row["count"] += 1
+        row["bytes"] += r.nbytes
+        row["wire_bytes"] += r.wire_bytes
+        row["across_bytes"] += across
+        row["within_bytes"] += r.wire_bytes - across
+    return sorted(rows.values(), key=lambda c: -c["wire_bytes"])
+
+
+def _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batches, backend, bandwidth, sf):
+    """The cost model's candidate for this layout's outer degree, on a fresh meta model (None and why on failure)."""
+    mp = fs_kwargs.get("mp_policy")
+    kwargs = {k: fs_kwargs[k] for k in ("units", "comm_unit_size", "reshard_policy", "prefetch", "expert_policy",
+                                        "whole_params") if k in fs_kwargs}
+    if degrees.pp > 1 or degrees.mp > 1:
+        return None, "the cost model covers pp 1 and mp 1 only"
+    dist.init_process_group("fake", rank=0, world_size=world_size)
+    try:
+        topo = sf.Topology(dp=degrees.dp, sharding=degrees.sharding, sep=degrees.sep, cp=degrees.cp, ep=degrees.ep,
+                           fsdp_outer_degree=degrees.fsdp_outer_degree)
+        with torch.device("meta"):
+            model = build(topo)
+        p = sf.plan(model, world_size=world_size, local_world_size=ranks_per_node, bandwidth=bandwidth,
+                    max_memory_per_rank=2**62, micro_batches=micro_batches, dp=degrees.dp, ep=degrees.ep,
+                    param_dtype=getattr(mp, "param_dtype", None), grad_comm_dtype=getattr(mp, "grad_comm_dtype", None),
+                    backend=backend, outer_degrees=[degrees.fsdp_outer_degree], **kwargs)
+        return p.chosen, ""
+    except (ValueError, TypeError) as e:
+        return None, str(e)
+    finally:
+        dist.destroy_process_group()

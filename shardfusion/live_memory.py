@@ -1,0 +1,137 @@
+"""Live tensor bytes of one process, op by op: what a dry run reports as memory, and what its validation measures.
+
+[Note: live tensor bytes]
+:class:`LiveMemory` is a ``TorchDispatchMode`` that registers the storage of every tensor an op returns (weakly:
+a storage is counted while any tensor or view keeps it alive) and, after every op, adds up the bytes of the live
+storages (``untyped_storage().nbytes()``, so a flat buffer's full storage freed by ``resize_(0)`` counts 0 until it
+is gathered again). It works the same on real tensors (the measured run) and on fake tensors under
+``FakeTensorMode`` (the dry run, ``shardfusion.dry_run``), which is why a dry run can be checked against a real run
+figure by figure. It sees what is dispatched on its own thread: tensors made by other threads, and the caching
+allocator's slack (fragmentation, a CUDA allocator's rounding to 512 bytes), are not counted.
+
+Each sample also splits the live bytes into parts (``parts``): the storages of the parameters, of their gradients,
+of the optimizer state, of the units' gathered (full) parameter buffers and of their full gradient buffers; what is
+left is activations and temporaries. The idea is that of torch's ``torch.distributed._tools.mem_tracker`` (live
+storages under a dispatch mode); the code and the parts are ours.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["LiveMemory", "MemorySample", "model_storages"]
+
+PARTS = ("params", "grads", "optimizer", "full_params", "full_grads", "other")
+"""The parts of a sample, in report order (bytes each); ``other`` is activations and temporaries."""
+
+
+@dataclass
+class MemorySample:
+    """Live bytes at one moment, by part (``PARTS``) and in total."""
+
+    total: int = 0
+    parts: dict = field(default_factory=lambda: {p: 0 for p in PARTS})
+
+
+def _storages(tensors: Iterable) -> dict[int, torch.UntypedStorage]:
+    out = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            st = t.untyped_storage()
+            out[st._cdata] = st
+    return out
+
+
+def model_storages(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, dict]:
+    """``{part: {storage id: storage}}`` for the parts ``params``, ``grads``, ``optimizer``, ``full_params`` and
+    ``full_grads`` of a model (sharded by ``fully_shard`` or not) and its optimizer, as they are now."""
+    params = list(model.parameters())
+    parts = {"params": _storages(params), "grads": _storages(p.grad for p in params)}
+    state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()]
+    parts["optimizer"] = _storages(state)
+    full, grad_full = [], []
+    from shardfusion._runtime.state import flat_buffers, is_sharded
+
+    if is_sharded(model):
+        for fb in flat_buffers(model):
+            if fb.full is not fb.shard:
+                full.append(fb.full)
+            grad_full.append(fb.grad_full)
+    parts["full_params"] = _storages(full)
+    parts["full_grads"] = _storages(grad_full)
+    return parts
+
+
+class LiveMemory(TorchDispatchMode):
+    """Track the live tensor bytes of this thread op by op (see [Note: live tensor bytes]).
+
+    Use as a context manager around the code to measure (inside ``FakeTensorMode`` for fake tensors). ``watch``
+    (called at every sample) returns the current ``model_storages`` parts; without it every byte is ``other``.
+
+    Attributes:
+        current: the last :class:`MemorySample`.
+        peak: the sample with the largest total since the last :meth:`reset_peak`.
+        part_peaks: per part, the largest value it reached (not necessarily at the same moment).
+    """
+
+    def __init__(self, watch: Optional[Callable[[], dict[str, dict]]] = None) -> None:
+        super().__init__()
+        self._live: dict[int, weakref.ref] = {}
+        self._watch = watch
+        self.current = MemorySample()
+        self.peak = MemorySample()
+        self.part_peaks = {p: 0 for p in PARTS}
+
+    def add(self, tensors: Iterable) -> None:
+        """Register tensors made before the mode was entered (e.g. a model built eagerly)."""
+        for key, st in _storages(tensors).items():
+            self._register(key, st)
+
+    def _register(self, key: int, st: torch.UntypedStorage) -> None:
+        if key not in self._live:
+            self._live[key] = weakref.ref(st, lambda _r, k=key: self._live.pop(k, None))
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the current sample."""
+        self.sample()
+        self.peak = self.current
+        self.part_peaks = dict(self.current.parts)
+
+    def sample(self) -> MemorySample:
+        """Add up the live storages now; update ``current``, ``peak`` and ``part_peaks``."""
+        live = {}
+        for key, ref in list(self._live.items()):
+            st = ref()
+            if st is not None:
+                live[key] = st.nbytes()
+        parts = {p: 0 for p in PARTS}
+        if self._watch is not None:
+            seen: set[int] = set()
+            for part, storages in self._watch().items():
+                for key, st in storages.items():
+                    if key not in seen:
+                        seen.add(key)
+                        self._register(key, st)
+                        parts[part] += live.setdefault(key, st.nbytes())
+        total = sum(live.values())
+        parts["other"] = total - sum(parts.values())
+        self.current = MemorySample(total, parts)
+        if total > self.peak.total:
+            self.peak = self.current
+        for p, v in parts.items():
+            self.part_peaks[p] = max(self.part_peaks[p], v)
+        return self.current
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for key, st in _storages(tree_leaves(out)).items():
+            self._register(key, st)
+        self.sample()
+        return out
