@@ -141,6 +141,14 @@ def describe_op(func, args, kwargs) -> Optional[Collective]:
     return Collective(kind, ranks, numel, elem_size)
 
 
+def _dispatching_subclass(t: type) -> bool:
+    """Whether ``t`` is a tensor subclass with its own ``__torch_dispatch__`` (DTensor), to be desugared first; a
+    plain ``nn.Parameter`` (whose dispatch is the disabled default) is not: DeepSpeed's ZeRO-3 reads ``param.data``
+    of its parameters inside the step, which must run under the recorder as it is."""
+    return (t is not torch.Tensor and issubclass(t, torch.Tensor)
+            and getattr(t, "__torch_dispatch__", None) is not torch._C._disabled_torch_dispatch_impl)
+
+
 class CollectiveRecorder(TorchDispatchMode):
     """Record every collective issued while active; optionally call ``on_op()`` after every op (memory sampling)."""
 
@@ -151,7 +159,7 @@ class CollectiveRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(t is not torch.Tensor and issubclass(t, torch.Tensor) for t in types):
+        if any(_dispatching_subclass(t) for t in types):
             return NotImplemented  # let DTensor desugar into plain ops (and collectives) first
         c = describe_op(func, args, kwargs)
         if c is not None:
