@@ -293,14 +293,14 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     seconds: dict[str, float] = {}
     coords = {a: getattr(topo, f"{a}_rank") for a in ("dp", "pp", "sep", "cp", "mp", "ep", "outer", "inner")}
-    model = opt = None
-    tracker = LiveMemory(lambda: model_storages(model, opt) if model is not None else {})
+    tracker = LiveMemory()
     with tracker:
         t = time.perf_counter()
         with torch.device("meta"):
             module = build(topo)
         model = sf.fully_shard(module, topo, device=device, **(fully_shard or {}))
         opt = optimizer(model.parameters())
+        tracker.watch = model_storages(model, opt)
         seconds["wrap"] = time.perf_counter() - t
         t = time.perf_counter()
         largest_unit = max((sum(g.full.numel() * g.full.element_size() for g in u.groups if g.full is not g.shard)

@@ -49,23 +49,24 @@ def _storages(tensors: Iterable) -> dict[int, torch.UntypedStorage]:
     return out
 
 
-def model_storages(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, dict]:
-    """``{part: {storage id: storage}}`` for the parts ``params``, ``grads``, ``optimizer``, ``full_params`` and
-    ``full_grads`` of a model (sharded by ``fully_shard`` or not) and its optimizer, as they are now."""
-    params = list(model.parameters())
-    parts = {"params": _storages(params), "grads": _storages(p.grad for p in params)}
-    state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()]
-    parts["optimizer"] = _storages(state)
-    full, grad_full = [], []
+def model_storages(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None
+                   ) -> Callable[[], dict[str, dict]]:
+    """A function that returns ``{part: {storage id: storage}}`` for the parts ``params``, ``grads``, ``optimizer``,
+    ``full_params`` and ``full_grads`` of a model (sharded by ``fully_shard`` or not) and its optimizer, as they are
+    when it is called (the parameters and flat buffers are listed once, here; their gradients and the optimizer
+    state are read at each call)."""
     from shardfusion._runtime.state import flat_buffers, is_sharded
 
-    if is_sharded(model):
-        for fb in flat_buffers(model):
-            if fb.full is not fb.shard:
-                full.append(fb.full)
-            grad_full.append(fb.grad_full)
-    parts["full_params"] = _storages(full)
-    parts["full_grads"] = _storages(grad_full)
+    params = list(model.parameters())
+    buffers = list(flat_buffers(model)) if is_sharded(model) else []
+
+    def parts() -> dict[str, dict]:
+        state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()]
+        return {"params": _storages(params), "grads": _storages(p.grad for p in params),
+                "optimizer": _storages(state),
+                "full_params": _storages(fb.full for fb in buffers if fb.full is not fb.shard),
+                "full_grads": _storages(fb.grad_full for fb in buffers)}
+
     return parts
 
 
@@ -73,7 +74,8 @@ class LiveMemory(TorchDispatchMode):
     """Track the live tensor bytes of this thread op by op (see [Note: live tensor bytes]).
 
     Use as a context manager around the code to measure (inside ``FakeTensorMode`` for fake tensors). ``watch``
-    (called at every sample) returns the current ``model_storages`` parts; without it every byte is ``other``.
+    (called at every sample) returns the current parts (:func:`model_storages`); without it every byte is
+    ``other``.
 
     Attributes:
         current: the last :class:`MemorySample`.
@@ -82,9 +84,10 @@ class LiveMemory(TorchDispatchMode):
     """
 
     def __init__(self, watch: Optional[Callable[[], dict[str, dict]]] = None) -> None:
+        """``watch``: e.g. ``model_storages(model, optimizer)``; settable later as the attribute ``watch``."""
         super().__init__()
         self._live: dict[int, weakref.ref] = {}
-        self._watch = watch
+        self.watch = watch
         self.current = MemorySample()
         self.peak = MemorySample()
         self.part_peaks = {p: 0 for p in PARTS}
@@ -112,9 +115,9 @@ class LiveMemory(TorchDispatchMode):
             if st is not None:
                 live[key] = st.nbytes()
         parts = {p: 0 for p in PARTS}
-        if self._watch is not None:
+        if self.watch is not None:
             seen: set[int] = set()
-            for part, storages in self._watch().items():
+            for part, storages in self.watch().items():
                 for key, st in storages.items():
                     if key not in seen:
                         seen.add(key)

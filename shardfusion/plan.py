@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
@@ -314,10 +315,13 @@ class _Group:
         self.size = len(groups[0])
         ranks = sum(len(g) for g in groups)
         self.ring_across = sum(accounting.ring_crossings(tuple(g), local_world_size) for g in groups) / ranks
-        node = lambda r: r // local_world_size  # noqa: E731
-        off = sum(sum(node(p) != node(r) for p in g) for g in groups for r in g)
+        off = 0  # (rank, peer) pairs of a group on different nodes: G^2 - sum over nodes of (its ranks)^2
+        self.spans = False
+        for g in groups:
+            per_node = Counter(r // local_world_size for r in g)
+            off += len(g) ** 2 - sum(c * c for c in per_node.values())
+            self.spans = self.spans or len(per_node) > 1
         self.a2a_across = off / (ranks * (self.size - 1)) if self.size > 1 else 0.0
-        self.spans = any(len({node(r) for r in g}) > 1 for g in groups)
 
 
 def _round_up(n: int, multiple: int) -> int:
