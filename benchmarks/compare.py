@@ -55,12 +55,14 @@ REGIMES = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from benchmarks.variants import VARIANTS
+    from benchmarks.variants import ALL_VARIANTS, VARIANTS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--regimes", default="comm,compute", help=f"comma-separated, from {sorted(REGIMES)}")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from " + ",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma-separated, from " + ",".join(ALL_VARIANTS) + " (the DeepSpeed ones need the bench "
+                        "extra: pip install -e '.[bench]')")
     p.add_argument("--repeats", type=int, default=3, help="rounds over all variants")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant per repeat")
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant per repeat")
@@ -88,8 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if name not in REGIMES:
             p.error(f"--regimes: unknown regime {name!r}; pick from {sorted(REGIMES)}")
     for name in args.variants.split(","):
-        if name not in VARIANTS:
-            p.error(f"--variants: unknown variant {name!r}; pick from {VARIANTS}")
+        if name not in ALL_VARIANTS:
+            p.error(f"--variants: unknown variant {name!r}; pick from {ALL_VARIANTS}")
     if args.repeats < 1 or args.steps < 1 or args.warmup < 0 or args.prefetch < 0:
         p.error("--repeats and --steps must be >= 1, --warmup and --prefetch >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -220,7 +222,8 @@ def _run_regime(name: str, regime: Regime, variants: list[str], opts: dict, ctx)
     for v in variants:
         if res[v]["losses"]:
             res[v]["loss_first_last"] = [res[v]["losses"][0][0], res[v]["losses"][0][-1]]
-    return {"shape": asdict(regime), "unit_numel": {"root": root, "blocks": blocks}, "variants": res}
+    tied = config.vocab_size * config.d_model if config.tie_embeddings else 0  # used by wte and lm_head
+    return {"shape": asdict(regime), "unit_numel": {"root": root, "blocks": blocks, "tied": tied}, "variants": res}
 
 
 def _profile(b, batches, device: torch.device, stem: str, out_dir: Path) -> dict:

@@ -13,8 +13,21 @@ gathered parameters / of the reduced gradients:
 * reduce-scatter (inner): each unit once, (I-1)/I * P_u * b_g: n_blocks + 1 collectives;
 * all-reduce (outer): each unit's gradient shard once, 2(O-1)/O * P_u/I * b_g: n_blocks + 1 collectives;
 * DDP: the full gradient all-reduced over the world, 2(W-1)/W * P * b_g (in as many collectives as it has buckets).
+DeepSpeed ZeRO-3 (optional variants; see `deepspeed_theory`) gathers module by module, so its counts are not
+predicted, only its bytes; T is the tied embedding's elements (the GPT's one parameter used by two modules, the
+embedding and the lm head, hence gathered for each use):
+* `deepspeed` (partitioned over W): all-gather (world) 2(W-1)/W * (P + T) * b_p under after_forward (every module's
+  parameters gathered for its forward and again for its backward), (W-1)/W * P * b_p under after_backward;
+  reduce-scatter (world) (W-1)/W * P * b_g;
+* `ds-hpz` (hpZ, secondary partition over the inner group): the first forward use of each parameter gathered over
+  the world, (W-1)/W * P * b_p; every later use (the tied head's forward, all of backward) from the secondary
+  partition over the inner group, (I-1)/I * (P + 2T) * b_p; reduce-scatter (world) as `deepspeed`;
+* `ds-mics` (MiCS, partitioned over the inner group, replicated over the outer): all-gather (inner)
+  2(I-1)/I * (P + T) * b_p, reduce-scatter (inner) (I-1)/I * P * b_g, all-reduce (outer) of the gradient partition
+  at every step 2(O-1)/O * P/I * b_g: HSDP's volumes, the tied weight's extra gathers aside.
 Collectives of fewer than SMALL_NUMEL elements (gradient-norm scalars) are counted apart and left out of the ratios.
-Persistent memory per rank: (4 parameter + 4 gradient + 8 AdamW) bytes * P / I for the sharded variants (* P for DDP).
+Persistent memory per rank: (4 parameter + 4 gradient + 8 AdamW) bytes * P / I for the sharded variants (* P for DDP,
+* P / W for `deepspeed` and `ds-hpz`).
 Transient full buffers of a sharded variant: the root's plus (1 + prefetch depth) blocks' at a time (with blocks
 resharded after backward instead, all blocks' parameters may be gathered at once: the bound is the whole model; the
 gradient bound stays (1 + depth) blocks).
@@ -49,12 +62,60 @@ PERSISTENT_TARGET = 1.05
 _CATEGORIES = (("all_gather", "inner"), ("reduce_scatter", "inner"), ("all_reduce", "outer"), ("all_reduce", "world"))
 
 
+DEEPSPEED_VARIANTS = ("deepspeed", "ds-mics", "ds-hpz")
+
+
+def deepspeed_theory(variant: str, P: int, T: int, inner: int, outer: int, b_p: int, b_g: int,
+                     after_forward: bool = True) -> dict:
+    """Per-rank ring bytes per step of DeepSpeed ZeRO-3 variant ``variant`` (see the module doc), as
+    {"op/group": {"count": None, "wire_bytes"}}: ``P`` parameter elements (a tied weight once), ``T`` the tied
+    weight's elements (0 if none), ``inner`` x ``outer`` ranks, ``b_p`` / ``b_g`` bytes per gathered parameter /
+    reduced gradient element; ``after_forward``: parameters released after each module's forward (else kept
+    gathered until backward: every parameter gathered once)."""
+    W = inner * outer
+
+    def ring(g: int) -> float:
+        return (g - 1) / g
+
+    out: dict = {}
+    if variant == "ds-mics":
+        gathered = 2 * (P + T) if after_forward else P
+        if inner > 1:
+            out["all_gather/inner"] = {"count": None, "wire_bytes": ring(inner) * gathered * b_p}
+            out["reduce_scatter/inner"] = {"count": None, "wire_bytes": ring(inner) * P * b_g}
+        if outer > 1:
+            out["all_reduce/outer"] = {"count": None, "wire_bytes": 2 * ring(outer) * P / inner * b_g}
+        return out
+    if W > 1:
+        out["reduce_scatter/world"] = {"count": None, "wire_bytes": ring(W) * P * b_g}
+        if variant == "ds-hpz" and after_forward and inner > 1:
+            out["all_gather/world"] = {"count": None, "wire_bytes": ring(W) * P * b_p}
+            out["all_gather/inner"] = {"count": None, "wire_bytes": ring(inner) * (P + 2 * T) * b_p}
+        else:
+            out["all_gather/world"] = {"count": None,
+                                       "wire_bytes": ring(W) * (2 * (P + T) if after_forward else P) * b_p}
+    return out
+
+
+def persistent_shards(variant: str, inner: int, outer: int) -> int:
+    """Over how many ranks a variant partitions parameters, gradients and optimizer state: 1 for DDP, W for flat
+    ZeRO-3 (``deepspeed``, ``ds-hpz``: its secondary copy is freed at every optimizer step), I otherwise."""
+    if variant == "ddp":
+        return 1
+    if variant in ("deepspeed", "ds-hpz"):
+        return inner * outer
+    return inner
+
+
 def theory(variant: str, root: int, blocks: list[int], inner: int, outer: int, b_p: int, b_g: int,
-           gathers_per_block: int = 2) -> dict:
+           gathers_per_block: int = 2, tied: int = 0) -> dict:
     """Theoretical collectives per step (see the module doc): {"op/group": {"count", "wire_bytes"}}.
-    ``gathers_per_block``: 2 when blocks reshard after forward, 1 when they stay gathered until backward."""
+    ``gathers_per_block``: 2 when blocks reshard after forward, 1 when they stay gathered until backward. ``tied``:
+    elements of the tied embedding (DeepSpeed variants only)."""
     P = root + sum(blocks)
     W = inner * outer
+    if variant in DEEPSPEED_VARIANTS:
+        return deepspeed_theory(variant, P, tied, inner, outer, b_p, b_g, gathers_per_block == 2)
     if variant == "ddp":
         return {"all_reduce/world": {"count": None, "wire_bytes": 2 * (W - 1) / W * P * b_g if W > 1 else 0.0}}
     out = {}
@@ -78,14 +139,16 @@ def group_label(ranks: tuple, groups: dict[str, tuple]) -> str:
     return "other"
 
 
-def collective_table(collectives: list[dict], groups: dict[str, tuple]) -> dict:
-    """{"op/group" (+ "/small" below SMALL_NUMEL): {"count", "wire_bytes", "bytes"}} from Collective dicts."""
+def collective_table(collectives: list[dict], groups: dict[str, tuple], small_kinds=None) -> dict:
+    """{"op/group" (+ "/small" below SMALL_NUMEL): {"count", "wire_bytes", "bytes"}} from Collective dicts.
+    ``small_kinds``: the ops whose small collectives are set apart (default: all); DeepSpeed gathers and
+    reduce-scatters module by module, so its LayerNorm gathers are small but part of the parameter traffic."""
     from benchmarks.measure import wire_bytes
 
     table: dict[str, dict] = {}
     for c in collectives:
         key = f"{c['kind']}/{group_label(tuple(c['ranks']), groups)}"
-        if c["numel"] < SMALL_NUMEL:
+        if c["numel"] < SMALL_NUMEL and (small_kinds is None or c["kind"] in small_kinds):
             key += "/small"
         row = table.setdefault(key, {"count": 0, "wire_bytes": 0.0, "bytes": 0})
         row["count"] += 1
@@ -119,9 +182,11 @@ def summarize(raw: dict) -> dict:
             row = {"median_step_s": med, "min_step_s": min(steps), "max_step_s": max(steps), "n_steps": len(steps),
                    "median_per_repeat_s": [_median(rep) for rep in vr["step_s"]],
                    "tokens_per_s": tokens / med if med else None, "loss_first_last": vr.get("loss_first_last")}
-            table = collective_table(vr["collectives"], raw["groups"])
+            table = collective_table(vr["collectives"], raw["groups"],
+                                     ("all_reduce",) if v in DEEPSPEED_VARIANTS else None)
             th = theory(v, root, blocks, inner, outer, b_p, b_g,
-                        2 if cfg.get("reshard", "after_forward") == "after_forward" else 1)
+                        2 if cfg.get("reshard", "after_forward") == "after_forward" else 1,
+                        r["unit_numel"].get("tied", 0))
             for key, t in th.items():
                 got = table.get(key, {"count": 0, "wire_bytes": 0.0, "bytes": 0})
                 got["theory_count"] = t["count"]
@@ -134,7 +199,7 @@ def summarize(raw: dict) -> dict:
                 c["wire_bytes"] * (GLOO_REDUCE_SCATTER_FACTOR if k.startswith("reduce_scatter") and v != "shardfusion"
                                    and cfg["backend"] == "gloo" else 1) for k, c in table.items())
             mem = vr["memory"]
-            ideal = PERSISTENT_BYTES_PER_PARAM * P / (1 if v == "ddp" else inner)
+            ideal = PERSISTENT_BYTES_PER_PARAM * P / persistent_shards(v, inner, outer)
             row["persistent_bytes"] = mem["persistent"]
             row["persistent_theory_bytes"] = ideal
             row["persistent_ratio"] = mem["persistent"]["total"] / ideal
@@ -176,7 +241,7 @@ def _ratios(rows: dict) -> None:
     for v, row in rows.items():
         if "median_step_s" not in row:
             continue
-        for peer in ("fsdp2", "ddp"):
+        for peer in ("fsdp2", "ddp", "deepspeed"):
             p = rows.get(peer, {}).get("median_step_s")
             row[f"vs_{peer}"] = row["median_step_s"] / p if p else None
             mine, theirs = row["median_per_repeat_s"], rows.get(peer, {}).get("median_per_repeat_s") or []
@@ -237,16 +302,26 @@ _COLUMNS = ("variant", "step s (median)", "min-max", "tokens/s", "vs FSDP2 (pair
             "transient full params MB (x bound)", "full grads MB (x bound)", "loss first -> last")
 
 
-def _row(v: str, row: dict) -> str:
+def _columns(rows: dict) -> tuple[str, ...]:
+    """The table's columns; "vs DeepSpeed" only when the ``deepspeed`` variant ran."""
+    if "median_step_s" not in rows.get("deepspeed", {}):
+        return _COLUMNS
+    i = _COLUMNS.index("vs DDP (paired)") + 1
+    return _COLUMNS[:i] + ("vs DeepSpeed (paired)",) + _COLUMNS[i:]
+
+
+def _row(v: str, row: dict, columns: tuple[str, ...] = _COLUMNS) -> str:
     """One variant's line of a regime table."""
     if "skipped" in row:
-        return f"| {v} | skipped: {row['skipped']} |" + " |" * (len(_COLUMNS) - 2)
+        return f"| {v} | skipped: {row['skipped']} |" + " |" * (len(columns) - 2)
     counts, ratios = [], []
+    ops = Counter(k.split("/")[0] for k, c in row["collectives"].items() if c.get("ratio") is not None)
     for key, c in sorted(row["collectives"].items()):
         th = c.get("theory_count")
         counts.append(f"{key} {c['count']}" + (f"/{th}" if th is not None else ""))
         if c.get("ratio") is not None:
-            ratios.append(f"{key.split('/')[0]} {c['ratio']:.4f}")
+            op = key.split("/")[0]
+            ratios.append(f"{key if ops[op] > 1 else op} {c['ratio']:.4f}")
     tr = row["transient"]
     trans = grads = "-"
     if tr:
@@ -258,6 +333,8 @@ def _row(v: str, row: dict) -> str:
              _f(row["tokens_per_s"], ".0f"),
              f"{_f(row.get('vs_fsdp2'), '.2f')} ({_f(row.get('vs_fsdp2_paired'), '.2f')})",
              f"{_f(row.get('vs_ddp'), '.2f')} ({_f(row.get('vs_ddp_paired'), '.2f')})",
+             *([f"{_f(row.get('vs_deepspeed'), '.2f')} ({_f(row.get('vs_deepspeed_paired'), '.2f')})"]
+               if "vs DeepSpeed (paired)" in columns else []),
              "<br>".join(counts), "<br>".join(ratios) or "-",
              f"{_mb(row['wire_bytes_total'])}; {_mb(row['backend_wire_bytes_total'])}",
              f"{_mb(row['persistent_bytes']['total'])} ({row['persistent_ratio']:.4f})", trans, grads,
@@ -268,7 +345,9 @@ def _row(v: str, row: dict) -> str:
 def markdown(raw: dict, summary: dict) -> str:
     """The report: a header with the setup and the machine, then per regime a table and shardfusion's targets."""
     cfg, env = raw["config"], raw["env"]
-    lines = [f"# shardfusion vs FSDP2 vs DDP: {raw['name']}", "",
+    title = "shardfusion vs FSDP2 vs DDP" + (
+        " vs DeepSpeed" if set(cfg.get("variants", ())) & set(DEEPSPEED_VARIANTS) else "")
+    lines = [f"# {title}: {raw['name']}", "",
              f"{cfg['world_size']} ranks ({cfg['device']}, {cfg['backend']}), HSDP inner {cfg['inner']} x outer "
              f"{cfg['outer']}, blocks resharded {cfg.get('reshard', 'after_forward')}, shardfusion prefetch "
              f"{cfg.get('prefetch_depth', 1)}; parameters {cfg['param_dtype']}; AdamW, clip 1.0; random token ids "
@@ -283,8 +362,10 @@ def markdown(raw: dict, summary: dict) -> str:
         lines += [f"## {regime}: batch {shape['batch']}, seq {shape['seq']}, {shape['n_layer']} layers, d "
                   f"{shape['d_model']} ({s['params'] / 1e6:.2f}M parameters, {s['tokens_per_step']} tokens per step)",
                   "", f"Largest loss difference between variants at the same step: {_f(s['loss_max_abs_diff'], '.1e')}.",
-                  "", "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
-        lines += [_row(v, row) for v, row in s["variants"].items()]
+                  ""]
+        columns = _columns(s["variants"])
+        lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += [_row(v, row, columns) for v, row in s["variants"].items()]
         if s["targets"]:
             lines += ["", "shardfusion targets:", "", "| target | value | met |", "|---|---|---|"]
             for t in s["targets"]:

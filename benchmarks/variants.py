@@ -11,6 +11,18 @@
   ``torch.nn.utils.clip_grad_norm_`` (the norm is a DTensor; its reduction is a DTensor redistribution).
 - ``ddp``: ``DistributedDataParallel(gradient_as_bucket_view=True)`` over all ranks; ``torch.nn.utils.clip_grad_norm_``.
 
+Optional (``pip install -e '.[bench]'``, not run by default): DeepSpeed ZeRO-3 engines (``deepspeed.initialize`` with
+torch's ``AdamW`` as the client optimizer and DeepSpeed's ``gradient_clipping`` 1.0), see :func:`deepspeed_config`:
+
+- ``deepspeed``: ZeRO-3 partitioned over all W ranks (the flat ZeRO-3 peer);
+- ``ds-hpz``: ZeRO++ hpZ, ``zero_hpz_partition_size = I``: a secondary copy of the parameters partitioned inside the
+  inner group serves the backward all-gathers;
+- ``ds-mics``: MiCS, ``mics_shard_size = I``: partitioned inside the inner group, replicated over the outer one (the
+  closest peer of HSDP). DeepSpeed 0.19 removed MiCS; with such a version the variant is skipped with its error.
+
+A DeepSpeed step is ``engine(x, y)``, ``engine.backward(loss)``, ``engine.step()`` (clipping, the optimizer step and
+clearing the gradients inside).
+
 Every variant gets a fresh model built under the same seed, AdamW with the same settings, and the same batches. A step
 is: forward, backward, clip to norm 1.0, ``optimizer.step()``, ``zero_grad(set_to_none=True)``.
 """
@@ -30,6 +42,10 @@ from shardfusion.models.gpt import GPT, Block, GPTConfig
 from benchmarks.measure import optimizer_state_tensors, persistent_bytes
 
 VARIANTS = ("shardfusion", "fsdp2", "ddp")
+"""The variants run by default (torch only)."""
+DEEPSPEED_VARIANTS = ("deepspeed", "ds-mics", "ds-hpz")
+"""Optional variants that need the ``bench`` extra (DeepSpeed); skipped when it is missing."""
+ALL_VARIANTS = VARIANTS + DEEPSPEED_VARIANTS
 MAX_NORM = 1.0
 LR = 1e-3
 
@@ -58,6 +74,13 @@ class Built:
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     sample_transient: Callable[[], dict[str, int]] = field(default=lambda: {})
     note: str = ""
+    # An engine that owns its backward and optimizer step (DeepSpeed): ``backward(loss)`` replaces
+    # ``loss.backward()``, ``optimizer_step()`` replaces clip + ``optimizer.step()`` + ``zero_grad``.
+    backward: Optional[Callable[[torch.Tensor], None]] = None
+    optimizer_step: Optional[Callable[[], None]] = None
+    # Bytes kept across steps by groups (params, grads, optimizer, library), when the generic count of
+    # ``model.parameters()`` and ``optimizer.state`` does not see them (DeepSpeed's partitions).
+    persistent_groups: Optional[Callable[[], dict[str, list]]] = None
 
 
 def unit_sizes(config: GPTConfig) -> tuple[int, list[int]]:
@@ -99,7 +122,9 @@ def wrap(name: str, model: GPT, ctx: Context, *, last_backward: Optional[bool] =
         return _build_fsdp2(model, ctx)
     if name == "ddp":
         return _build_ddp(model, ctx)
-    raise ValueError(f"unknown variant {name!r}; pick from {VARIANTS}")
+    if name in DEEPSPEED_VARIANTS:
+        return _build_deepspeed(name, model, ctx)
+    raise ValueError(f"unknown variant {name!r}; pick from {ALL_VARIANTS}")
 
 
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
@@ -211,11 +236,156 @@ def _build_ddp(model: GPT, ctx: Context) -> Built:
                  autocast=autocast, note=note)
 
 
+_HPZ_GROUPS: dict[int, object] = {}  # hpZ partition size -> DeepSpeed's secondary group, created once per process
+
+
+def deepspeed_config(name: str, ctx: Context, block_numel: int) -> dict:
+    """The DeepSpeed config of variant ``name`` (see the module doc): ZeRO-3 with every parameter partitioned
+    (``stage3_param_persistence_threshold`` 0; DeepSpeed's default of 1e5 elements would keep the small tensors,
+    here every LayerNorm and bias and the 256 x 256 projections, whole on every rank); under ``after_forward`` each
+    module's parameters released after its forward and gathered again for backward (``stage3_max_reuse_distance``
+    0; the default of 1e9 elements keeps a model this small gathered from forward to backward) without prefetch
+    (see the comment below); under ``after_backward`` the default reuse distance and a prefetch of ``ctx.prefetch``
+    blocks' elements (``stage3_prefetch_bucket_size``, elements); gradients reduce-scattered
+    in buckets of one block's elements (``reduce_bucket_size``; the default, 5e8 elements, allocates a 2 GB fp32
+    bucket per rank and reduces the whole model's gradients at once at the end of backward); fp32; clipping to
+    ``MAX_NORM``. ``block_numel``: the elements of one block. The micro-batch size only feeds DeepSpeed's
+    throughput log (the batches are passed by the caller).
+
+    Raises:
+        NotImplementedError: mixed precision (not wired for DeepSpeed here).
+    """
+    if ctx.param_dtype is not None:
+        raise NotImplementedError("DeepSpeed variants run fp32 only in this benchmark (bf16 is not wired)")
+    inner = _inner_degree(ctx)
+    zero: dict = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": block_numel}
+    if ctx.reshard_policy == "after_forward":
+        # No prefetch: with any prefetch bucket, DeepSpeed 0.19's prefetcher scans the parameter trace past the
+        # parameters already gathered (they do not count against the bucket), marks their backward use as
+        # "fetched", and then does not release them after forward; for these models that keeps every parameter
+        # gathered from forward to backward (measured), which is the after_backward policy, not ZeRO-3's.
+        zero.update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
+    else:
+        zero["stage3_prefetch_bucket_size"] = ctx.prefetch * block_numel
+    if name == "ds-hpz":
+        zero["zero_hpz_partition_size"] = inner
+    elif name == "ds-mics":
+        zero["mics_shard_size"] = inner
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": MAX_NORM,
+            "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False}
+
+
+def _build_deepspeed(name: str, model: GPT, ctx: Context) -> Built:
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if ctx.device.type == "cuda" else "cpu")
+    try:
+        import deepspeed
+        from deepspeed.utils import groups as ds_groups
+    except ImportError as e:
+        raise NotImplementedError(f"deepspeed is not importable ({e}); pip install -e '.[bench]'") from e
+    import torch.distributed as dist
+
+    block_numel = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
+    config = deepspeed_config(name, ctx, block_numel)
+    inner = _inner_degree(ctx)
+    if name == "ds-mics" and not _deepspeed_has_mics():
+        raise NotImplementedError(f"MiCS is not in DeepSpeed {deepspeed.__version__} (removed in 0.19: its config "
+                                  f"rejects 'mics_shard_size'); it needs deepspeed<0.19")
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)  # reuses the default group
+    # hpZ's secondary group is a process-wide global of DeepSpeed's, created by the first hpZ engine; a plain
+    # ZeRO-3 engine built after it would pick it up, so it is set for hpZ engines only.
+    ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = _HPZ_GROUPS.get(inner) if name == "ds-hpz" else None
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_adamw(model), config=config)
+    if name == "ds-hpz":
+        _HPZ_GROUPS[inner] = ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP
+    module = engine.module
+    blocks = [list(b.parameters()) for b in module.blocks]
+    in_blocks = {id(p) for ps in blocks for p in ps}
+    root = [p for p in module.parameters() if id(p) not in in_blocks]
+    zopt = engine.optimizer
+    note = (f"DeepSpeed {deepspeed.__version__} ZeRO-3 ({type(zopt).__name__}), zero_optimization "
+            f"{config['zero_optimization']}; transient full buffers: parameters in ds_status AVAILABLE or "
+            f"INFLIGHT and the gradients of the full parameters, best effort")
+    return Built(name, engine, zopt, clip=lambda: None,
+                 backward=engine.backward, optimizer_step=engine.step,
+                 sample_transient=lambda: _deepspeed_transient(root, blocks),
+                 persistent_groups=lambda: _deepspeed_groups(module, zopt), note=note)
+
+
+def _inner_degree(ctx: Context) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() // ctx.topo.fsdp_outer_degree
+
+
+def _deepspeed_has_mics() -> bool:
+    try:
+        import deepspeed.runtime.zero.mics  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _deepspeed_transient(root: list, blocks: list[list]) -> dict[str, int]:
+    """Alive full-size buffers of a DeepSpeed ZeRO-3 module: the data of the parameters gathered now (``ds_status``
+    AVAILABLE or INFLIGHT) and their full gradients, and how many blocks hold gathered parameters."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    seen: set[int] = set()
+
+    def add(t) -> int:
+        if not isinstance(t, torch.Tensor):
+            return 0
+        st = t.untyped_storage()
+        if st.nbytes() == 0 or st.data_ptr() in seen:
+            return 0
+        seen.add(st.data_ptr())
+        return st.nbytes()
+
+    def gathered(p) -> bool:
+        return getattr(p, "ds_status", None) in (ZeroParamStatus.AVAILABLE, ZeroParamStatus.INFLIGHT)
+
+    full = grad = alive_blocks = 0
+    for i, ps in enumerate([root, *blocks]):
+        alive = sum(add(p.data) for p in ps if gathered(p))
+        grad += sum(add(p.grad) for p in ps)
+        full += alive
+        alive_blocks += bool(alive) and i > 0
+    return {"full_param_bytes": full, "full_grad_bytes": grad, "blocks_unsharded": alive_blocks}
+
+
+def _deepspeed_groups(module: nn.Module, zopt) -> dict[str, list]:
+    """DeepSpeed ZeRO-3's tensors kept across steps, by group: ``params`` the module's parameter partitions
+    (``ds_tensor``, views of its flat partition buffers) and secondary (hpZ) partitions; ``optimizer`` the fp32
+    master partitions (in fp32 the same storage as the parameter partitions, then counted once) and AdamW's state;
+    ``grads`` the flat gradient-partition buffer; ``library`` the gathered data of parameters still full (none
+    after the step) and the reduce bucket."""
+    params = list(module.parameters())
+    opt_state = [v for st in zopt.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    library = [p.data for p in params]
+    library += [v for k, v in vars(zopt).items() if k.endswith("ipg_bucket_flat_buffer") and
+                isinstance(v, torch.Tensor)]
+    return {"params": [p.ds_tensor for p in params] + [getattr(p, "ds_secondary_tensor", None) for p in params],
+            "optimizer": list(zopt.fp32_partitioned_groups_flat) + opt_state,
+            "grads": [zopt.grad_partitions_flat_buffer],
+            "library": library}
+
+
 def step(b: Built, x: torch.Tensor, y: torch.Tensor, after_optimizer: Optional[Callable[[], None]] = None):
-    """One training step; returns the loss (a 0-dim tensor, not synchronized). ``after_optimizer`` runs between
-    ``optimizer.step()`` and ``zero_grad`` (when every persistent tensor, gradients included, is alive)."""
+    """One training step on token ids ``x``, ``y`` (B, T) int64; returns the loss (a 0-dim fp32 tensor, not
+    synchronized). ``after_optimizer`` runs between ``optimizer.step()`` and ``zero_grad`` (when every persistent
+    tensor, gradients included, is alive); for an engine with its own step (DeepSpeed) after ``engine.step()``,
+    whose gradient partitions are kept allocated across steps."""
     with b.autocast():
         _, loss = b.model(x, y)
+    if b.optimizer_step is not None:
+        b.backward(loss)
+        b.optimizer_step()
+        if after_optimizer is not None:
+            after_optimizer()
+        return loss.detach()
     loss.backward()
     b.clip()
     b.optimizer.step()
@@ -227,6 +397,10 @@ def step(b: Built, x: torch.Tensor, y: torch.Tensor, after_optimizer: Optional[C
 
 def persistent(b: Built) -> dict[str, int]:
     """Bytes this rank keeps across steps: parameters (shards), gradients, optimizer state (distinct storages)."""
+    if b.persistent_groups is not None:
+        out = persistent_bytes(b.persistent_groups())
+        out["total"] = sum(out.values())
+        return out
     return _storage_bytes(b)
 
 
@@ -267,6 +441,8 @@ def library_tensors(b: Built) -> list[torch.Tensor]:
 def live(b: Built) -> dict[str, int]:
     """Bytes of the distinct storages alive now: :func:`persistent`'s groups plus the library's own tensors
     (:func:`library_tensors`), each storage counted once, in the first group that holds it."""
+    if b.persistent_groups is not None:
+        return persistent(b)
     return _storage_bytes(b, library_tensors(b))
 
 
