@@ -294,6 +294,13 @@ def _build_deepspeed(name: str, model: GPT, ctx: Context) -> Built:
         raise NotImplementedError(f"MiCS is not in DeepSpeed {deepspeed.__version__} (removed in 0.19: its config "
                                   f"rejects 'mics_shard_size'); it needs deepspeed<0.19")
     deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)  # reuses the default group
+    if name == "ds-mics" and dist.get_backend() == "gloo":
+        # Measured with deepspeed 0.18.9 (docs/benchmarks.md): MiCS gathers through c10d's coalescing manager
+        # (runtime/zero/mics.py, _flat_all_gather_with_coalescing_manager), which gloo does not implement; its
+        # fallback without the manager gathers over the whole world with buffers sized for the shard group.
+        raise NotImplementedError("MiCS on gloo: 'Backend gloo does not implement startCoalescing' (deepspeed "
+                                  "0.18.9 runtime/zero/mics.py:240 -> comm/torch.py:272 _coalescing_manager); "
+                                  "needs NCCL")
     # hpZ's secondary group is a process-wide global of DeepSpeed's, created by the first hpZ engine; a plain
     # ZeRO-3 engine built after it would pick it up, so it is set for hpZ engines only.
     ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = _HPZ_GROUPS.get(inner) if name == "ds-hpz" else None
