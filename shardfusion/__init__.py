@@ -14,7 +14,12 @@ Public API (v0; the design: docs/design.md)::
                      bandwidth=sf.measure_bandwidth(), max_memory_per_rank=80 << 30)
     topo = sf.Topology(fsdp_outer_degree=choice.fsdp_outer_degree)
 
-``sf.plan`` is the function; its module is ``shardfusion.plan`` (``from shardfusion.plan import ...``).
+    # a 1,024-rank job played in this process: memory and bytes per rank before booking it (docs/dry-run.md):
+    report = sf.dry_run(build, step, world_size=1024, ranks_per_node=8, topology={"fsdp_outer_degree": 128},
+                        fully_shard={"units": (Block,)})
+    print(report.table())
+
+``sf.plan`` and ``sf.dry_run`` are functions; their modules are ``shardfusion.plan`` and ``shardfusion.dry_run``.
 """
 
 from shardfusion import checkpoint, comm, topology
@@ -23,6 +28,7 @@ from shardfusion.amp import install_grad_scaler_sync
 from shardfusion.checkpoint.streaming import load_safetensors
 from shardfusion.clip import clip_grad_norm_, install_torch_clip_wrappers
 from shardfusion.diloco import DiLoCo
+from shardfusion.dry_run import DryRun, dry_run
 from shardfusion.fully_shard import (
     MixedPrecisionPolicy,
     finish_grad_sync,
@@ -44,6 +50,7 @@ install_grad_scaler_sync()  # torch.amp.GradScaler agrees on found_inf over the 
 __all__ = [
     "Bandwidth",
     "DiLoCo",
+    "DryRun",
     "MixedPrecisionPolicy",
     "MoE",
     "Plan",
@@ -52,6 +59,7 @@ __all__ = [
     "checkpoint",
     "clip_grad_norm_",
     "comm",
+    "dry_run",
     "finish_grad_sync",
     "full_state_dict",
     "fully_shard",

@@ -32,6 +32,7 @@ FSDP2's memory estimators. The figures, the kinds and the report are ours.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import time
 from dataclasses import dataclass, field
@@ -281,12 +282,14 @@ def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_k
 
 def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_shard: Optional[dict] = None,
                  optimizer: Optional[Callable] = None, micro_batches: int = 1, max_norm: Optional[float] = 1.0,
-                 kind: str = "this rank", device: str = "cpu") -> RankFigures:
+                 kind: str = "this rank", device: str = "cpu",
+                 step_context: Optional[Callable[[], object]] = None) -> RankFigures:
     """Build, shard and step a model on the process group that ``topo`` was made on, under
     :class:`~shardfusion.live_memory.LiveMemory` and a :class:`~shardfusion.comm.CommCounter`, and return this rank's
     figures. :func:`dry_run` calls it on fake tensors and a fake group; on a real group (every rank calls it, as any
     step) it measures the same figures, which is how a dry run is validated (``benchmarks/dry_run_check.py``).
-    Arguments as in :func:`dry_run`; ``device``: where the wrap materializes the model.
+    Arguments as in :func:`dry_run`; ``device``: where the wrap materializes the model; ``step_context``: a context
+    manager factory entered around the step only (e.g. another recorder of its collectives).
     """
     import shardfusion as sf
 
@@ -307,7 +310,7 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
                             for u in sf.get_units(model)), default=0)
         tracker.reset_peak()
         activations = 0
-        with comm.CommCounter(ranks_per_node) as counter:
+        with comm.CommCounter(ranks_per_node) as counter, (step_context or contextlib.nullcontext)():
             for i in range(micro_batches):
                 if micro_batches > 1:
                     sf.set_requires_gradient_sync(model, i == micro_batches - 1)

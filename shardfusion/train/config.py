@@ -24,9 +24,10 @@ from shardfusion.train.data import corpus_size, min_corpus_bytes, split_sizes
 from shardfusion.models.gpt import PRESETS, VOCAB_SIZE, GPTConfig
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_POLICIES
 from shardfusion.train.hf_models import HF_MODELS
-from shardfusion.train import data_config, ft_config, outer_config, pipeline_config
+from shardfusion.train import data_config, dry_run_config, ft_config, outer_config, pipeline_config
 from shardfusion.train.data_config import DataConfig
 from shardfusion.train.ft_config import FTConfig
+from shardfusion.train.dry_run_config import DryRunConfig
 from shardfusion.train.outer_config import OuterConfig
 from shardfusion.train.tokenizer import BYTES
 from shardfusion.train.pipeline_config import PipelineConfig
@@ -73,7 +74,7 @@ def memory_arg(text: str) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig(PipelineConfig, DataConfig, FTConfig, OuterConfig):
+class TrainConfig(PipelineConfig, DataConfig, FTConfig, OuterConfig, DryRunConfig):
     """Everything one training run depends on; written to OUT/config.json.
 
     Sections owned by other modules are base classes, whose fields are flags like these and whose checks live with
@@ -82,7 +83,8 @@ class TrainConfig(PipelineConfig, DataConfig, FTConfig, OuterConfig):
     --text-field, --data-cache; `shardfusion.train.data_config`) and `FTConfig` (--ft-lighthouse, --ft-replica-id,
     --ft-replicas, --ft-min-replicas, --ft-join-wait, --ft-timeout, --ft-host, --ft-quorum-timeout, --ft-max-discards;
     `shardfusion.train.ft_config`) and `OuterConfig` (--outer-sync, --outer-every, --outer-lr, --outer-momentum,
-    --outer-fragments; `shardfusion.train.outer_config`). A
+    --outer-fragments; `shardfusion.train.outer_config`) and `DryRunConfig` (--dry-run, --world,
+    --bandwidth-within, --bandwidth-across; `shardfusion.train.dry_run_config`). A
     field with ``metadata={"flag": False}`` is set at run time, not on the command line.
     """
 
@@ -357,6 +359,7 @@ class TrainConfig(PipelineConfig, DataConfig, FTConfig, OuterConfig):
         data_config.check_flags(self)  # the data section's
         ft_config.check_flags(self)  # the fault-tolerance section's
         outer_config.check_flags(self)  # the outer-synchronisation section's
+        dry_run_config.check_flags(self)  # the dry-run section's
 
 
 DEFAULT_WARMUP = 20

@@ -53,8 +53,8 @@ from shardfusion.train.launch import (cpu_cores, default_nproc, exit_now, init_w
                                       pick_device, restart_problem, threads_per_worker, under_torchrun)
 from shardfusion.train.metrics import (MetricsLog, comm_step_record, expert_balance, format_summary, plot_losses,
                                  summarize)
-from shardfusion.train import (data_config, ft_config, job_ft, job_model, job_outer, job_pipeline, outer_config,
-                               pipeline_config)
+from shardfusion.train import (data_config, dry_run_config, ft_config, job_dry_run, job_ft, job_model, job_outer,
+                               job_pipeline, outer_config, pipeline_config)
 from shardfusion.train import tokenizer as tokenizers
 from shardfusion.train.job_model import JobModel, Losses
 from shardfusion.train.outputs import open_outputs
@@ -597,6 +597,11 @@ def main(argv: list[str] | None = None) -> int:
     A bad flag is a one-line usage error (exit status 2) before any worker starts; under torchrun every worker
     fails the same check before joining the process group, and only local rank 0 prints the message."""
     config = parse_args(argv)
+    if dry_run_config.enabled(config):  # no worker, no process group of ours: one process plays the ranks
+        try:
+            return job_dry_run.run(config)
+        except ValueError as error:
+            usage_error(str(error))
     torchrun = under_torchrun()
     try:
         config = preflight(config, torchrun=torchrun)

@@ -1,0 +1,200 @@
+"""The dry run (`shardfusion.dry_run`) against a measured run of the same step, at W = 4 and W = 8 on this machine.
+
+    python -m benchmarks.dry_run_check                 # results/dry-run-check.{json,md}
+    python -m benchmarks.dry_run_check --cases w4-hsdp # one case
+
+For each case the same step (a GPT, built on meta and sharded by `fully_shard`, one forward and backward per
+micro-batch, clipping, AdamW) runs twice:
+
+- measured: W gloo worker processes, real tensors and real collectives; each rank runs `measure_step` (live tensor
+  bytes by part, `CommCounter`) and, independently, the benchmark's dispatch-level `CollectiveRecorder`, which sees
+  every c10d op (its bytes cross-check the counter's); the largest figure over the ranks is kept;
+- dry run: `sf.dry_run(..., backend="gloo")` in this process, one fake rank per kind, fake tensors.
+
+Nodes are pretended (`--ranks-per-node`, default 2), so the bytes across nodes are those of a 2-node layout. The
+report gives every figure of both, their ratio, and whether it is within 5 % (for a figure the dry run bounds,
+``BOUNDS``: whether the measured one is at most the bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+TOLERANCE = 0.05
+MEMORY = ("params", "grads", "optimizer", "full_params", "full_grads", "activations", "peak")
+
+BOUNDS = ("memory full_grads", "memory peak")
+"""Figures the dry run gives as an upper bound: a unit's full gradient buffer lives until its reduce-scatter is
+seen complete, which a real run notices during backward when the collective was fast enough (timing), and a dry run
+never does (no reduce-scatter completes before the backward's end); the peak, which those buffers are part of,
+follows."""
+
+CASES = {
+    # name: (world size, Topology kwargs, GPT shape, micro-batches)
+    "w4-hsdp": (4, {"fsdp_outer_degree": 2}, {"n_layer": 4, "n_head": 4, "d_model": 128}, 1),
+    "w4-fsdp-accum": (4, {}, {"n_layer": 4, "n_head": 4, "d_model": 128}, 2),
+    "w8-hsdp": (8, {"fsdp_outer_degree": 2}, {"n_layer": 4, "n_head": 4, "d_model": 128}, 1),
+    "w8-moe-ep2": (8, {"fsdp_outer_degree": 2, "ep": 2},
+                   {"n_layer": 2, "n_head": 4, "d_model": 128, "n_experts": 4, "top_k": 2}, 1),
+}
+BATCH, SEQ = 2, 64
+
+
+def _config(shape: dict):
+    from shardfusion.models.gpt import GPTConfig
+
+    return GPTConfig(seq_len=SEQ, **shape)
+
+
+def _build(shape: dict):
+    from shardfusion.models.gpt import GPT
+
+    config = _config(shape)
+    return lambda topo: GPT(config, ep_group=topo.get_group("ep") if config.n_experts else None)
+
+
+def _step(model, topo):
+    x = torch.randint(0, 256, (BATCH, SEQ))  # (B, T) token ids; fake tensors in a dry run
+    y = torch.randint(0, 256, (BATCH, SEQ))
+    return model(x, y)[1]
+
+
+def _fully_shard():
+    from shardfusion.models.gpt import Block
+
+    return {"units": (Block,)}
+
+
+def worker(case: str, ranks_per_node: int) -> dict:
+    """One measured rank: `measure_step` and the dispatch-level recorder of the same step."""
+    import torch.distributed as dist
+
+    import shardfusion as sf
+    from benchmarks.measure import CollectiveRecorder
+    from benchmarks.spawn import join
+    from shardfusion.dry_run import measure_step
+
+    join("cpu")
+    world, topo_kwargs, shape, micro = CASES[case]
+    topo = sf.Topology(**topo_kwargs)
+    torch.manual_seed(1 + dist.get_rank())
+    rec = CollectiveRecorder()
+    fig = measure_step(_build(shape), _step, topo, ranks_per_node=ranks_per_node, fully_shard=_fully_shard(),
+                       micro_batches=micro, step_context=lambda: rec)
+    # the forward-mode agreement (16 bytes per rank on a control group) is left out of the accounting
+    control = tuple(sorted(dist.get_process_group_ranks(topo._control)))
+    dispatch_wire = sum(c.wire_bytes for c in rec.collectives
+                        if not (c.kind == "all_gather" and c.ranks == control and c.nbytes <= 16 * len(control)))
+    out = {"rank": dist.get_rank(), "memory": fig.memory, "collectives": fig.collectives,
+           "wire_bytes": fig.wire_bytes, "across_bytes": fig.across_bytes, "dispatch_wire_bytes": dispatch_wire}
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
+
+
+def _totals(collectives: list[dict]) -> dict[str, float]:
+    """Per op: wire bytes (all groups), and the across-node bytes of all ops."""
+    out: dict[str, float] = {}
+    for c in collectives:
+        out[f"{c['op']} count"] = out.get(f"{c['op']} count", 0) + c["count"]
+        out[f"{c['op']} wire bytes"] = out.get(f"{c['op']} wire bytes", 0.0) + c["wire_bytes"]
+    out["across-node bytes"] = sum(c["across_bytes"] for c in collectives)
+    return out
+
+
+def run_case(case: str, ranks_per_node: int) -> dict:
+    import shardfusion as sf
+    from benchmarks.dry_run_check import worker as entry  # pickled by module name for the spawned workers
+    from benchmarks.spawn import run_workers
+
+    world, topo_kwargs, shape, micro = CASES[case]
+    t = time.perf_counter()
+    results = run_workers(entry, (case, ranks_per_node), world)
+    measured_s = time.perf_counter() - t
+    if results is None:
+        raise RuntimeError(f"{case}: a measured worker failed")
+    ranks = [results[r] for r in sorted(results)]
+    t = time.perf_counter()
+    dry = sf.dry_run(_build(shape), _step, world_size=world, ranks_per_node=ranks_per_node, topology=topo_kwargs,
+                     fully_shard=_fully_shard(), micro_batches=micro, backend="gloo", plan_model=False)
+    dry_s = time.perf_counter() - t
+    d = dry.ranks[0]
+    rows = []
+    for k in MEMORY:
+        rows.append({"figure": f"memory {k}", "dry": d.memory[k], "measured": max(r["memory"][k] for r in ranks)})
+    measured_totals = [_totals(r["collectives"]) for r in ranks]
+    for k, v in _totals(d.collectives).items():
+        rows.append({"figure": k, "dry": v, "measured": max(m.get(k, 0) for m in measured_totals)})
+    rows.append({"figure": "wire bytes (dispatch recorder)", "dry": d.wire_bytes,
+                 "measured": max(r["dispatch_wire_bytes"] for r in ranks)})
+    for row in rows:
+        m = row["measured"]
+        row["ratio"] = row["dry"] / m if m else (1.0 if row["dry"] == 0 else float("inf"))
+        row["within"] = abs(row["ratio"] - 1) <= TOLERANCE
+        if row["figure"] in BOUNDS:  # the dry run's figure is an upper bound: met when the measured one is below it
+            row["within"] = row["ratio"] >= 1 - TOLERANCE
+            row["figure"] += " (bound)"
+    return {"case": case, "world_size": world, "topology": topo_kwargs, "model": shape, "micro_batches": micro,
+            "layout": dry.layout, "rows": rows, "measured_s": measured_s, "dry_run_s": dry_s,
+            "ranks_spread": {k: [r["memory"][k] for r in ranks] for k in MEMORY}}
+
+
+def markdown(result: dict) -> str:
+    lines = ["# Dry run against a measured run", "",
+             f"{result['env']['when']}; torch {result['env']['torch']}; {result['env']['cpu_count']} CPU cores; gloo "
+             f"workers, 1 thread each; {result['ranks_per_node']} ranks per pretended node; batch {BATCH} x "
+             f"{SEQ} tokens per rank per micro-batch. Memory is live tensor bytes (largest over the measured ranks); "
+             f"bytes are per rank per optimizer step. Tolerance {TOLERANCE:.0%}.", ""]
+    for c in result["cases"]:
+        ok = sum(r["within"] for r in c["rows"])
+        lines += [f"## {c['case']}: W={c['world_size']}, {c['layout']}, micro-batches {c['micro_batches']}", "",
+                  f"model {c['model']}; measured run {c['measured_s']:.1f} s (spawn included), dry run "
+                  f"{c['dry_run_s']:.1f} s; {ok} of {len(c['rows'])} figures within {TOLERANCE:.0%}.", "",
+                  "| figure | dry run | measured | dry / measured | within 5 % |", "|---|---|---|---|---|"]
+        for r in c["rows"]:
+            fmt = (lambda v: f"{v:.0f}") if "count" in r["figure"] else (lambda v: f"{v / 2**20:.4f} MiB")
+            lines.append(f"| {r['figure']} | {fmt(r['dry'])} | {fmt(r['measured'])} | {r['ratio']:.4f} | "
+                         f"{'yes' if r['within'] else '**no**'} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default=",".join(CASES), help="comma-separated, from " + ",".join(CASES))
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--name", default="dry-run-check")
+    p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+    cases = args.cases.split(",")
+    for c in cases:
+        if c not in CASES:
+            p.error(f"--cases: unknown case {c!r}; pick from {', '.join(CASES)}")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    result = {"env": {"when": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "cpu_count": os.cpu_count()},
+              "ranks_per_node": args.ranks_per_node, "tolerance": TOLERANCE,
+              "cases": [run_case(c, args.ranks_per_node) for c in cases]}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+    md = markdown(result)
+    (out / f"{args.name}.md").write_text(md)
+    print(md)
+    bad = [(c["case"], r["figure"]) for c in result["cases"] for r in c["rows"] if not r["within"]]
+    print(f"figures outside {TOLERANCE:.0%}: {bad or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The dry-run section of the training job's settings (`--dry-run`, `--world`, `--bandwidth-within`,
+`--bandwidth-across`) and its checks: this module owns them, `shardfusion.train.config` includes the section
+(`TrainConfig` derives from `DryRunConfig`) and calls `check_flags` with the other flag checks. The run itself is
+`shardfusion.train.job_dry_run`; the engine is `shardfusion.dry_run`; docs/dry-run.md tells the whole story.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from shardfusion.plan import parse_bytes
+from shardfusion.train.flag_checks import refuse_first
+
+if TYPE_CHECKING:  # annotations only: config.py imports this module
+    from shardfusion.train.config import TrainConfig
+
+DEFAULT_RANKS_PER_NODE = 8
+"""Ranks per node a dry run assumes without --ranks-per-node: a node of 8 GPUs."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DryRunConfig:
+    """Sizing a job before booking it (a section of `TrainConfig`, which derives from it)."""
+
+    dry_run: bool = False
+    """Do not train: play one optimizer step of a --world-rank job in this one process (torch's fake process group,
+    the model on the meta device, fake tensors) and print, per kind of rank, the memory (parameters, gradients,
+    optimizer state, full buffers, activations), the collectives with their bytes within and across nodes
+    (--ranks-per-node, default 8) and the cost model's step time; with --out also dry-run.json there
+    (docs/dry-run.md) (default off)."""
+    world: int | None = None
+    """With --dry-run: the world size played, e.g. 1024 (default: --nproc, or its default)."""
+    bandwidth_within: str = "150GB"
+    """With --dry-run: bytes/s per rank to ranks of its own node for the predicted step time, e.g. 150GB (NVLink
+    class) or 900MB (default 150GB)."""
+    bandwidth_across: str = "25GB"
+    """With --dry-run: bytes/s per rank to other nodes, e.g. 25GB (one 200 Gbit/s NIC per GPU) (default 25GB)."""
+
+
+def enabled(config: DryRunConfig) -> bool:
+    """Whether this run is a dry run (--dry-run)."""
+    return config.dry_run
+
+
+def bandwidths(config: DryRunConfig) -> tuple[float, float]:
+    """(within, across) in bytes/s from the flags.
+
+    Raises:
+        ValueError: a value that is not a size or not > 0, naming the flag.
+    """
+    out = []
+    for flag, text in (("--bandwidth-within", config.bandwidth_within), ("--bandwidth-across", config.bandwidth_across)):
+        try:
+            value = parse_bytes(text)
+        except ValueError as error:
+            raise ValueError(f"{flag}: {error}") from None
+        if value <= 0:
+            raise ValueError(f"{flag} must be > 0 bytes/s, got {text!r}")
+        out.append(float(value))
+    return out[0], out[1]
+
+
+def check_flags(config: TrainConfig) -> None:
+    """The section's flags together, and against the flags a dry run cannot play yet.
+
+    Raises:
+        ValueError: naming the flag and the numbers.
+    """
+    if not enabled(config):
+        changed = [flag for flag, given in (("--world", config.world is not None),
+                                            ("--bandwidth-within", config.bandwidth_within != "150GB"),
+                                            ("--bandwidth-across", config.bandwidth_across != "25GB")) if given]
+        if changed:
+            raise ValueError(f"{changed[0]} needs --dry-run (a training run takes its world size from --nproc or "
+                             f"torchrun)")
+        return
+    if config.world is not None and config.world < 1:
+        raise ValueError(f"--world {config.world} must be >= 1")
+    bandwidths(config)
+    refuse_first([("--pp", config.pp, config.pp != 1), ("--mp", config.mp, config.mp != 1),
+                  ("--optimizer", config.optimizer, config.optimizer != "adamw"),
+                  ("--outer-sync", config.outer_sync, config.outer_sync != "every-step"),
+                  ("--ft-lighthouse", config.ft_lighthouse, config.ft_lighthouse is not None),
+                  ("--fsdp-outer-degree", config.fsdp_outer_degree, config.fsdp_outer_degree == "auto"),
+                  ("--init-from", config.init_from, config.init_from is not None)],
+                 "--dry-run", "a dry run plays FSDP/HSDP with AdamW, ep and cp (no --pp, --mp, --optimizer muon, "
+                 "--outer-sync diloco, --ft-lighthouse, --fsdp-outer-degree auto or --init-from yet); see "
+                 "docs/dry-run.md")

@@ -1,0 +1,99 @@
+"""`--dry-run`: one optimizer step of a `--world`-rank job played in this process (`shardfusion.dry_run`), with the
+job's own model, units, layout and batch flags. Nothing is trained, no worker is started, no data is read.
+
+    python -m shardfusion.train --dry-run --world 1024 --ranks-per-node 8 --fsdp-outer-degree 128 \
+        --n-layer 32 --d-model 4096 --n-head 32 --seq-len 4096 --global-batch-size 1024 --param-dtype bf16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+import shardfusion as sf
+from shardfusion.plan import Bandwidth
+from shardfusion.train import dry_run_config, job_model
+from shardfusion.train.config import TrainConfig, check_batch, resolve
+from shardfusion.train.dry_run_config import DEFAULT_RANKS_PER_NODE
+from shardfusion.train.launch import default_nproc
+
+def prepare(config: TrainConfig) -> tuple[TrainConfig, int, int]:
+    """The resolved config, the world size and the ranks per node of the dry run.
+
+    Raises:
+        ValueError: the layout or batch flags do not fit --world (the job's own checks, naming the flag).
+    """
+    world = config.world or config.nproc or default_nproc("cpu")
+    ranks_per_node = config.ranks_per_node or min(DEFAULT_RANKS_PER_NODE, world)
+    if world % ranks_per_node:
+        raise ValueError(f"--ranks-per-node {ranks_per_node} must divide --world {world}")
+    config = resolve(config, device="cuda", world_size=world)
+    degrees = sf.topology.Degrees(world_size=world, ep=config.ep, cp=config.cp,
+                                  fsdp_outer_degree=config.fsdp_outer_degree)
+    check_batch(config, dp_world=degrees.dp * degrees.sharding, world=f"--world {world}")
+    return config, world, ranks_per_node
+
+
+def run(config: TrainConfig) -> int:
+    """Play the step and print the report (and write OUT/dry-run.json with --out); returns the exit status.
+
+    Raises:
+        ValueError: as :func:`prepare`.
+    """
+    given_out = config.out
+    config, world, ranks_per_node = prepare(config)
+    within, across = dry_run_config.bandwidths(config)
+    from shardfusion.train.job import _dtype
+
+    mp_policy = sf.MixedPrecisionPolicy(param_dtype=_dtype(config.param_dtype),
+                                        grad_comm_dtype=_dtype(config.grad_comm_dtype))
+    job = job_model.build(config, None, torch.device("cpu"))  # on meta: the units and the figures of the header
+
+    def build(topo):
+        nonlocal job
+        job = job_model.build(config, topo.get_group("ep"), torch.device("cpu"),
+                              context_group=topo.get_group("context"))
+        return job.module
+
+    def step(model, topo):
+        batch = config.global_batch_size // (topo.dp * topo.sharding)
+        tokens = torch.randint(0, config.model_config().vocab_size, (batch, job.seq_len + 1))  # (B, T + 1), fake
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        if topo.sep * topo.cp > 1:
+            from shardfusion.train.job import context_part
+            x, y = context_part((x, y), (topo.context_rank, topo.sep * topo.cp))
+        loss, aux, _ = job.losses(model, x, y)
+        return (loss + config.aux_loss_coef * aux) / config.grad_accum
+
+    fully_shard = {"units": job.units, "reshard_policy": config.reshard_policy, "expert_policy": config.expert_policy,
+                   "prefetch": config.prefetch, "mp_policy": mp_policy, "outer_comm_dtype": config.outer_comm_dtype}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notes on fake tensors' data pointers and deprecated names
+        report = sf.dry_run(build, step, world_size=world, ranks_per_node=ranks_per_node,
+                            topology={"ep": config.ep, "cp": config.cp,
+                                      "fsdp_outer_degree": config.fsdp_outer_degree},
+                            fully_shard=fully_shard, micro_batches=config.grad_accum, max_norm=config.clip or None,
+                            bandwidth=Bandwidth(within=within, across=across))
+    header = (f"shardfusion: dry run of {job.name} ({job.num_params:,} parameters), global batch "
+              f"{config.global_batch_size} x {job.seq_len} tokens, {config.grad_accum} micro-batch(es) per step")
+    print(header)
+    print(report.table(), flush=True)
+    if given_out is not None:
+        out = Path(given_out)
+        out.mkdir(parents=True, exist_ok=True)
+        record = {"config": {k: v for k, v in dataclasses.asdict(config).items()}, "report": _as_dict(report)}
+        (out / "dry-run.json").write_text(json.dumps(record, indent=1, default=str))
+        print(f"shardfusion: wrote {out / 'dry-run.json'}")
+    return 0
+
+
+def _as_dict(report) -> dict:
+    out = dataclasses.asdict(report)
+    out["plan"] = None if report.plan is None else dataclasses.asdict(report.plan)
+    out["bandwidth"] = dataclasses.asdict(report.bandwidth)
+    return out
