@@ -88,6 +88,9 @@ VARIANTS = {
     "fsdp2-hsdp": ("fsdp2", 2, False, {}, "FSDP2 HSDP"),
     "fsdp2-fsdp": ("fsdp2", 1, False, {}, "FSDP2 FSDP"),
     "ddp": ("ddp", 1, False, {}, "DDP"),
+    # Optional (the bench extra): DeepSpeed ZeRO-3 over all ranks, and hpZ with its secondary partition in the node.
+    "ds-zero3": ("deepspeed", 1, False, {}, "DeepSpeed ZeRO-3 (over all ranks)"),
+    "ds-hpz": ("ds-hpz", 2, False, {}, "DeepSpeed ZeRO++ hpZ (secondary partition in the node)"),
     "sf-hsdp-bf16": ("shardfusion", 2, False, {"outer_comm_dtype": "bf16"}, "shardfusion HSDP, outer bf16"),
     "sf-hsdp-int8": ("shardfusion", 2, False, {"outer_comm_dtype": "int8"}, "shardfusion HSDP, outer int8"),
     "sf-diloco-8": ("shardfusion", 2, False, {"diloco": 8}, "shardfusion DiLoCo H=8"),
@@ -97,6 +100,8 @@ VARIANTS = {
     "sf-diloco-32-int8": ("shardfusion", 2, False, {"diloco": 32, "diloco_comm_dtype": "int8"},
                           "shardfusion DiLoCo H=32, int8 pseudo-gradients"),
 }
+OPTIONAL = ("ds-zero3", "ds-hpz")
+"""Variants left out by default: they need DeepSpeed."""
 COMPRESSED = ("sf-hsdp-bf16", "sf-hsdp-int8")
 DILOCO_KEYS = ("diloco", "diloco_comm_dtype")
 """Spec keys that are not ``fully_shard``'s: ``"diloco": H`` makes a ``sf.DiLoCo(model, topo, every=H)`` after
@@ -598,7 +603,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.link", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--rates", default=DEFAULT_RATES, help="comma-separated link rates (tc units, or unlimited)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from " + ",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(v for v in VARIANTS if v not in OPTIONAL),
+                   help="comma-separated, from " + ",".join(VARIANTS) + " (" + ",".join(OPTIONAL) + " need the bench "
+                        "extra: pip install -e '.[bench]')")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant per repeat (DiLoCo variants: "
