@@ -41,6 +41,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardfusion import accounting, comm
 from shardfusion.live_memory import PARTS, LiveMemory, model_storages
@@ -67,7 +68,8 @@ class RankFigures:
         memory: after the step, before ``zero_grad``: ``params`` (this rank's shards), ``grads`` (sharded
             gradients), ``optimizer`` (state), and the step's peaks: ``full_params`` / ``full_grads`` (largest total
             of gathered parameter / full gradient buffers alive at once), ``activations`` (live bytes at the end of
-            the last forward minus those before it: what backward keeps), ``other_peak`` (largest live bytes outside
+            a forward minus those before it: what backward keeps; for a step that runs its own backwards, a pipeline
+            schedule's, the peak of ``other``), ``other_peak`` (largest live bytes outside
             the parameters, gradients, optimizer state and full buffers: activations and temporaries), ``peak`` (the
             largest live total), ``largest_full_unit`` (the largest unit's gathered parameters).
         collectives: one row per (op, group label, group size): ``count``, ``bytes`` (logical), ``wire_bytes`` (sent
@@ -292,30 +294,38 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
     manager factory entered around the step only (e.g. another recorder of its collectives).
     """
     import shardfusion as sf
+    from shardfusion._runtime.state import is_sharded
 
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     seconds: dict[str, float] = {}
     coords = {a: getattr(topo, f"{a}_rank") for a in ("dp", "pp", "sep", "cp", "mp", "ep", "outer", "inner")}
-    tracker = LiveMemory()
+    tracker, p2p = LiveMemory(), _SendRecorder(ranks_per_node)
     with tracker:
         t = time.perf_counter()
         with torch.device("meta"):
-            module = build(topo)
-        model = sf.fully_shard(module, topo, device=device, **(fully_shard or {}))
-        opt = optimizer(model.parameters())
+            built = build(topo)
+        models = list(built) if isinstance(built, (list, tuple)) else [built]
+        models = [m if is_sharded(m) else sf.fully_shard(m, topo, device=device, **(fully_shard or {}))
+                  for m in models]
+        model = models if isinstance(built, (list, tuple)) else models[0]
+        opt = optimizer([p for m in models for p in m.parameters()])
         tracker.watch = model_storages(model, opt)
         seconds["wrap"] = time.perf_counter() - t
         t = time.perf_counter()
         largest_unit = max((sum(g.full.numel() * g.full.element_size() for g in u.groups if g.full is not g.shard)
-                            for u in sf.get_units(model)), default=0)
+                            for m in models for u in sf.get_units(m)), default=0)
         tracker.reset_peak()
         activations = 0
-        with comm.CommCounter(ranks_per_node) as counter, (step_context or contextlib.nullcontext)():
+        with comm.CommCounter(ranks_per_node) as counter, p2p, (step_context or contextlib.nullcontext)():
             for i in range(micro_batches):
                 if micro_batches > 1:
-                    sf.set_requires_gradient_sync(model, i == micro_batches - 1)
+                    for m in models:
+                        sf.set_requires_gradient_sync(m, i == micro_batches - 1)
                 before = tracker.sample().total
                 loss = step(model, topo)
+                if loss is None:  # the step ran its own backwards (a pipeline schedule): its peak stands for them
+                    activations = max(activations, tracker.part_peaks["other"])
+                    continue
                 activations = max(activations, tracker.sample().total - before)
                 loss.backward()
             if max_norm is not None:
@@ -328,8 +338,35 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
     memory.update(full_params=tracker.part_peaks["full_params"], full_grads=tracker.part_peaks["full_grads"],
                   activations=activations, other_peak=tracker.part_peaks["other"], peak=tracker.peak.total,
                   largest_full_unit=largest_unit)
-    return RankFigures(topo.rank, coords, kind, memory, _collectives(counter, ranks_per_node),
+    return RankFigures(topo.rank, coords, kind, memory, _collectives(counter, ranks_per_node) + p2p.rows(),
                        counter.summary(ranks_per_node), seconds)
+
+
+class _SendRecorder(TorchDispatchMode):
+    """The point-to-point sends of a step (pipeline activations and their gradients), which ``CommCounter`` does
+    not see: one row like :func:`_collectives`' (op ``p2p_send``), bytes within / across nodes by the peer's node."""
+
+    def __init__(self, ranks_per_node: int) -> None:
+        super().__init__()
+        self.ranks_per_node = ranks_per_node
+        self.row = {"op": "p2p_send", "label": "pp", "group_size": 2, "count": 0, "bytes": 0, "wire_bytes": 0.0,
+                    "within_bytes": 0.0, "across_bytes": 0.0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.c10d.send.default:  # (tensors, process group, peer's group rank, tag)
+            tensors, group, peer = args[0], args[1], args[2]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            pg = dist.ProcessGroup.unbox(group) if hasattr(dist.ProcessGroup, "unbox") else group
+            dst = dist.get_global_rank(pg, peer)
+            across = dst // self.ranks_per_node != dist.get_rank() // self.ranks_per_node
+            self.row["count"] += 1
+            self.row["bytes"] += nbytes
+            self.row["wire_bytes"] += nbytes
+            self.row["across_bytes" if across else "within_bytes"] += nbytes
+        return func(*args, **(kwargs or {}))
+
+    def rows(self) -> list[dict]:
+        return [dict(self.row)] if self.row["count"] else []
 
 
 def _collectives(counter, ranks_per_node: int) -> list[dict]:

@@ -49,16 +49,16 @@ def _storages(tensors: Iterable) -> dict[int, torch.UntypedStorage]:
     return out
 
 
-def model_storages(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None
-                   ) -> Callable[[], dict[str, dict]]:
+def model_storages(model, optimizer: Optional[torch.optim.Optimizer] = None) -> Callable[[], dict[str, dict]]:
     """A function that returns ``{part: {storage id: storage}}`` for the parts ``params``, ``grads``, ``optimizer``,
-    ``full_params`` and ``full_grads`` of a model (sharded by ``fully_shard`` or not) and its optimizer, as they are
-    when it is called (the parameters and flat buffers are listed once, here; their gradients and the optimizer
-    state are read at each call)."""
+    ``full_params`` and ``full_grads`` of a model (sharded by ``fully_shard`` or not; or a list of them, e.g. the
+    pipeline stages of a rank) and its optimizer, as they are when it is called (the parameters and flat buffers
+    are listed once, here; their gradients and the optimizer state are read at each call)."""
     from shardfusion._runtime.state import flat_buffers, is_sharded
 
-    params = list(model.parameters())
-    buffers = list(flat_buffers(model)) if is_sharded(model) else []
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
+    params = [p for m in models for p in m.parameters()]
+    buffers = [fb for m in models if is_sharded(m) for fb in flat_buffers(m)]
 
     def parts() -> dict[str, dict]:
         state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()]

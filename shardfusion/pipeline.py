@@ -142,6 +142,16 @@ class PipelineStage(_TorchPipelineStage):
             keep_gathered = self._sharded and not any(u.reshard_after_forward for u in self._state.units)
         self.keep_gathered = bool(keep_gathered) and self._sharded
 
+    # torch's schedules open with a vote over the pipeline (a product of 0/1 sent stage to stage, read back with
+    # .item()) on whether every stage's shapes are static. A dry run (shardfusion.dry_run: fake group, fake tensors)
+    # sends the same votes, but has no value to read: its stages are built from input_args / output_args, so the
+    # result is "static" (memoized on the fake tensor, where .item() reads it).
+    def _warmup_backward_result(self, received_result=None):
+        result = super()._warmup_backward_result(received_result=received_result)
+        if comm.is_fake(self.group):
+            _memoize_one(result)
+        return result
+
     def forward_one_chunk(self, *args, **kwargs):
         if self.keep_gathered and torch.is_grad_enabled():  # a training step: gathered until its last backward
             self._state.keep_gathered = True
@@ -243,3 +253,11 @@ def build_schedule(kind: str, stages: list[PipelineStage], n_microbatches: int, 
         raise ValueError(f"n_microbatches must be an int >= 1, got {n_microbatches!r}")
     target = stages[0] if single else stages
     return classes[kind](target, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+
+
+def _memoize_one(vote: torch.Tensor) -> None:
+    """Make a dry run's fake vote read as 1 (see ``PipelineStage._warmup_backward_result``)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(vote, FakeTensor):
+        vote.item_memo = 1

@@ -16,7 +16,8 @@ handed off right after its reduce-scatter is issued (``FlatBuffer.hand_off_sync`
   next unit's can follow it onto the link at once; a compressed one, a sequence of collectives, runs to its end).
   The backward's thread never waits for it; only the worker issues collectives on the replicate group until
   ``join`` (the step boundary), and the all-reduces are waited for where their buffer takes the result back;
-- for device tensors (NCCL) the same runs inline at the hand-off: waits there only order streams, the host goes on.
+- for device tensors (NCCL) the same runs inline at the hand-off: waits there only order streams, the host goes on;
+  so it does in a dry run (``shardfusion.dry_run``: fake groups and tensors, one thread).
 
 The replicate group is a group of its own (``Topology``'s ``replicate`` twin), so the worker's all-reduces never
 share a group with the backward's all-gathers and reduce-scatters. Buffers whose replicate group is shared with other
@@ -120,7 +121,8 @@ class ReplicateSyncQueue:
         """Run ``job`` after every job submitted before it: now, for a device tensor; on the worker thread, for a CPU
         one. Never blocks the caller on CPU; errors are kept in the job (raised by ``OverlappedSync.result``)."""
         self._pending.append(job)
-        if job.target.device.type != "cpu":
+        # a dry run's fake tensors (shardfusion.dry_run) are not for two threads at once: inline, as on a device
+        if job.target.device.type != "cpu" or comm.is_fake():
             job.run()
             return
         if self._thread is None:

@@ -78,12 +78,12 @@ def check_flags(config: TrainConfig) -> None:
     if config.world is not None and config.world < 1:
         raise ValueError(f"--world {config.world} must be >= 1")
     bandwidths(config)
-    refuse_first([("--pp", config.pp, config.pp != 1), ("--mp", config.mp, config.mp != 1),
+    refuse_first([("--mp", config.mp, config.mp != 1),
                   ("--optimizer", config.optimizer, config.optimizer != "adamw"),
                   ("--outer-sync", config.outer_sync, config.outer_sync != "every-step"),
                   ("--ft-lighthouse", config.ft_lighthouse, config.ft_lighthouse is not None),
                   ("--fsdp-outer-degree", config.fsdp_outer_degree, config.fsdp_outer_degree == "auto"),
                   ("--init-from", config.init_from, config.init_from is not None)],
-                 "--dry-run", "a dry run plays FSDP/HSDP with AdamW, ep and cp (no --pp, --mp, --optimizer muon, "
+                 "--dry-run", "a dry run plays FSDP/HSDP with AdamW, ep, cp and pp (no --mp, --optimizer muon, "
                  "--outer-sync diloco, --ft-lighthouse, --fsdp-outer-degree auto or --init-from yet); see "
                  "docs/dry-run.md")

@@ -32,7 +32,7 @@ def prepare(config: TrainConfig) -> tuple[TrainConfig, int, int]:
     if world % ranks_per_node:
         raise ValueError(f"--ranks-per-node {ranks_per_node} must divide --world {world}")
     config = resolve(config, device="cuda", world_size=world)
-    degrees = sf.topology.Degrees(world_size=world, ep=config.ep, cp=config.cp,
+    degrees = sf.topology.Degrees(world_size=world, ep=config.ep, cp=config.cp, pp=config.pp,
                                   fsdp_outer_degree=config.fsdp_outer_degree)
     check_batch(config, dp_world=degrees.dp * degrees.sharding, world=f"--world {world}")
     return config, world, ranks_per_node
@@ -53,13 +53,27 @@ def run(config: TrainConfig) -> int:
                                         grad_comm_dtype=_dtype(config.grad_comm_dtype))
     job = job_model.build(config, None, torch.device("cpu"))  # on meta: the units and the figures of the header
 
+    pipe = []  # --pp > 1: the played rank's PipelineRun (its stages, sharded, and its schedule)
+
     def build(topo):
-        nonlocal job
-        job = job_model.build(config, topo.get_group("ep"), torch.device("cpu"),
-                              context_group=topo.get_group("context"))
-        return job.module
+        if config.pp > 1:
+            from shardfusion.train.job_pipeline import PipelineRun
+
+            rpn = ranks_per_node
+            pipe[:] = [PipelineRun(config, topo, torch.device("cpu"), mp_policy, node_of=lambda r: r // rpn)]
+            return pipe[0].models
+        return job_model.build(config, topo.get_group("ep"), torch.device("cpu"),
+                               context_group=topo.get_group("context")).module
 
     def step(model, topo):
+        if pipe:  # the schedule runs every micro-batch's forward and backward (the rows of --grad-accum steps)
+            run = pipe[0]
+            rows = config.grad_accum * config.batch_size
+            tokens = torch.randint(0, config.model_config().vocab_size, (rows, job.seq_len + 1))  # fake
+            args = (tokens[:, :-1],) if run.has_first else ()
+            kwargs = {"target": tokens[:, 1:], "losses": []} if run.has_last else {}
+            run.schedule.step(*args, return_outputs=False, **kwargs)
+            return None
         batch = config.global_batch_size // (topo.dp * topo.sharding)
         tokens = torch.randint(0, config.model_config().vocab_size, (batch, job.seq_len + 1))  # (B, T + 1), fake
         x, y = tokens[:, :-1], tokens[:, 1:]
@@ -75,9 +89,9 @@ def run(config: TrainConfig) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's notes on fake tensors' data pointers and deprecated names
         report = sf.dry_run(build, step, world_size=world, ranks_per_node=ranks_per_node,
-                            topology={"ep": config.ep, "cp": config.cp,
+                            topology={"ep": config.ep, "cp": config.cp, "pp": config.pp,
                                       "fsdp_outer_degree": config.fsdp_outer_degree},
-                            fully_shard=fully_shard, micro_batches=config.grad_accum, max_norm=config.clip or None,
+                            fully_shard=fully_shard, micro_batches=1 if config.pp > 1 else config.grad_accum, max_norm=config.clip or None,
                             bandwidth=Bandwidth(within=within, across=across))
     header = (f"shardfusion: dry run of {job.name} ({job.num_params:,} parameters), global batch "
               f"{config.global_batch_size} x {job.seq_len} tokens, {config.grad_accum} micro-batch(es) per step")
