@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -273,7 +274,9 @@ def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_k
     try:
         topo = sf.Topology(**topo_kwargs)
         topology_s = time.perf_counter() - t
-        with fake_mode_cls(allow_non_fake_inputs=True):
+        with fake_mode_cls(allow_non_fake_inputs=True), warnings.catch_warnings():
+            # torch notes that a fake tensor's data_ptr() is not a real one: the runtime only compares them
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             fig = measure_step(build, step, topo, ranks_per_node=ranks_per_node, fully_shard=fs_kwargs,
                                optimizer=optimizer, micro_batches=micro_batches, max_norm=max_norm, kind=kind)
         fig.seconds["topology"] = topology_s

@@ -1,0 +1,137 @@
+"""The dry run (shardfusion.dry_run) in this process, on torch's fake process group: its figures against theory (the
+flat buffers' sizes, the step's collectives, the cost model's bytes, which sf.plan computes from formulas, not from
+the runtime), the kinds of rank it plays, the even MoE router it assumes, and its argument errors. The comparison
+with measured runs of real processes: tests/distributed/test_dry_run.py and benchmarks/dry_run_check.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardfusion as sf
+from shardfusion.dry_run import kinds_of
+from shardfusion.models.gpt import GPT, Block, GPTConfig
+from shardfusion.moe import _even_routing
+from shardfusion.topology import Degrees
+
+CONFIG = GPTConfig(n_layer=3, n_head=2, d_model=64, seq_len=32)
+BATCH = 2
+
+
+def _build(topo):
+    return GPT(CONFIG, ep_group=topo.get_group("ep") if CONFIG.n_experts else None)
+
+
+def _step(model, topo):
+    x = torch.randint(0, 256, (BATCH, CONFIG.seq_len))  # fake tensors inside the dry run
+    return model(x, x)[1]
+
+
+@pytest.fixture(scope="module")
+def w1024():
+    """A 1,024-rank HSDP job: nodes of 8, inner 8 (one node), 128 replicas."""
+    return sf.dry_run(_build, _step, world_size=1024, ranks_per_node=8, topology={"fsdp_outer_degree": 128},
+                      fully_shard={"units": (Block,)})
+
+
+def test_memory_is_the_shards_and_adamw_state(w1024) -> None:
+    (rank,) = w1024.ranks
+    assert rank.kind == "all ranks" and rank.rank == 0
+    elements = sum(p.numel() for p in _build_meta().parameters())  # a tied weight once
+    # fp32 shards over inner 8; shards cut on row boundaries pad a small model by a few % (2.4 % here; the table in
+    # docs/shape-true-parameters.md)
+    shard_bytes = rank.memory["params"]
+    assert elements / 8 * 4 <= shard_bytes <= 1.05 * elements / 8 * 4
+    assert rank.memory["grads"] == shard_bytes
+    # AdamW: two fp32 moments per element, and a 0-dim fp32 step per parameter
+    assert rank.memory["optimizer"] == 2 * shard_bytes + 4 * len(list(_build_meta().parameters()))
+    # one unit at a time gathered, plus the prefetched one and the root: never the whole model
+    assert rank.memory["largest_full_unit"] > 0
+    assert rank.memory["full_params"] < 8 * shard_bytes
+    assert rank.memory["activations"] > 0 and rank.memory["peak"] >= rank.memory["params"] + rank.memory["grads"]
+
+
+def _build_meta():
+    with torch.device("meta"):
+        return GPT(CONFIG)
+
+
+def test_collectives_follow_the_step(w1024) -> None:
+    rows = {(c["op"], c["label"]): c for c in w1024.ranks[0].collectives}
+    n = CONFIG.n_layer
+    gather = rows[("all_gather", "fsdp_inner+expert_inner")]
+    assert gather["count"] == 2 * n + 1 and gather["group_size"] == 8  # blocks twice (after_forward), root once
+    assert gather["across_bytes"] == 0  # the inner group is one node
+    scatter = rows[("reduce_scatter", "fsdp_inner_reduce+expert_inner_reduce")]
+    assert scatter["count"] == n + 1 and scatter["across_bytes"] == 0
+    replicate = rows[("all_reduce", "replicate")]
+    assert replicate["count"] == n + 1 and replicate["group_size"] == 128
+    # a ring over 128 ranks on 128 nodes: every hop crosses a node
+    assert replicate["within_bytes"] == 0 and replicate["across_bytes"] == pytest.approx(replicate["wire_bytes"])
+
+
+def test_bytes_equal_the_cost_model(w1024) -> None:
+    """The runtime's recorded bytes (dry run) against sf.plan's formulas for the same layout."""
+    rank, plan = w1024.ranks[0], w1024.plan
+    bulk = [c for c in rank.collectives if c["label"] != "world"]  # the clipping scalar is not in the model
+    assert sum(c["within_bytes"] for c in bulk) == pytest.approx(plan.within_bytes, rel=1e-9)
+    assert sum(c["across_bytes"] for c in bulk) == pytest.approx(plan.across_bytes, rel=1e-9)
+    assert plan.outer == 128 and plan.inner == 8 and plan.step_s > 0
+    text = w1024.table()
+    assert "world 1024 = 128 nodes x 8 ranks" in text and "predicted step" in text
+
+
+def test_pipeline_stages_are_the_kinds() -> None:
+    assert kinds_of(Degrees(world_size=16)) == [(0, "all ranks")]
+    assert kinds_of(Degrees(world_size=16, pp=2)) == [(0, "pp stage 0"), (8, "pp stage 1")]
+    assert [r for r, _ in kinds_of(Degrees(world_size=32, pp=4, fsdp_outer_degree=2))] == [0, 8, 16, 24]
+
+
+def test_even_router() -> None:
+    # 10 assignments over 4 experts on 2 ep ranks: 3, 3, 2, 2
+    assert _even_routing(10, 4, 2, 0) == {"send": [6, 4], "recv": [6, 6], "expert_sizes": [6, 6]}
+    assert _even_routing(10, 4, 2, 1) == {"send": [6, 4], "recv": [4, 4], "expert_sizes": [4, 4]}
+    for rank in range(4):
+        plan = _even_routing(1000, 8, 4, rank)
+        assert sum(plan["send"]) == 1000 and sum(plan["recv"]) == sum(plan["expert_sizes"])
+
+
+def test_moe_expert_ranks() -> None:
+    global CONFIG
+    saved, CONFIG = CONFIG, GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=32, n_experts=4, top_k=2)
+    try:
+        report = sf.dry_run(_build, _step, world_size=64, ranks_per_node=8, topology={"fsdp_outer_degree": 8, "ep": 2},
+                            fully_shard={"units": (Block,)})
+    finally:
+        CONFIG = saved
+    rows = {c["op"]: c for c in report.ranks[0].collectives if c["op"] == "all_to_all"}
+    # dispatch and combine per layer, forward and backward, plus the counts exchange: 5 per layer
+    assert rows["all_to_all"]["count"] == 2 * 5 and rows["all_to_all"]["across_bytes"] == 0
+    assert any("even router" in n for n in report.notes)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"world_size": 0}, "world_size must be an int >= 1, got 0"),
+    ({"ranks_per_node": 3}, "ranks_per_node(3) must divide world_size(16)"),
+    ({"backend": "mpi"}, "backend must be 'nccl' or 'gloo', got 'mpi'"),
+    ({"fully_shard": {"device": "cpu"}}, "fully_shard: a dry run picks the device itself"),
+    ({"ranks": [16]}, "ranks: 16 is not a rank of world_size(16)"),
+    ({"topology": {"fsdp_outer_degree": 3}}, "fsdp_outer_degree"),
+    ({"micro_batches": 0}, "micro_batches must be an int >= 1, got 0"),
+])
+def test_argument_errors(kwargs: dict, words: str) -> None:
+    args = {"world_size": 16, "ranks_per_node": 8, **kwargs}
+    with pytest.raises(ValueError) as error:
+        sf.dry_run(_build, _step, **args)
+    assert words in str(error.value), str(error.value)
+    assert not dist.is_initialized()
+
+
+def test_refused_beside_a_process_group() -> None:
+    dist.init_process_group("fake", rank=0, world_size=2)
+    try:
+        with pytest.raises(ValueError, match="dry_run needs a process without a process group"):
+            sf.dry_run(_build, _step, world_size=16, ranks_per_node=8)
+    finally:
+        dist.destroy_process_group()
