@@ -1,0 +1,118 @@
+"""What a dry run itself costs at cluster scale: wall time and peak memory of `sf.dry_run` at 1,024, 4,096 and 16,384
+ranks, each in a fresh process, with the time of the topology's construction apart.
+
+    python -m benchmarks.dry_run_scale                        # results/dry-run-scale.{json,md}
+    python -m benchmarks.dry_run_scale --worlds 1024 --model 7b
+
+The job played: a GPT of the shape ``--model`` (``7b``: 32 layers of width 4096, 32 heads, 4,096 tokens, a
+32,000-token vocabulary, untied head, 6.7B parameters; ``small``: 4 layers of 128), bf16 compute and fp32 shards,
+one sequence per rank per micro-batch, HSDP with inner 8 (one node of 8 ranks) and world / 8 replicas, AdamW.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+REPO = Path(__file__).resolve().parent.parent
+MODELS = {
+    "7b": {"n_layer": 32, "n_head": 32, "d_model": 4096, "seq_len": 4096, "vocab_size": 32000,
+           "tie_embeddings": False},
+    "small": {"n_layer": 4, "n_head": 4, "d_model": 128, "seq_len": 128},
+}
+RANKS_PER_NODE = 8
+
+
+def child(world: int, model: str) -> dict:
+    """One dry run in this (fresh) process; its figures and costs."""
+    import resource
+
+    import torch
+
+    import shardfusion as sf
+    from shardfusion.models.gpt import GPT, Block, GPTConfig
+
+    t0 = time.perf_counter()
+    config = GPTConfig(**MODELS[model])
+
+    def step(m, topo):
+        x = torch.randint(0, config.vocab_size, (1, config.seq_len))
+        return m(x, x)[1]
+
+    report = sf.dry_run(lambda topo: GPT(config), step, world_size=world, ranks_per_node=RANKS_PER_NODE,
+                        topology={"fsdp_outer_degree": world // RANKS_PER_NODE},
+                        fully_shard={"units": (Block,), "mp_policy": sf.MixedPrecisionPolicy(
+                            param_dtype=torch.bfloat16, grad_comm_dtype=torch.float32)})
+    rank = report.ranks[0]
+    return {"world": world, "model": model, "params": sum(p.numel() for p in _meta(config).parameters()),
+            "wall_s": time.perf_counter() - t0, "dry_run_s": report.seconds, "seconds": rank.seconds,
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "memory": rank.memory, "wire_bytes": rank.wire_bytes, "across_bytes": rank.across_bytes,
+            "step_s": report.plan.step_s if report.plan is not None else None, "table": report.table()}
+
+
+def _meta(config):
+    import torch
+
+    from shardfusion.models.gpt import GPT
+
+    with torch.device("meta"):
+        return GPT(config)
+
+
+def markdown(rows: list[dict]) -> str:
+    gib = 2**30
+    lines = ["# The dry run's own cost at cluster scale", "",
+             f"{time.strftime('%Y-%m-%d')}; {os.cpu_count()} CPU cores; each world size in a fresh process "
+             "(`python -m benchmarks.dry_run_scale`). Model and layout: the module doc of `benchmarks/dry_run_scale.py`.",
+             "", "| ranks | parameters | topology s | wrap s | step s | dry run s | process wall s | peak RSS | "
+             "played rank: persistent | peak | sent per step | across nodes | predicted comm step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m, s = r["memory"], r["seconds"]
+        persistent = m["params"] + m["grads"] + m["optimizer"]
+        lines.append(f"| {r['world']:,} | {r['params'] / 1e9:.2f}B | {s['topology']:.1f} | {s['wrap']:.1f} | "
+                     f"{s['step']:.1f} | {r['dry_run_s']:.1f} | {r['wall_s']:.1f} | {r['max_rss_bytes'] / gib:.2f} GiB"
+                     f" | {persistent / gib:.2f} GiB | {m['peak'] / gib:.2f} GiB | {r['wire_bytes'] / 1e9:.2f} GB | "
+                     f"{r['across_bytes'] / 1e9:.3f} GB | {r['step_s'] * 1e3:.1f} ms |")
+    lines += ["", "The report of the largest run:", "", "```", rows[-1]["table"], "```"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", default="1024,4096,16384")
+    p.add_argument("--model", default="7b", choices=sorted(MODELS))
+    p.add_argument("--name", default="dry-run-scale")
+    p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child is not None:
+        print(json.dumps(child(args.child, args.model)))
+        return 0
+    rows = []
+    for world in (int(w) for w in args.worlds.split(",")):
+        out = subprocess.run([sys.executable, "-m", "benchmarks.dry_run_scale", "--child", str(world), "--model",
+                              args.model], cwd=REPO, check=True, capture_output=True, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(f"world {world}: {rows[-1]['wall_s']:.1f} s, {rows[-1]['max_rss_bytes'] / 2**30:.2f} GiB", flush=True)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{args.name}.json").write_text(json.dumps(rows, indent=1))
+    md = markdown(rows)
+    (out_dir / f"{args.name}.md").write_text(md + "\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
