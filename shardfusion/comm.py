@@ -53,6 +53,25 @@ _emulated_backend = {"fake": "nccl"}
 it records are those that backend would run (gloo issues its reduce-scatters as all-to-alls)."""
 
 
+_fake_completion = {"at_once": True}
+"""Whether a dry run's fake collectives report themselves complete as soon as they are issued (the case where
+communication keeps up with compute), or only when waited for (the slowest case: a unit's full gradient buffer is
+then freed at the end of the backward). ``shardfusion.dry_run`` runs the step both ways."""
+
+
+class _DoneWork:
+    """A fake group's work handle that reports itself complete (``_fake_completion["at_once"]``)."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def is_completed(self) -> bool:
+        return True
+
+    def __getattr__(self, name: str):
+        return getattr(self.work, name)
+
+
 def backend(group: Optional[ProcessGroup] = None) -> str:
     """The backend of ``group``, or for a dry run's fake group the one it emulates (``"nccl"`` unless set)."""
     name = str(dist.get_backend(group))
@@ -239,6 +258,8 @@ def _issue(rec: Optional[CommRecord], call, *args, async_op: bool = False, what:
     finally:
         if rec is not None:
             rec.wait_s += time.perf_counter() - t0
+    if async_op and work is not None and _fake_completion["at_once"] and is_fake(kwargs.get("group")):
+        work = _DoneWork(work)
     return TimedWork(work, rec) if rec is not None and async_op and work is not None else work
 
 

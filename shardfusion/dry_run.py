@@ -72,11 +72,14 @@ class RankFigures:
             a forward minus those before it: what backward keeps; for a step that runs its own backwards, a pipeline
             schedule's, the peak of ``other``), ``other_peak`` (largest live bytes outside
             the parameters, gradients, optimizer state and full buffers: activations and temporaries), ``peak`` (the
-            largest live total), ``largest_full_unit`` (the largest unit's gathered parameters).
+            largest live total), ``largest_full_unit`` (the largest unit's gathered parameters). These with every
+            collective complete as soon as issued (communication keeps up); with ``dry_run(bounds=True)`` also
+            ``full_grads_bound``, ``other_peak_bound``, ``peak_bound``: with none complete before it is waited for
+            (a unit's full gradient buffer then lives to the end of the backward): the most the step can hold.
         collectives: one row per (op, group label, group size): ``count``, ``bytes`` (logical), ``wire_bytes`` (sent
             by this rank), ``within_bytes`` / ``across_bytes`` (of the wire bytes, to the same node / other nodes).
         categories: :meth:`CommCounter.summary` (per accounting category).
-        seconds: time of the dry run of this rank: ``topology``, ``wrap``, ``step``.
+        seconds: time of the dry run of this rank: ``topology``, ``wrap``, ``step`` (and ``step_bound``).
     """
 
     rank: int
@@ -130,9 +133,10 @@ class DryRun:
             m = r.memory
             out.append(f"rank {r.rank} ({r.kind}; " + ", ".join(f"{k} {v}" for k, v in r.coordinates.items()
                                                                  if k != "world_size") + ")")
-            out.append("  memory: " + ", ".join(f"{k} {_size(m[k])}" for k in
-                                                ("params", "grads", "optimizer", "full_params", "full_grads",
-                                                 "activations", "other_peak", "peak")))
+            out.append("  memory: " + ", ".join(
+                f"{k} {_size(m[k])}" + (f" (at most {_size(m[k + '_bound'])})" if k + "_bound" in m else "")
+                for k in ("params", "grads", "optimizer", "full_params", "full_grads", "activations", "other_peak",
+                          "peak")))
             persistent = m["params"] + m["grads"] + m["optimizer"]
             out.append(f"  persistent (params + grads + optimizer) {_size(persistent)}; largest unit gathered "
                        f"{_size(m['largest_full_unit'])}")
@@ -182,7 +186,7 @@ def kinds_of(degrees: Degrees) -> list[tuple[int, str]]:
 def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, topology: Optional[dict] = None,
             fully_shard: Optional[dict] = None, optimizer: Callable = None, micro_batches: int = 1,
             max_norm: Optional[float] = 1.0, ranks: Optional[Sequence[int]] = None, backend: str = "nccl",
-            bandwidth: Optional[Bandwidth] = None, plan_model: bool = True) -> DryRun:
+            bandwidth: Optional[Bandwidth] = None, plan_model: bool = True, bounds: bool = True) -> DryRun:
     """Play one optimizer step of a ``world_size``-rank job in this process and report, for each kind of rank, its
     memory and its collectives (see [Note: dry run]).
 
@@ -206,6 +210,9 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
             all-to-all with a full-size receive buffer).
         bandwidth: links for the predicted step time (default :data:`DEFAULT_BANDWIDTH`).
         plan_model: run the cost model (:func:`shardfusion.plan`) on a second meta copy of the model.
+        bounds: play each rank's step twice: with every collective complete as soon as it is issued
+            (communication keeps up with compute: the figures), then with none complete before it is waited for
+            (``full_grads_bound``, ``other_peak_bound``, ``peak_bound``: the most the step can hold). False: once.
 
     Returns:
         :class:`DryRun`.
@@ -250,7 +257,7 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
     try:
         for rank, kind in played:
             fig, layout = _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_kwargs,
-                                optimizer, micro_batches, max_norm, FakeTensorMode, sf)
+                                optimizer, micro_batches, max_norm, bounds, FakeTensorMode, sf)
             figures.append(fig)
     finally:
         comm._emulated_backend["fake"] = saved_backend
@@ -267,21 +274,33 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
 
 
 def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_kwargs, optimizer, micro_batches,
-          max_norm, fake_mode_cls, sf) -> tuple[RankFigures, str]:
-    """One rank: fake group, topology, then :func:`measure_step` on fake tensors."""
+          max_norm, bounds, fake_mode_cls, sf) -> tuple[RankFigures, str]:
+    """One rank: fake group, topology, then :func:`measure_step` on fake tensors, with the collectives complete as
+    soon as issued and, with ``bounds``, again with none complete before it is waited for."""
     t = time.perf_counter()
     dist.init_process_group("fake", rank=rank, world_size=world_size)
     try:
         topo = sf.Topology(**topo_kwargs)
         topology_s = time.perf_counter() - t
-        with fake_mode_cls(allow_non_fake_inputs=True), warnings.catch_warnings():
-            # torch notes that a fake tensor's data_ptr() is not a real one: the runtime only compares them
-            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-            fig = measure_step(build, step, topo, ranks_per_node=ranks_per_node, fully_shard=fs_kwargs,
-                               optimizer=optimizer, micro_batches=micro_batches, max_norm=max_norm, kind=kind)
+        runs = []
+        for at_once in (True, False) if bounds else (True,):
+            comm._fake_completion["at_once"] = at_once
+            with fake_mode_cls(allow_non_fake_inputs=True), warnings.catch_warnings():
+                # torch notes that a fake tensor's data_ptr() is not a real one: the runtime only compares them
+                warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+                runs.append(measure_step(build, step, topo, ranks_per_node=ranks_per_node, fully_shard=fs_kwargs,
+                                         optimizer=optimizer, micro_batches=micro_batches, max_norm=max_norm,
+                                         kind=kind))
+        fig = runs[0]
+        if bounds:  # the same collectives; the buffers that wait for them live longer
+            slow = runs[1]
+            for part in ("full_grads", "other_peak", "peak"):
+                fig.memory[f"{part}_bound"] = slow.memory[part]
+            fig.seconds["step_bound"] = slow.seconds["step"]
         fig.seconds["topology"] = topology_s
         return fig, topo.describe()
     finally:
+        comm._fake_completion["at_once"] = True
         dist.destroy_process_group()
 
 

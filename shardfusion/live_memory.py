@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -43,7 +44,9 @@ class MemorySample:
 def _storages(tensors: Iterable) -> dict[int, torch.UntypedStorage]:
     out = {}
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+        # a fake tensor stands for a tensor on its fake_device (asking it is_meta would dispatch an op); a meta one
+        # (e.g. a pipeline stage's shape records) holds nothing
+        if (t.fake_device.type != "meta") if type(t) is FakeTensor else (isinstance(t, torch.Tensor) and not t.is_meta):
             st = t.untyped_storage()
             out[st._cdata] = st
     return out
@@ -52,20 +55,27 @@ def _storages(tensors: Iterable) -> dict[int, torch.UntypedStorage]:
 def model_storages(model, optimizer: Optional[torch.optim.Optimizer] = None) -> Callable[[], dict[str, dict]]:
     """A function that returns ``{part: {storage id: storage}}`` for the parts ``params``, ``grads``, ``optimizer``,
     ``full_params`` and ``full_grads`` of a model (sharded by ``fully_shard`` or not; or a list of them, e.g. the
-    pipeline stages of a rank) and its optimizer, as they are when it is called (the parameters and flat buffers
-    are listed once, here; their gradients and the optimizer state are read at each call)."""
+    pipeline stages of a rank) and its optimizer, as they are when it is called. The parameters (a sharded model's
+    fragments live in its shards) and flat buffers are listed once, here; the gradients, the full buffers and the
+    optimizer state are read at each call (the optimizer's tensors again only when it holds more of them: its steps
+    update them in place)."""
     from shardfusion._runtime.state import flat_buffers, is_sharded
 
     models = list(model) if isinstance(model, (list, tuple)) else [model]
     params = [p for m in models for p in m.parameters()]
     buffers = [fb for m in models if is_sharded(m) for fb in flat_buffers(m)]
+    fixed = _storages(params)
+    optim: dict = {"seen": -1, "storages": {}}
 
     def parts() -> dict[str, dict]:
-        state = [] if optimizer is None else [v for s in optimizer.state.values() for v in s.values()]
-        return {"params": _storages(params), "grads": _storages(p.grad for p in params),
-                "optimizer": _storages(state),
+        entries = -1 if optimizer is None else sum(len(v) for v in optimizer.state.values())
+        if entries != optim["seen"]:  # new state (tensors made one by one: count them all)
+            optim["seen"] = entries
+            optim["storages"] = _storages(v for s in optimizer.state.values() for v in s.values())
+        return {"params": fixed, "grads": _storages(p.grad for p in params if p.grad is not None),
+                "optimizer": optim["storages"],
                 "full_params": _storages(fb.full for fb in buffers if fb.full is not fb.shard),
-                "full_grads": _storages(fb.grad_full for fb in buffers)}
+                "full_grads": _storages(fb.grad_full for fb in buffers if fb.grad_full is not None)}
 
     return parts
 
@@ -75,7 +85,8 @@ class LiveMemory(TorchDispatchMode):
 
     Use as a context manager around the code to measure (inside ``FakeTensorMode`` for fake tensors). ``watch``
     (called at every sample) returns the current parts (:func:`model_storages`); without it every byte is
-    ``other``.
+    ``other``. The total is kept as storages appear and die; a storage resized in place (a flat buffer's full
+    storage, ``resize_``) is read again whenever it is in a part, or an op returns a tensor on it.
 
     Attributes:
         current: the last :class:`MemorySample`.
@@ -86,7 +97,8 @@ class LiveMemory(TorchDispatchMode):
     def __init__(self, watch: Optional[Callable[[], dict[str, dict]]] = None) -> None:
         """``watch``: e.g. ``model_storages(model, optimizer)``; settable later as the attribute ``watch``."""
         super().__init__()
-        self._live: dict[int, weakref.ref] = {}
+        self._live: dict[int, tuple[weakref.ref, int]] = {}  # storage id -> (storage, bytes when last read)
+        self._total = 0
         self.watch = watch
         self.current = MemorySample()
         self.peak = MemorySample()
@@ -95,11 +107,24 @@ class LiveMemory(TorchDispatchMode):
     def add(self, tensors: Iterable) -> None:
         """Register tensors made before the mode was entered (e.g. a model built eagerly)."""
         for key, st in _storages(tensors).items():
-            self._register(key, st)
+            self._update(key, st)
 
-    def _register(self, key: int, st: torch.UntypedStorage) -> None:
-        if key not in self._live:
-            self._live[key] = weakref.ref(st, lambda _r, k=key: self._live.pop(k, None))
+    def _update(self, key: int, st: torch.UntypedStorage) -> int:
+        """Register ``st`` or read its size again; its bytes now."""
+        size = st.nbytes()
+        entry = self._live.get(key)
+        if entry is None:
+            self._live[key] = (weakref.ref(st, lambda _r, k=key: self._drop(k)), size)
+            self._total += size
+        elif entry[1] != size:
+            self._live[key] = (entry[0], size)
+            self._total += size - entry[1]
+        return size
+
+    def _drop(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self._total -= entry[1]
 
     def reset_peak(self) -> None:
         """Start a new peak from the current sample."""
@@ -108,12 +133,7 @@ class LiveMemory(TorchDispatchMode):
         self.part_peaks = dict(self.current.parts)
 
     def sample(self) -> MemorySample:
-        """Add up the live storages now; update ``current``, ``peak`` and ``part_peaks``."""
-        live = {}
-        for key, ref in list(self._live.items()):
-            st = ref()
-            if st is not None:
-                live[key] = st.nbytes()
+        """The live bytes now, by part; update ``current``, ``peak`` and ``part_peaks``."""
         parts = {p: 0 for p in PARTS}
         if self.watch is not None:
             seen: set[int] = set()
@@ -121,20 +141,20 @@ class LiveMemory(TorchDispatchMode):
                 for key, st in storages.items():
                     if key not in seen:
                         seen.add(key)
-                        self._register(key, st)
-                        parts[part] += live.setdefault(key, st.nbytes())
-        total = sum(live.values())
+                        parts[part] += self._update(key, st)
+        total = self._total
         parts["other"] = total - sum(parts.values())
         self.current = MemorySample(total, parts)
         if total > self.peak.total:
             self.peak = self.current
         for p, v in parts.items():
-            self.part_peaks[p] = max(self.part_peaks[p], v)
+            if v > self.part_peaks[p]:
+                self.part_peaks[p] = v
         return self.current
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for key, st in _storages(tree_leaves(out)).items():
-            self._register(key, st)
+            self._update(key, st)
         self.sample()
         return out

@@ -4,9 +4,10 @@ job's pipeline stages (pp 2, 1F1B over 4 micro-batches), each stage a kind of ra
 
 Equal, on the rank the dry run plays: the shards, gradients and optimizer state, the gathered parameter buffers, the
 activations, every collective's count and bytes (within and across the 2 pretended nodes of 2 ranks), the pipeline's
-sends; on the other ranks of its kind the same, but for the optimizer state of their own rows of each parameter. Bounded: the full
-gradient buffers and so the peak: a real rank frees a unit's full gradient once it sees its reduce-scatter complete,
-which depends on timing; the dry run never sees one complete before the backward ends, the largest it can be.
+sends; on the other ranks of its kind the same, but for the optimizer state of their own rows of each parameter.
+Within the dry run's range (5 % either side): the full gradient buffers and so the peak. A real rank frees a unit's full gradient once
+it sees its reduce-scatter complete, which depends on timing; the dry run plays both ends (every collective complete
+as soon as issued, and none before it is waited for).
 The whole table, at W=4 and W=8 and with MoE: benchmarks/dry_run_check.py (docs/dry-run.md).
 """
 
@@ -22,12 +23,12 @@ RANKS_PER_NODE = 2
 EQUAL = ("params", "grads", "optimizer", "full_params", "activations")
 BOUNDED = ("full_grads", "peak")
 CASES = {"hsdp": {"fsdp_outer_degree": 2}, "pp": {"pp": 2}}
-SEQ = 32
+SEQ = 64
 
 
 def _flags() -> list[str]:
     return ["--pp", "2", "--experts", "0", "--batch-size", "4", "--microbatches", "4", "--seq-len", str(SEQ),
-            "--n-layer", "2", "--n-head", "2", "--d-model", "64"]
+            "--n-layer", "2", "--n-head", "4", "--d-model", "128"]
 
 
 def _model(case: str, world: int):
@@ -115,8 +116,12 @@ def test_dry_run_matches_measured(measured, case: str) -> None:
         for m in mine:
             assert m["memory"]["params"] == d.memory["params"]
             assert m["memory"]["optimizer"] == pytest.approx(d.memory["optimizer"], rel=0.01)
-        for part in BOUNDED:
-            assert max(m["memory"][part] for m in mine) <= d.memory[part], (case, d.kind, part)
+        for part in BOUNDED:  # between every collective complete at once and none before it is waited for, 5 %
+            # either side: a gradient finished early also allocates its sharded sum early, so the peak is not
+            # monotone in the timing (measured 0.96 x the "at once" peak on the first pipeline stage)
+            ends = (d.memory[part], d.memory[f"{part}_bound"])
+            for m in mine:
+                assert 0.95 * min(ends) <= m["memory"][part] <= 1.05 * max(ends), (case, d.kind, part, ends)
         for m in mine:
             assert _per_op(m["collectives"]) == pytest.approx(_per_op(d.collectives)), (case, d.kind)
     if case == "pp":  # the activations and their gradients between the stages, across the 2 pretended nodes
