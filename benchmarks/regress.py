@@ -1,6 +1,6 @@
 """The speed regression guard: a stored `compare.py` result against a fresh run of the same configuration.
 
-    python -m benchmarks.regress                                   # fresh run of cpu-fp32's config, then compare
+    python -m benchmarks.regress                                   # fresh run of the baseline's config, compare
     python -m benchmarks.regress --fresh benchmarks/results/X.json # compare an existing run instead
     python -m benchmarks.regress --baseline benchmarks/results/cpu-fp32-comm-after_backward.json
 
@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_BASELINE = REPO / "benchmarks" / "results" / "cpu-fp32.json"
+DEFAULT_BASELINE = REPO / "benchmarks" / "results" / "cpu-fp32-fresh.json"
+"""The newest accepted run of the default configuration (docs/benchmarks.md, "Regression guard")."""
 RATIOS = ("vs_fsdp2_paired", "vs_ddp_paired")
 MEMORY = (("persistent_bytes", "total"), ("transient", "full_param_bytes"))
 TIMING_DEPENDENT = (("transient", "full_grad_bytes"),)

@@ -268,6 +268,8 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
     notes = []
     if topo_kwargs.get("ep", 1) > 1:
         notes.append("MoE all-to-alls and expert activations assume an even router (1/E of the assignments each)")
+    if degrees.sep * degrees.cp > 1 and candidate is not None:
+        notes.append("the cost model leaves out the context-parallel all-gathers and reduce-scatters (in the table)")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     return DryRun(world_size, ranks_per_node, layout, figures, candidate, bandwidth, time.perf_counter() - t0, rss,
                   plan_error, notes)

@@ -83,7 +83,8 @@ def check_flags(config: TrainConfig) -> None:
                   ("--outer-sync", config.outer_sync, config.outer_sync != "every-step"),
                   ("--ft-lighthouse", config.ft_lighthouse, config.ft_lighthouse is not None),
                   ("--fsdp-outer-degree", config.fsdp_outer_degree, config.fsdp_outer_degree == "auto"),
-                  ("--init-from", config.init_from, config.init_from is not None)],
-                 "--dry-run", "a dry run plays FSDP/HSDP with AdamW, ep, cp and pp (no --mp, --optimizer muon, "
-                 "--outer-sync diloco, --ft-lighthouse, --fsdp-outer-degree auto or --init-from yet); see "
-                 "docs/dry-run.md")
+                  ("--init-from", config.init_from, config.init_from is not None),
+                  ("--hf-model", config.hf_model, config.hf_model is not None)],
+                 "--dry-run", "a dry run plays the GPT under FSDP/HSDP with AdamW, ep, cp and pp (no --mp, --optimizer "
+                 "muon, --outer-sync diloco, --ft-lighthouse, --fsdp-outer-degree auto, --init-from or --hf-model "
+                 "yet); see docs/dry-run.md")

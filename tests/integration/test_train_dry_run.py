@@ -45,7 +45,8 @@ def test_dry_run_of_pipeline_stages() -> None:
 
 @pytest.mark.parametrize("flags, words", [
     (["--world", "64"], "--world needs --dry-run"),
-    (["--dry-run", "--mp", "2"], "--mp 2 with --dry-run: a dry run plays FSDP/HSDP with AdamW, ep, cp and pp"),
+    (["--dry-run", "--mp", "2"], "--mp 2 with --dry-run: a dry run plays the GPT under FSDP/HSDP with AdamW"),
+    (["--dry-run", "--hf-model", "llama"], "--hf-model llama with --dry-run"),
     (["--dry-run", "--world", "64", "--ranks-per-node", "6"], "--ranks-per-node 6 must divide --world 64"),
     (["--dry-run", "--world", "64", "--fsdp-outer-degree", "3"], "fsdp_outer_degree"),
     (["--dry-run", "--bandwidth-across", "fast"], "--bandwidth-across"),
