@@ -163,7 +163,8 @@ def _instrument(b, batch, device: torch.device, want_cross_check: bool) -> dict:
                               "agree": all(seen.get(k, 0) == n for k, n in ours.items())}
     pers: dict = {}
     step(b, *batch, after_optimizer=lambda: pers.update(persistent(b)))
-    mem: dict = {"persistent": _gather_max(pers), "transient": _gather_max(peaks) if peaks else {}}
+    mem: dict = {"persistent": _gather_max(pers), "transient": _gather_max(peaks) if peaks else {},
+                 "live": _gather_max(_peak_live(b, batch))}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
@@ -173,6 +174,33 @@ def _instrument(b, batch, device: torch.device, want_cross_check: bool) -> dict:
                                    "peak_allocated_bytes": torch.cuda.max_memory_allocated(device)})
     out["memory"] = mem
     return out
+
+
+def _peak_live(b, batch) -> dict:
+    """One untimed step under ``shardfusion.live_memory.LiveMemory``: the largest live tensor bytes of this rank
+    (``peak_bytes``), the same instrument for every variant. Registered before the step: the parameters, gradients
+    and optimizer state (each variant's ``persistent`` tensors) and the library's own buffers
+    (``variants.library_tensors``, read again at every op: shardfusion's and FSDP2's full buffers are resized in
+    place); during it, every tensor an op returns. What it cannot see: tensors made off this thread or inside a
+    library's C++ code without an op (DDP's buckets are its gradients, seen), and the allocator's slack."""
+    from shardfusion.live_memory import LiveMemory, _storages
+    from benchmarks.variants import library_tensors, persistent_tensors, step
+
+    import shardfusion as sf
+
+    known = persistent_tensors(b)
+    tracker = LiveMemory(lambda: {"full_params": _storages(library_tensors(b) + known())})
+    tracker.add(known())
+    state = getattr(b.model, "_sf_state", None)  # as for the recorder: the replicate all-reduces on this thread
+    saved = None if state is None else state.is_last_backward
+    if state is not None:
+        sf.set_is_last_backward(b.model, False)
+    with tracker:
+        tracker.reset_peak()
+        step(b, *batch)
+    if state is not None:
+        sf.set_is_last_backward(b.model, saved)
+    return {"peak_bytes": tracker.peak.total}
 
 
 def _run_regime(name: str, regime: Regime, variants: list[str], opts: dict, ctx) -> dict:

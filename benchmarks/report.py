@@ -219,6 +219,7 @@ def summarize(raw: dict) -> dict:
                     row[key] = peak / bound if peak is not None else None
             if "cuda" in mem:
                 row["cuda"] = mem["cuda"]
+            row["peak_live_bytes"] = mem.get("live", {}).get("peak_bytes")
             rows[v] = row
         _ratios(rows)
         out[regime] = {"shape": r["shape"], "params": P, "unit_numel": r["unit_numel"], "tokens_per_step": tokens,
@@ -298,7 +299,7 @@ def _yes(met) -> str:
 
 _COLUMNS = ("variant", "step s (median)", "min-max", "tokens/s", "vs FSDP2 (paired)", "vs DDP (paired)",
             "collectives (count/theory)",
-            "bytes vs theory", "wire MB/step (ring; backend)", "persistent MB (x theory)",
+            "bytes vs theory", "wire MB/step (ring; backend)", "persistent MB (x theory)", "peak live MB",
             "transient full params MB (x bound)", "full grads MB (x bound)", "loss first -> last")
 
 
@@ -337,7 +338,8 @@ def _row(v: str, row: dict, columns: tuple[str, ...] = _COLUMNS) -> str:
                if "vs DeepSpeed (paired)" in columns else []),
              "<br>".join(counts), "<br>".join(ratios) or "-",
              f"{_mb(row['wire_bytes_total'])}; {_mb(row['backend_wire_bytes_total'])}",
-             f"{_mb(row['persistent_bytes']['total'])} ({row['persistent_ratio']:.4f})", trans, grads,
+             f"{_mb(row['persistent_bytes']['total'])} ({row['persistent_ratio']:.4f})",
+             _mb(row.get("peak_live_bytes")), trans, grads,
              f"{_f(loss[0], '.4f')} -> {_f(loss[1], '.4f')}"]
     return "| " + " | ".join(cells) + " |"
 

@@ -402,6 +402,20 @@ def step(b: Built, x: torch.Tensor, y: torch.Tensor, after_optimizer: Optional[C
     return loss.detach()
 
 
+def persistent_tensors(b: Built) -> Callable[[], list[torch.Tensor]]:
+    """A function listing the tensors :func:`persistent` counts (parameters, gradients, optimizer state; DeepSpeed's
+    partitions), as they are when called."""
+    if b.persistent_groups is not None:
+        return lambda: [t for ts in b.persistent_groups().values() for t in ts if isinstance(t, torch.Tensor)]
+
+    def tensors() -> list[torch.Tensor]:
+        params = list(b.model.parameters())
+        found = params + [p.grad for p in params] + optimizer_state_tensors(b.optimizer)
+        return [t for t in found if isinstance(t, torch.Tensor)]
+
+    return tensors
+
+
 def persistent(b: Built) -> dict[str, int]:
     """Bytes this rank keeps across steps: parameters (shards), gradients, optimizer state (distinct storages)."""
     if b.persistent_groups is not None:
