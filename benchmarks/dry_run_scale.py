@@ -73,15 +73,16 @@ def markdown(rows: list[dict]) -> str:
     lines = ["# The dry run's own cost at cluster scale", "",
              f"{time.strftime('%Y-%m-%d')}; {os.cpu_count()} CPU cores; each world size in a fresh process "
              "(`python -m benchmarks.dry_run_scale`). Model and layout: the module doc of `benchmarks/dry_run_scale.py`.",
-             "", "| ranks | parameters | topology s | wrap s | step s | dry run s | process wall s | peak RSS | "
+             "", "| ranks | parameters | topology s | wrap s | step s (2 passes) | dry run s | process wall s | peak RSS | "
              "played rank: persistent | peak | sent per step | across nodes | predicted comm step |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m, s = r["memory"], r["seconds"]
         persistent = m["params"] + m["grads"] + m["optimizer"]
         lines.append(f"| {r['world']:,} | {r['params'] / 1e9:.2f}B | {s['topology']:.1f} | {s['wrap']:.1f} | "
-                     f"{s['step']:.1f} | {r['dry_run_s']:.1f} | {r['wall_s']:.1f} | {r['max_rss_bytes'] / gib:.2f} GiB"
-                     f" | {persistent / gib:.2f} GiB | {m['peak'] / gib:.2f} GiB | {r['wire_bytes'] / 1e9:.2f} GB | "
+                     f"{s['step']:.1f} + {s.get('step_bound', 0):.1f} | {r['dry_run_s']:.1f} | {r['wall_s']:.1f} | {r['max_rss_bytes'] / gib:.2f} GiB"
+                     f" | {persistent / gib:.2f} GiB | {m['peak'] / gib:.2f} (at most {m['peak_bound'] / gib:.2f}) GiB | "
+                     f"{r['wire_bytes'] / 1e9:.2f} GB | "
                      f"{r['across_bytes'] / 1e9:.3f} GB | {r['step_s'] * 1e3:.1f} ms |")
     lines += ["", "The report of the largest run:", "", "```", rows[-1]["table"], "```"]
     return "\n".join(lines)
