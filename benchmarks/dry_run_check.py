@@ -129,7 +129,7 @@ def worker(case: str, ranks_per_node: int) -> dict:
     rec = CollectiveRecorder()
     build, step = _model(world, topo_kwargs, shape, ranks_per_node)
     fig = measure_step(build, step, topo, ranks_per_node=ranks_per_node, fully_shard=_fully_shard(),
-                       micro_batches=micro, step_context=lambda: rec)
+                       micro_batches=micro, step_context=lambda: rec, step_runs_backward=topo.pp > 1)
     # the forward-mode agreement (16 bytes per rank on a control group) is left out of the accounting
     control = tuple(sorted(dist.get_process_group_ranks(topo._control)))
     dispatch_wire = sum(c.wire_bytes for c in rec.collectives
@@ -166,14 +166,15 @@ def run_case(case: str, ranks_per_node: int) -> dict:
     build, step = _model(world, topo_kwargs, shape, ranks_per_node)
     t = time.perf_counter()
     dry = sf.dry_run(build, step, world_size=world, ranks_per_node=ranks_per_node, topology=topo_kwargs,
-                     fully_shard=_fully_shard(), micro_batches=micro, backend="gloo", plan_model=False)
+                     fully_shard=_fully_shard(), micro_batches=micro, backend="gloo", plan_model=False,
+                     step_runs_backward=topo_kwargs.get("pp", 1) > 1)
     dry_s = time.perf_counter() - t
     rows = []
     for d in dry.ranks:  # one per kind of rank (pp stage); measured: the ranks of that stage
         mine = [r for r in ranks if r["pp"] == d.coordinates["pp"]]
         kind = f"{d.kind}: " if len(dry.ranks) > 1 else ""
         for k in MEMORY:
-            rows.append({"figure": f"{kind}memory {k}", "dry": d.memory[k], "bound": d.memory.get(f"{k}_bound"),
+            rows.append({"figure": f"{kind}memory {k}", "dry": d.memory[k], "bound": d.memory.get(f"{k}_slow"),
                          "measured": max(r["memory"][k] for r in mine)})
         measured_totals = [_totals(r["collectives"]) for r in mine]
         for k, v in _totals(d.collectives).items():

@@ -80,8 +80,8 @@ def markdown(rows: list[dict]) -> str:
         m, s = r["memory"], r["seconds"]
         persistent = m["params"] + m["grads"] + m["optimizer"]
         lines.append(f"| {r['world']:,} | {r['params'] / 1e9:.2f}B | {s['topology']:.1f} | {s['wrap']:.1f} | "
-                     f"{s['step']:.1f} + {s.get('step_bound', 0):.1f} | {r['dry_run_s']:.1f} | {r['wall_s']:.1f} | {r['max_rss_bytes'] / gib:.2f} GiB"
-                     f" | {persistent / gib:.2f} GiB | {m['peak'] / gib:.2f} (at most {m['peak_bound'] / gib:.2f}) GiB | "
+                     f"{s['step']:.1f} + {s.get('step_slow', 0):.1f} | {r['dry_run_s']:.1f} | {r['wall_s']:.1f} | {r['max_rss_bytes'] / gib:.2f} GiB"
+                     f" | {persistent / gib:.2f} GiB | {m['peak'] / gib:.2f} (slow: {m['peak_slow'] / gib:.2f}) GiB | "
                      f"{r['wire_bytes'] / 1e9:.2f} GB | "
                      f"{r['across_bytes'] / 1e9:.3f} GB | {r['step_s'] * 1e3:.1f} ms |")
     lines += ["", "The report of the largest run:", "", "```", rows[-1]["table"], "```"]

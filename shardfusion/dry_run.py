@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardfusion import accounting, comm
 from shardfusion.live_memory import PARTS, LiveMemory, model_storages
-from shardfusion.probe import Bandwidth
+from shardfusion.probe import Bandwidth, _check_seconds
 from shardfusion.topology import Degrees
 
 __all__ = ["DEFAULT_BANDWIDTH", "DryRun", "RankFigures", "dry_run", "kinds_of", "measure_step"]
@@ -68,18 +68,20 @@ class RankFigures:
         kind: how the report names it (e.g. ``"pp stage 1"``, ``"all ranks"``).
         memory: after the step, before ``zero_grad``: ``params`` (this rank's shards), ``grads`` (sharded
             gradients), ``optimizer`` (state), and the step's peaks: ``full_params`` / ``full_grads`` (largest total
-            of gathered parameter / full gradient buffers alive at once), ``activations`` (live bytes at the end of
-            a forward minus those before it: what backward keeps; for a step that runs its own backwards, a pipeline
-            schedule's, the peak of ``other``), ``other_peak`` (largest live bytes outside
+            of gathered parameter / full gradient buffers alive at once), ``activations`` (live bytes outside the
+            parameters, gradients, optimizer state and full buffers at the end of a forward, minus those before it:
+            what backward keeps; for a step that runs its own backwards, a pipeline schedule's, the peak of
+            ``other``), ``other_peak`` (largest live bytes outside
             the parameters, gradients, optimizer state and full buffers: activations and temporaries), ``peak`` (the
             largest live total), ``largest_full_unit`` (the largest unit's gathered parameters). These with every
             collective complete as soon as issued (communication keeps up); with ``dry_run(bounds=True)`` also
-            ``full_grads_bound``, ``other_peak_bound``, ``peak_bound``: with none complete before it is waited for
-            (a unit's full gradient buffer then lives to the end of the backward): the most the step can hold.
+            ``full_grads_slow``, ``other_peak_slow``, ``peak_slow``: with none complete before it is waited for (a
+            unit's full gradient buffer then lives to the end of the backward). A real run lies about between; the
+            two are not a strict order (a gradient finished early also allocates its sharded sum early).
         collectives: one row per (op, group label, group size): ``count``, ``bytes`` (logical), ``wire_bytes`` (sent
             by this rank), ``within_bytes`` / ``across_bytes`` (of the wire bytes, to the same node / other nodes).
         categories: :meth:`CommCounter.summary` (per accounting category).
-        seconds: time of the dry run of this rank: ``topology``, ``wrap``, ``step`` (and ``step_bound``).
+        seconds: time of the dry run of this rank: ``topology``, ``wrap``, ``step`` (and ``step_slow``).
     """
 
     rank: int
@@ -128,22 +130,23 @@ class DryRun:
         """The report as text: per kind of rank, memory by part, collectives with bytes within and across nodes,
         then the predicted step time."""
         nodes = self.world_size // self.ranks_per_node
-        out = [f"dry run: world {self.world_size} = {nodes} nodes x {self.ranks_per_node} ranks; {self.layout}"]
+        out = [f"dry run: world {self.world_size} = {nodes} node{'s' if nodes > 1 else ''} x {self.ranks_per_node} "
+               f"ranks; {self.layout}"]
         for r in self.ranks:
             m = r.memory
             out.append(f"rank {r.rank} ({r.kind}; " + ", ".join(f"{k} {v}" for k, v in r.coordinates.items()
                                                                  if k != "world_size") + ")")
             out.append("  memory: " + ", ".join(
-                f"{k} {_size(m[k])}" + (f" (at most {_size(m[k + '_bound'])})" if k + "_bound" in m else "")
+                f"{k} {_size(m[k])}" + (f" (slow: {_size(m[k + '_slow'])})" if k + "_slow" in m else "")
                 for k in ("params", "grads", "optimizer", "full_params", "full_grads", "activations", "other_peak",
                           "peak")))
             persistent = m["params"] + m["grads"] + m["optimizer"]
             out.append(f"  persistent (params + grads + optimizer) {_size(persistent)}; largest unit gathered "
                        f"{_size(m['largest_full_unit'])}")
-            out.append(f"  {'collective':<15} {'group':<34} {'size':>6} {'count':>6} {'MB':>11} {'within MB':>11} "
+            out.append(f"  {'collective':<15} {'group':<44} {'size':>6} {'count':>6} {'MB':>11} {'within MB':>11} "
                        f"{'across MB':>11}")
             for c in r.collectives:
-                out.append(f"  {c['op']:<15} {c['label'][:34]:<34} {c['group_size']:>6} {c['count']:>6} "
+                out.append(f"  {c['op']:<15} {c['label'][:44]:<44} {c['group_size']:>6} {c['count']:>6} "
                            f"{c['bytes'] / 1e6:>11.3f} {c['within_bytes'] / 1e6:>11.3f} "
                            f"{c['across_bytes'] / 1e6:>11.3f}")
             out.append(f"  per step: {r.wire_bytes / 1e6:.3f} MB sent, {r.across_bytes / 1e6:.3f} MB across nodes")
@@ -173,6 +176,16 @@ def _check(name: str, value, minimum: int = 1) -> int:
     return value
 
 
+def _check_keywords(name: str, kwargs: dict, fn) -> None:
+    """Every key of ``kwargs`` is a keyword parameter of ``fn``, else ValueError naming ``name`` and the key."""
+    import inspect
+
+    accepted = set(inspect.signature(fn).parameters) - {"self", "model", "topology"}
+    unknown = sorted(set(kwargs) - accepted)
+    if unknown:
+        raise ValueError(f"{name}: unknown keyword(s) {unknown}; {name} takes {sorted(accepted)}")
+
+
 def kinds_of(degrees: Degrees) -> list[tuple[int, str]]:
     """``(rank, kind)`` of the ranks a dry run plays: the first rank of each pipeline stage."""
     if degrees.pp == 1:
@@ -186,7 +199,8 @@ def kinds_of(degrees: Degrees) -> list[tuple[int, str]]:
 def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, topology: Optional[dict] = None,
             fully_shard: Optional[dict] = None, optimizer: Callable = None, micro_batches: int = 1,
             max_norm: Optional[float] = 1.0, ranks: Optional[Sequence[int]] = None, backend: str = "nccl",
-            bandwidth: Optional[Bandwidth] = None, plan_model: bool = True, bounds: bool = True) -> DryRun:
+            bandwidth: Optional[Bandwidth] = None, plan_model: bool = True, bounds: bool = True,
+            step_runs_backward: bool = False) -> DryRun:
     """Play one optimizer step of a ``world_size``-rank job in this process and report, for each kind of rank, its
     memory and its collectives (see [Note: dry run]).
 
@@ -195,7 +209,9 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
             tensors by the wrap; a model that reads ``topo``, e.g. an MoE layer's ``ep_group``, gets the played
             rank's groups). Called once more, for the cost model, when ``plan_model``.
         step: ``step(model, topo) -> loss`` for one micro-batch: make the inputs (``torch.randint``/``torch.randn``
-            make fake tensors here) and run the forward; the dry run calls ``loss.backward()``.
+            make fake tensors here) and run the forward; the dry run calls ``loss.backward()`` (the loss: a
+            0-dim tensor). With ``step_runs_backward=True`` it runs the backward itself and returns None (a
+            pipeline schedule's ``step``, whose ``build`` returns the stages, sharded).
         world_size: ranks of the job played (>= 1); ``ranks_per_node``: consecutive ranks per node (divides it).
         topology: keyword arguments of :class:`~shardfusion.Topology` (``dp``, ``pp``, ``sharding``, ``ep``,
             ``fsdp_outer_degree``, ...).
@@ -212,7 +228,8 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
         plan_model: run the cost model (:func:`shardfusion.plan`) on a second meta copy of the model.
         bounds: play each rank's step twice: with every collective complete as soon as it is issued
             (communication keeps up with compute: the figures), then with none complete before it is waited for
-            (``full_grads_bound``, ``other_peak_bound``, ``peak_bound``: the most the step can hold). False: once.
+            (``full_grads_slow``, ``other_peak_slow``, ``peak_slow``). False: once.
+        step_runs_backward: see ``step``.
 
     Returns:
         :class:`DryRun`.
@@ -240,6 +257,15 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
     fs_kwargs = dict(fully_shard or {})
     if "device" in fs_kwargs:
         raise ValueError("fully_shard: a dry run picks the device itself (fake tensors); drop 'device'")
+    _check_keywords("topology", topo_kwargs, sf.Topology.__init__)
+    _check_keywords("fully_shard", fs_kwargs, sf.fully_shard)
+    bandwidth = bandwidth or DEFAULT_BANDWIDTH
+    if not isinstance(bandwidth, Bandwidth):
+        raise ValueError(f"bandwidth must be a shardfusion.plan.Bandwidth, got {bandwidth!r}")
+    for name in ("within", "across"):
+        _check_seconds(f"bandwidth.{name}", getattr(bandwidth, name), positive=True)
+    for name in ("latency_within", "latency_across"):
+        _check_seconds(f"bandwidth.{name}", getattr(bandwidth, name), positive=False)
     degrees = Degrees(world_size=world_size, **{k: v for k, v in topo_kwargs.items() if k != "timeout"})
     played = kinds_of(degrees)
     if ranks is not None:
@@ -249,7 +275,6 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
         kind = dict(played)
         played = [(r, kind.get(r, "chosen rank")) for r in ranks]
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
-    bandwidth = bandwidth or DEFAULT_BANDWIDTH
     t0 = time.perf_counter()
     figures, layout = [], ""
     saved_backend = comm._emulated_backend["fake"]
@@ -257,7 +282,7 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
     try:
         for rank, kind in played:
             fig, layout = _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_kwargs,
-                                optimizer, micro_batches, max_norm, bounds, FakeTensorMode, sf)
+                                optimizer, micro_batches, max_norm, bounds, step_runs_backward, FakeTensorMode, sf)
             figures.append(fig)
     finally:
         comm._emulated_backend["fake"] = saved_backend
@@ -266,17 +291,17 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
         candidate, plan_error = _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batches,
                                          backend, bandwidth, sf)
     notes = []
-    if topo_kwargs.get("ep", 1) > 1:
+    if any(c["op"] == "all_to_all" and c["label"] == "ep" for f in figures for c in f.collectives):
         notes.append("MoE all-to-alls and expert activations assume an even router (1/E of the assignments each)")
-    if degrees.sep * degrees.cp > 1 and candidate is not None:
-        notes.append("the cost model leaves out the context-parallel all-gathers and reduce-scatters (in the table)")
+        if candidate is not None:
+            notes.append("the cost model leaves out the MoE all-to-alls (in the table above, not in its time)")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     return DryRun(world_size, ranks_per_node, layout, figures, candidate, bandwidth, time.perf_counter() - t0, rss,
                   plan_error, notes)
 
 
 def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_kwargs, optimizer, micro_batches,
-          max_norm, bounds, fake_mode_cls, sf) -> tuple[RankFigures, str]:
+          max_norm, bounds, step_runs_backward, fake_mode_cls, sf) -> tuple[RankFigures, str]:
     """One rank: fake group, topology, then :func:`measure_step` on fake tensors, with the collectives complete as
     soon as issued and, with ``bounds``, again with none complete before it is waited for."""
     t = time.perf_counter()
@@ -292,13 +317,13 @@ def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_k
                 warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
                 runs.append(measure_step(build, step, topo, ranks_per_node=ranks_per_node, fully_shard=fs_kwargs,
                                          optimizer=optimizer, micro_batches=micro_batches, max_norm=max_norm,
-                                         kind=kind))
+                                         kind=kind, step_runs_backward=step_runs_backward))
         fig = runs[0]
         if bounds:  # the same collectives; the buffers that wait for them live longer
             slow = runs[1]
             for part in ("full_grads", "other_peak", "peak"):
-                fig.memory[f"{part}_bound"] = slow.memory[part]
-            fig.seconds["step_bound"] = slow.seconds["step"]
+                fig.memory[f"{part}_slow"] = slow.memory[part]
+            fig.seconds["step_slow"] = slow.seconds["step"]
         fig.seconds["topology"] = topology_s
         return fig, topo.describe()
     finally:
@@ -309,7 +334,8 @@ def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_k
 def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_shard: Optional[dict] = None,
                  optimizer: Optional[Callable] = None, micro_batches: int = 1, max_norm: Optional[float] = 1.0,
                  kind: str = "this rank", device: str = "cpu",
-                 step_context: Optional[Callable[[], object]] = None) -> RankFigures:
+                 step_context: Optional[Callable[[], object]] = None,
+                 step_runs_backward: bool = False) -> RankFigures:
     """Build, shard and step a model on the process group that ``topo`` was made on, under
     :class:`~shardfusion.live_memory.LiveMemory` and a :class:`~shardfusion.comm.CommCounter`, and return this rank's
     figures. :func:`dry_run` calls it on fake tensors and a fake group; on a real group (every rank calls it, as any
@@ -333,6 +359,8 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
                   for m in models]
         model = models if isinstance(built, (list, tuple)) else models[0]
         opt = optimizer([p for m in models for p in m.parameters()])
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ValueError(f"optimizer(params) must return a torch.optim.Optimizer, got {type(opt).__name__}")
         tracker.watch = model_storages(model, opt)
         seconds["wrap"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -341,16 +369,30 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
         tracker.reset_peak()
         activations = 0
         with comm.CommCounter(ranks_per_node) as counter, p2p, (step_context or contextlib.nullcontext)():
-            for i in range(micro_batches):
-                if micro_batches > 1:
+            for _ in range(micro_batches):
+                if not step_runs_backward:
+                    # every micro-batch reduce-scatters its gradients (as the training job's loop); the replicate
+                    # all-reduces run at the step boundary, on this thread (the same collectives as overlapped with
+                    # the last backward, where a CPU run would issue them from a worker thread that no dispatch mode
+                    # sees)
                     for m in models:
-                        sf.set_requires_gradient_sync(m, i == micro_batches - 1)
-                before = tracker.sample().total
+                        sf.set_is_last_backward(m, False)
+                before = tracker.sample().parts["other"]
                 loss = step(model, topo)
-                if loss is None:  # the step ran its own backwards (a pipeline schedule): its peak stands for them
+                if step_runs_backward:  # a pipeline schedule: its peak of activations and temporaries stands for them
+                    if loss is not None:
+                        raise ValueError("step_runs_backward=True: step must run the backward itself and return None, "
+                                         f"got {type(loss).__name__}")
                     activations = max(activations, tracker.part_peaks["other"])
                     continue
-                activations = max(activations, tracker.sample().total - before)
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)
+                    raise ValueError(f"step(model, topo) must return the micro-batch's loss, a 0-dim tensor, got {what}"
+                                     " (a step that runs its own backward, e.g. a pipeline schedule's: pass "
+                                     "step_runs_backward=True and return None)")
+                # what backward keeps: the live bytes outside parameters, optimizer state and full buffers (a unit
+                # kept gathered from forward to backward, e.g. the root, is in full_params, not here)
+                activations = max(activations, tracker.sample().parts["other"] - before)
                 loss.backward()
             if max_norm is not None:
                 sf.clip_grad_norm_(model, max_norm)
@@ -414,8 +456,8 @@ def _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batche
     mp = fs_kwargs.get("mp_policy")
     kwargs = {k: fs_kwargs[k] for k in ("units", "comm_unit_size", "reshard_policy", "prefetch", "expert_policy",
                                         "whole_params") if k in fs_kwargs}
-    if degrees.pp > 1 or degrees.mp > 1:
-        return None, "the cost model covers pp 1 and mp 1 only"
+    if degrees.pp > 1 or degrees.mp > 1 or degrees.sep * degrees.cp > 1:
+        return None, "the cost model covers pp, mp, sep and cp 1 only"
     dist.init_process_group("fake", rank=0, world_size=world_size)
     try:
         topo = sf.Topology(dp=degrees.dp, sharding=degrees.sharding, sep=degrees.sep, cp=degrees.cp, ep=degrees.ep,

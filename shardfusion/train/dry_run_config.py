@@ -1,5 +1,5 @@
 """The dry-run section of the training job's settings (`--dry-run`, `--world`, `--bandwidth-within`,
-`--bandwidth-across`) and its checks: this module owns them, `shardfusion.train.config` includes the section
+`--bandwidth-across`, `--latency-within`, `--latency-across`) and its checks: this module owns them, `shardfusion.train.config` includes the section
 (`TrainConfig` derives from `DryRunConfig`) and calls `check_flags` with the other flag checks. The run itself is
 `shardfusion.train.job_dry_run`; the engine is `shardfusion.dry_run`; docs/dry-run.md tells the whole story.
 """
@@ -36,6 +36,10 @@ class DryRunConfig:
     class) or 900MB (default 150GB)."""
     bandwidth_across: str = "25GB"
     """With --dry-run: bytes/s per rank to other nodes, e.g. 25GB (one 200 Gbit/s NIC per GPU) (default 25GB)."""
+    latency_within: float = 5.0
+    """With --dry-run: microseconds per ring step of a collective within a node (default 5)."""
+    latency_across: float = 15.0
+    """With --dry-run: microseconds per ring step of a collective that spans nodes (default 15)."""
 
 
 def enabled(config: DryRunConfig) -> bool:
@@ -70,7 +74,9 @@ def check_flags(config: TrainConfig) -> None:
     if not enabled(config):
         changed = [flag for flag, given in (("--world", config.world is not None),
                                             ("--bandwidth-within", config.bandwidth_within != "150GB"),
-                                            ("--bandwidth-across", config.bandwidth_across != "25GB")) if given]
+                                            ("--bandwidth-across", config.bandwidth_across != "25GB"),
+                                            ("--latency-within", config.latency_within != 5.0),
+                                            ("--latency-across", config.latency_across != 15.0)) if given]
         if changed:
             raise ValueError(f"{changed[0]} needs --dry-run (a training run takes its world size from --nproc or "
                              f"torchrun)")
@@ -78,6 +84,9 @@ def check_flags(config: TrainConfig) -> None:
     if config.world is not None and config.world < 1:
         raise ValueError(f"--world {config.world} must be >= 1")
     bandwidths(config)
+    for flag, value in (("--latency-within", config.latency_within), ("--latency-across", config.latency_across)):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0 microseconds, got {value}")
     refuse_first([("--mp", config.mp, config.mp != 1),
                   ("--optimizer", config.optimizer, config.optimizer != "adamw"),
                   ("--outer-sync", config.outer_sync, config.outer_sync != "every-step"),

@@ -17,7 +17,7 @@ import torch
 import shardfusion as sf
 from shardfusion.plan import Bandwidth
 from shardfusion.train import dry_run_config, job_model
-from shardfusion.train.config import TrainConfig, check_batch, resolve
+from shardfusion.train.config import TrainConfig, check_run, resolve
 from shardfusion.train.dry_run_config import DEFAULT_RANKS_PER_NODE
 from shardfusion.train.launch import default_nproc
 
@@ -32,9 +32,7 @@ def prepare(config: TrainConfig) -> tuple[TrainConfig, int, int]:
     if world % ranks_per_node:
         raise ValueError(f"--ranks-per-node {ranks_per_node} must divide --world {world}")
     config = resolve(config, device="cuda", world_size=world)
-    degrees = sf.topology.Degrees(world_size=world, ep=config.ep, cp=config.cp, pp=config.pp,
-                                  fsdp_outer_degree=config.fsdp_outer_degree)
-    check_batch(config, dp_world=degrees.dp * degrees.sharding, world=f"--world {world}")
+    check_run(config, world_size=world, world=f"--world {world}")  # the job's own layout, batch and pipeline rules
     return config, world, ranks_per_node
 
 
@@ -88,13 +86,21 @@ def run(config: TrainConfig) -> int:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's notes on fake tensors' data pointers and deprecated names
-        report = sf.dry_run(build, step, world_size=world, ranks_per_node=ranks_per_node,
+        report = sf.dry_run(build, step, step_runs_backward=config.pp > 1, world_size=world, ranks_per_node=ranks_per_node,
                             topology={"ep": config.ep, "cp": config.cp, "pp": config.pp,
                                       "fsdp_outer_degree": config.fsdp_outer_degree},
                             fully_shard=fully_shard, micro_batches=1 if config.pp > 1 else config.grad_accum, max_norm=config.clip or None,
-                            bandwidth=Bandwidth(within=within, across=across))
-    header = (f"shardfusion: dry run of {job.name} ({job.num_params:,} parameters), global batch "
-              f"{config.global_batch_size} x {job.seq_len} tokens, {config.grad_accum} micro-batch(es) per step")
+                            bandwidth=Bandwidth(within=within, across=across,
+                                                latency_within=config.latency_within * 1e-6,
+                                                latency_across=config.latency_across * 1e-6))
+    shape = config.model_config()
+    model = (f"GPT of {shape.n_layer} layers x {shape.d_model}" +
+             (f", {shape.n_experts} experts top-{shape.top_k}" if shape.n_experts else ""))
+    batches = (f"{config.microbatches} pipeline micro-batches of the step's {config.grad_accum * config.batch_size} "
+               f"sequences per data-parallel rank" if config.pp > 1 else
+               f"{config.grad_accum} micro-batch{'es' if config.grad_accum > 1 else ''} per step")
+    header = (f"shardfusion: dry run of a {model} ({job.num_params:,} parameters), global batch "
+              f"{config.global_batch_size} x {job.seq_len} tokens, {batches}")
     print(header)
     print(report.table(), flush=True)
     if given_out is not None:

@@ -40,7 +40,7 @@ def test_dry_run_of_pipeline_stages() -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "rank 0 (pp stage 0;" in result.stdout and "rank 16 (pp stage 1;" in result.stdout
     assert "p2p_send" in result.stdout
-    assert "cost model: not run (the cost model covers pp 1 and mp 1 only)" in result.stdout
+    assert "cost model: not run (the cost model covers pp, mp, sep and cp 1 only)" in result.stdout
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -50,6 +50,9 @@ def test_dry_run_of_pipeline_stages() -> None:
     (["--dry-run", "--world", "64", "--ranks-per-node", "6"], "--ranks-per-node 6 must divide --world 64"),
     (["--dry-run", "--world", "64", "--fsdp-outer-degree", "3"], "fsdp_outer_degree"),
     (["--dry-run", "--bandwidth-across", "fast"], "--bandwidth-across"),
+    (["--dry-run", "--latency-across", "-1"], "--latency-across must be >= 0 microseconds, got -1.0"),
+    (["--dry-run", "--world", "64", "--pp", "2", "--microbatches", "3", "--experts", "0", "--preset", "tiny"],
+     "--microbatches 3 must divide the 16 sequences"),
 ])
 def test_refusals(flags: list[str], words: str) -> None:
     line = usage_error_line(run_train(flags, timeout=TIMEOUT_S))

@@ -13,6 +13,7 @@ import shardfusion as sf
 from shardfusion.dry_run import kinds_of
 from shardfusion.models.gpt import GPT, Block, GPTConfig
 from shardfusion.moe import _even_routing
+from shardfusion.plan import Bandwidth
 from shardfusion.topology import Degrees
 
 CONFIG = GPTConfig(n_layer=3, n_head=2, d_model=64, seq_len=32)
@@ -119,6 +120,9 @@ def test_moe_expert_ranks() -> None:
     ({"ranks": [16]}, "ranks: 16 is not a rank of world_size(16)"),
     ({"topology": {"fsdp_outer_degree": 3}}, "fsdp_outer_degree"),
     ({"micro_batches": 0}, "micro_batches must be an int >= 1, got 0"),
+    ({"topology": {"outer": 2}}, "topology: unknown keyword(s) ['outer']"),
+    ({"fully_shard": {"unit": (Block,)}}, "fully_shard: unknown keyword(s) ['unit']"),
+    ({"bandwidth": Bandwidth(within=0, across=1e9)}, "bandwidth.within must be a number > 0, got 0"),
 ])
 def test_argument_errors(kwargs: dict, words: str) -> None:
     args = {"world_size": 16, "ranks_per_node": 8, **kwargs}
@@ -126,6 +130,20 @@ def test_argument_errors(kwargs: dict, words: str) -> None:
         sf.dry_run(_build, _step, **args)
     assert words in str(error.value), str(error.value)
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("step, kwargs, words", [
+    (lambda model, topo: None, {}, "step(model, topo) must return the micro-batch's loss, a 0-dim tensor, got None"),
+    (lambda model, topo: model(torch.randint(0, 256, (2, 8)))[0], {}, "got a tensor of shape (2, 8, 256)"),
+    (_step, {"step_runs_backward": True}, "step_runs_backward=True: step must run the backward itself"),
+    (_step, {"optimizer": lambda params: None}, "optimizer(params) must return a torch.optim.Optimizer"),
+])
+def test_step_contract(step, kwargs: dict, words: str) -> None:
+    with pytest.raises(ValueError) as error:
+        sf.dry_run(_build, step, world_size=16, ranks_per_node=8, fully_shard={"units": (Block,)},
+                   plan_model=False, bounds=False, **kwargs)
+    assert words in str(error.value), str(error.value)
+    assert not dist.is_initialized()  # the fake group is gone: the next dry run starts clean
 
 
 def test_refused_beside_a_process_group() -> None:
