@@ -45,15 +45,10 @@ def test_dry_run_of_pipeline_stages() -> None:
 
 @pytest.mark.parametrize("flags, words", [
     (["--world", "64"], "--world needs --dry-run"),
-    (["--dry-run", "--mp", "2"], "--mp 2 with --dry-run: a dry run plays the GPT under FSDP/HSDP with AdamW"),
-    (["--dry-run", "--hf-model", "llama"], "--hf-model llama with --dry-run"),
-    (["--dry-run", "--world", "64", "--ranks-per-node", "6"], "--ranks-per-node 6 must divide --world 64"),
-    (["--dry-run", "--world", "64", "--fsdp-outer-degree", "3"], "fsdp_outer_degree"),
-    (["--dry-run", "--bandwidth-across", "fast"], "--bandwidth-across"),
-    (["--dry-run", "--latency-across", "-1"], "--latency-across must be >= 0 microseconds, got -1.0"),
     (["--dry-run", "--world", "64", "--pp", "2", "--microbatches", "3", "--experts", "0", "--preset", "tiny"],
      "--microbatches 3 must divide the 16 sequences"),
 ])
 def test_refusals(flags: list[str], words: str) -> None:
+    """One line, exit status 2, before anything is built (every refusal: tests/unit/test_dry_run_config.py)."""
     line = usage_error_line(run_train(flags, timeout=TIMEOUT_S))
     assert words in line, line
