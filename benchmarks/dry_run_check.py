@@ -73,31 +73,17 @@ def _step(model, topo):
 
 
 def _pipeline(world: int, shape: dict, ranks_per_node: int):
-    """build and step of a --pp run of the training job (its PipelineRun), 4 micro-batches of 2 x 64 tokens."""
+    """build and step of a --pp run of the training job (its PipelineRun, through the job's own dry-run step):
+    4 micro-batches of 2 x 64 tokens."""
     import shardfusion as sf
     from shardfusion.train.config import parse_args, resolve
-    from shardfusion.train.job_pipeline import PipelineRun
+    from shardfusion.train.job_dry_run import job_step
 
     flags = ["--pp", "2", "--experts", "0", "--batch-size", str(4 * BATCH), "--microbatches", "4", "--seq-len",
              str(SEQ), "--n-layer", str(shape["n_layer"]), "--n-head", str(shape["n_head"]), "--d-model",
              str(shape["d_model"])]
     config = resolve(parse_args(flags), device="cpu", world_size=world)
-    pipe = []
-
-    def build(topo):
-        pipe[:] = [PipelineRun(config, topo, torch.device("cpu"), sf.MixedPrecisionPolicy(),
-                               node_of=lambda r: r // ranks_per_node)]
-        return pipe[0].models
-
-    def step(models, topo):
-        run = pipe[0]
-        tokens = torch.randint(0, 256, (config.batch_size, SEQ + 1))  # the step's rows; fake in a dry run
-        args = (tokens[:, :-1],) if run.has_first else ()
-        kwargs = {"target": tokens[:, 1:], "losses": []} if run.has_last else {}
-        run.schedule.step(*args, return_outputs=False, **kwargs)
-        return None  # the schedule ran the backwards
-
-    return build, step
+    return job_step(config, sf.MixedPrecisionPolicy(), ranks_per_node)
 
 
 def _model(world: int, topo_kwargs: dict, shape: dict, ranks_per_node: int):

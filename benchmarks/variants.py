@@ -187,8 +187,9 @@ def _fsdp2_groups(model: nn.Module) -> list[tuple[bool, object]]:
             if (pg := getattr(m._get_fsdp_state(), "_fsdp_param_group", None)) is not None]
 
 
-def _fsdp2_transient(groups) -> dict[str, int]:
-    """Alive full-size buffers of FSDP2 param groups (private attributes; missing ones count as 0)."""
+def _storage_counter():
+    """``add(t)``: the bytes of ``t``'s storage the first time it is seen (0 for a repeat, an empty storage or a
+    non-tensor), so that a sum over a sampling counts each storage once."""
     seen: set[int] = set()
 
     def add(t) -> int:
@@ -199,6 +200,13 @@ def _fsdp2_transient(groups) -> dict[str, int]:
             return 0
         seen.add(st.data_ptr())
         return st.nbytes()
+
+    return add
+
+
+def _fsdp2_transient(groups) -> dict[str, int]:
+    """Alive full-size buffers of FSDP2 param groups (private attributes; missing ones count as 0)."""
+    add = _storage_counter()
 
     full = grad = alive_blocks = 0
     for is_root, pg in groups:
@@ -340,16 +348,7 @@ def _deepspeed_transient(root: list, blocks: list[list]) -> dict[str, int]:
     AVAILABLE or INFLIGHT) and their full gradients, and how many blocks hold gathered parameters."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    seen: set[int] = set()
-
-    def add(t) -> int:
-        if not isinstance(t, torch.Tensor):
-            return 0
-        st = t.untyped_storage()
-        if st.nbytes() == 0 or st.data_ptr() in seen:
-            return 0
-        seen.add(st.data_ptr())
-        return st.nbytes()
+    add = _storage_counter()
 
     def gathered(p) -> bool:
         return getattr(p, "ds_status", None) in (ZeroParamStatus.AVAILABLE, ZeroParamStatus.INFLIGHT)

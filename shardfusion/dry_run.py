@@ -45,8 +45,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardfusion import accounting, comm
-from shardfusion.live_memory import PARTS, LiveMemory, model_storages
-from shardfusion.probe import Bandwidth, _check_seconds
+from shardfusion.live_memory import LiveMemory, model_storages
+from shardfusion.probe import Bandwidth, check_bandwidth
 from shardfusion.topology import Degrees
 
 __all__ = ["DEFAULT_BANDWIDTH", "DryRun", "RankFigures", "dry_run", "kinds_of", "measure_step"]
@@ -260,12 +260,7 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
     _check_keywords("topology", topo_kwargs, sf.Topology.__init__)
     _check_keywords("fully_shard", fs_kwargs, sf.fully_shard)
     bandwidth = bandwidth or DEFAULT_BANDWIDTH
-    if not isinstance(bandwidth, Bandwidth):
-        raise ValueError(f"bandwidth must be a shardfusion.plan.Bandwidth, got {bandwidth!r}")
-    for name in ("within", "across"):
-        _check_seconds(f"bandwidth.{name}", getattr(bandwidth, name), positive=True)
-    for name in ("latency_within", "latency_across"):
-        _check_seconds(f"bandwidth.{name}", getattr(bandwidth, name), positive=False)
+    check_bandwidth(bandwidth)
     degrees = Degrees(world_size=world_size, **{k: v for k, v in topo_kwargs.items() if k != "timeout"})
     played = kinds_of(degrees)
     if ranks is not None:

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
 import torch
-import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves

@@ -65,7 +65,8 @@ import torch.nn as nn
 
 from shardfusion import accounting
 from shardfusion._runtime import compress
-from shardfusion.probe import Bandwidth, _check_int, _check_seconds, measure_bandwidth  # noqa: F401 (re-exported)
+from shardfusion.probe import (Bandwidth, _check_int, _check_seconds, check_bandwidth,  # noqa: F401 (re-exported)
+                               measure_bandwidth)
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_FILTERS, RESHARD_POLICIES, MixedPrecisionPolicy
 from shardfusion.topology import Degrees, group_ranks
 
@@ -435,12 +436,7 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
     if outer_every is not None and expert_policy == "shard":
         raise ValueError("outer_every (DiLoCo) with expert_policy='shard': DiLoCo needs every buffer replicated over "
                          "the replicate group; use expert_policy='replicate'")
-    if not isinstance(bandwidth, Bandwidth):
-        raise ValueError(f"bandwidth must be a shardfusion.plan.Bandwidth, got {bandwidth!r}")
-    for name in ("within", "across"):
-        _check_seconds(f"bandwidth.{name}", getattr(bandwidth, name), positive=True)
-    for name in ("latency_within", "latency_across"):
-        _check_seconds(f"bandwidth.{name}", getattr(bandwidth, name), positive=False)
+    check_bandwidth(bandwidth)
     if expert_policy not in EXPERT_POLICIES:
         raise ValueError(f"expert_policy must be one of {EXPERT_POLICIES}, got {expert_policy!r}")
     if backend not in ("nccl", "gloo"):

@@ -54,6 +54,17 @@ def _check_seconds(name: str, value, *, positive: bool) -> float:
     return float(value)
 
 
+def check_bandwidth(bandwidth) -> None:
+    """Raise ValueError naming the field unless ``bandwidth`` is a :class:`Bandwidth` with positive ``within`` /
+    ``across`` (bytes/s) and non-negative latencies (seconds)."""
+    if not isinstance(bandwidth, Bandwidth):
+        raise ValueError(f"bandwidth must be a shardfusion.plan.Bandwidth, got {bandwidth!r}")
+    for name in ("within", "across"):
+        _check_seconds(f"bandwidth.{name}", getattr(bandwidth, name), positive=True)
+    for name in ("latency_within", "latency_across"):
+        _check_seconds(f"bandwidth.{name}", getattr(bandwidth, name), positive=False)
+
+
 def measure_bandwidth(local_world_size: Optional[int] = None, *, device: Optional[Union[torch.device, str]] = None,
                       target_s: float = 0.05, max_bytes: int = 64 << 20, repeats: int = 3) -> Bandwidth:
     """Measure the links within a node and across nodes with short all-reduces; collective over the default group.

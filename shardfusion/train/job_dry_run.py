@@ -36,6 +36,47 @@ def prepare(config: TrainConfig) -> tuple[TrainConfig, int, int]:
     return config, world, ranks_per_node
 
 
+def job_step(config: TrainConfig, mp_policy: sf.MixedPrecisionPolicy, ranks_per_node: int):
+    """``(build, step)`` of one optimizer step of the job as ``config`` (resolved) describes it, for
+    ``sf.dry_run`` or ``measure_step``: the job's model (GPT or GPT-MoE; with --pp the played rank's stages of
+    `job_pipeline.PipelineRun`, sharded, whose ``step`` runs the schedule and returns None:
+    ``step_runs_backward=config.pp > 1``), and one micro-batch of random token ids of the job's shapes
+    (``(--global-batch-size / data-parallel ranks, seq_len)``, this rank's part of each sequence with --cp; with --pp
+    the step's --grad-accum x --batch-size rows)."""
+    job = job_model.build(config, None, torch.device("cpu"))  # on meta: the sequence length
+    vocab = config.model_config().vocab_size
+    pipe = []  # --pp > 1: the played rank's PipelineRun (its stages, sharded, and its schedule)
+
+    def build(topo):
+        if config.pp > 1:
+            from shardfusion.train.job_pipeline import PipelineRun
+
+            pipe[:] = [PipelineRun(config, topo, torch.device("cpu"), mp_policy,
+                                   node_of=lambda r: r // ranks_per_node)]
+            return pipe[0].models
+        return job_model.build(config, topo.get_group("ep"), torch.device("cpu"),
+                               context_group=topo.get_group("context")).module
+
+    def step(model, topo):
+        if pipe:  # the schedule runs every micro-batch's forward and backward (the rows of --grad-accum steps)
+            run = pipe[0]
+            tokens = torch.randint(0, vocab, (config.grad_accum * config.batch_size, job.seq_len + 1))
+            args = (tokens[:, :-1],) if run.has_first else ()
+            kwargs = {"target": tokens[:, 1:], "losses": []} if run.has_last else {}
+            run.schedule.step(*args, return_outputs=False, **kwargs)
+            return None
+        batch = config.global_batch_size // (topo.dp * topo.sharding)
+        tokens = torch.randint(0, vocab, (batch, job.seq_len + 1))  # (B, T + 1): fake tensors in a dry run
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        if topo.sep * topo.cp > 1:
+            from shardfusion.train.job import context_part
+            x, y = context_part((x, y), (topo.context_rank, topo.sep * topo.cp))
+        loss, aux, _ = job.losses(model, x, y)
+        return (loss + config.aux_loss_coef * aux) / config.grad_accum
+
+    return build, step
+
+
 def run(config: TrainConfig) -> int:
     """Play the step and print the report (and write OUT/dry-run.json with --out); returns the exit status.
 
@@ -51,35 +92,7 @@ def run(config: TrainConfig) -> int:
                                         grad_comm_dtype=_dtype(config.grad_comm_dtype))
     job = job_model.build(config, None, torch.device("cpu"))  # on meta: the units and the figures of the header
 
-    pipe = []  # --pp > 1: the played rank's PipelineRun (its stages, sharded, and its schedule)
-
-    def build(topo):
-        if config.pp > 1:
-            from shardfusion.train.job_pipeline import PipelineRun
-
-            rpn = ranks_per_node
-            pipe[:] = [PipelineRun(config, topo, torch.device("cpu"), mp_policy, node_of=lambda r: r // rpn)]
-            return pipe[0].models
-        return job_model.build(config, topo.get_group("ep"), torch.device("cpu"),
-                               context_group=topo.get_group("context")).module
-
-    def step(model, topo):
-        if pipe:  # the schedule runs every micro-batch's forward and backward (the rows of --grad-accum steps)
-            run = pipe[0]
-            rows = config.grad_accum * config.batch_size
-            tokens = torch.randint(0, config.model_config().vocab_size, (rows, job.seq_len + 1))  # fake
-            args = (tokens[:, :-1],) if run.has_first else ()
-            kwargs = {"target": tokens[:, 1:], "losses": []} if run.has_last else {}
-            run.schedule.step(*args, return_outputs=False, **kwargs)
-            return None
-        batch = config.global_batch_size // (topo.dp * topo.sharding)
-        tokens = torch.randint(0, config.model_config().vocab_size, (batch, job.seq_len + 1))  # (B, T + 1), fake
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        if topo.sep * topo.cp > 1:
-            from shardfusion.train.job import context_part
-            x, y = context_part((x, y), (topo.context_rank, topo.sep * topo.cp))
-        loss, aux, _ = job.losses(model, x, y)
-        return (loss + config.aux_loss_coef * aux) / config.grad_accum
+    build, step = job_step(config, mp_policy, ranks_per_node)
 
     fully_shard = {"units": job.units, "reshard_policy": config.reshard_policy, "expert_policy": config.expert_policy,
                    "prefetch": config.prefetch, "mp_policy": mp_policy, "outer_comm_dtype": config.outer_comm_dtype}

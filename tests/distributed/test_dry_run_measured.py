@@ -36,26 +36,12 @@ def _model(case: str, world: int):
     import shardfusion as sf
     from shardfusion.models.gpt import GPT, Block, GPTConfig
 
-    if case == "pp":
+    if case == "pp":  # the training job's own step (job_dry_run.job_step): its PipelineRun under 1F1B
         from shardfusion.train.config import parse_args, resolve
-        from shardfusion.train.job_pipeline import PipelineRun
+        from shardfusion.train.job_dry_run import job_step
 
         config = resolve(parse_args(_flags()), device="cpu", world_size=world)
-        pipe = []
-
-        def build(topo):
-            pipe[:] = [PipelineRun(config, topo, torch.device("cpu"), sf.MixedPrecisionPolicy(),
-                                   node_of=lambda r: r // RANKS_PER_NODE)]
-            return pipe[0].models
-
-        def step(models, topo):
-            run = pipe[0]
-            tokens = torch.randint(0, 256, (config.batch_size, SEQ + 1))
-            args = (tokens[:, :-1],) if run.has_first else ()
-            kwargs = {"target": tokens[:, 1:], "losses": []} if run.has_last else {}
-            run.schedule.step(*args, return_outputs=False, **kwargs)
-            return None
-
+        build, step = job_step(config, sf.MixedPrecisionPolicy(), RANKS_PER_NODE)
         return build, step, {}
     shape = GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=SEQ)
 
