@@ -45,9 +45,13 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardfusion import accounting, comm
+from shardfusion.clip import clip_grad_norm_
+from shardfusion.fully_shard import fully_shard as fully_shard_model
+from shardfusion.fully_shard import get_units, set_is_last_backward
 from shardfusion.live_memory import LiveMemory, model_storages
+from shardfusion.plan import plan as plan_outer
 from shardfusion.probe import Bandwidth, check_bandwidth
-from shardfusion.topology import Degrees
+from shardfusion.topology import Degrees, Topology
 
 __all__ = ["DEFAULT_BANDWIDTH", "DryRun", "RankFigures", "dry_run", "kinds_of", "measure_step"]
 
@@ -241,8 +245,6 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import shardfusion as sf
-
     _check("world_size", world_size)
     _check("ranks_per_node", ranks_per_node)
     _check("micro_batches", micro_batches)
@@ -257,8 +259,8 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
     fs_kwargs = dict(fully_shard or {})
     if "device" in fs_kwargs:
         raise ValueError("fully_shard: a dry run picks the device itself (fake tensors); drop 'device'")
-    _check_keywords("topology", topo_kwargs, sf.Topology.__init__)
-    _check_keywords("fully_shard", fs_kwargs, sf.fully_shard)
+    _check_keywords("topology", topo_kwargs, Topology.__init__)
+    _check_keywords("fully_shard", fs_kwargs, fully_shard_model)
     bandwidth = bandwidth or DEFAULT_BANDWIDTH
     check_bandwidth(bandwidth)
     degrees = Degrees(world_size=world_size, **{k: v for k, v in topo_kwargs.items() if k != "timeout"})
@@ -277,14 +279,14 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
     try:
         for rank, kind in played:
             fig, layout = _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_kwargs,
-                                optimizer, micro_batches, max_norm, bounds, step_runs_backward, FakeTensorMode, sf)
+                                optimizer, micro_batches, max_norm, bounds, step_runs_backward, FakeTensorMode)
             figures.append(fig)
     finally:
         comm._emulated_backend["fake"] = saved_backend
     candidate, plan_error = None, ""
     if plan_model:
         candidate, plan_error = _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batches,
-                                         backend, bandwidth, sf)
+                                         backend, bandwidth)
     notes = []
     if any(c["op"] == "all_to_all" and c["label"] == "ep" for f in figures for c in f.collectives):
         notes.append("MoE all-to-alls and expert activations assume an even router (1/E of the assignments each)")
@@ -296,13 +298,13 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
 
 
 def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_kwargs, optimizer, micro_batches,
-          max_norm, bounds, step_runs_backward, fake_mode_cls, sf) -> tuple[RankFigures, str]:
+          max_norm, bounds, step_runs_backward, fake_mode_cls) -> tuple[RankFigures, str]:
     """One rank: fake group, topology, then :func:`measure_step` on fake tensors, with the collectives complete as
     soon as issued and, with ``bounds``, again with none complete before it is waited for."""
     t = time.perf_counter()
     dist.init_process_group("fake", rank=rank, world_size=world_size)
     try:
-        topo = sf.Topology(**topo_kwargs)
+        topo = Topology(**topo_kwargs)
         topology_s = time.perf_counter() - t
         runs = []
         for at_once in (True, False) if bounds else (True,):
@@ -338,7 +340,6 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
     Arguments as in :func:`dry_run`; ``device``: where the wrap materializes the model; ``step_context``: a context
     manager factory entered around the step only (e.g. another recorder of its collectives).
     """
-    import shardfusion as sf
     from shardfusion._runtime.state import is_sharded
 
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
@@ -350,7 +351,7 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
         with torch.device("meta"):
             built = build(topo)
         models = list(built) if isinstance(built, (list, tuple)) else [built]
-        models = [m if is_sharded(m) else sf.fully_shard(m, topo, device=device, **(fully_shard or {}))
+        models = [m if is_sharded(m) else fully_shard_model(m, topo, device=device, **(fully_shard or {}))
                   for m in models]
         model = models if isinstance(built, (list, tuple)) else models[0]
         opt = optimizer([p for m in models for p in m.parameters()])
@@ -360,7 +361,7 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
         seconds["wrap"] = time.perf_counter() - t
         t = time.perf_counter()
         largest_unit = max((sum(g.full.numel() * g.full.element_size() for g in u.groups if g.full is not g.shard)
-                            for m in models for u in sf.get_units(m)), default=0)
+                            for m in models for u in get_units(m)), default=0)
         tracker.reset_peak()
         activations = 0
         with comm.CommCounter(ranks_per_node) as counter, p2p, (step_context or contextlib.nullcontext)():
@@ -371,7 +372,7 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
                     # the last backward, where a CPU run would issue them from a worker thread that no dispatch mode
                     # sees)
                     for m in models:
-                        sf.set_is_last_backward(m, False)
+                        set_is_last_backward(m, False)
                 before = tracker.sample().parts["other"]
                 loss = step(model, topo)
                 if step_runs_backward:  # a pipeline schedule: its peak of activations and temporaries stands for them
@@ -390,7 +391,7 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
                 activations = max(activations, tracker.sample().parts["other"] - before)
                 loss.backward()
             if max_norm is not None:
-                sf.clip_grad_norm_(model, max_norm)
+                clip_grad_norm_(model, max_norm)
             opt.step()
             after = tracker.sample()
             opt.zero_grad(set_to_none=True)
@@ -446,7 +447,7 @@ def _collectives(counter, ranks_per_node: int) -> list[dict]:
     return sorted(rows.values(), key=lambda c: -c["wire_bytes"])
 
 
-def _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batches, backend, bandwidth, sf):
+def _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batches, backend, bandwidth):
     """The cost model's candidate for this layout's outer degree, on a fresh meta model (None and why on failure)."""
     mp = fs_kwargs.get("mp_policy")
     kwargs = {k: fs_kwargs[k] for k in ("units", "comm_unit_size", "reshard_policy", "prefetch", "expert_policy",
@@ -455,11 +456,11 @@ def _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batche
         return None, "the cost model covers pp, mp, sep and cp 1 only"
     dist.init_process_group("fake", rank=0, world_size=world_size)
     try:
-        topo = sf.Topology(dp=degrees.dp, sharding=degrees.sharding, sep=degrees.sep, cp=degrees.cp, ep=degrees.ep,
-                           fsdp_outer_degree=degrees.fsdp_outer_degree)
+        topo = Topology(dp=degrees.dp, sharding=degrees.sharding, sep=degrees.sep, cp=degrees.cp, ep=degrees.ep,
+                        fsdp_outer_degree=degrees.fsdp_outer_degree)
         with torch.device("meta"):
             model = build(topo)
-        p = sf.plan(model, world_size=world_size, local_world_size=ranks_per_node, bandwidth=bandwidth,
+        p = plan_outer(model, world_size=world_size, local_world_size=ranks_per_node, bandwidth=bandwidth,
                     max_memory_per_rank=2**62, micro_batches=micro_batches, dp=degrees.dp, ep=degrees.ep,
                     param_dtype=getattr(mp, "param_dtype", None), grad_comm_dtype=getattr(mp, "grad_comm_dtype", None),
                     backend=backend, outer_degrees=[degrees.fsdp_outer_degree], **kwargs)

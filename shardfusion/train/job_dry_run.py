@@ -17,7 +17,8 @@ import torch
 import shardfusion as sf
 from shardfusion.plan import Bandwidth
 from shardfusion.train import dry_run_config, job_model
-from shardfusion.train.config import TrainConfig, check_run, resolve
+from shardfusion.train.config import DTYPES, TrainConfig, check_run, resolve
+from shardfusion.train.data import context_parallel_slice
 from shardfusion.train.dry_run_config import DEFAULT_RANKS_PER_NODE
 from shardfusion.train.launch import default_nproc
 
@@ -34,6 +35,11 @@ def prepare(config: TrainConfig) -> tuple[TrainConfig, int, int]:
     config = resolve(config, device="cuda", world_size=world)
     check_run(config, world_size=world, world=f"--world {world}")  # the job's own layout, batch and pipeline rules
     return config, world, ranks_per_node
+
+
+def _dtype(name):
+    """The torch dtype of a --param-dtype / --grad-comm-dtype value (None stays None)."""
+    return None if name is None else getattr(torch, DTYPES[name])
 
 
 def job_step(config: TrainConfig, mp_policy: sf.MixedPrecisionPolicy, ranks_per_node: int):
@@ -68,9 +74,8 @@ def job_step(config: TrainConfig, mp_policy: sf.MixedPrecisionPolicy, ranks_per_
         batch = config.global_batch_size // (topo.dp * topo.sharding)
         tokens = torch.randint(0, vocab, (batch, job.seq_len + 1))  # (B, T + 1): fake tensors in a dry run
         x, y = tokens[:, :-1], tokens[:, 1:]
-        if topo.sep * topo.cp > 1:
-            from shardfusion.train.job import context_part
-            x, y = context_part((x, y), (topo.context_rank, topo.sep * topo.cp))
+        if topo.sep * topo.cp > 1:  # this context rank's part of each sequence, as the job's loop takes it
+            x, y = context_parallel_slice(x, y, topo.context_rank, topo.sep * topo.cp)
         loss, aux, _ = job.losses(model, x, y)
         return (loss + config.aux_loss_coef * aux) / config.grad_accum
 
@@ -86,8 +91,6 @@ def run(config: TrainConfig) -> int:
     given_out = config.out
     config, world, ranks_per_node = prepare(config)
     within, across = dry_run_config.bandwidths(config)
-    from shardfusion.train.job import _dtype
-
     mp_policy = sf.MixedPrecisionPolicy(param_dtype=_dtype(config.param_dtype),
                                         grad_comm_dtype=_dtype(config.grad_comm_dtype))
     job = job_model.build(config, None, torch.device("cpu"))  # on meta: the units and the figures of the header
