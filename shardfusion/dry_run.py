@@ -309,7 +309,12 @@ def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_k
         runs = []
         for at_once in (True, False) if bounds else (True,):
             comm._fake_completion["at_once"] = at_once
-            with fake_mode_cls(allow_non_fake_inputs=True), warnings.catch_warnings():
+            fake_mode = fake_mode_cls(allow_non_fake_inputs=True)
+            # FakeTensorMode's dispatch cache keeps some outputs' storages alive past their last use (measured: a
+            # unit's full gradient buffer after its reduce-scatter, a pipeline stage's outputs), which a real run
+            # frees: off, so that live bytes are the real run's
+            fake_mode.cache_enabled = False
+            with fake_mode, warnings.catch_warnings():
                 # torch notes that a fake tensor's data_ptr() is not a real one: the runtime only compares them
                 warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
                 runs.append(measure_step(build, step, topo, ranks_per_node=ranks_per_node, fully_shard=fs_kwargs,
