@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from harness import run_train, usage_error_line
 
 TIMEOUT_S = 240
@@ -43,12 +41,9 @@ def test_dry_run_of_pipeline_stages() -> None:
     assert "cost model: not run (the cost model covers pp, mp, sep and cp 1 only)" in result.stdout
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--world", "64"], "--world needs --dry-run"),
-    (["--dry-run", "--world", "64", "--pp", "2", "--microbatches", "3", "--experts", "0", "--preset", "tiny"],
-     "--microbatches 3 must divide the 16 sequences"),
-])
-def test_refusals(flags: list[str], words: str) -> None:
-    """One line, exit status 2, before anything is built (every refusal: tests/unit/test_dry_run_config.py)."""
+def test_a_layout_error_is_one_line() -> None:
+    """The job's own checks against --world: one line, exit status 2, before anything is built (every refusal of
+    the section, and the layout checks, in one process: tests/unit/test_dry_run_config.py)."""
+    flags = ["--dry-run", "--world", "64", "--pp", "2", "--microbatches", "3", "--experts", "0", "--preset", "tiny"]
     line = usage_error_line(run_train(flags, timeout=TIMEOUT_S))
-    assert words in line, line
+    assert "--microbatches 3 must divide the 16 sequences" in line, line
