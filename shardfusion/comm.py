@@ -53,10 +53,11 @@ _emulated_backend = {"fake": "nccl"}
 it records are those that backend would run (gloo issues its reduce-scatters as all-to-alls)."""
 
 
-_fake_completion = {"at_once": True}
+_fake_completion = {"at_once": False}
 """Whether a dry run's fake collectives report themselves complete as soon as they are issued (the case where
 communication keeps up with compute), or only when waited for (the slowest case: a unit's full gradient buffer is
-then freed at the end of the backward). ``shardfusion.dry_run`` runs the step both ways."""
+then freed at the end of the backward). ``shardfusion.dry_run`` runs the step both ways and sets it back to False,
+so that outside a dry run :func:`_issue` does not look at the backend."""
 
 
 class _DoneWork:

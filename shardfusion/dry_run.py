@@ -42,6 +42,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardfusion import accounting, comm
@@ -49,8 +50,9 @@ from shardfusion.clip import clip_grad_norm_
 from shardfusion.fully_shard import fully_shard as fully_shard_model
 from shardfusion.fully_shard import get_units, set_is_last_backward
 from shardfusion.live_memory import LiveMemory, model_storages
+from shardfusion.plan import _size
 from shardfusion.plan import plan as plan_outer
-from shardfusion.probe import Bandwidth, check_bandwidth
+from shardfusion.probe import Bandwidth, _check_int, check_bandwidth
 from shardfusion.topology import Degrees, Topology
 
 __all__ = ["DEFAULT_BANDWIDTH", "DryRun", "RankFigures", "dry_run", "kinds_of", "measure_step"]
@@ -167,19 +169,6 @@ class DryRun:
         return "\n".join(out)
 
 
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def _check(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
 def _check_keywords(name: str, kwargs: dict, fn) -> None:
     """Every key of ``kwargs`` is a keyword parameter of ``fn``, else ValueError naming ``name`` and the key."""
     import inspect
@@ -243,11 +232,9 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
             bad ``world_size``, ``ranks_per_node``, ``micro_batches``, ``backend`` or rank; the layout's degree
             errors (:class:`~shardfusion.topology.Degrees`).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    _check("world_size", world_size)
-    _check("ranks_per_node", ranks_per_node)
-    _check("micro_batches", micro_batches)
+    _check_int("world_size", world_size, 1)
+    _check_int("ranks_per_node", ranks_per_node, 1)
+    _check_int("micro_batches", micro_batches, 1)
     if world_size % ranks_per_node:
         raise ValueError(f"ranks_per_node({ranks_per_node}) must divide world_size({world_size})")
     if backend not in ("nccl", "gloo"):
@@ -271,7 +258,6 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
                 raise ValueError(f"ranks: {r!r} is not a rank of world_size({world_size})")
         kind = dict(played)
         played = [(r, kind.get(r, "chosen rank")) for r in ranks]
-    optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
     t0 = time.perf_counter()
     figures, layout = [], ""
     saved_backend = comm._emulated_backend["fake"]
@@ -279,7 +265,7 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
     try:
         for rank, kind in played:
             fig, layout = _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_kwargs,
-                                optimizer, micro_batches, max_norm, bounds, step_runs_backward, FakeTensorMode)
+                                optimizer, micro_batches, max_norm, bounds, step_runs_backward)
             figures.append(fig)
     finally:
         comm._emulated_backend["fake"] = saved_backend
@@ -298,7 +284,7 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
 
 
 def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_kwargs, optimizer, micro_batches,
-          max_norm, bounds, step_runs_backward, fake_mode_cls) -> tuple[RankFigures, str]:
+          max_norm, bounds, step_runs_backward) -> tuple[RankFigures, str]:
     """One rank: fake group, topology, then :func:`measure_step` on fake tensors, with the collectives complete as
     soon as issued and, with ``bounds``, again with none complete before it is waited for."""
     t = time.perf_counter()
@@ -309,7 +295,7 @@ def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_k
         runs = []
         for at_once in (True, False) if bounds else (True,):
             comm._fake_completion["at_once"] = at_once
-            fake_mode = fake_mode_cls(allow_non_fake_inputs=True)
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
             # FakeTensorMode's dispatch cache keeps some outputs' storages alive past their last use (measured: a
             # unit's full gradient buffer after its reduce-scatter, a pipeline stage's outputs), which a real run
             # frees: off, so that live bytes are the real run's
@@ -329,7 +315,7 @@ def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_k
         fig.seconds["topology"] = topology_s
         return fig, topo.describe()
     finally:
-        comm._fake_completion["at_once"] = True
+        comm._fake_completion["at_once"] = False
         dist.destroy_process_group()
 
 
@@ -369,15 +355,14 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
                             for m in models for u in get_units(m)), default=0)
         tracker.reset_peak()
         activations = 0
+        if not step_runs_backward:
+            # every micro-batch reduce-scatters its gradients (as the training job's loop); the replicate all-reduces
+            # run at the step boundary, on this thread (the same collectives as overlapped with the last backward,
+            # where a CPU run would issue them from a worker thread that no dispatch mode sees)
+            for m in models:
+                set_is_last_backward(m, False)
         with comm.CommCounter(ranks_per_node) as counter, p2p, (step_context or contextlib.nullcontext)():
             for _ in range(micro_batches):
-                if not step_runs_backward:
-                    # every micro-batch reduce-scatters its gradients (as the training job's loop); the replicate
-                    # all-reduces run at the step boundary, on this thread (the same collectives as overlapped with
-                    # the last backward, where a CPU run would issue them from a worker thread that no dispatch mode
-                    # sees)
-                    for m in models:
-                        set_is_last_backward(m, False)
                 before = tracker.sample().parts["other"]
                 loss = step(model, topo)
                 if step_runs_backward:  # a pipeline schedule: its peak of activations and temporaries stands for them

@@ -349,13 +349,13 @@ class Topology:
             RuntimeError: within the Topology timeout, on the ranks that came: some rank did not start a forward in
                 another mode at the same time (``comm.timeout_error``).
         """
+        if comm.is_fake(self._control):  # a dry run plays one rank: the others are built alike
+            return
         mine = torch.tensor([int(training), int(grad_enabled)], dtype=torch.int64)  # (2,)
         ranks = dist.get_process_group_ranks(self._control)  # this rank's pipeline stage: the world when pp is 1
         every = torch.empty(len(ranks), 2, dtype=torch.int64)  # (ranks of the stage, 2)
         what = (f"the agreement on the forward mode ({'train' if training else 'eval'} mode, grad "
                 f"{'enabled' if grad_enabled else 'disabled'}) that starts a forward in another mode than the last")
-        if comm.is_fake(self._control):  # a dry run plays one rank: the others are built alike
-            return
         if len(ranks) > 1:  # not in the communication accounting: 16 bytes per rank at a change of mode
             self.forward_mode_checks += 1
             with comm.explain_timeout(what):

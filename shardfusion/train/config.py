@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
+
 from shardfusion.train.data import corpus_size, min_corpus_bytes, split_sizes
 from shardfusion.models.gpt import PRESETS, VOCAB_SIZE, GPTConfig
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_POLICIES
@@ -37,6 +39,11 @@ from shardfusion.topology import Degrees
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 """The --param-dtype / --grad-comm-dtype names and the torch dtypes they stand for."""
+
+
+def torch_dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype of a --param-dtype / --grad-comm-dtype value (None stays None: the default)."""
+    return None if name is None else getattr(torch, DTYPES[name])
 
 AUTO = "auto"
 """The --fsdp-outer-degree value that asks the cost model (`shardfusion.plan`) for the degree."""

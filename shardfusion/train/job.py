@@ -58,8 +58,8 @@ from shardfusion.train import (data_config, dry_run_config, ft_config, job_dry_r
 from shardfusion.train import tokenizer as tokenizers
 from shardfusion.train.job_model import JobModel, Losses
 from shardfusion.train.outputs import open_outputs
-from shardfusion.train.config import (AUTO, DTYPES, TrainConfig, check_batch, check_run, parse_args, resolve,
-                                      seq_len_warning, usage_error)
+from shardfusion.train.config import (AUTO, TrainConfig, check_batch, check_run, parse_args, resolve,
+                                      seq_len_warning, torch_dtype, usage_error)
 from shardfusion.train.optim import (balance_record, build_optimizers, format_balance, muon_matrices,  # noqa: F401
                                      no_decay, param_groups, set_learning_rates)
 
@@ -70,11 +70,6 @@ PEER_REPORT_WAIT_S = 10.0
 """Under torchrun, how long a worker other than local rank 0 waits before exiting on a bad flag (see `main`)."""
 FT_ERROR = "ft_error"
 """The key of the one-line error a replica group's worker returns instead of its summary (`worker`)."""
-
-
-def _dtype(name: str | None) -> torch.dtype | None:
-    """The torch dtype of a --param-dtype / --grad-comm-dtype value (None stays None: the default)."""
-    return None if name is None else getattr(torch, DTYPES[name])
 
 
 def global_mean(values: list[float | torch.Tensor], device: torch.device, group=None) -> list[float]:
@@ -208,7 +203,7 @@ def plan_outer_degree(config: TrainConfig, device: torch.device, world: int) -> 
         choice = sf.plan(sizes, world_size=world, local_world_size=local, bandwidth=bandwidth,
                          max_memory_per_rank=budget, micro_batches=config.grad_accum, ep=config.ep,
                          prefetch=config.prefetch, expert_policy=config.expert_policy, shard_dtype=torch.float32,
-                         param_dtype=_dtype(config.param_dtype), grad_comm_dtype=_dtype(config.grad_comm_dtype),
+                         param_dtype=torch_dtype(config.param_dtype), grad_comm_dtype=torch_dtype(config.grad_comm_dtype),
                          outer_comm_dtype=config.outer_comm_dtype,
                          backend="nccl" if "nccl" in str(dist.get_backend()) else "gloo", prefer=prefer)
     except ValueError as error:
@@ -257,8 +252,8 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     job = job_model.build(config, topo.get_group("ep"), device, mp_mesh=topo.get_mesh("mp"),
                           context_group=topo.get_group("context"))
     moe, num_params, num_active = job.moe, job.num_params, job.num_active
-    mp_policy = sf.MixedPrecisionPolicy(param_dtype=_dtype(config.param_dtype),
-                                        grad_comm_dtype=_dtype(config.grad_comm_dtype))
+    mp_policy = sf.MixedPrecisionPolicy(param_dtype=torch_dtype(config.param_dtype),
+                                        grad_comm_dtype=torch_dtype(config.grad_comm_dtype))
     matrices = muon_matrices(job.module, job.units) if config.optimizer == "muon" else None
     layout_comm = comm_layout(config, world)
     pipe = None  # --pp > 1: this rank's pipeline stages (job_pipeline); `model` is then the list of them

@@ -17,7 +17,7 @@ import torch
 import shardfusion as sf
 from shardfusion.plan import Bandwidth
 from shardfusion.train import dry_run_config, job_model
-from shardfusion.train.config import DTYPES, TrainConfig, check_run, resolve
+from shardfusion.train.config import TrainConfig, check_run, resolve, torch_dtype
 from shardfusion.train.data import context_parallel_slice
 from shardfusion.train.dry_run_config import DEFAULT_RANKS_PER_NODE
 from shardfusion.train.launch import default_nproc
@@ -35,11 +35,6 @@ def prepare(config: TrainConfig) -> tuple[TrainConfig, int, int]:
     config = resolve(config, device="cuda", world_size=world)
     check_run(config, world_size=world, world=f"--world {world}")  # the job's own layout, batch and pipeline rules
     return config, world, ranks_per_node
-
-
-def _dtype(name):
-    """The torch dtype of a --param-dtype / --grad-comm-dtype value (None stays None)."""
-    return None if name is None else getattr(torch, DTYPES[name])
 
 
 def job_step(config: TrainConfig, mp_policy: sf.MixedPrecisionPolicy, ranks_per_node: int):
@@ -91,8 +86,8 @@ def run(config: TrainConfig) -> int:
     given_out = config.out
     config, world, ranks_per_node = prepare(config)
     within, across = dry_run_config.bandwidths(config)
-    mp_policy = sf.MixedPrecisionPolicy(param_dtype=_dtype(config.param_dtype),
-                                        grad_comm_dtype=_dtype(config.grad_comm_dtype))
+    mp_policy = sf.MixedPrecisionPolicy(param_dtype=torch_dtype(config.param_dtype),
+                                        grad_comm_dtype=torch_dtype(config.grad_comm_dtype))
     job = job_model.build(config, None, torch.device("cpu"))  # on meta: the units and the figures of the header
 
     build, step = job_step(config, mp_policy, ranks_per_node)
