@@ -100,10 +100,12 @@ class RankFigures:
 
     @property
     def wire_bytes(self) -> float:
+        """Bytes this rank sends per step, all collectives and P2P sends together."""
         return sum(c["wire_bytes"] for c in self.collectives)
 
     @property
     def across_bytes(self) -> float:
+        """Of :attr:`wire_bytes`, the bytes sent to ranks on other nodes."""
         return sum(c["across_bytes"] for c in self.collectives)
 
 
@@ -418,6 +420,7 @@ class _SendRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def rows(self) -> list[dict]:
+        """The sends as one row of :attr:`RankFigures.collectives` (none when there were none)."""
         return [dict(self.row)] if self.row["count"] else []
 
 
