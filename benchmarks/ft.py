@@ -127,6 +127,11 @@ class Replicas:
         os.killpg(self.procs[name].pid, signal.SIGKILL)
         self.procs[name].wait()
 
+    def hang(self, name: str, hung: bool = True) -> None:
+        """SIGSTOP every process of the job (its session): it hangs without dying (its sockets stay open, its
+        heartbeats stop); ``hung`` False: SIGCONT, it goes on."""
+        os.killpg(self.procs[name].pid, signal.SIGSTOP if hung else signal.SIGCONT)
+
     def wait(self, names: Sequence[str], timeout: float) -> dict[str, int]:
         deadline = time.monotonic() + timeout
         codes = {}
@@ -175,20 +180,39 @@ def step_times(train: list[dict[str, Any]]) -> list[tuple[int, float]]:
 
 def run_scenario(out: Path, *, steps: int, kill_at: int, restart_after: int, replicas: int = 2, nproc: int = 2,
                  cluster: Any = None, seed: int = 42, heartbeat_ms: int = HEARTBEAT_MS, timeout: float = 300,
-                 train: Sequence[str] = TRAIN, save_every: int = SAVE_EVERY) -> dict[str, Any]:
+                 train: Sequence[str] = TRAIN, save_every: int = SAVE_EVERY, hang_at: Optional[int] = None,
+                 hang_steps: int = 10, hold_at: Optional[int] = None) -> dict[str, Any]:
     """One run with a failure (module docstring); returns the measured record. ``restart_after`` None: never
-    restarted. Raises RuntimeError with the logs' ends when a job fails."""
+    restarted. ``hang_at`` (below ``kill_at``): first another failure, a hang: the victim is stopped (SIGSTOP,
+    `Replicas.hang`) inside step ``hang_at``, after its backward, while the survivors wait in the average; it is
+    continued (SIGCONT) once they have committed ``hang_steps`` more steps without it, then killed inside the first
+    step from ``kill_at`` on that it trains. ``hold_at`` (above ``kill_at``, with a restart): the survivors pause
+    inside step ``hold_at`` until the restarted victim has resumed from its checkpoint, so that they cannot end the
+    run before it joins, however slow its start-up (a test's guard on a loaded machine). Raises RuntimeError with
+    the logs' ends when a job fails."""
     victim = replicas - 1
     flags = [*train, "--steps", str(steps), "--save-every", str(save_every), "--eval-every", str(steps),
              "--seed", str(seed)]
     t0 = time.monotonic()
     with Replicas(out, flags, replicas=replicas, nproc=nproc, cluster=cluster, heartbeat_ms=heartbeat_ms) as run:
         for g in range(replicas - 1):
-            run.start(g)
+            run.start(g, env={PAUSE_ENV: str(hold_at)} if hold_at is not None else None)
         # the victim stops inside step kill_at, after its backward (job_ft.PAUSE_ENV): the kill lands mid-step
-        run.start(victim, env={PAUSE_ENV: str(kill_at)})
+        pauses = [kill_at] if hang_at is None else [hang_at, kill_at]
+        run.start(victim, env={PAUSE_ENV: ",".join(map(str, pauses))})
         marker = out / REPLICA_FOLDER.format(victim) / PAUSED_FILE
+        hang = None
+        if hang_at is not None:  # it hangs there, and goes on later
+            run.until(marker.exists, timeout, f"replica group {victim} inside step {hang_at}")
+            run.hang(f"replica{victim}")
+            hang = {"step": int(marker.read_text()), "stopped_at_step": run.committed(0)}
+            run.until(lambda: run.committed(0) >= hang["stopped_at_step"] + hang_steps, timeout,
+                      f"the survivors {hang_steps} steps on without the hung group")
+            hang["continued_at_step"] = run.committed(0)
+            marker.unlink()  # its ranks go on with the step once continued (job_ft.PAUSE_ENV)
+            run.hang(f"replica{victim}", False)
         run.until(marker.exists, timeout, f"replica group {victim} inside step {kill_at}")
+        killed_in_step = int(marker.read_text())
         run.kill(f"replica{victim}")
         killed_at, t_kill = run.committed(0), time.monotonic() - t0
         restarted_at = None
@@ -197,6 +221,12 @@ def run_scenario(out: Path, *, steps: int, kill_at: int, restart_after: int, rep
                       f"the survivors at step {killed_at + restart_after}")
             restarted_at = run.committed(0)
             run.start(victim, "b")
+            if hold_at is not None:  # the survivors wait inside step hold_at until the victim has resumed
+                held = [out / REPLICA_FOLDER.format(g) / PAUSED_FILE for g in range(replicas - 1)]
+                run.until(lambda: all(m.exists() for m in held) and "resuming at step" in run.log(f"replica{victim}b"),
+                          timeout, f"the survivors inside step {hold_at} and replica group {victim} resumed")
+                for m in held:
+                    m.unlink()
         names = [f"replica{g}" for g in range(replicas - 1)] + ([f"replica{victim}b"] if restart_after is not None
                                                                else [])
         codes = run.wait(names, timeout)
@@ -210,16 +240,25 @@ def run_scenario(out: Path, *, steps: int, kill_at: int, restart_after: int, rep
     median = statistics.median(t for _, t in times)
     ft = {g: r["summary"]["fault_tolerance"] for g, r in runs.items()}
     discarded = ft[0]["discarded"]
-    gap = max((t for s, t in times if discarded and s == discarded[0]["step"] + 1), default=None)
+
+    def gap_after(failed: dict[str, Any]) -> Optional[float]:  # from the last commit before it to its retry's
+        return max((t for s, t in times if s == failed["step"] + 1), default=None)
+
+    killed = next((d for d in discarded if d["step"] == killed_in_step), None)  # the step in flight at the kill
+    gap = gap_after(killed) if killed else None
+    if hang is not None:
+        hang["discarded"] = next((d for d in discarded if d["step"] == hang["step"]), None)
+        hang["survivor_gap_s"] = gap_after(hang["discarded"]) if hang["discarded"] else None
     return {
         "steps": steps, "replicas": replicas, "nproc": nproc, "seed": seed, "heartbeat_ms": heartbeat_ms,
         "where": "emulated cluster" if cluster is not None else "loopback",
-        "killed_at_step": killed_at, "killed_at_s": round(t_kill, 2), "restarted_at_step": restarted_at,
+        "killed_at_step": killed_at, "killed_in_step": killed_in_step, "killed_at_s": round(t_kill, 2),
+        "restarted_at_step": restarted_at,
         "survivor_median_step_s": median, "survivor_gap_s": gap,
         "detection_s": None if gap is None else gap - median,
         "survivor_steps_around_failure": [(s, round(t, 4)) for s, t in times
-                                          if discarded and abs(s - discarded[0]["step"] - 1) <= 3],
-        "discarded": discarded, "recoveries": ft[victim]["recoveries"],
+                                          if killed and abs(s - killed["step"] - 1) <= 3],
+        "discarded": discarded, "recoveries": ft[victim]["recoveries"], "hang": hang,
         "digests_equal": all(ft[g]["state_digests"] == ft[0]["state_digests"] for g in ft),
         "final_loss": {str(g): r["train"][-1]["loss"] for g, r in runs.items()},
         "final_val_loss": {str(g): r["val"][-1]["val_loss"] for g, r in runs.items()},

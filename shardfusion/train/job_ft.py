@@ -24,13 +24,16 @@ from shardfusion.train import ft_config
 WAIT_POLL_S = 1.0
 """Seconds between two quorums while fewer than --ft-min-replicas replica groups are up."""
 PAUSE_ENV = "SHARDFUSION_FT_PAUSE_AT"
-"""Fault injection for tests and benchmarks (benchmarks/ft.py): with this set to a step, every rank of the group
-stops inside that step, after its backward and before the gradients are averaged, and sleeps until it is killed;
-rank 0 first writes OUT/replica-<id>/`PAUSED_FILE`. A kill then lands mid-step, while the peers wait in the
-average: the case the discard exists for."""
+"""Fault injection for tests and benchmarks (benchmarks/ft.py): with this set to a step S (or to steps S1,S2,...),
+every rank of the group stops inside the first step >= S it trains (once per S), after its backward and before the
+gradients are averaged; rank 0 first writes OUT/replica-<id>/`PAUSED_FILE` (holding the step). The ranks sleep
+until the group is killed or the marker is removed (then the step goes on). A kill, or a SIGSTOP, then lands
+mid-step, while the peers wait in the average: the case the discard exists for."""
 PAUSED_FILE = "paused"
 PAUSE_S = 300.0
 """How long `PAUSE_ENV` pauses before the group gives up with an error (a leftover setting cannot hang a run)."""
+PAUSE_POLL_S = 0.05
+"""Seconds between two looks at the marker while paused."""
 
 
 class FTRun:
@@ -55,8 +58,9 @@ class FTRun:
         if start:
             self.group.manager.load_state_dict({"step": start, "batches_committed": 0})
         if os.environ.get(PAUSE_ENV):
-            self._say(f"warning: {PAUSE_ENV}={os.environ[PAUSE_ENV]} is set: this group stops inside that step "
-                      f"for a test's kill (unset it for a real run)")
+            self._say(f"warning: {PAUSE_ENV}={os.environ[PAUSE_ENV]} is set: this group stops inside the first "
+                      f"step from each of these on, for a test's kill (unset it for a real run)")
+        self._pause_at = sorted(int(s) for s in os.environ.get(PAUSE_ENV, "").split(",") if s.strip())
         self.participants: int | None = None  # of the last quorum
         self.changes: list[dict[str, Any]] = []  # the quorum's membership: {"step", "participants", "was", "at_s"}
         self.failures: list[dict[str, Any]] = []  # discarded steps: {"step", "participants", "at_s", "lost_s"}
@@ -153,21 +157,28 @@ class FTRun:
         figures = torch.stack([loss.detach().float(), aux.detach().float()]).to(device)
         dist.all_reduce(figures)
         figures /= dist.get_world_size()
-        if os.environ.get(PAUSE_ENV) == str(step):
+        if self._pause_at and step >= self._pause_at[0]:
+            self._pause_at = [s for s in self._pause_at if s > step]  # once each
             self._pause(step)
         self.group.sync_gradients(figures)
         return float(figures[0]), float(figures[1])
 
     def _pause(self, step: int) -> None:
-        """`PAUSE_ENV`: say so, write the marker, sleep until killed."""
+        """`PAUSE_ENV`: say so, write the marker, sleep until killed or until the marker is removed. Collective
+        over the group (a barrier after the marker is written, so that no rank looks for it before)."""
+        marker = Path(ft_config.outputs_folder(self.config, self.config.out)) / PAUSED_FILE
         if self.is_main:
             self._say(f"paused inside step {step} ({PAUSE_ENV})")
-            folder = Path(ft_config.outputs_folder(self.config, self.config.out))
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / PAUSED_FILE).write_text(f"{step}\n")
-        time.sleep(PAUSE_S)
-        raise FTError(f"{PAUSE_ENV}={step}: paused {PAUSE_S:g} s inside step {step} and nobody killed this group; "
-                      f"unset {PAUSE_ENV} (a test's fault injection)")
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(f"{step}\n")
+        dist.barrier()
+        until = time.monotonic() + PAUSE_S
+        while marker.exists() and time.monotonic() < until:
+            time.sleep(PAUSE_POLL_S)
+        if marker.exists():
+            raise FTError(f"{PAUSE_ENV}={step}: paused {PAUSE_S:g} s inside step {step} and nobody killed this "
+                          f"group; unset {PAUSE_ENV} (a test's fault injection)")
+        self._say(f"resumed inside step {step} ({PAUSED_FILE} removed)")
 
     def commit(self, step: int) -> bool:
         """Step the optimizers if the vote passed (`ReplicaGroup.commit`); a discarded step is recorded and said."""
