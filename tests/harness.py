@@ -310,3 +310,23 @@ def run_train(args: list[str], *, launcher: list[str] | None = None,
     """`python -m shardfusion.train ARGS` (or `LAUNCHER shardfusion.train ARGS`, e.g. torchrun ... -m) through
     `run_command`."""
     return run_command((launcher or [sys.executable, "-m"]) + ["shardfusion.train", *args], timeout)
+
+
+def train_usage_error(args: list[str], capsys: Any) -> str:
+    """`shardfusion.train`'s ``main(args)`` in this process, for a run refused before any worker starts (no process
+    start-up to pay): it must exit with status 2 (SystemExit, not another exception, so no traceback) and print
+    exactly one `USAGE_ERROR` line on stderr, whose message is returned without its prefix. ``capsys``: pytest's
+    fixture of the calling test."""
+    from shardfusion.train.job import main
+    capsys.readouterr()  # what came before
+    try:
+        main(args)
+    except SystemExit as exit_info:
+        code = exit_info.code
+    else:
+        code = 0
+    out, err = capsys.readouterr()
+    assert code == 2, out[-3000:] + err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith(USAGE_ERROR)]
+    assert len(errors) == 1, err[-3000:]
+    return errors[0].removeprefix(USAGE_ERROR)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from harness import TRAIN_TIMEOUT_S, run_command, run_train, usage_error_line  # noqa: E402
+from harness import TRAIN_TIMEOUT_S, run_command, run_train, train_usage_error  # noqa: E402
 from shardfusion.train import data_config as dc  # noqa: E402
 from shardfusion.train import tokenizer as tk  # noqa: E402
 from shardfusion.train.config import TrainConfig  # noqa: E402
@@ -184,7 +184,7 @@ def test_other_world_size_same_batches_and_resume(finetune: Path, pretrained: Pa
 
 
 @pytest.mark.timeout(3 * TRAIN_TIMEOUT_S)
-def test_trained_tokenizer_is_kept_and_resumed(corpus: Path, tmp_path: Path) -> None:
+def test_trained_tokenizer_is_kept_and_resumed(corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out, cache = tmp_path / "run", tmp_path / "cache"
     args = ["--preset", "tiny", "--data", str(corpus), "--data-cache", str(cache), "--seq-len", str(SEQ_LEN),
             "--batch-size", "2", "--steps", "2", "--save-every", "1", "--eval-every", "1",
@@ -193,7 +193,7 @@ def test_trained_tokenizer_is_kept_and_resumed(corpus: Path, tmp_path: Path) -> 
     assert "training a byte-level BPE tokenizer of 400 tokens" in first, first
     kept = tk.load(str(out / "tokenizer"))
     assert kept.vocab_size == 400 and json.loads((out / "config.json").read_text())["vocab_size"] == 400
-    line = usage_error_line(run_train([*args, "--nproc", "2", "--tokenizer", "bytes"]))
+    line = train_usage_error([*args, "--nproc", "2", "--tokenizer", "bytes"], capsys)
     assert line.startswith(f"--tokenizer: the checkpoint in --out {out} was trained with the tokenizer"), line
     assert "this run's is bytes" in line, line
     second = _ok(run_train([*args, "--train-tokenizer", "400", "--nproc", "2"]))
@@ -202,30 +202,31 @@ def test_trained_tokenizer_is_kept_and_resumed(corpus: Path, tmp_path: Path) -> 
 
 
 @pytest.mark.timeout(TRAIN_TIMEOUT_S)
-def test_bad_data_is_a_usage_error_before_launch(pretrained: Path, corpus: Path, tmp_path: Path) -> None:
+def test_bad_data_is_a_usage_error_before_launch(pretrained: Path, corpus: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture) -> None:
     base = ["--nproc", "2", "--steps", "1", "--seq-len", str(SEQ_LEN), "--data-cache", str(tmp_path / "c"),
             "--no-progress"]
     out = tmp_path / "out"
-    line = usage_error_line(run_train([*base, "--data", str(corpus), "--text-field", "body", "--out", str(out)]))
+    line = train_usage_error([*base, "--data", str(corpus), "--text-field", "body", "--out", str(out)], capsys)
     assert "body" in line and str(corpus) in line, line
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    line = usage_error_line(run_train([*base, "--data", str(empty), "--out", str(out)]))
+    line = train_usage_error([*base, "--data", str(empty), "--out", str(out)], capsys)
     assert "holds no documents" in line, line
     broken = tmp_path / "broken.parquet"
     broken.write_bytes(b"not parquet at all")
-    line = usage_error_line(run_train([*base, "--data", str(broken), "--out", str(out)]))
+    line = train_usage_error([*base, "--data", str(broken), "--out", str(out)], capsys)
     assert str(broken) in line, line
     bigger = tmp_path / "bigger"  # more ids than the pretrained model has embedding rows
     tk.train_bpe(lambda: iter(_documents()), 1000, bigger)
-    line = usage_error_line(run_train([*base, "--init-from", str(pretrained), "--data", str(corpus), "--tokenizer",
-                                  str(bigger), "--out", str(out)]))
+    line = train_usage_error([*base, "--init-from", str(pretrained), "--data", str(corpus), "--tokenizer",
+                              str(bigger), "--out", str(out)], capsys)
     assert f"its model has vocab_size {VOCAB}" in line and "1000 ids" in line, line
     bare = tmp_path / "bare"
     bare.mkdir()
     for name in ("config.json", "model.safetensors"):
         (bare / name).write_bytes((pretrained / name).read_bytes())
-    line = usage_error_line(run_train([*base, "--init-from", str(bare), "--data", str(corpus), "--out", str(out)]))
+    line = train_usage_error([*base, "--init-from", str(bare), "--data", str(corpus), "--out", str(out)], capsys)
     assert line.startswith(f"--init-from {bare} holds no tokenizer") and f"vocabulary is {VOCAB}" in line, line
     assert not out.exists()
 

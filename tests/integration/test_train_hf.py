@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from harness import TRAIN_TIMEOUT_S, run_command, run_train, usage_error_line  # noqa: E402
+from harness import TRAIN_TIMEOUT_S, run_command, run_train, train_usage_error  # noqa: E402
 from shardfusion.checkpoint import read_all  # noqa: E402
 from shardfusion.checkpoint.export import export  # noqa: E402
 from shardfusion.train.data import BatchSampler, load_corpus, split_corpus  # noqa: E402
@@ -174,14 +174,15 @@ def test_init_from_pretrained_folder(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(TRAIN_TIMEOUT_S)
-def test_hf_usage_errors_before_launch(tmp_path: Path) -> None:
+def test_hf_usage_errors_before_launch(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """In this process (`harness.train_usage_error`): exit status 2 and one line before any worker starts."""
     out = tmp_path / "run"
-    line = usage_error_line(run_train([*COMMON, "--ep", "2", "--hf-model", "qwen3_moe", "--nproc", "2", "--out",
-                                       str(out)]))
+    line = train_usage_error([*COMMON, "--ep", "2", "--hf-model", "qwen3_moe", "--nproc", "2", "--out", str(out)],
+                             capsys)
     assert line.startswith("--ep 2 does not apply to --hf-model qwen3_moe") and "ep must be 1" in line, line
     # without transformers (hidden from this process): the flag, and how to install it
-    code = ("import sys; sys.modules['transformers'] = None; from shardfusion.train.job import main; "
-            f"sys.exit(main({[*COMMON, '--hf-model', 'llama', '--nproc', '2', '--out', str(out)]!r}))")
-    line = usage_error_line(run_command([sys.executable, "-c", code], timeout=TRAIN_TIMEOUT_S))
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    line = train_usage_error([*COMMON, "--hf-model", "llama", "--nproc", "2", "--out", str(out)], capsys)
     assert line.startswith("--hf-model llama needs the transformers package (pip install 'shardfusion[hf]')"), line
     assert not out.exists()

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import TRAIN_TIMEOUT_S, run_train
+from harness import TRAIN_TIMEOUT_S, run_train, train_usage_error
 from shardfusion.checkpoint import read_all
 from shardfusion.train.metrics import read_metrics
 
@@ -40,14 +40,6 @@ FIRST_RTOL, LAST_RTOL = 1e-5, 2e-4
 def _ok(result: subprocess.CompletedProcess) -> str:
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result.stdout
-
-
-def _refused(result: subprocess.CompletedProcess) -> str:
-    """The one usage-error line of a run refused before any worker started."""
-    assert result.returncode == 2 and "Traceback" not in result.stdout + result.stderr, result.stderr[-3000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("shardfusion-train: error: ")]
-    assert len(errors) == 1, result.stderr[-3000:]
-    return errors[0]
 
 
 @pytest.fixture(scope="module")
@@ -123,12 +115,14 @@ def test_muon_resume_exact_and_at_another_world_size(reference: tuple[Path, str]
 
 
 @pytest.mark.timeout(2 * TRAIN_TIMEOUT_S + 30)
-def test_resume_with_another_optimizer_is_refused(reference: tuple[Path, str], adamw_run: Path) -> None:
+def test_resume_with_another_optimizer_is_refused(reference: tuple[Path, str], adamw_run: Path,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    """Usage errors before any worker starts, in this process (`harness.train_usage_error`)."""
     out, _ = reference
-    error = _refused(run_train([*FLAGS, "--nproc", "2", "--optimizer", "adamw", "--out", str(out)]))
-    assert error.startswith("shardfusion-train: error: --optimizer adamw: the checkpoint in --out") and \
+    error = train_usage_error([*FLAGS, "--nproc", "2", "--optimizer", "adamw", "--out", str(out)], capsys)
+    assert error.startswith("--optimizer adamw: the checkpoint in --out") and \
         "was written with --optimizer muon" in error and "resume with --optimizer muon" in error, error
-    error = _refused(run_train([*MUON, "--nproc", "2", "--out", str(adamw_run)]))
+    error = train_usage_error([*MUON, "--nproc", "2", "--out", str(adamw_run)], capsys)
     assert "--optimizer muon: the checkpoint" in error and "was written with --optimizer adamw" in error, error
 
 
