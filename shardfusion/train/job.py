@@ -613,7 +613,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shardfusion: error: {error}", flush=True)
         exit_now(1 if error else 0)  # not a normal exit, which can abort in torch's teardown (shardfusion.train.launch)
     threads = threads_per_worker(config.nproc) if config.device == "cpu" else 1
-    results = launch(worker, (config,), config.nproc, threads, max_restarts=config.max_restarts)
+    results = launch(worker, (config,), config.nproc, threads, max_restarts=config.max_restarts,
+                     device=config.device)
     error = worker_error(results)
     if error:
         print(f"shardfusion: error: {error}", flush=True)
