@@ -32,15 +32,16 @@ pytest.importorskip("torchft")
 from harness import REPO, TRAIN_TIMEOUT_S, run_train, train_usage_error  # noqa: E402
 
 sys.path.insert(0, str(REPO))
-from benchmarks.ft import HEARTBEAT_MS, TRAIN, Replicas, free_port, read_run, run_scenario  # noqa: E402
+from benchmarks.ft import TRAIN, Replicas, free_port, read_run, run_scenario  # noqa: E402
 from benchmarks.netcluster import EmulatedCluster, netns_available  # noqa: E402
 from shardfusion.checkpoint import read_all  # noqa: E402
 
 STEPS = 8
 FLAGS = [*TRAIN, "--steps", str(STEPS), "--save-every", str(STEPS), "--eval-every", "4"]
-FT_TIMEOUT_S = 3.0
-"""--ft-timeout of the failure run: above the heartbeat timeout, so that a hang's detection tells which one caught
-it."""
+HEARTBEAT_S, FT_TIMEOUT_S = 4.0, 5.0
+"""The failure run's lighthouse heartbeat timeout (above benchmarks.ft's 2 s: a group's heartbeats starved for 2 s
+on a loaded machine made the other group go on without it) and --ft-timeout, above it, so that a hang's detection
+tells which one caught it."""
 
 
 def _model_state(path: Path) -> dict[str, torch.Tensor]:
@@ -89,7 +90,7 @@ def test_a_hung_then_killed_replica_group_is_survived_and_recovers(tmp_path: Pat
     train = [*TRAIN[:TRAIN.index("--ft-timeout")], "--ft-timeout", str(FT_TIMEOUT_S)]
     # hold_at: the survivor cannot end the run before the restarted group has started, however loaded the machine
     scenario = dict(steps=steps, hang_at=hang_at, kill_at=kill_at, restart_after=0, hold_at=steps // 2, train=train,
-                    timeout=240)
+                    heartbeat_ms=int(HEARTBEAT_S * 1000), timeout=240)
     if ok:
         with EmulatedCluster(nodes=2, rate="1gbit") as cluster:
             r = run_scenario(tmp_path, cluster=cluster, **scenario)
@@ -104,8 +105,8 @@ def test_a_hung_then_killed_replica_group_is_survived_and_recovers(tmp_path: Pat
     # (not less: no earlier signal; not much more: not the quorum timeout, 120 s, nor the pause's 300 s)
     assert FT_TIMEOUT_S <= hang["survivor_gap_s"] <= FT_TIMEOUT_S + 5.0, hang
     # the kill: found at once (the dead group's sockets close), then the quorum forms after its heartbeats stop
-    bound = max(HEARTBEAT_MS / 1000, FT_TIMEOUT_S) + 2.0
-    assert 0.5 * HEARTBEAT_MS / 1000 <= r["survivor_gap_s"] <= bound, r["survivor_steps_around_failure"]
+    bound = max(HEARTBEAT_S, FT_TIMEOUT_S) + 2.0
+    assert 0.5 * HEARTBEAT_S <= r["survivor_gap_s"] <= bound, r["survivor_steps_around_failure"]
     assert r["survivor_median_step_s"] < 0.5
     survivor = read_run(tmp_path, 0)
     assert [x["step"] for x in survivor["train"]] == list(range(1, steps + 1))  # every step, no restart
