@@ -25,6 +25,7 @@ from shardfusion.models.gpt import PRESETS, VOCAB_SIZE, GPTConfig
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_POLICIES
 from shardfusion.train.hf_models import HF_MODELS
 from shardfusion.train import data_config, dry_run_config, dtype_flags, ft_config, outer_config, pipeline_config
+from shardfusion.train.dtype_flags import torch_dtype  # noqa: F401  # the job's modules import it from here
 from shardfusion.train.data_config import DataConfig
 from shardfusion.train.ft_config import FTConfig
 from shardfusion.train.dry_run_config import DryRunConfig
