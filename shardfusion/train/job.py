@@ -179,7 +179,6 @@ def plan_outer_degree(config: TrainConfig, device: torch.device, world: int) -> 
             or --ranks-per-node does not divide the world size.
     """
     local = comm_layout(config, world)["ranks_per_node"] or world
-    mp_policy = dtype_flags.mixed_precision(config)
     if world % local:
         raise ValueError(f"--fsdp-outer-degree auto: the ranks per node ({local}, --ranks-per-node or "
                          f"LOCAL_WORLD_SIZE) must divide the world size {world}")
@@ -200,6 +199,7 @@ def plan_outer_degree(config: TrainConfig, device: torch.device, world: int) -> 
         budget = int(least.item())
     saved = _resumed_outer_degree(config.out)
     prefer = saved if saved is not None and (world // config.ep) % saved == 0 else None
+    mp_policy = dtype_flags.mixed_precision(config)
     try:
         choice = sf.plan(sizes, world_size=world, local_world_size=local, bandwidth=bandwidth,
                          max_memory_per_rank=budget, micro_batches=config.grad_accum, ep=config.ep,
@@ -253,7 +253,7 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     job = job_model.build(config, topo.get_group("ep"), device, mp_mesh=topo.get_mesh("mp"),
                           context_group=topo.get_group("context"))
     moe, num_params, num_active = job.moe, job.num_params, job.num_active
-    mp_policy = dtype_flags.mixed_precision(config)  # and dtype_flags.outer_comm_dtype: the dtype flags' one mapping
+    mp_policy = dtype_flags.mixed_precision(config)  # the dtype flags as the library takes them (dtype_flags)
     matrices = muon_matrices(job.module, job.units) if config.optimizer == "muon" else None
     layout_comm = comm_layout(config, world)
     pipe = None  # --pp > 1: this rank's pipeline stages (job_pipeline); `model` is then the list of them
