@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -644,8 +645,10 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+@functools.lru_cache(maxsize=None)
 def _own_field_docs(cls: type) -> dict[str, str]:
-    """`_field_docs` of the fields declared in ``cls``'s own body."""
+    """`_field_docs` of the fields declared in ``cls``'s own body (read once per class: parsing the source is most
+    of what building the parser costs; the caller must not change the dict)."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
