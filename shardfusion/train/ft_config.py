@@ -121,9 +121,10 @@ def check_flags(config: TrainConfig) -> None:
                   ("--max-restarts", config.max_restarts, bool(config.max_restarts)),
                   ("--outer-comm-dtype", config.outer_comm_dtype, config.outer_comm_dtype is not None)],
                  "--ft-lighthouse",
-                 "a fault-tolerant replica group is FSDP with outer degree 1 and AdamW, its replicas joined by torchft, "
-                 "which averages the gradients in their own dtype (restart a replica group with its launcher; no "
-                 "--pp, --mp, --cp, --max-restarts or --outer-comm-dtype yet); see docs/fault-tolerance.md")
+                 "a fault-tolerant replica group is FSDP with outer degree 1 and AdamW, its replicas joined by "
+                 "torchft, which averages the gradients in their own dtype (restart a replica group with its "
+                 "launcher; no --pp, --mp, --cp, --max-restarts or --outer-comm-dtype yet); see "
+                 "docs/fault-tolerance.md")
 
 
 def resolve(config: TrainConfig) -> TrainConfig:

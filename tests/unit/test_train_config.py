@@ -134,9 +134,10 @@ def test_saved_data_order() -> None:
         saved_data_order({"data_order": 9})
 
 
-PP2 = "world 4 = dp1 x pp2 x sharding2 (outer1 x inner2) x sep1 x cp1 x mp1; ep2 (moe_sharding1 = outer1 x expert_inner1)"
-PP1 = "world 2 = dp1 x pp1 x sharding2 (outer1 x inner2) x sep1 x cp1 x mp1; ep2 (moe_sharding1 = outer1 x expert_inner1)"
-HSDP = "world 4 = dp1 x pp1 x sharding4 (outer2 x inner2) x sep1 x cp1 x mp1; ep2 (moe_sharding2 = outer2 x expert_inner1)"
+EP2 = "; ep2 (moe_sharding{} = outer{} x expert_inner1)"
+PP2 = "world 4 = dp1 x pp2 x sharding2 (outer1 x inner2) x sep1 x cp1 x mp1" + EP2.format(1, 1)
+PP1 = "world 2 = dp1 x pp1 x sharding2 (outer1 x inner2) x sep1 x cp1 x mp1" + EP2.format(1, 1)
+HSDP = "world 4 = dp1 x pp1 x sharding4 (outer2 x inner2) x sep1 x cp1 x mp1" + EP2.format(2, 2)
 
 
 def test_resume_in_another_layout_names_the_degrees_that_changed() -> None:
