@@ -21,8 +21,35 @@ EXPERT_POLICIES = ("replicate", "shard")
 """``expert_policy``: expert buffers sharded over the expert inner group and all-reduced over the outer group, or
 sharded over the whole moe_sharding group."""
 
-MIXED_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-"""The dtypes a :class:`MixedPrecisionPolicy` field may name (or ``None``)."""
+DTYPE_NAMES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The short names of the floating dtypes that mixed precision and the gradient communication take, and the torch
+dtype each stands for: the one table of dtype names in shardfusion. The training job's flags (``--param-dtype``,
+``--grad-comm-dtype``, ``--outer-comm-dtype``) take these names; ``fully_shard(outer_comm_dtype=)`` and
+``DiLoCo(comm_dtype=)`` accept them and torch's own names (``"float32"``, ...) too (:func:`dtype_named`)."""
+
+MIXED_PRECISION_DTYPES = tuple(DTYPE_NAMES.values())
+"""The dtypes a :class:`MixedPrecisionPolicy` field may name (or ``None``): ``torch.float32``, ``torch.bfloat16``,
+``torch.float16``."""
+
+
+_NAMED: dict[str, torch.dtype] = {**DTYPE_NAMES, **{str(d).removeprefix("torch."): d for d in DTYPE_NAMES.values()}}
+
+
+def dtype_names() -> tuple[str, ...]:
+    """Every name :func:`dtype_named` accepts: the short ones, then torch's (``fp32, bf16, fp16, float32, ...``)."""
+    return tuple(_NAMED)
+
+
+def dtype_named(name: object) -> torch.dtype:
+    """The torch dtype of a name in :data:`DTYPE_NAMES` (``"bf16"``) or of torch's name of one of its dtypes
+    (``"bfloat16"``); lower case.
+
+    Raises:
+        ValueError: anything else; the message lists the accepted names.
+    """
+    if isinstance(name, str) and name in _NAMED:
+        return _NAMED[name]
+    raise ValueError(f"unknown dtype name {name!r}: expected one of {', '.join(_NAMED)}")
 
 
 @dataclass(frozen=True, kw_only=True)

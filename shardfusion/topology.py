@@ -359,7 +359,7 @@ class Topology:
         if len(ranks) > 1:  # not in the communication accounting: 16 bytes per rank at a change of mode
             self.forward_mode_checks += 1
             with comm.explain_timeout(what):
-                dist.all_gather_into_tensor(every.view(-1), mine, group=self._control)
+                comm._all_gather_base(every.view(-1), mine, group=self._control)
         else:
             every.copy_(mine)
         modes: dict[tuple[int, int], list[int]] = {}

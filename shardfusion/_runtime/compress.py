@@ -36,6 +36,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from shardfusion import accounting, comm
+from shardfusion.policies import MIXED_PRECISION_DTYPES, dtype_named, dtype_names
 
 DEFAULT_BLOCK_SIZE = 256
 """Elements per int8 block (one fp32 scale each: 4/256 = 1.6% of the int8 payload)."""
@@ -44,17 +45,11 @@ QMAX = 127
 """The largest int8 magnitude used: the grid is symmetric, -127..127 (-128 is never produced)."""
 
 OUTER_COMM_DTYPES = ("None", "torch.float32", "torch.bfloat16", "torch.float16", '"int8"')
-"""The accepted values of ``outer_comm_dtype``, as written in error messages (plus the names in ``_NAMES``)."""
+"""The accepted values of ``outer_comm_dtype``, as written in error messages (plus the names of
+``policies.dtype_names`` and ``"int8"``)."""
 
-_NAMES: dict[str, Union[torch.dtype, str]] = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16,
-    "int8": "int8",
-}
-"""Strings accepted for ``outer_comm_dtype`` (the job's flag values and torch's dtype names) and what they mean."""
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INT8 = "int8"
+"""The block-wise int8 wire format (not a torch dtype: see the module's note)."""
 
 OuterCommDtype = Optional[Union[torch.dtype, str]]
 
@@ -74,12 +69,12 @@ def validate_outer_comm_dtype(value: object) -> OuterCommDtype:
     Raises:
         ValueError: anything else; the message names ``outer_comm_dtype``, the value and the valid values.
     """
-    if value is None or value in _FLOAT_DTYPES:
+    if value is None or value in MIXED_PRECISION_DTYPES or value == INT8:
         return value
-    if isinstance(value, str) and value in _NAMES:
-        return _NAMES[value]
+    if isinstance(value, str) and value in dtype_names():
+        return dtype_named(value)
     raise ValueError(f"outer_comm_dtype must be one of {', '.join(OUTER_COMM_DTYPES)} (or one of the names "
-                     f"{', '.join(repr(n) for n in _NAMES)}), got {value!r}")
+                     f"{', '.join(repr(n) for n in (*dtype_names(), INT8))}), got {value!r}")
 
 
 def _check_block_size(block_size: object) -> int:
@@ -158,7 +153,7 @@ def quantize_int8(x: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> tupl
     Raises:
         ValueError: ``x`` is not a contiguous 1-D float32/bfloat16/float16 tensor; ``block_size`` is not an int >= 1.
     """
-    _check_flat(x, "x", _FLOAT_DTYPES)
+    _check_flat(x, "x", MIXED_PRECISION_DTYPES)
     b = _check_block_size(block_size)
     q = torch.empty(x.numel(), dtype=torch.int8, device=x.device)
     scales = torch.empty(-(-x.numel() // b), dtype=torch.float32, device=x.device)
@@ -227,7 +222,7 @@ def wire_bytes(numel: int, group_size: int, comm_dtype: OuterCommDtype, element_
     n = group_size
     if n == 1 or numel == 0:
         return 0.0
-    if comm_dtype == "int8":
+    if comm_dtype == INT8:
         c = _int8_chunk(numel, n, b)
         return float(2 * (n - 1) * (c + 4 * (c // b)))
     esize = element_size if comm_dtype is None else torch.empty(0, dtype=comm_dtype).element_size()
@@ -286,7 +281,7 @@ def compressed_all_reduce(tensor: torch.Tensor, group: Optional[ProcessGroup], c
     """
     comm_dtype = validate_outer_comm_dtype(comm_dtype)
     b = _check_block_size(block_size)
-    _check_flat(tensor, "tensor", _FLOAT_DTYPES)
+    _check_flat(tensor, "tensor", MIXED_PRECISION_DTYPES)
     if category is not None and category not in accounting.CATEGORIES:
         raise ValueError(f"category must be None or one of {accounting.CATEGORIES}, got {category!r}")
     n = comm.group_size(group)
@@ -297,7 +292,7 @@ def compressed_all_reduce(tensor: torch.Tensor, group: Optional[ProcessGroup], c
     with torch.no_grad():
         if comm_dtype is None or comm_dtype == tensor.dtype:
             comm.all_reduce(tensor, group, category=category)
-        elif comm_dtype != "int8":
+        elif comm_dtype != INT8:
             buf = tensor.to(comm_dtype)
             comm.all_reduce(buf, group, category=category)
             tensor.copy_(buf)

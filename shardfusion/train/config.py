@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -20,13 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
-
 from shardfusion.train.data import corpus_size, min_corpus_bytes, split_sizes
 from shardfusion.models.gpt import PRESETS, VOCAB_SIZE, GPTConfig
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_POLICIES
 from shardfusion.train.hf_models import HF_MODELS
-from shardfusion.train import data_config, dry_run_config, ft_config, outer_config, pipeline_config
+from shardfusion.train import data_config, dry_run_config, dtype_flags, ft_config, outer_config, pipeline_config
+from shardfusion.train.dtype_flags import torch_dtype  # noqa: F401  # the job's modules import it from here
 from shardfusion.train.data_config import DataConfig
 from shardfusion.train.ft_config import FTConfig
 from shardfusion.train.dry_run_config import DryRunConfig
@@ -36,14 +36,6 @@ from shardfusion.train.pipeline_config import PipelineConfig
 from shardfusion.plan import parse_bytes
 from shardfusion.topology import Degrees
 
-
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-"""The --param-dtype / --grad-comm-dtype names and the torch dtypes they stand for."""
-
-
-def torch_dtype(name: str | None) -> torch.dtype | None:
-    """The torch dtype of a --param-dtype / --grad-comm-dtype value (None stays None: the default)."""
-    return None if name is None else getattr(torch, DTYPES[name])
 
 AUTO = "auto"
 """The --fsdp-outer-degree value that asks the cost model (`shardfusion.plan`) for the degree."""
@@ -347,11 +339,7 @@ class TrainConfig(PipelineConfig, DataConfig, FTConfig, OuterConfig, DryRunConfi
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.expert_policy not in EXPERT_POLICIES:
             raise ValueError(f"--expert-policy must be {' or '.join(EXPERT_POLICIES)}, got {self.expert_policy!r}")
-        for flag, value in (("--param-dtype", self.param_dtype), ("--grad-comm-dtype", self.grad_comm_dtype)):
-            if value is not None and value not in DTYPES:
-                raise ValueError(f"{flag} must be one of {', '.join(DTYPES)}, got {value!r}")
-        if self.outer_comm_dtype is not None and self.outer_comm_dtype not in (*DTYPES, "int8"):
-            raise ValueError(f"--outer-comm-dtype must be one of {', '.join(DTYPES)}, int8, got {self.outer_comm_dtype!r}")
+        dtype_flags.check_flags(self)  # --param-dtype, --grad-comm-dtype, --outer-comm-dtype
         if self.prefetch < 0:
             raise ValueError(f"--prefetch must be >= 0, got {self.prefetch}")
         outer = self.fsdp_outer_degree
@@ -657,8 +645,10 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+@functools.lru_cache(maxsize=None)
 def _own_field_docs(cls: type) -> dict[str, str]:
-    """`_field_docs` of the fields declared in ``cls``'s own body."""
+    """`_field_docs` of the fields declared in ``cls``'s own body (read once per class: parsing the source is most
+    of what building the parser costs; the caller must not change the dict)."""
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
@@ -689,10 +679,20 @@ def finite_float(text: str) -> float:
     return value
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse's parser whose usage errors (its own: an unknown flag, a value of the wrong type; and `usage_error`'s)
+    are one line, ``shardfusion-train: error: <message>``, with exit status 2: no usage block before it (``--help``
+    shows that)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
 def build_parser(cls: type = TrainConfig) -> argparse.ArgumentParser:
     """An ArgumentParser with one --kebab-case flag per dataclass field, typed from its annotation. Abbreviated flags
-    are refused (``--step 2`` is not ``--steps 2``), and float flags take finite numbers only."""
-    parser = argparse.ArgumentParser(
+    are refused (``--step 2`` is not ``--steps 2``), float flags take finite numbers only, and a usage error is one
+    line (`OneLineErrors`)."""
+    parser = OneLineErrors(
         prog="shardfusion-train",
         description="Train a byte-level GPT with shardfusion (FSDP/HSDP) on this machine's CPUs or GPUs.",
         allow_abbrev=False,
@@ -720,7 +720,7 @@ def build_parser(cls: type = TrainConfig) -> argparse.ArgumentParser:
 
 
 def usage_error(message: str) -> NoReturn:
-    """Print the usage and `shardfusion-train: error: message` to stderr, like argparse, and exit with status 2."""
+    """Print the one line `shardfusion-train: error: message` to stderr and exit with status 2 (`OneLineErrors`)."""
     build_parser().error(message)
 
 

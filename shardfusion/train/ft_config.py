@@ -118,9 +118,12 @@ def check_flags(config: TrainConfig) -> None:
                   ("--cp", config.cp, config.cp != 1),
                   ("--fsdp-outer-degree", config.fsdp_outer_degree, config.fsdp_outer_degree not in (None, 1)),
                   ("--optimizer", config.optimizer, config.optimizer != "adamw"),
-                  ("--max-restarts", config.max_restarts, bool(config.max_restarts))], "--ft-lighthouse",
-                 "a fault-tolerant replica group is FSDP with outer degree 1 and AdamW, its replicas joined by torchft "
-                 "(restart a replica group with its launcher; no --pp, --mp, --cp or --max-restarts yet); see "
+                  ("--max-restarts", config.max_restarts, bool(config.max_restarts)),
+                  ("--outer-comm-dtype", config.outer_comm_dtype, config.outer_comm_dtype is not None)],
+                 "--ft-lighthouse",
+                 "a fault-tolerant replica group is FSDP with outer degree 1 and AdamW, its replicas joined by "
+                 "torchft, which averages the gradients in their own dtype (restart a replica group with its "
+                 "launcher; no --pp, --mp, --cp, --max-restarts or --outer-comm-dtype yet); see "
                  "docs/fault-tolerance.md")
 
 

@@ -53,13 +53,13 @@ from shardfusion.train.launch import (cpu_cores, default_nproc, exit_now, init_w
                                       pick_device, restart_problem, threads_per_worker, under_torchrun)
 from shardfusion.train.metrics import (MetricsLog, comm_step_record, expert_balance, format_summary, plot_losses,
                                  summarize)
-from shardfusion.train import (data_config, dry_run_config, ft_config, job_dry_run, job_ft, job_model, job_outer,
-                               job_pipeline, outer_config, pipeline_config)
+from shardfusion.train import (data_config, dry_run_config, dtype_flags, ft_config, job_dry_run, job_ft, job_model,
+                               job_outer, job_pipeline, outer_config, pipeline_config)
 from shardfusion.train import tokenizer as tokenizers
 from shardfusion.train.job_model import JobModel, Losses
 from shardfusion.train.outputs import open_outputs
 from shardfusion.train.config import (AUTO, TrainConfig, check_batch, check_run, parse_args, resolve,
-                                      seq_len_warning, torch_dtype, usage_error)
+                                      seq_len_warning, usage_error)
 from shardfusion.train.optim import (balance_record, build_optimizers, format_balance, muon_matrices,  # noqa: F401
                                      no_decay, param_groups, set_learning_rates)
 
@@ -199,12 +199,13 @@ def plan_outer_degree(config: TrainConfig, device: torch.device, world: int) -> 
         budget = int(least.item())
     saved = _resumed_outer_degree(config.out)
     prefer = saved if saved is not None and (world // config.ep) % saved == 0 else None
+    mp_policy = dtype_flags.mixed_precision(config)
     try:
         choice = sf.plan(sizes, world_size=world, local_world_size=local, bandwidth=bandwidth,
                          max_memory_per_rank=budget, micro_batches=config.grad_accum, ep=config.ep,
                          prefetch=config.prefetch, expert_policy=config.expert_policy, shard_dtype=torch.float32,
-                         param_dtype=torch_dtype(config.param_dtype), grad_comm_dtype=torch_dtype(config.grad_comm_dtype),
-                         outer_comm_dtype=config.outer_comm_dtype,
+                         param_dtype=mp_policy.param_dtype, grad_comm_dtype=mp_policy.grad_comm_dtype,
+                         outer_comm_dtype=dtype_flags.outer_comm_dtype(config),
                          backend="nccl" if "nccl" in str(dist.get_backend()) else "gloo", prefer=prefer)
     except ValueError as error:
         raise ValueError(f"--fsdp-outer-degree auto with --max-memory-per-rank {budget}: {error}") from None
@@ -252,8 +253,7 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     job = job_model.build(config, topo.get_group("ep"), device, mp_mesh=topo.get_mesh("mp"),
                           context_group=topo.get_group("context"))
     moe, num_params, num_active = job.moe, job.num_params, job.num_active
-    mp_policy = sf.MixedPrecisionPolicy(param_dtype=torch_dtype(config.param_dtype),
-                                        grad_comm_dtype=torch_dtype(config.grad_comm_dtype))
+    mp_policy = dtype_flags.mixed_precision(config)  # the dtype flags as the library takes them (dtype_flags)
     matrices = muon_matrices(job.module, job.units) if config.optimizer == "muon" else None
     layout_comm = comm_layout(config, world)
     pipe = None  # --pp > 1: this rank's pipeline stages (job_pipeline); `model` is then the list of them
@@ -266,7 +266,7 @@ def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         model = sf.fully_shard(job.module, topo, units=job.units, reshard_policy=config.reshard_policy,
                                expert_policy=config.expert_policy, prefetch=config.prefetch, mp_policy=mp_policy,
                                device=device, init_fn=job.init_fn,  # built on meta: materialized module by module
-                               outer_comm_dtype=config.outer_comm_dtype, whole_params=matrices)
+                               outer_comm_dtype=dtype_flags.outer_comm_dtype(config), whole_params=matrices)
     balance = balance_record(sf.owner_balance(model)) if matrices is not None else None
     resume_from = train_state.latest(config.out)
     if config.init_from is not None and resume_from is None:  # a resumed run takes its weights from the checkpoint
@@ -539,6 +539,7 @@ def preflight(config: TrainConfig, *, torchrun: bool) -> TrainConfig:
     config = ft_config.resolve(config)  # a fault-tolerant replica group: outer degree 1
     if ft_config.enabled(config):
         from shardfusion.ft import check_lighthouse, import_torchft
+        job_ft.quiet_torchft_rust()  # before torchft's first import, which reads RUST_LOG
         import_torchft()
         check_lighthouse(config.ft_lighthouse)
     # a resumed run keeps the saved global batch size unless a batch flag is given (resolve_batch)

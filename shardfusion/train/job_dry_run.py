@@ -16,8 +16,8 @@ import torch
 
 import shardfusion as sf
 from shardfusion.plan import Bandwidth
-from shardfusion.train import dry_run_config, job_model
-from shardfusion.train.config import TrainConfig, check_run, resolve, torch_dtype
+from shardfusion.train import dry_run_config, dtype_flags, job_model
+from shardfusion.train.config import TrainConfig, check_run, resolve
 from shardfusion.train.data import context_parallel_slice
 from shardfusion.train.dry_run_config import DEFAULT_RANKS_PER_NODE
 from shardfusion.train.launch import default_nproc
@@ -86,14 +86,14 @@ def run(config: TrainConfig) -> int:
     given_out = config.out
     config, world, ranks_per_node = prepare(config)
     within, across = dry_run_config.bandwidths(config)
-    mp_policy = sf.MixedPrecisionPolicy(param_dtype=torch_dtype(config.param_dtype),
-                                        grad_comm_dtype=torch_dtype(config.grad_comm_dtype))
+    mp_policy = dtype_flags.mixed_precision(config)
     job = job_model.build(config, None, torch.device("cpu"))  # on meta: the units and the figures of the header
 
     build, step = job_step(config, mp_policy, ranks_per_node)
 
     fully_shard = {"units": job.units, "reshard_policy": config.reshard_policy, "expert_policy": config.expert_policy,
-                   "prefetch": config.prefetch, "mp_policy": mp_policy, "outer_comm_dtype": config.outer_comm_dtype}
+                   "prefetch": config.prefetch, "mp_policy": mp_policy,
+                   "outer_comm_dtype": dtype_flags.outer_comm_dtype(config)}
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's notes on fake tensors' data pointers and deprecated names

@@ -8,8 +8,10 @@ samples were never applied. `FTRun.report` is the summary's `fault_tolerance` re
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -34,6 +36,52 @@ PAUSE_S = 300.0
 """How long `PAUSE_ENV` pauses before the group gives up with an error (a leftover setting cannot hang a run)."""
 PAUSE_POLL_S = 0.05
 """Seconds between two looks at the marker while paused."""
+LOG_FILE = "torchft.log"
+"""torchft's own output, in OUT/replica-<id>/ (`route_torchft_output`): its Python loggers and warnings."""
+TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
+"""torchft's Python loggers: its modules' (``torchft.*``) and the three it names for quorums, commits and errors."""
+RUST_LOG_LEVEL = "warn"
+"""RUST_LOG for torchft's Rust side, whose log lines go to stderr (about 9 INFO lines per step at its default
+level): warnings and errors only, unless RUST_LOG is set already (`quiet_torchft_rust`)."""
+
+
+def quiet_torchft_rust() -> None:
+    """Set RUST_LOG to `RUST_LOG_LEVEL` unless it is set. torchft reads it when it is first imported, so this runs
+    before that, in the process that starts the workers (which inherit it) and, under torchrun, in each worker."""
+    os.environ.setdefault("RUST_LOG", RUST_LOG_LEVEL)
+
+
+def route_torchft_output(folder: str | os.PathLike, rank: int) -> Path:
+    """Send torchft's Python output to ``folder``/`LOG_FILE` instead of the console: the records of its loggers
+    (`TORCHFT_LOGGERS`, INFO and up: the quorums, the commits, the tracebacks of the failures it handles) and the
+    warnings raised in its modules, each line tagged with the rank. Appends (every rank of the group, and every
+    restart, to the same file). Returns the file's path."""
+    path = Path(folder) / LOG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, mode="a", delay=True)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(name)s %(levelname)s: %(message)s"))
+    handler._shardfusion = True  # type: ignore[attr-defined]  # a second call replaces it instead of adding one
+    handler.addFilter(lambda record: bool(record.getMessage()) or record.exc_info is not None)  # torchft_quorums'
+    # and torchft_commits' records carry their data for OpenTelemetry only, with an empty message
+    for name in TORCHFT_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.handlers = [h for h in logger.handlers if not getattr(h, "_shardfusion", False)] + [handler]
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # not to the root logger's handlers, nor to logging's last resort (stderr)
+    shown = warnings.showwarning
+    torchft_files = os.sep + "torchft" + os.sep
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if torchft_files in str(filename):
+            logging.getLogger("torchft").warning(warnings.formatwarning(message, category, filename, lineno,
+                                                                        line).rstrip())
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    if not getattr(shown, "_shardfusion", False):
+        show._shardfusion = True  # type: ignore[attr-defined]
+        warnings.showwarning = show
+    return path
 
 
 class FTRun:
@@ -44,6 +92,7 @@ class FTRun:
                  *, start: int, device: torch.device, is_main: bool) -> None:
         self.config, self.is_main, self.device = config, is_main, device
         self.t0 = time.perf_counter()
+        self.log = route_torchft_output(ft_config.outputs_folder(config, config.out), dist.get_rank())
         try:
             self.group = ReplicaGroup(model, optimizers, lighthouse=config.ft_lighthouse,
                                       replica_id=config.ft_replica_id, replicas=config.ft_replicas,
@@ -61,6 +110,7 @@ class FTRun:
             self._say(f"warning: {PAUSE_ENV}={os.environ[PAUSE_ENV]} is set: this group stops inside the first "
                       f"step from each of these on, for a test's kill (unset it for a real run)")
         self._pause_at = sorted(int(s) for s in os.environ.get(PAUSE_ENV, "").split(",") if s.strip())
+        self._say(f"torchft's own log: {self.log}")
         self.participants: int | None = None  # of the last quorum
         self.changes: list[dict[str, Any]] = []  # the quorum's membership: {"step", "participants", "was", "at_s"}
         self.failures: list[dict[str, Any]] = []  # discarded steps: {"step", "participants", "at_s", "lost_s"}

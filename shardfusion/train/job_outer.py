@@ -21,14 +21,10 @@ import torch.nn as nn
 
 import shardfusion as sf
 from shardfusion.diloco import DiLoCo
+from shardfusion.train import dtype_flags
 
 PREFIX = "diloco/"
 ADAMW_KEYS = ("step", "exp_avg", "exp_avg_sq")
-
-
-def _wire_format(name: str | None) -> object:
-    """--outer-comm-dtype as `shardfusion.diloco.DiLoCo`'s comm_dtype."""
-    return None if name is None else "int8" if name == "int8" else getattr(torch, name)
 
 
 class OuterRun:
@@ -39,7 +35,7 @@ class OuterRun:
         self.config = config
         self.optimizers = list(optimizers)
         self.diloco = DiLoCo(model, topo, every=config.outer_every, lr=config.outer_lr,
-                             momentum=config.outer_momentum, comm_dtype=_wire_format(config.outer_comm_dtype),
+                             momentum=config.outer_momentum, comm_dtype=dtype_flags.outer_comm_dtype(config),
                              fragments=config.outer_fragments)
         self.replica_group = self.diloco.replica_group
 

@@ -35,6 +35,7 @@ order still changes with the world size.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -255,11 +256,41 @@ def restore(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.o
     for key, model_now in model_extra.items():
         notes += [f"model field {name} was {old!r}, now {model_now.get(name)!r}"
                   for name, old in (extra.get(key) or {}).items() if model_now.get(name) != old]
-    if extra.get("world_size") != dist.get_world_size():
+    note = layout_note(extra, dist.get_world_size(), layout, order)
+    return int(extra["step"]), float(extra.get("elapsed_s", 0.0)), notes + ([note] if note else []), order
+
+
+DEGREE_FLAGS = {"pp": "--pp", "mp": "--mp", "cp": "--cp", "ep": "--ep", "outer": "--fsdp-outer-degree"}
+"""The degrees a layout line (`shardfusion.Topology.describe`: ``... x pp2 x sharding2 (outer1 x inner2) ...; ep1``)
+names, and the flags that set them."""
+
+
+def degree_changes(was: Optional[str], now: str) -> list[str]:
+    """The `DEGREE_FLAGS` whose degree differs between two layout lines (`shardfusion.Topology.describe`), each as
+    ``--pp 2 -> 1``; none that a line does not name (a layout recorded before that degree existed)."""
+    def degrees(line: Optional[str]) -> dict[str, int]:
+        found: dict[str, int] = {}
+        for name, value in re.findall(r"\b(" + "|".join(DEGREE_FLAGS) + r")(\d+)\b", line or ""):
+            found.setdefault(name, int(value))  # the first: "outer" comes again in the expert part
+        return found
+
+    before, after = degrees(was), degrees(now)
+    return [f"{flag} {before[name]} -> {after[name]}" for name, flag in DEGREE_FLAGS.items()
+            if name in before and name in after and before[name] != after[name]]
+
+
+def layout_note(extra: dict[str, Any], world_size: int, layout: str, order: int) -> Optional[str]:
+    """The note of `restore` on a resume at another world size or layout than the checkpoint's (``extra``: its
+    ``world_size`` and ``layout``), naming the degrees that changed (`degree_changes`, e.g. ``--pp 2 -> 1``) and what
+    differs from the saved run: the sums' order, and at another world size fresh RNG states on new ranks (and another
+    data order for a checkpoint of the per-rank order). None when both are the saved ones."""
+    changed = ", ".join(degree_changes(extra.get("layout"), layout))
+    changed = f" ({changed})" if changed else ""
+    if extra.get("world_size") != world_size:
         data = ("other data order (a checkpoint of the per-rank data order)" if order == DATA_ORDER_PER_RANK
                 else "sums in another order")
-        notes.append(f"world size was {extra.get('world_size')}, now {dist.get_world_size()}: {data}, fresh RNG "
-                     f"states on new ranks")
-    elif extra.get("layout") != layout:
-        notes.append(f"layout was {extra.get('layout')}, now {layout}: sums in another order")
-    return int(extra["step"]), float(extra.get("elapsed_s", 0.0)), notes, order
+        return (f"world size was {extra.get('world_size')}, now {world_size}: {data}, fresh RNG states on new "
+                f"ranks{changed}")
+    if extra.get("layout") != layout:
+        return f"layout was {extra.get('layout')}, now {layout}: sums in another order{changed}"
+    return None

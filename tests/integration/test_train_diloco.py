@@ -1,4 +1,6 @@
-"""--outer-sync diloco in the training job: W=4 as HSDP 2 x 2, an outer step every 4 steps.
+"""--outer-sync diloco in the training job: W=4 as HSDP 2 x 2, an outer step every 4 steps, the pseudo-gradients
+sent in bf16 (--outer-comm-dtype bf16; every value of every dtype flag in every mode:
+tests/unit/test_train_dtype_flags.py).
 
 - A run stopped at step 6 (mid-period: outer steps at 4 and 8, and at the last step 10, so the run ends as one
   model) and resumed equals the uninterrupted run: every
@@ -24,7 +26,7 @@ from shardfusion.checkpoint import read_all
 FLAGS = ["--preset", "tiny", "--experts", "0", "--batch-size", "4", "--seq-len", "64", "--data-bytes", "300000",
          "--eval-batches", "4", "--warmup", "2", "--sample-tokens", "0", "--no-progress", "--nproc", "4",
          "--fsdp-outer-degree", "2", "--outer-sync", "diloco", "--outer-every", "4", "--steps", "10",
-         "--eval-every", "5", "--save-every", "3"]
+         "--eval-every", "5", "--save-every", "3", "--outer-comm-dtype", "bf16"]
 
 
 def _train(out: Path) -> list[tuple]:
@@ -57,5 +59,6 @@ def test_resume_mid_period_is_exact(tmp_path: Path) -> None:
     assert "resume a DiLoCo run with the layout and world size it was saved with" in result.stdout + result.stderr
     summary = json.loads((whole / "summary.json").read_text())
     assert summary["outer_sync"]["outer_steps"] == [3] and summary["outer_sync"]["every"] == 4
+    assert summary["outer_sync"]["comm_dtype"] == "bf16"
     # the outer steps' all-reduces only: 2 outer steps x one per trainable flat buffer, over 10 steps
     assert 0 < summary["comm"]["per_step"]["replicate_all_reduce"]["count"] < 1

@@ -42,6 +42,9 @@ HEARTBEAT_S, FT_TIMEOUT_S = 4.0, 5.0
 """The failure run's lighthouse heartbeat timeout (above benchmarks.ft's 2 s: a group's heartbeats starved for 2 s
 on a loaded machine made the other group go on without it) and --ft-timeout, above it, so that a hang's detection
 tells which one caught it."""
+CONSOLE_LINES = 40
+"""At most this many console lines of a group's 8-step run: the job's own (the evaluations, the waits, the summary),
+not torchft's (about 9 per step at its default level: OUT/replica-<id>/torchft.log holds its Python side)."""
 
 
 def _model_state(path: Path) -> dict[str, torch.Tensor]:
@@ -78,6 +81,11 @@ def test_all_alive_equals_hsdp_and_waits_for_min_replicas(tmp_path: Path) -> Non
             assert mine["loss"] == pytest.approx(theirs_["loss"], rel=1e-6)  # the mean taken in another order
         ft = run_["summary"]["fault_tolerance"]
         assert ft["committed_steps"] == STEPS and ft["discarded"] == [] and ft["replicas"] == 2
+        console = run.log(f"replica{group}").splitlines()
+        foreign = [line for line in console if ("torchft" in line and "torchft's own log" not in line)
+                   or "Traceback" in line or "Warning" in line]
+        assert not foreign and len(console) <= CONSOLE_LINES, "\n".join(console)
+        assert "reconfiguring for quorum" in (out / f"replica-{group}" / "torchft.log").read_text()
     waits = read_run(out, 0)["summary"]["fault_tolerance"]["waits"]
     assert len(waits) == 1 and waits[0]["step"] == 0 and waits[0]["seconds"] >= 2.0, waits
     assert (out / "replica-0" / "config.json").is_file() and not (out / "metrics.jsonl").exists()

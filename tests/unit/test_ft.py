@@ -291,3 +291,51 @@ def test_steps_discarded_in_a_row_stop_the_group_in_one_line() -> None:
     with pytest.raises(ft.FTError, match=r"^3 steps in a row discarded with 2 replica groups in the quorum "
                                          r"\(--ft-max-discards 2\).*--ft-host 10\.0\.0\.7\?$"):
         group.commit()
+
+
+def test_torchft_output_goes_to_its_log_file(tmp_path, caplog: pytest.LogCaptureFixture,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`job_ft.route_torchft_output`: torchft's loggers (INFO and up, tracebacks too) and the warnings raised in its
+    files go to OUT/replica-<id>/torchft.log, none to the root logger's handlers (the console); other warnings and
+    loggers are left alone. And RUST_LOG (its Rust side's level) is set to warn unless set (`quiet_torchft_rust`)."""
+    import logging
+    import os
+    import warnings
+
+    from shardfusion.train import job_ft
+    for name in job_ft.TORCHFT_LOGGERS:  # restored after the test
+        logger = logging.getLogger(name)
+        monkeypatch.setattr(logger, "handlers", list(logger.handlers))
+        monkeypatch.setattr(logger, "propagate", logger.propagate)
+        monkeypatch.setattr(logger, "level", logger.level)
+    shown = []
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *args, **kwargs: shown.append(str(message)))
+    caplog.set_level(logging.INFO)
+    path = job_ft.route_torchft_output(tmp_path / "replica-1", rank=3)
+    assert path == tmp_path / "replica-1" / job_ft.LOG_FILE
+    logging.getLogger("torchft.manager").info("[replica_1/0 - step 4] should_commit=True")
+    logging.getLogger("torchft_quorums").info("", extra={"quorum_id": 2})  # OpenTelemetry data only: not written
+    try:
+        raise RuntimeError("a peer died")
+    except RuntimeError:
+        logging.getLogger("torchft.manager").exception("got exception in recovery")
+    warnings.showwarning(UserWarning("buffer is not writable"), UserWarning,
+                         f"{tmp_path}/site-packages/torchft/checkpointing/pg_transport.py", 213)
+    warnings.showwarning(UserWarning("a warning of the job's own"), UserWarning, "/x/shardfusion/train/job.py", 1)
+    logging.getLogger("other").warning("not torchft's")
+    lines = path.read_text().splitlines()
+    assert lines[0].endswith("rank 3 torchft.manager INFO: [replica_1/0 - step 4] should_commit=True"), lines
+    assert "rank 3 torchft.manager ERROR: got exception in recovery" in lines[1]
+    assert "RuntimeError: a peer died" in lines
+    assert any("pg_transport.py:213: UserWarning: buffer is not writable" in line for line in lines)
+    assert not any("quorums" in line or "job's own" in line or "not torchft's" in line for line in lines)
+    assert shown == ["a warning of the job's own"]
+    assert [r.name for r in caplog.records] == ["other"]  # torchft's records never reach the root logger
+    job_ft.route_torchft_output(tmp_path / "replica-1", rank=3)  # again: one handler, not two
+    assert sum(isinstance(h, logging.FileHandler) for h in logging.getLogger("torchft").handlers) == 1
+    monkeypatch.delenv("RUST_LOG", raising=False)
+    job_ft.quiet_torchft_rust()
+    assert os.environ["RUST_LOG"] == "warn"
+    monkeypatch.setenv("RUST_LOG", "info")
+    job_ft.quiet_torchft_rust()
+    assert os.environ["RUST_LOG"] == "info"

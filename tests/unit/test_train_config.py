@@ -12,17 +12,20 @@ from shardfusion.train.config import (DEFAULT_WARMUP, SLOW_ATTENTION_FLOPS, Trai
 from shardfusion.train.launch import WORKERS_PER_CORE, nproc_warning
 from shardfusion.train.data import DATA_ORDER, DATA_ORDER_PER_RANK, min_corpus_bytes
 from shardfusion.train.optim import no_decay
-from shardfusion.train.resume import saved_data_order
+from shardfusion.train.resume import layout_note, saved_data_order
+
+USAGE_ERROR = "shardfusion-train: error: "
 
 
 def flag_error(capsys: pytest.CaptureFixture, args: list[str]) -> str:
-    """The one error line that parse_args prints for args, after checking that it exits with status 2."""
+    """The error that parse_args prints for args, after checking that it exits with status 2 and that its whole
+    output is that one line (no usage block before it)."""
     with pytest.raises(SystemExit) as exit_info:
         parse_args(args)
     assert exit_info.value.code == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("shardfusion-train: error: ")]
-    assert len(errors) == 1
-    return errors[0].removeprefix("shardfusion-train: error: ")
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and err.startswith(USAGE_ERROR), err
+    return err.strip().removeprefix(USAGE_ERROR)
 
 
 def test_check_run_messages(tmp_path: Path) -> None:
@@ -129,6 +132,47 @@ def test_saved_data_order() -> None:
     assert saved_data_order({"step": 3, "data_order": DATA_ORDER}) == DATA_ORDER
     with pytest.raises(ValueError, match=r"records data order 9, but this version knows only \(1, 2\)"):
         saved_data_order({"data_order": 9})
+
+
+EP2 = "; ep2 (moe_sharding{} = outer{} x expert_inner1)"
+PP2 = "world 4 = dp1 x pp2 x sharding2 (outer1 x inner2) x sep1 x cp1 x mp1" + EP2.format(1, 1)
+PP1 = "world 2 = dp1 x pp1 x sharding2 (outer1 x inner2) x sep1 x cp1 x mp1" + EP2.format(1, 1)
+HSDP = "world 4 = dp1 x pp1 x sharding4 (outer2 x inner2) x sep1 x cp1 x mp1" + EP2.format(2, 2)
+
+
+def test_resume_in_another_layout_names_the_degrees_that_changed() -> None:
+    """`restore`'s note (`layout_note`) on a resume across --pp, --fsdp-outer-degree, ...: the flags and their
+    values, not only the world size (the layout lines are `Topology.describe`'s)."""
+    saved = {"world_size": 4, "layout": PP2}
+    assert layout_note(saved, 2, PP1, DATA_ORDER) == (
+        "world size was 4, now 2: sums in another order, fresh RNG states on new ranks (--pp 2 -> 1)")
+    assert layout_note(saved, 4, HSDP, DATA_ORDER) == (
+        f"layout was {PP2}, now {HSDP}: sums in another order (--pp 2 -> 1, --fsdp-outer-degree 1 -> 2)")
+    assert layout_note({"world_size": 4, "layout": HSDP}, 2, PP1, DATA_ORDER_PER_RANK) == (
+        "world size was 4, now 2: other data order (a checkpoint of the per-rank data order), fresh RNG states on "
+        "new ranks (--fsdp-outer-degree 2 -> 1)")
+    assert layout_note(saved, 4, PP2, DATA_ORDER) is None
+    old = "world 4 = dp1 x sharding4 (outer2 x inner2)"  # a layout line before pp existed: nothing to compare
+    assert layout_note({"world_size": 4, "layout": old}, 4, HSDP, DATA_ORDER).endswith("sums in another order")
+
+
+def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """argparse's own errors and the job's checks: one `USAGE_ERROR` line, exit status 2, nothing before it (the
+    usage block is --help's); also those raised after parsing, before any worker starts (`main`'s preflight)."""
+    assert flag_error(capsys, ["--no-such-flag"]) == "unrecognized arguments: --no-such-flag"
+    assert flag_error(capsys, ["--steps", "x"]) == "argument --steps: invalid int value: 'x'"
+    assert flag_error(capsys, ["--steps"]) == "argument --steps: expected one argument"
+    assert flag_error(capsys, ["--fsdp-outer-degree", "x"]).startswith("argument --fsdp-outer-degree: expected")
+    assert flag_error(capsys, ["--preset", "huge"]).startswith("--preset 'huge' is unknown")
+    from shardfusion.train.job import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--preset", "tiny", "--nproc", "3", "--fsdp-outer-degree", "2", "--out", str(tmp_path / "run")])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith(USAGE_ERROR + "--fsdp-outer-degree 2 does not fit 3 ranks (--nproc 3)"), err
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--help"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("usage: shardfusion-train")
 
 
 def test_moe_flags_rejected(capsys: pytest.CaptureFixture) -> None:

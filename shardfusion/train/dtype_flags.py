@@ -1,0 +1,61 @@
+"""The training job's dtype flags (`--param-dtype`, `--grad-comm-dtype`, `--outer-comm-dtype`) and what every mode's
+workers make of them.
+
+The names are the library's (`shardfusion.policies.DTYPE_NAMES`: fp32, bf16, fp16; and
+`shardfusion._runtime.compress.INT8` for the outer wire format), never a table of the job's own. `check_flags` checks
+them with the other flag checks (`TrainConfig.validate`); `mixed_precision` and `outer_comm_dtype` turn them into the
+arguments the library takes, and every mode builds from these two: plain HSDP (`shardfusion.train.job`), the pipeline
+stages (`job_pipeline`), DiLoCo and streaming DiLoCo (`job_outer`: the pseudo-gradients' wire format) and the dry run
+(`job_dry_run`). A fault-tolerant replica group refuses `--outer-comm-dtype` (`ft_config.check_flags`: torchft
+averages the gradients across the groups, in their own dtype).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardfusion._runtime.compress import INT8, OuterCommDtype, validate_outer_comm_dtype
+from shardfusion.policies import DTYPE_NAMES, MixedPrecisionPolicy, dtype_named
+
+if TYPE_CHECKING:  # annotations only: config.py imports this module
+    from shardfusion.train.config import TrainConfig
+
+VALUES: dict[str, tuple[str, ...]] = {"param_dtype": tuple(DTYPE_NAMES), "grad_comm_dtype": tuple(DTYPE_NAMES),
+                                      "outer_comm_dtype": (*DTYPE_NAMES, INT8)}
+"""Each dtype field of `TrainConfig` and the values its flag takes (``None``, the default, is accepted too)."""
+
+
+def torch_dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype of a --param-dtype / --grad-comm-dtype value (None stays None: the default).
+
+    Raises:
+        ValueError: not a name of `shardfusion.policies.DTYPE_NAMES`.
+    """
+    return None if name is None else dtype_named(name)
+
+
+def mixed_precision(config: Any) -> MixedPrecisionPolicy:
+    """The `MixedPrecisionPolicy` of --param-dtype and --grad-comm-dtype, as every mode's `fully_shard` takes it."""
+    return MixedPrecisionPolicy(param_dtype=torch_dtype(config.param_dtype),
+                                grad_comm_dtype=torch_dtype(config.grad_comm_dtype))
+
+
+def outer_comm_dtype(config: Any) -> OuterCommDtype:
+    """--outer-comm-dtype as the library's wire format: ``fully_shard(outer_comm_dtype=)`` of HSDP and the
+    pipeline, ``DiLoCo(comm_dtype=)``: None (the default), ``torch.float32``, ``torch.bfloat16``,
+    ``torch.float16`` or ``"int8"``."""
+    return validate_outer_comm_dtype(config.outer_comm_dtype)
+
+
+def check_flags(config: TrainConfig) -> None:
+    """Each dtype flag's value is one of `VALUES` (or None).
+
+    Raises:
+        ValueError: naming the flag, the value and the accepted values.
+    """
+    for name, accepted in VALUES.items():
+        value = getattr(config, name)
+        if value is not None and value not in accepted:
+            raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(accepted)}, got {value!r}")
