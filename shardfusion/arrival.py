@@ -1,0 +1,202 @@
+"""Arrival checks: a collective call made on some ranks only is named, with the ranks that did not make it, within a
+deadline, whatever the process groups' timeouts.
+
+[Note: arrival checks]
+The library's rare collective calls (``model.state_dict()``, ``optimizer.state_dict()``, their ``load_state_dict``,
+``sf.full_state_dict``, ``sf.checkpoint``'s saves and loads, and a forward in a new mode: the first forward, or the
+first after ``model.train()`` / ``model.eval()`` or a change of grad mode) start with :func:`check`, before any
+collective of theirs. Each rank sets one key of the default group's store (the c10d store every rank already
+reaches), ``shardfusion/arrival/<ranks>/<n>/<rank>``, its n-th check among these ranks, and waits for the keys of
+every rank that must come, at most the arrival deadline (:func:`deadline`: ``Topology(arrival_timeout=...)``, else
+``SHARDFUSION_ARRIVAL_TIMEOUT`` seconds, else 60 s; not the Topology timeout, which stays the hard limit of the
+collectives themselves). A rank that came and waits past the deadline raises a ``RuntimeError`` naming the call
+and the ranks that did not come (``ranks [1, 2, 3] of 4``), before any data collective: a rank that came alone
+gets that error, never a backend's raw timeout or a ``SIGABRT`` of mismatched collectives. Ranks that came from
+different calls raise at once, naming each call with its ranks. The last rank to read the keys removes them. The
+idea is torch's ``monitored_barrier`` (which names the ranks that did not reach it), made through the store so that
+no collective of any group changes order, and with a payload (the forward's mode) that the ranks compare.
+
+The training step pays nothing: a forward in the mode of the previous forward, a backward and an optimizer step make
+no check and touch no store; the per-unit collectives are watched by the :func:`watchdog` instead, a daemon thread
+(started by the first check) that looks every quarter deadline at the collectives this process waits in
+(``comm.waiting``, a dict entry set around each blocking wait) and, when one has waited past the deadline, prints
+once to stderr what it waits in and which ranks came to a check that this rank has not made (e.g. rank 0 in ``a
+forward in a new mode (eval mode, grad disabled)``: an evaluation under ``if rank == 0:``), read from the store.
+It does not end the wait: the hard timeout stays the process group's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import sys
+import threading
+import time
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+from shardfusion import comm
+
+DEFAULT_DEADLINE_S = 60.0
+"""Seconds a rank waits at an arrival check for the others, unless set (:func:`deadline`)."""
+
+DEADLINE_ENV = "SHARDFUSION_ARRIVAL_TIMEOUT"
+"""Environment variable that sets the arrival deadline in seconds (a ``Topology(arrival_timeout=...)`` wins)."""
+
+_PREFIX = "shardfusion/arrival"
+_counts: dict[str, int] = {}  # checks made by this process, per set of ranks (key: _tag)
+_ranks: dict[str, list[int]] = {}  # the ranks of each tag
+_watch = {"thread": None, "deadline": DEFAULT_DEADLINE_S}
+reports: list[str] = []
+"""What the :func:`watchdog` printed in this process, in order (for tests and logs)."""
+
+
+def deadline(topology=None) -> float:
+    """The arrival deadline in seconds: ``topology.arrival_timeout`` when set, else the environment variable
+    ``SHARDFUSION_ARRIVAL_TIMEOUT``, else 60.
+
+    Raises:
+        ValueError: the environment variable is not a positive number (named with its value).
+    """
+    set_by_topology = getattr(topology, "arrival_timeout", None)
+    if set_by_topology is not None:
+        return float(set_by_topology)
+    text = os.environ.get(DEADLINE_ENV, "").strip()
+    if not text:
+        return DEFAULT_DEADLINE_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{DEADLINE_ENV}={text!r}: the arrival deadline must be a positive number of seconds")
+    return seconds
+
+
+def _tag(ranks: list[int]) -> str:
+    return "world" if ranks == list(range(dist.get_world_size())) else \
+        hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()
+
+
+def check(what: str, ranks: Optional[Sequence[int]] = None, seconds: Optional[float] = None,
+          value: str = "") -> list[str]:
+    """Wait until every rank of ``ranks`` (global ranks, ascending; default: the world) has come to its check of the
+    same number among these ranks, at most ``seconds`` (default :func:`deadline`), through the default group's store
+    ([Note: arrival checks]); return every rank's ``value`` (strings, in ``ranks`` order). ``what`` names the call,
+    e.g. ``"model.state_dict()"``; ranks compare it. Nothing to do (``[value]``) without a process group, on a dry
+    run's fake one, or for one rank. Starts the :func:`watchdog` of this process.
+
+    Raises:
+        RuntimeError: on a rank that came: some ranks did not come within the deadline (naming ``what``, them and
+            the deadline), or the ranks came from different calls (each call named with its ranks).
+    """
+    if not dist.is_initialized() or comm.is_fake():
+        return [value]
+    ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
+    if len(ranks) == 1:
+        return [value]
+    seconds = deadline() if seconds is None else seconds
+    watchdog(seconds)
+    rank, tag = dist.get_rank(), _tag(ranks)
+    n = _counts[tag] = _counts.get(tag, 0) + 1
+    _ranks[tag] = ranks
+    store = _store()
+    keys = [f"{_PREFIX}/{tag}/{n}/{r}" for r in ranks]
+    store.set(keys[ranks.index(rank)], f"{what}\n{value}")
+    try:
+        store.wait(keys, datetime.timedelta(seconds=seconds))
+    except RuntimeError as e:  # DistStoreError: the deadline passed
+        absent = [r for r, key in zip(ranks, keys) if not store.check([key])]
+        if absent:  # (none: every rank came just as the wait gave up)
+            raise RuntimeError(
+                f"{what} on rank {rank}: ranks {absent} of {len(ranks)} have not called it after {seconds:g} s (the "
+                f"arrival deadline: Topology(arrival_timeout=...) or {DEADLINE_ENV}, default {DEFAULT_DEADLINE_S:g} "
+                f"s): it is collective, every rank must call it, not only some (e.g. under `if rank == 0:`). "
+                f"The ranks that did not call it wait in their next collective until a peer's exit closes it or the "
+                f"process group's timeout ends it.") from e
+    called = [v.decode().split("\n", 1) for v in store.multi_get(keys)]
+    if store.add(f"{_PREFIX}/{tag}/{n}/read", 1) == len(ranks):  # the last rank to read removes the keys
+        for key in (*keys, f"{_PREFIX}/{tag}/{n}/read"):
+            store.delete_key(key)
+    by_call: dict[str, list[int]] = {}
+    for r, (name, _) in zip(ranks, called):
+        by_call.setdefault(name, []).append(r)
+    if len(by_call) > 1:
+        raise RuntimeError(f"{what} on rank {rank}: the ranks came from different collective calls, "
+                           + "; ".join(f"ranks {rs}: {name}" for name, rs in by_call.items())
+                           + ": every rank must make the same calls in the same order (not some under "
+                             "`if rank == 0:`)")
+    return [v for _, v in called]
+
+
+def enter(what: str, topology, ranks: Optional[Sequence[int]] = None) -> None:
+    """The arrival check at the start of the collective call ``what`` of a model sharded with ``topology``: over
+    ``ranks``, by default ``topology.stage_ranks`` (the ranks of its pipeline stage: the world when pp is 1), with
+    ``topology``'s deadline (:func:`deadline`).
+
+    Raises:
+        RuntimeError: as :func:`check`.
+    """
+    check(what, topology.stage_ranks if ranks is None else ranks, deadline(topology))
+
+
+def watchdog(seconds: float) -> None:
+    """Start this process's watchdog thread (once; later calls only set its deadline to ``seconds``): a daemon that
+    every ``seconds / 4`` (0.25 s to 15 s) looks at the blocking collectives this process waits in
+    (``comm.waiting``) and reports, once per wait, one that has waited ``seconds`` or more: to stderr and to
+    :data:`reports`, with the ranks that came to an arrival check this rank has not made ([Note: arrival checks])."""
+    _watch["deadline"] = seconds
+    if _watch["thread"] is None:
+        _watch["thread"] = threading.Thread(target=_watch_loop, name="shardfusion-watchdog", daemon=True)
+        _watch["thread"].start()
+
+
+def _watch_loop() -> None:
+    reported: set[tuple[int, float]] = set()
+    while True:
+        time.sleep(min(15.0, max(0.25, _watch["deadline"] / 4)))
+        now = time.monotonic()
+        for ident, (what, since) in list(comm.waiting.items()):
+            if now - since >= _watch["deadline"] and (ident, since) not in reported:
+                reported.add((ident, since))
+                try:
+                    text = _report(comm.describe_wait(what), now - since)
+                except Exception as e:  # noqa: BLE001 - the process group may be gone: say so, never raise here
+                    text = f"shardfusion watchdog: waiting {now - since:.0f} s in a collective ({e})"
+                reports.append(text)
+                print(text, file=sys.stderr, flush=True)
+
+
+def _report(what: str, waited: float) -> str:
+    """The watchdog's line for a collective ``what`` that has waited ``waited`` seconds."""
+    rank = dist.get_rank()
+    ahead = _ahead()
+    head = f"shardfusion watchdog, rank {rank}: waiting for {waited:.0f} s in {what}"
+    if ahead:
+        return (f"{head}; " + "; ".join(f"ranks {rs} came to {call}, which rank {rank} has not called"
+                                        for call, rs in ahead.items())
+                + ": a collective call made on some ranks only (e.g. an evaluation or a state dict under `if rank == "
+                  "0:`); every rank must make it. This rank waits on until the process group's timeout.")
+    return (f"{head}, and no rank waits in one of shardfusion's collective calls that this rank has not made: "
+            f"{comm.LIKELY_CAUSES}. This rank waits on until the process group's timeout.")
+
+
+def _ahead() -> dict[str, list[int]]:
+    """The ranks whose next arrival check this rank has not made, by call: ``{call: ranks}`` (read from the
+    store, one ``check`` per rank of each set of ranks)."""
+    store = _store()
+    ahead: dict[str, list[int]] = {}
+    for tag, ranks in list(_ranks.items()):
+        n = _counts.get(tag, 0) + 1
+        for r in ranks:
+            key = f"{_PREFIX}/{tag}/{n}/{r}"
+            if store.check([key]):
+                call, value = store.get(key).decode().split("\n", 1)
+                ahead.setdefault(f"{call} ({value})" if value else call, []).append(r)
+    return ahead
