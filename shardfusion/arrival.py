@@ -183,8 +183,9 @@ def _report(what: str, waited: float) -> str:
                                         for call, rs in ahead.items())
                 + ": a collective call made on some ranks only (e.g. an evaluation or a state dict under `if rank == "
                   "0:`); every rank must make it. This rank waits on until the process group's timeout.")
-    return (f"{head}, and no rank waits in one of shardfusion's collective calls that this rank has not made: "
-            f"{comm.LIKELY_CAUSES}. This rank waits on until the process group's timeout.")
+    return (f"{head}, and no rank waits in one of shardfusion's collective calls that this rank has not made. Unless "
+            f"a rank is only slow (a long save or data loading), {comm.LIKELY_CAUSES}. This rank waits on until the "
+            "process group's timeout.")
 
 
 def _ahead() -> dict[str, list[int]]:
