@@ -6,15 +6,18 @@ The library's rare collective calls (``model.state_dict()``, ``optimizer.state_d
 ``sf.full_state_dict``, ``sf.checkpoint``'s saves and loads, and a forward in a new mode: the first forward, or the
 first after ``model.train()`` / ``model.eval()`` or a change of grad mode) start with :func:`check`, before any
 collective of theirs. Each rank sets one key of the default group's store (the c10d store every rank already
-reaches), ``shardfusion/arrival/<ranks>/<n>/<rank>``, its n-th check among these ranks, and waits for the keys of
-every rank that must come, at most the arrival deadline (:func:`deadline`: ``Topology(arrival_timeout=...)``, else
-``SHARDFUSION_ARRIVAL_TIMEOUT`` seconds, else 60 s; not the Topology timeout, which stays the hard limit of the
-collectives themselves). A rank that came and waits past the deadline raises a ``RuntimeError`` naming the call
-and the ranks that did not come (``ranks [1, 2, 3] of 4``), before any data collective: a rank that came alone
-gets that error, never a backend's raw timeout or a ``SIGABRT`` of mismatched collectives. Ranks that came from
-different calls raise at once, naming each call with its ranks. The last rank to read the keys removes them. The
-idea is torch's ``monitored_barrier`` (which names the ranks that did not reach it), made through the store so that
-no collective of any group changes order, and with a payload (the forward's mode) that the ranks compare.
+reaches), ``shardfusion/arrival/<ranks>/<n>/<rank>`` for its n-th check among these ranks, holding the call's name
+and a value (the forward's mode), and adds one to the check's counter; the rank that brings the counter to the
+number of ranks reads every key and writes a verdict (the same call and value everywhere, or which ranks came with
+what); the others wait for the verdict, at most the arrival deadline (:func:`deadline`:
+``Topology(arrival_timeout=...)``, else ``SHARDFUSION_ARRIVAL_TIMEOUT`` seconds, else 60 s; not the Topology
+timeout, which stays the hard limit of the collectives themselves). A rank that came and waits past the deadline
+raises a ``RuntimeError`` naming the call and the ranks whose key is missing (``ranks [1, 2, 3] of 4``), before any
+data collective: a rank that came alone gets that error, never a backend's raw timeout or a ``SIGABRT`` of
+mismatched collectives. Ranks that came from different calls raise at once, naming each call with its ranks. The
+last rank to read the verdict removes the keys. The idea is torch's ``monitored_barrier`` (which names the ranks
+that did not reach it), made through the store so that no collective of any group changes order, with a payload
+that the ranks compare, and O(1) store operations per rank.
 
 The training step pays nothing: a forward in the mode of the previous forward, a backward and an optimizer step make
 no check and touch no store; the per-unit collectives are watched by the :func:`watchdog` instead, a daemon thread
@@ -85,32 +88,40 @@ def _store():
 
 
 def check(what: str, ranks: Optional[Sequence[int]] = None, seconds: Optional[float] = None,
-          value: str = "") -> list[str]:
+          value: str = "") -> Optional[str]:
     """Wait until every rank of ``ranks`` (global ranks, ascending; default: the world) has come to its check of the
     same number among these ranks, at most ``seconds`` (default :func:`deadline`), through the default group's store
-    ([Note: arrival checks]); return every rank's ``value`` (strings, in ``ranks`` order). ``what`` names the call,
-    e.g. ``"model.state_dict()"``; ranks compare it. Nothing to do (``[value]``) without a process group, on a dry
-    run's fake one, or for one rank. Starts the :func:`watchdog` of this process.
+    ([Note: arrival checks]). ``what`` names the call, e.g. ``"model.state_dict()"``, and ``value`` is compared too
+    (e.g. the mode of a forward). Returns None when every rank came with the same ``value``, else the values with
+    their ranks (``"ranks [0]: a; ranks [1, 2, 3]: b"``) for the caller's error. Nothing to do (None) without a
+    process group, on a dry run's fake one, or for one rank. Starts the :func:`watchdog` of this process.
+
+    Store operations: each rank sets its key, adds to a counter, reads a verdict and adds to a second counter; the
+    last rank to come reads every key and writes the verdict, the last to read the verdict removes the keys (O(1)
+    per rank, O(ranks) for those two).
 
     Raises:
         RuntimeError: on a rank that came: some ranks did not come within the deadline (naming ``what``, them and
             the deadline), or the ranks came from different calls (each call named with its ranks).
     """
     if not dist.is_initialized() or comm.is_fake():
-        return [value]
+        return None
     ranks = list(range(dist.get_world_size())) if ranks is None else list(ranks)
     if len(ranks) == 1:
-        return [value]
+        return None
     seconds = deadline() if seconds is None else seconds
     watchdog(seconds)
     rank, tag = dist.get_rank(), _tag(ranks)
     n = _counts[tag] = _counts.get(tag, 0) + 1
     _ranks[tag] = ranks
     store = _store()
-    keys = [f"{_PREFIX}/{tag}/{n}/{r}" for r in ranks]
+    base = f"{_PREFIX}/{tag}/{n}"
+    keys = [f"{base}/{r}" for r in ranks]
     store.set(keys[ranks.index(rank)], f"{what}\n{value}")
+    if store.add(f"{base}/came", 1) == len(ranks):  # the last to come: every key is set
+        store.set(f"{base}/verdict", _verdict(ranks, [v.decode() for v in store.multi_get(keys)]))
     try:
-        store.wait(keys, datetime.timedelta(seconds=seconds))
+        store.wait([f"{base}/verdict"], datetime.timedelta(seconds=seconds))
     except RuntimeError as e:  # DistStoreError: the deadline passed
         absent = [r for r, key in zip(ranks, keys) if not store.check([key])]
         if absent:  # (none: every rank came just as the wait gave up)
@@ -120,19 +131,27 @@ def check(what: str, ranks: Optional[Sequence[int]] = None, seconds: Optional[fl
                 f"s): it is collective, every rank must call it, not only some (e.g. under `if rank == 0:`). "
                 f"The ranks that did not call it wait in their next collective until a peer's exit closes it or the "
                 f"process group's timeout ends it.") from e
-    called = [v.decode().split("\n", 1) for v in store.multi_get(keys)]
-    if store.add(f"{_PREFIX}/{tag}/{n}/read", 1) == len(ranks):  # the last rank to read removes the keys
-        for key in (*keys, f"{_PREFIX}/{tag}/{n}/read"):
+        store.wait([f"{base}/verdict"])
+    kind, _, text = store.get(f"{base}/verdict").decode().partition("\n")
+    if store.add(f"{base}/read", 1) == len(ranks):  # the last to read the verdict removes the keys
+        for key in (*keys, f"{base}/came", f"{base}/verdict", f"{base}/read"):
             store.delete_key(key)
-    by_call: dict[str, list[int]] = {}
-    for r, (name, _) in zip(ranks, called):
-        by_call.setdefault(name, []).append(r)
-    if len(by_call) > 1:
-        raise RuntimeError(f"{what} on rank {rank}: the ranks came from different collective calls, "
-                           + "; ".join(f"ranks {rs}: {name}" for name, rs in by_call.items())
-                           + ": every rank must make the same calls in the same order (not some under "
-                             "`if rank == 0:`)")
-    return [v for _, v in called]
+    if kind == "calls":
+        raise RuntimeError(f"{what} on rank {rank}: the ranks came from different collective calls, {text}: every "
+                           "rank must make the same calls in the same order (not some under `if rank == 0:`)")
+    return text if kind == "values" else None
+
+
+def _verdict(ranks: list[int], came: list[str]) -> str:
+    """``"same"``, or ``"calls\n<ranks and calls>"``, or ``"values\n<ranks and values>"``, from every rank's
+    ``"<what>\n<value>"``."""
+    for kind, index in (("calls", 0), ("values", 1)):
+        by: dict[str, list[int]] = {}
+        for r, text in zip(ranks, came):
+            by.setdefault(text.split("\n", 1)[index], []).append(r)
+        if len(by) > 1:
+            return f"{kind}\n" + "; ".join(f"ranks {rs}: {v}" for v, rs in by.items())
+    return "same"
 
 
 def enter(what: str, topology, ranks: Optional[Sequence[int]] = None) -> None:

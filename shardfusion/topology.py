@@ -248,7 +248,7 @@ class Topology:
 
     Raises:
         ValueError: ``torch.distributed`` is not initialized, ``timeout`` or ``arrival_timeout`` is not positive,
-            or the degrees break a rule of :class:`Degrees`.
+            ``SHARDFUSION_ARRIVAL_TIMEOUT`` is not a positive number, or the degrees break a rule of :class:`Degrees`.
     """
 
     def __init__(self, *, dp: int = 1, pp: int = 1, sharding: int = -1, sep: int = 1, cp: int = 1, mp: int = 1,
@@ -262,6 +262,7 @@ class Topology:
         arrival_s = _duration("arrival_timeout", arrival_timeout)
         self.arrival_timeout = None if arrival_s is None else arrival_s.total_seconds()
         """Seconds of the arrival deadline (None: ``SHARDFUSION_ARRIVAL_TIMEOUT``, else 60; ``arrival.deadline``)."""
+        arrival.deadline(self)  # a bad SHARDFUSION_ARRIVAL_TIMEOUT is refused here, on every rank
         self.degrees = Degrees(world_size=dist.get_world_size(), dp=dp, pp=pp, sharding=sharding, sep=sep, cp=cp,
                                mp=mp, ep=ep, fsdp_outer_degree=fsdp_outer_degree)
         d = self.degrees
@@ -366,14 +367,10 @@ class Topology:
         mode = f"{'train' if training else 'eval'} mode, grad {'enabled' if grad_enabled else 'disabled'}"
         if len(self.stage_ranks) > 1 and not comm.is_fake():
             self.forward_mode_checks += 1
-        every = arrival.check("a forward in a new mode (the first, or after model.train() / model.eval() or a "
+        modes = arrival.check("a forward in a new mode (the first, or after model.train() / model.eval() or a "
                               "change of grad mode)", self.stage_ranks, arrival.deadline(self), mode)
-        modes: dict[str, list[int]] = {}
-        for r, m in zip(self.stage_ranks, every):
-            modes.setdefault(m, []).append(r)
-        if len(modes) > 1:
-            shown = "; ".join(f"ranks {rs}: {m}" for m, rs in modes.items())
-            raise ValueError(f"the ranks started forwards of different modes ({shown}): every rank must run the same "
+        if modes is not None:
+            raise ValueError(f"the ranks started forwards of different modes ({modes}): every rank must run the same "
                              "forwards, evaluation included (not under `if rank == 0:`); evaluate on every rank and "
                              "reduce the result, or evaluate a plain copy from sf.full_state_dict on one rank")
 

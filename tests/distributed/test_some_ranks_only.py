@@ -12,7 +12,8 @@ cases (rank 0 made one check more: a real job would stop at the error).
 * ``torch.save(model.state_dict(), f)``, ``optimizer.state_dict()`` (an AdamW state: gloo aborted the process on a
   size mismatch before), an evaluation forward, ``sf.checkpoint.save_checkpoint`` (the folder stays untouched);
 * ranks making different calls at once (``sf.full_state_dict``, ``model.load_state_dict``,
-  ``optimizer.load_state_dict``): every rank raises at once, naming each call with its ranks.
+  ``optimizer.load_state_dict``): every rank raises at once, naming each call with its ranks; ranks starting
+  forwards of two modes at once: a ``ValueError`` on every rank naming each mode with its ranks.
 
 A second job sets a Topology timeout too (4 s): the evaluation on rank 0 alone raises the arrival error there, the
 other ranks the explained timeout of their training step's buffer broadcast.
@@ -158,6 +159,16 @@ def some_ranks_only_job(root: str) -> dict:
         results["mixed"] = (None, None)
     except Exception as e:  # noqa: BLE001
         results["mixed"] = (type(e).__name__, str(e))
+    try:  # forwards of two modes at once: ranks 0 and 1 evaluate, ranks 2 and 3 run a no-grad training forward
+        if rank < 2:
+            model.eval()
+        with torch.no_grad():
+            model(torch.randn(4, 8))
+        results["modes"] = (None, None)
+    except Exception as e:  # noqa: BLE001
+        results["modes"] = (type(e).__name__, str(e))
+    finally:
+        model.train()
     results["folder"] = sorted(os.listdir(root))
     dist.barrier()
     return results
@@ -188,6 +199,10 @@ def test_calls_on_some_ranks_name_the_call_and_the_absent_ranks(tmp_path):
         for words in ("came from different collective calls", "ranks [0]: sf.full_state_dict()",
                       "ranks [1]: model.load_state_dict()", "ranks [2, 3]: optimizer.load_state_dict()"):
             assert words in msg, f"rank {rank}: the error should say {words!r}: {msg}"
+        kind, msg = results[rank]["modes"]
+        assert kind == "ValueError", f"rank {rank}: {kind}: {msg}"
+        assert ("started forwards of different modes (ranks [0, 1]: eval mode, grad disabled; ranks [2, 3]: train "
+                "mode, grad disabled)") in msg, f"rank {rank}: {msg}"
 
 
 def eval_with_topology_timeout_job() -> tuple:
