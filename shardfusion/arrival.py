@@ -49,8 +49,9 @@ DEADLINE_ENV = "SHARDFUSION_ARRIVAL_TIMEOUT"
 """Environment variable that sets the arrival deadline in seconds (a ``Topology(arrival_timeout=...)`` wins)."""
 
 _PREFIX = "shardfusion/arrival"
-_counts: dict[str, int] = {}  # checks made by this process, per set of ranks (key: _tag)
+_counts: dict[str, int] = {}  # checks made by this process, per set of ranks (key: _tag), in the process group:
 _ranks: dict[str, list[int]] = {}  # the ranks of each tag
+_world: list = [None]  # the default group they count in (a new one, after destroy / init, starts from zero)
 _watch = {"thread": None, "deadline": DEFAULT_DEADLINE_S}
 reports: list[str] = []
 """What the :func:`watchdog` printed in this process, in order (for tests and logs)."""
@@ -111,6 +112,10 @@ def check(what: str, ranks: Optional[Sequence[int]] = None, seconds: Optional[fl
         return None
     seconds = deadline() if seconds is None else seconds
     watchdog(seconds)
+    if _world[0] is not dist.group.WORLD:
+        _world[0] = dist.group.WORLD
+        _counts.clear()
+        _ranks.clear()
     rank, tag = dist.get_rank(), _tag(ranks)
     n = _counts[tag] = _counts.get(tag, 0) + 1
     _ranks[tag] = ranks
@@ -125,13 +130,18 @@ def check(what: str, ranks: Optional[Sequence[int]] = None, seconds: Optional[fl
     except RuntimeError as e:  # DistStoreError: the deadline passed
         absent = [r for r, key in zip(ranks, keys) if not store.check([key])]
         if absent:  # (none: every rank came just as the wait gave up)
+            mode = f" ({value})" if value else ""
             raise RuntimeError(
-                f"{what} on rank {rank}: ranks {absent} of {len(ranks)} have not called it after {seconds:g} s (the "
-                f"arrival deadline: Topology(arrival_timeout=...) or {DEADLINE_ENV}, default {DEFAULT_DEADLINE_S:g} "
-                f"s): it is collective, every rank must call it, not only some (e.g. under `if rank == 0:`). "
-                f"The ranks that did not call it wait in their next collective until a peer's exit closes it or the "
-                f"process group's timeout ends it.") from e
-        store.wait([f"{base}/verdict"])
+                f"{what}{mode} on rank {rank}: ranks {absent} of {len(ranks)} have not called it after {seconds:g} s "
+                f"(the arrival deadline: Topology(arrival_timeout=...) or {DEADLINE_ENV}, default "
+                f"{DEFAULT_DEADLINE_S:g} s): it is collective, every rank must call it, not only some (e.g. under "
+                "`if rank == 0:`). The ranks that did not call it wait in their next collective until a peer's exit "
+                "closes it or the process group's timeout ends it.") from e
+        try:  # every rank came just as the wait gave up: the last one writes the verdict now
+            store.wait([f"{base}/verdict"], datetime.timedelta(seconds=seconds))
+        except RuntimeError:
+            raise RuntimeError(f"{what} on rank {rank}: every rank came but none wrote the verdict of the check: the "
+                               f"store holds keys of an earlier process group under {base}") from e
     kind, _, text = store.get(f"{base}/verdict").decode().partition("\n")
     if store.add(f"{base}/read", 1) == len(ranks):  # the last to read the verdict removes the keys
         for key in (*keys, f"{base}/came", f"{base}/verdict", f"{base}/read"):
