@@ -220,7 +220,10 @@ def eval_with_topology_timeout_job() -> tuple:
         error = (None, None)
     except Exception as e:  # noqa: BLE001 - the test asserts the type and the message
         error = (type(e).__name__, str(e))
-    time.sleep(TOPOLOGY_TIMEOUT_S + 3)  # every rank reaches its own timeout before any tears the groups down
+    # every rank reaches its own error before any tears the groups down (the store needs no group)
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"test/done/{dist.get_rank()}", "1")
+    store.wait([f"test/done/{r}" for r in range(WORLD)], datetime.timedelta(seconds=60))
     return error
 
 
