@@ -5,9 +5,9 @@
     import torch, shardfusion                    # numpy, matplotlib, ... now raise ModuleNotFoundError
 
 :func:`block` wraps every finder of ``sys.meta_path`` so that none finds (``ModuleNotFoundError`` on import, as
-for a package that is not installed) a top-level module that is not in the standard library, not torch or one of the packages torch itself
-requires (its distribution's requirements without extras, and theirs: sympy, mpmath, jinja2, ...), not shardfusion,
-and not one of ``allow``. Installed before torch is imported, torch finds no numpy either, exactly as in an
+for a package that is not installed) a top-level module that is not in the standard library, not torch or one of
+the packages torch itself requires (its distribution's requirements without extras, and theirs: sympy, mpmath,
+jinja2, ...), not shardfusion, and not one of ``allow``. Installed before torch is imported, torch finds no numpy either, exactly as in an
 environment without it: its tensors' ``.numpy()`` raises ``RuntimeError: Numpy is not available`` (checked by
 :func:`check_blocked`). Modules imported already stay usable; pass ``allow`` for the test's own helpers.
 """
@@ -48,7 +48,8 @@ def allowed_modules(allow: tuple[str, ...] = ()) -> set[str]:
     """The top-level module names a torch-only environment has: the standard library, the modules of torch's
     distribution closure, shardfusion, and ``allow``."""
     closure = _distribution_closure("torch")
-    modules = set(sys.stdlib_module_names) | set(sys.builtin_module_names) | {"shardfusion", "__main__", "__mp_main__", *allow}
+    modules = set(sys.stdlib_module_names) | set(sys.builtin_module_names)
+    modules |= {"shardfusion", "__main__", "__mp_main__", *allow}
     for module, dists in importlib.metadata.packages_distributions().items():
         if any(re.sub(r"[-_.]+", "-", d).lower() in closure for d in dists):
             modules.add(module)
