@@ -367,8 +367,8 @@ class Topology:
         mode = f"{'train' if training else 'eval'} mode, grad {'enabled' if grad_enabled else 'disabled'}"
         if len(self.stage_ranks) > 1 and not comm.is_fake():
             self.forward_mode_checks += 1
-        modes = arrival.check("a forward in a new mode (the first, or after model.train() / model.eval() or a "
-                              "change of grad mode)", self.stage_ranks, arrival.deadline(self), mode)
+        # a new mode: the first forward, or one after model.train() / model.eval() or a change of grad mode
+        modes = arrival.check("a forward in a new mode", self.stage_ranks, arrival.deadline(self), mode)
         if modes is not None:
             raise ValueError(f"the ranks started forwards of different modes ({modes}): every rank must run the same "
                              "forwards, evaluation included (not under `if rank == 0:`); evaluate on every rank and "
