@@ -13,15 +13,18 @@ the record.
 
 A backend timeout of any of them (in the call, in :func:`wait`, or in the object collectives issued through
 :func:`explain_timeout`) becomes a ``RuntimeError`` that names the collective, the rank and the likely cause, calls
-made on some ranks only (:func:`timeout_error`, ``LIKELY_CAUSES``). :func:`rendezvous` bounds the start of calls whose
-own collectives are not shardfusion's (``torch.distributed.checkpoint``).
+made on some ranks only (:func:`timeout_error`, ``LIKELY_CAUSES``); the library's rare collective calls start with an
+arrival check that names the ranks that did not make them, and a watchdog reports a wait past that deadline
+(``arrival.py``), through :data:`waiting`. Host objects travel without numpy ([Note: host objects without numpy]).
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
+import ctypes
 import math
+import pickle
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -33,6 +36,10 @@ from torch.distributed import ProcessGroup
 from shardfusion import accounting
 
 _active_counters: list["CommCounter"] = []
+waiting: dict[int, tuple[Any, float]] = {}
+"""The blocking collective each thread waits in now: ``{thread id: (what, time.monotonic() at its start)}``, ``what``
+a string or the ``(op, group, what)`` of :func:`describe_wait`; set and removed around each wait (no store, no
+collective), read by the arrival watchdog ([Note: arrival checks] in ``arrival.py``)."""
 _group_kinds: dict[ProcessGroup, tuple[str, ...]] = {}  # label_group; keeps the labelled groups alive
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases (down to 2.4) have only the old names.
@@ -250,6 +257,9 @@ def _issue(rec: Optional[CommRecord], call, *args, async_op: bool = False, what:
     collective) becomes :func:`timeout_error` naming ``what`` (default: the op and the group); an asynchronous one
     is explained where it is waited for (:func:`wait`)."""
     t0 = time.perf_counter()
+    thread = threading.get_ident()
+    if not async_op:
+        waiting[thread] = ((call.__name__, kwargs.get("group"), what), time.monotonic())
     try:
         work = call(*args, async_op=async_op, **kwargs)
     except RuntimeError as e:
@@ -257,6 +267,8 @@ def _issue(rec: Optional[CommRecord], call, *args, async_op: bool = False, what:
             raise
         raise timeout_error(_what(call.__name__, kwargs["group"], what), e) from e
     finally:
+        if not async_op:
+            waiting.pop(thread, None)
         if rec is not None:
             rec.wait_s += time.perf_counter() - t0
     if async_op and work is not None and _fake_completion["at_once"] and is_fake(kwargs.get("group")):
@@ -331,14 +343,26 @@ def wait(work: Any, what: str) -> None:
     Raises:
         RuntimeError: the backend reported a timeout (the original error is chained as ``__cause__``).
     """
-    with explain_timeout(what):
-        work.wait()
+    thread = threading.get_ident()
+    waiting[thread] = (what, time.monotonic())
+    try:
+        with explain_timeout(what):
+            work.wait()
+    finally:
+        waiting.pop(thread, None)
 
 
-def _what(op: str, group: ProcessGroup, what: Optional[str]) -> str:
+def describe_wait(what: Any) -> str:
+    """The name of a wait in :data:`waiting`: ``what`` itself, or for ``(op, group, what)`` the collective's name as
+    a timeout error gives it."""
+    return what if isinstance(what, str) else _what(*what)
+
+
+def _what(op: str, group: Optional[ProcessGroup], what: Optional[str]) -> str:
     if what is not None:
         return what
-    return f"{op} over ranks {list(dist.get_process_group_ranks(group))}"
+    ranks = list(dist.get_process_group_ranks(group)) if group is not None else list(range(dist.get_world_size()))
+    return f"{op} over ranks {ranks}"
 
 
 def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Optional[ProcessGroup], async_op: bool = False,
@@ -582,7 +606,7 @@ def all_to_all_counts(counts: torch.Tensor, group: Optional[ProcessGroup]) -> to
 
 def call_on_rank0(action: Callable[[], Any], what: str) -> Any:
     """Run ``action()`` on rank 0 of the default group while the other ranks wait; return its value on every rank,
-    or raise its error on every rank. Collective: one ``broadcast_object_list`` (not recorded by a CommCounter: a
+    or raise its error on every rank. Collective: one :func:`broadcast_object` (not recorded by a CommCounter: a
     host object, not a tensor collective of the step), which is also the barrier. For work only rank 0 does (file
     system updates, reading a pointer file) before a collective that every rank enters: a failure on rank 0 alone
     must not leave the others waiting in it. The value must be picklable.
@@ -597,68 +621,92 @@ def call_on_rank0(action: Callable[[], Any], what: str) -> Any:
         except Exception as e:  # noqa: BLE001 - reported on every rank below
             error = f"{what}: {type(e).__name__}: {e}"
     if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [(value, error)]
-        with explain_timeout(f"broadcast_object_list of rank 0's result ({what})"):
-            dist.broadcast_object_list(box, src=0)
-        value, error = box[0]
+        value, error = broadcast_object((value, error), None, f"rank 0's result ({what})")
     if error is not None:
         raise ValueError(error)
     return value
 
 
+# [Note: host objects without numpy]
+# torch's object collectives (all_gather_object, broadcast_object_list, gather_object, ...) read the received bytes
+# back with ``tensor.numpy()``, so they fail with "Numpy is not available" where numpy is not installed, which torch
+# does not require (nor does shardfusion: the library runs with torch alone). Ours pickle the object into a uint8
+# tensor and send it with plain tensor collectives (the lengths first, then the bytes padded to the longest), and
+# read it back with ctypes, from the standard library. They are not recorded by a CommCounter (host objects, not
+# tensors of the step). On a NCCL group the bytes travel through the current CUDA device, as torch's own do.
+
+
+def _object_device(group: Optional[ProcessGroup]) -> torch.device:
+    """Where a host object's bytes travel: the current CUDA device for a NCCL group, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend(group) else torch.device("cpu")
+
+
+def _pickled(obj: Any, device: torch.device) -> torch.Tensor:
+    """``obj`` pickled: a (n,) uint8 tensor on ``device``."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+
+
+def _unpickled(data: torch.Tensor, length: int) -> Any:
+    """The object pickled in the first ``length`` bytes of the 1-D uint8 tensor ``data`` (any device)."""
+    data = data[:length].cpu().contiguous()
+    return pickle.loads(ctypes.string_at(data.data_ptr(), length))
+
+
 def all_gather_object(obj: Any, group: Optional[ProcessGroup], what: str) -> list:
-    """``obj`` of every rank of ``group`` (None: the default group), in group-rank order: one
-    ``all_gather_object`` (not recorded by a CommCounter), whose timeout names ``what`` and the likely cause
-    (:func:`timeout_error`)."""
-    every = [None] * dist.get_world_size(group)
-    with explain_timeout(f"all_gather_object of {what}"):
-        dist.all_gather_object(every, obj, group=group)
-    return every
+    """``obj`` of every rank of ``group`` (None: the default group), in group-rank order. Two all-gathers of the
+    default or given group, the bytes' lengths ((G,) int64) then the bytes padded to the longest ((G * longest,)
+    uint8), without numpy ([Note: host objects without numpy]); not recorded by a CommCounter. A timeout names
+    ``what`` and the likely cause (:func:`timeout_error`). ``obj`` must be picklable."""
+    size = dist.get_world_size(group)
+    device = _object_device(group)
+    mine = _pickled(obj, device)  # (n,)
+    lengths = torch.empty(size, dtype=torch.int64, device=device)  # (G,)
+    _issue(None, _all_gather_base, lengths, torch.tensor([mine.numel()], dtype=torch.int64, device=device),
+           group=group, what=f"all-gather of the sizes of {what}")
+    counts = lengths.tolist()
+    longest = max(counts)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)  # (longest,)
+    padded[:mine.numel()] = mine
+    every = torch.empty(size * longest, dtype=torch.uint8, device=device)  # (G * longest,): [group rank, byte]
+    _issue(None, _all_gather_base, every, padded, group=group, what=f"all-gather of {what}")
+    return [_unpickled(every[i * longest:(i + 1) * longest], n) for i, n in enumerate(counts)]
 
 
-_rendezvous_calls = [0]  # rendezvous made by this process: the n-th of every rank meet
+def broadcast_object(obj: Any, group: Optional[ProcessGroup], what: str, group_src: int = 0) -> Any:
+    """Group rank ``group_src``'s ``obj`` (ignored on the other ranks), on every rank of ``group`` (None: the
+    default group). Two broadcasts, the length then the bytes, without numpy ([Note: host objects without numpy]);
+    not recorded by a CommCounter. A timeout names ``what`` and the likely cause (:func:`timeout_error`)."""
+    device = _object_device(group)
+    source = dist.get_rank(group) == group_src
+    data = _pickled(obj, device) if source else None
+    length = torch.tensor([data.numel() if source else 0], dtype=torch.int64, device=device)
+    _issue(None, dist.broadcast, length, group=group, group_src=group_src, what=f"broadcast of the size of {what}")
+    if not source:
+        data = torch.empty(int(length), dtype=torch.uint8, device=device)
+    _issue(None, dist.broadcast, data, group=group, group_src=group_src, what=f"broadcast of {what}")
+    return obj if source else _unpickled(data, int(length))
 
 
-def rendezvous(what: str, timeout: Optional[datetime.timedelta]) -> None:
-    """Wait until every rank of the default group has come here, at most ``timeout`` (None: torch's default
-    process-group timeout), before a call whose own collectives shardfusion cannot bound (e.g.
-    ``torch.distributed.checkpoint``'s): a call made on some ranks only then fails within the timeout, on the ranks
-    that came, instead of hanging in it. Through the default group's store (no collective of any process group,
-    whose order it would change): each rank sets one key of its ``n``-th rendezvous and waits for every rank's; the
-    last rank to read them removes them. ``what`` names the call; the ranks' names are compared too. Nothing to do
-    without a group or with one rank.
+def _tensor_to_object(tensor: torch.Tensor, tensor_size, group=None) -> Any:
+    """torch's ``distributed_c10d._tensor_to_object`` without numpy (the same arguments): while
+    :func:`torch_object_collectives_without_numpy` is active, torch's own object collectives read bytes with it."""
+    return _unpickled(tensor.reshape(-1), int(tensor_size))
 
-    Raises:
-        RuntimeError: on the ranks that came: some rank did not come within ``timeout`` (the message names the
-            call, the absent ranks and the likely cause: a call under ``if rank == 0:``), or the ranks came from
-            different calls (each named with its ranks).
-    """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+
+@contextlib.contextmanager
+def torch_object_collectives_without_numpy():
+    """Inside the block, torch's object collectives (those ``torch.distributed.checkpoint`` issues in ``dcp.save``
+    and ``dcp.load``, which shardfusion cannot replace) read their bytes back without numpy: torch's
+    ``distributed_c10d._tensor_to_object``, whose ``tensor.numpy()`` is their only use of numpy, is replaced by
+    :func:`_tensor_to_object` for the block, then put back. A torch without that private function (another
+    release) is left as it is. Not thread-safe against another thread that replaces the same function."""
+    c10d = dist.distributed_c10d
+    original = getattr(c10d, "_tensor_to_object", None)
+    if original is None:
+        yield
         return
-    bound = "the Topology timeout" if timeout else "torch's default process-group timeout"
-    timeout = timeout or dist.distributed_c10d.default_pg_timeout
-    n = _rendezvous_calls[0] = _rendezvous_calls[0] + 1
-    rank, world = dist.get_rank(), dist.get_world_size()
-    store = dist.distributed_c10d._get_default_store()
-    keys = [f"shardfusion/rendezvous/{n}/{r}" for r in range(world)]
-    store.set(keys[rank], what)
+    c10d._tensor_to_object = _tensor_to_object
     try:
-        store.wait(keys, timeout)
-    except RuntimeError as e:
-        absent = [r for r, key in enumerate(keys) if not store.check([key])]
-        if absent:  # (none: every rank came just as the wait gave up)
-            raise RuntimeError(
-                f"{what} on rank {rank}: ranks {absent} of {world} did not call it within {timeout} ({bound}): it "
-                f"is collective, every rank must call it, not only some (e.g. under `if rank == 0:`). The absent "
-                f"ranks get their error in their next collective.") from e
-    called = [v.decode() for v in store.multi_get(keys)]
-    if store.add(f"shardfusion/rendezvous/{n}/read", 1) == world:  # the last rank to read removes the keys
-        for key in (*keys, f"shardfusion/rendezvous/{n}/read"):
-            store.delete_key(key)
-    if len(set(called)) > 1:
-        by_call: dict[str, list[int]] = {}
-        for r, name in enumerate(called):
-            by_call.setdefault(name, []).append(r)
-        raise RuntimeError(f"{what} on rank {rank}: the ranks came from different collective calls, "
-                           + "; ".join(f"ranks {rs}: {name}" for name, rs in by_call.items())
-                           + ": every rank must make the same calls in the same order")
+        yield
+    finally:
+        c10d._tensor_to_object = original

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from shardfusion import comm
 from shardfusion._runtime.state import flat_buffers
 
 INSTALL_HINT = "pip install 'shardfusion[ft]'"
@@ -206,8 +207,7 @@ def _agree_in_group(problem: Optional[str], device: torch.device) -> Optional[st
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if not int(flag):
         return None
-    problems: list = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
+    problems = comm.all_gather_object(problem, None, "the replica group's problems (fault tolerance)")
     return next(p for p in problems if p is not None)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from shardfusion import comm
+from shardfusion import arrival, comm
 from shardfusion._runtime import tensor_parallel as tp
 from shardfusion._runtime.state import flat_buffers, sharded_state
 
@@ -50,6 +50,7 @@ def full_state_dict(model: nn.Module, buffers: bool = True) -> dict[str, torch.T
         ValueError: two ep ranks hold an expert parameter or buffer of the same name.
     """
     state = sharded_state(model)
+    arrival.enter("sf.full_state_dict()", state.topology)
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, torch.Tensor] = {}  # this ep rank's experts, exchanged over the ep group below
     for buffer in flat_buffers(model):

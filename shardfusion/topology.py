@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardfusion import comm
+from shardfusion import arrival, comm
 
 AXES = ("dp", "pp", "outer", "expert_inner", "ep", "sep", "cp", "mp")
 """The atomic axes of the rank grid, slowest first."""
@@ -208,6 +208,21 @@ def _inner_kinds_spanning_nodes(degrees: Degrees, local_world_size: int) -> list
             if any(len({r // local_world_size for r in g}) > 1 for g in _ranks_of(degrees, kind))]
 
 
+def _duration(name: str, value: datetime.timedelta | float | None) -> datetime.timedelta | None:
+    """``value`` (a ``timedelta``, seconds, or None) as a ``timedelta`` or None.
+
+    Raises:
+        ValueError: ``value`` is of another type, or not positive (the message names ``name``).
+    """
+    if value is not None and not isinstance(value, datetime.timedelta):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name} must be a datetime.timedelta or seconds, got {value!r}")
+        value = datetime.timedelta(seconds=float(value))
+    if value is not None and not value.total_seconds() > 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
 def _backend_override(backend: str, timeout: datetime.timedelta | None) -> str | tuple[str, object]:
     # Always name the backend: with no override DeviceMesh reuses the default group for world-sized axes, which
     # would make a reduce twin the very same object as its all-gather group.
@@ -221,30 +236,33 @@ def _backend_override(backend: str, timeout: datetime.timedelta | None) -> str |
 class Topology:
     """The rank grid of this job and one process group of every kind, created on every rank in one global order.
 
-    ``Topology(*, dp=1, pp=1, sharding=-1, sep=1, cp=1, mp=1, ep=1, fsdp_outer_degree=1, timeout=None)``, keywords
-    only: degrees as in :class:`Degrees` (``sharding=-1`` takes the rest of the world); ``timeout`` (a ``timedelta``
-    or seconds) applies to every group it creates and to the rendezvous that starts each ``sf.checkpoint`` save and
-    load (``comm.rendezvous``); a collective that times out raises an error naming it and the likely cause
-    (``comm.timeout_error``); the default group keeps its own timeout. Groups of size 1 are real groups too. Kinds whose ranks coincide for these degrees (e.g.
-    ``sharding`` and ``moe_sharding`` when ep is 1) share one group object.
+    ``Topology(*, dp=1, pp=1, sharding=-1, sep=1, cp=1, mp=1, ep=1, fsdp_outer_degree=1, timeout=None,
+    arrival_timeout=None)``, keywords only: degrees as in :class:`Degrees` (``sharding=-1`` takes the rest of the
+    world); ``timeout`` (a ``timedelta`` or seconds) applies to every group it creates; a collective that times out
+    raises an error naming it and the likely cause (``comm.timeout_error``); the default group keeps its own timeout.
+    ``arrival_timeout`` (seconds, or a ``timedelta``; default: ``SHARDFUSION_ARRIVAL_TIMEOUT``, else 60 s) bounds the
+    arrival check that starts each rare collective call of a model sharded with it (``model.state_dict()``, a
+    checkpoint, a forward in a new mode, ...), whose error names the call and the ranks that did not make it
+    ([Note: arrival checks] in ``arrival.py``). Groups of size 1 are real groups too. Kinds whose ranks coincide for
+    these degrees (e.g. ``sharding`` and ``moe_sharding`` when ep is 1) share one group object.
 
     Raises:
-        ValueError: ``torch.distributed`` is not initialized, ``timeout`` is not positive, or the degrees break a
-            rule of :class:`Degrees`.
+        ValueError: ``torch.distributed`` is not initialized, ``timeout`` or ``arrival_timeout`` is not positive,
+            ``SHARDFUSION_ARRIVAL_TIMEOUT`` is not a positive number, or the degrees break a rule of :class:`Degrees`.
     """
 
     def __init__(self, *, dp: int = 1, pp: int = 1, sharding: int = -1, sep: int = 1, cp: int = 1, mp: int = 1,
                  ep: int = 1, fsdp_outer_degree: int = 1,
-                 timeout: datetime.timedelta | float | None = None) -> None:
+                 timeout: datetime.timedelta | float | None = None,
+                 arrival_timeout: datetime.timedelta | float | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("Topology needs torch.distributed: call torch.distributed.init_process_group() first "
                              "(or run under torchrun)")
-        if timeout is not None and not isinstance(timeout, datetime.timedelta):
-            if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-                raise ValueError(f"timeout must be a datetime.timedelta or seconds, got {timeout!r}")
-            timeout = datetime.timedelta(seconds=float(timeout))
-        if timeout is not None and timeout.total_seconds() <= 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
+        timeout = _duration("timeout", timeout)
+        arrival_s = _duration("arrival_timeout", arrival_timeout)
+        self.arrival_timeout = None if arrival_s is None else arrival_s.total_seconds()
+        """Seconds of the arrival deadline (None: ``SHARDFUSION_ARRIVAL_TIMEOUT``, else 60; ``arrival.deadline``)."""
+        arrival.deadline(self)  # a bad SHARDFUSION_ARRIVAL_TIMEOUT is refused here, on every rank
         self.degrees = Degrees(world_size=dist.get_world_size(), dp=dp, pp=pp, sharding=sharding, sep=sep, cp=cp,
                                mp=mp, ep=ep, fsdp_outer_degree=fsdp_outer_degree)
         d = self.degrees
@@ -290,12 +308,9 @@ class Topology:
         for group, kinds in self._kinds_of.items():
             comm.label_group(group, kinds)
         comm.label_group(dist.group.WORLD, "world")
-        # A group of its own for the agreement on the forward mode (``check_forward_mode``), on gloo and the CPU
-        # whatever the backend: it never carries a collective of the step, so a rank that enters it alone waits
-        # there, with the Topology timeout, instead of pairing with another rank's all-gather. It spans the ranks of
-        # this rank's pipeline stage (the same pp index): the stages run their forwards at different times.
-        self._control, _ = dist.new_subgroups_by_enumeration(
-            _ranks_of(d, "stage"), backend="fake" if backend == "fake" else "gloo", timeout=timeout)
+        self.stage_ranks = next(g for g in _ranks_of(d, "stage") if self.rank in g)
+        """The global ranks of this rank's pipeline stage (the same pp index; the world when pp is 1), ascending:
+        those that make a sharded model's collective calls together (the arrival checks of ``arrival.py``)."""
         # The first and the last rank of each pp group: the two pipeline ends, which hold a weight tied across
         # stages (embedding and head; shardfusion.pipeline). Created on every rank, in one order, when pp > 1.
         self._pipeline_ends = None
@@ -305,8 +320,8 @@ class Topology:
             if self._pipeline_ends is not None:  # None on the ranks of a middle pp index
                 comm.label_group(self._pipeline_ends, "pipeline_ends")
         self.forward_mode_checks = 0
-        """How many forward-mode agreements this rank has joined (``check_forward_mode``; one all-gather each, not
-        in the communication accounting)."""
+        """How many forward-mode agreements this rank has joined (``check_forward_mode``; one arrival check each,
+        through the store: no collective)."""
 
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         spanning = _inner_kinds_spanning_nodes(d, int(local)) if local.isdigit() and int(local) > 0 else []
@@ -336,39 +351,26 @@ class Topology:
         return cache[key]
 
     def check_forward_mode(self, training: bool, grad_enabled: bool) -> None:
-        """Agree over every rank on the mode of the forward about to start (``module.training``, grad mode): a
-        sharded model calls it at a forward whose mode differs from its previous forward's (and at its first), so an
-        evaluation run on some ranks only (under ``if rank == 0:``) stops here instead of consuming the all-gathers of
-        the other ranks' training forward (which pair up silently, then mismatch and crash the backend). Collective
-        over the ranks of this rank's pipeline stage (the ranks of its pp index: the world when pp is 1; stages run
-        their forwards at different times), on a gloo group of its own (two int64 per rank), left out of the
-        communication accounting.
+        """Agree over the ranks of this rank's pipeline stage (:attr:`stage_ranks`: the world when pp is 1; stages
+        run their forwards at different times) on the mode of the forward about to start (``module.training``, grad
+        mode): a sharded model calls it at a forward whose mode differs from its previous forward's (and at its
+        first), so an evaluation run on some ranks only (under ``if rank == 0:``) stops here, naming the ranks that
+        did not come, instead of consuming the all-gathers of the other ranks' training forward (which pair up
+        silently, then mismatch and crash the backend). One arrival check through the store, no collective
+        ([Note: arrival checks] in ``arrival.py``), with the mode as its payload.
 
         Raises:
             ValueError: on every rank, the ranks started forwards of different modes (each mode named with its ranks).
-            RuntimeError: within the Topology timeout, on the ranks that came: some rank did not start a forward in
-                another mode at the same time (``comm.timeout_error``).
+            RuntimeError: within the arrival deadline, on the ranks that came: some rank did not start a forward in
+                a new mode at the same time (``arrival.check``: the error names the ranks).
         """
-        if comm.is_fake(self._control):  # a dry run plays one rank: the others are built alike
-            return
-        mine = torch.tensor([int(training), int(grad_enabled)], dtype=torch.int64)  # (2,)
-        ranks = dist.get_process_group_ranks(self._control)  # this rank's pipeline stage: the world when pp is 1
-        every = torch.empty(len(ranks), 2, dtype=torch.int64)  # (ranks of the stage, 2)
-        what = (f"the agreement on the forward mode ({'train' if training else 'eval'} mode, grad "
-                f"{'enabled' if grad_enabled else 'disabled'}) that starts a forward in another mode than the last")
-        if len(ranks) > 1:  # not in the communication accounting: 16 bytes per rank at a change of mode
+        mode = f"{'train' if training else 'eval'} mode, grad {'enabled' if grad_enabled else 'disabled'}"
+        if len(self.stage_ranks) > 1 and not comm.is_fake():
             self.forward_mode_checks += 1
-            with comm.explain_timeout(what):
-                comm._all_gather_base(every.view(-1), mine, group=self._control)
-        else:
-            every.copy_(mine)
-        modes: dict[tuple[int, int], list[int]] = {}
-        for r, (t, g) in zip(ranks, every.tolist()):
-            modes.setdefault((t, g), []).append(r)
-        if len(modes) > 1:
-            shown = "; ".join(f"ranks {rs}: {'train' if t else 'eval'} mode, grad {'enabled' if g else 'disabled'}"
-                              for (t, g), rs in modes.items())
-            raise ValueError(f"the ranks started forwards of different modes ({shown}): every rank must run the same "
+        # a new mode: the first forward, or one after model.train() / model.eval() or a change of grad mode
+        modes = arrival.check("a forward in a new mode", self.stage_ranks, arrival.deadline(self), mode)
+        if modes is not None:
+            raise ValueError(f"the ranks started forwards of different modes ({modes}): every rank must run the same "
                              "forwards, evaluation included (not under `if rank == 0:`); evaluate on every rank and "
                              "reduce the result, or evaluate a plain copy from sf.full_state_dict on one rank")
 

@@ -51,12 +51,10 @@ def _mesh_groups(buffer) -> list[tuple[str, dist.ProcessGroup]]:
 
 def _grid(groups: list[dist.ProcessGroup]) -> list:
     """The global ranks of the mesh spanned by ``groups`` (slowest first) around this rank, as nested lists: the
-    last group's ranks, then each earlier group's members' grids (one ``all_gather_object`` per earlier group)."""
+    last group's ranks, then each earlier group's members' grids (one ``comm.all_gather_object`` per earlier group)."""
     grid = dist.get_process_group_ranks(groups[-1])
     for group in reversed(groups[:-1]):
-        every: list = [None] * comm.group_size(group)
-        dist.all_gather_object(every, grid, group=group)
-        grid = every
+        grid = comm.all_gather_object(grid, group, "the ranks of a state dict's device mesh")
     return grid
 
 

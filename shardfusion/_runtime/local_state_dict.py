@@ -59,7 +59,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from shardfusion import comm
+from shardfusion import arrival, comm
 from shardfusion._runtime import dtensor_state_dict as dsd
 from shardfusion._runtime.state import flat_buffers, fragment_holders, fragment_registrations, named_fragments
 
@@ -145,6 +145,7 @@ class LocalStateDict:
         buffer gathered at a time, see [Note: DTensor state dicts]), so that ``_save_to_state_dict`` and every
         state-dict hook of the modules see them; :meth:`_after_save` puts the fragments back."""
         self.restore()  # a state_dict() that raised half-way left them in
+        arrival.enter("model.state_dict()", self.state.topology)
         dtensors = {}
         for buffer in flat_buffers(self.state.root):
             flat = buffer.gather_copy()  # (P,)
@@ -169,6 +170,7 @@ class LocalStateDict:
     def _before_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                      error_msgs) -> None:
         self.restore()
+        arrival.enter("model.load_state_dict()", self.state.topology, range(self.world_size))  # gathers over all
         problems = self._problems(state_dict, prefix, local_metadata)
         every = comm.all_gather_object((self.rank, problems, self.expert_names), None, "the load_state_dict checks")
         refused = [(r, p) for r, p, _ in every if p]

@@ -9,7 +9,7 @@ never mixes ranks' fragments; the optimizer's own state is not changed. A load-s
 DTensors, or plain tensors of the full shape, and cuts this rank's fragment out of them.
 
 Both are collective: ``optimizer.state_dict()`` gathers one buffer per state name at a time (after one
-``all_gather_object`` over the buffer's shard group that agrees on which states exist), ``load_state_dict`` gathers
+``comm.all_gather_object`` over the buffer's shard group that agrees on which states exist), ``load_state_dict`` gathers
 each DTensor (``full_tensor()``); every rank must call them, with the same optimizer over the same parameters.
 """
 
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from shardfusion import comm
+from shardfusion import arrival, comm
 from shardfusion._runtime import dtensor_state_dict as dsd
 from shardfusion._runtime.state import fragment_owner, fragments_by_buffer
 
@@ -58,9 +58,10 @@ def _is_per_element(t, frag: torch.Tensor) -> bool:
 def _to_dtensors(optimizer, state_dict: dict) -> dict:
     keyed = _keyed_params(optimizer, state_dict)
     key_of = {id(p): k for k, p in keyed}
-    _, pairs = fragments_by_buffer([p for _, p in keyed])
+    states, pairs = fragments_by_buffer([p for _, p in keyed])
     if not pairs:
         return state_dict
+    arrival.enter("optimizer.state_dict()", states[0].topology)
     state = state_dict["state"]
     agreed = [_agreed_plan(optimizer, buffer, [sorted((n, str(t.dtype)) for n, t in
                                                       state.get(key_of.get(id(f)), {}).items()
@@ -86,7 +87,7 @@ def _to_dtensors(optimizer, state_dict: dict) -> dict:
 
 def _agreed_plan(optimizer, buffer, plan: list[list[tuple[str, str]]]) -> list[list[tuple[str, str]]]:
     """Per fragment of ``buffer``, the ``(name, dtype)`` of its per-element states, united over the buffer's shard
-    group (one ``all_gather_object``), so that its ranks gather the same states (a rank whose fragment is empty may
+    group (one ``comm.all_gather_object``), so that its ranks gather the same states (a rank whose fragment is empty may
     lack a state the others have).
 
     Raises:
@@ -95,8 +96,8 @@ def _agreed_plan(optimizer, buffer, plan: list[list[tuple[str, str]]]) -> list[l
     size = comm.group_size(buffer.shard_group)
     if size == 1:
         return plan
-    every: list = [None] * size
-    dist.all_gather_object(every, plan, group=buffer.shard_group)
+    every = comm.all_gather_object(plan, buffer.shard_group, f"the optimizer states of unit {buffer.unit_name!r} "
+                                   "(optimizer.state_dict())")
     if any(len(p) != len(plan) for p in every):
         raise ValueError(f"optimizer.state_dict() of {type(optimizer).__name__}: the ranks of unit "
                          f"{buffer.unit_name!r}'s shard group hold {[len(p) for p in every]} fragments of it; every "
@@ -111,8 +112,10 @@ def buffer_cache(fragment) -> dict:
 
 def _from_dtensors(optimizer, state_dict: dict) -> dict:
     keyed = _keyed_params(optimizer, state_dict)
-    if not any(fragment_owner(p) is not None for _, p in keyed):
+    owners = [fragment_owner(p) for _, p in keyed if fragment_owner(p) is not None]
+    if not owners:
         return state_dict
+    arrival.enter("optimizer.load_state_dict()", owners[0].topology)
     out = dict(state_dict)
     out["state"] = new_state = dict(state_dict["state"])
     for key, p in keyed:

@@ -104,8 +104,8 @@ from shardfusion.checkpoint.inventory import (NUMBER_DTYPES, by_ranks, global_ra
 from shardfusion.checkpoint.planners import FragmentLoadPlanner, FragmentSavePlanner
 from shardfusion.checkpoint.read import failure_text, open_checkpoint, read_error
 from shardfusion._runtime.state import is_sharded, sharded_state
-from shardfusion import comm
-from shardfusion.comm import call_on_rank0, rendezvous
+from shardfusion import arrival, comm
+from shardfusion.comm import call_on_rank0
 
 __all__ = ["FORMAT_VERSION", "save", "load", "save_checkpoint", "load_full_state"]
 
@@ -129,8 +129,8 @@ def save(model: _Model, optimizer: _Optimizer, path: str, extra: Optional[dict] 
     covers the parameters of all of them. Parameters are saved under their names, so stages must name them as the
     whole model does (``split_gpt`` does): the checkpoint then does not depend on the pp degree or the split.
 
-    Collective over the default process group; it starts with a rendezvous of every rank bounded by the Topology
-    timeout (``comm.rendezvous``). Each fragment is written once (by its canonical holder). Optimizer
+    Collective over the default process group; it starts with an arrival check of every rank, bounded by the arrival
+    deadline (``arrival.check``). Each fragment is written once (by its canonical holder). Optimizer
     state entries may be tensors of the fragment's shape (saved per element, any dtype), 0-d tensors or Python
     numbers (saved once); ``None`` entries are skipped. ``rank_state`` (``{key: tensor}``, any shape, dtype and
     device, e.g. ``{"cpu_rng": torch.get_rng_state()}``) is stored under ``rank/<global rank>/<key>``; ranks may pass
@@ -139,7 +139,7 @@ def save(model: _Model, optimizer: _Optimizer, path: str, extra: Optional[dict] 
     groups in order, so a load takes the same list.
 
     Raises:
-        RuntimeError: on the ranks that called it, within the Topology timeout: some rank did not call it (e.g. a
+        RuntimeError: on the ranks that called it, within the arrival deadline: some rank did not call it (e.g. a
             save under ``if rank == 0:``); the message names the call and the absent ranks.
         ValueError: on every rank, before anything is written, naming the rank: a ``model`` that is not a sharded
             model or a list of them (an entry not sharded, given twice, sharded with another ``Topology`` object,
@@ -157,8 +157,9 @@ def save(model: _Model, optimizer: _Optimizer, path: str, extra: Optional[dict] 
 
 
 def _meet(model: _Model, optimizer: _Optimizer, call: str) -> tuple[list[nn.Module], list]:
-    """The start of every checkpoint call: the rendezvous (DCP's own collectives are not bounded by the Topology
-    timeout, so a call made on some ranks only fails here, within it, naming the call: ``comm.rendezvous``), then
+    """The start of every checkpoint call: the arrival check of every rank of the default group (a call made on some
+    ranks only fails here, within the arrival deadline, naming the call and the absent ranks, before anything is
+    written or read: ``arrival.check``), then
     the arguments checked (:func:`model_list`, :func:`optimizer_list`, :func:`optimizer_problems`) on every rank
     and the problems of every rank gathered (one ``all_gather_object``), so that a bad argument on one rank raises
     on every rank. Returns ``(models, optimizers)`` as lists.
@@ -169,8 +170,8 @@ def _meet(model: _Model, optimizer: _Optimizer, call: str) -> tuple[list[nn.Modu
     """
     models, problems = model_list(model)
     given = model if isinstance(model, (list, tuple)) else [model]
-    timeouts = [sharded_state(m).topology.timeout for m in given if isinstance(m, nn.Module) and is_sharded(m)]
-    rendezvous(f"sf.checkpoint.{call}", timeouts[0] if timeouts else None)
+    topologies = [sharded_state(m).topology for m in given if isinstance(m, nn.Module) and is_sharded(m)]
+    arrival.check(f"sf.checkpoint.{call}", None, arrival.deadline(topologies[0] if topologies else None))
     optimizers: list = []
     try:
         optimizers = optimizer_list(optimizer)
@@ -220,8 +221,9 @@ def _save(models: list[nn.Module], optimizers: list, path: str, extra: Optional[
                       "optim_state": info["optim_state"] if optimizers else None,
                       "param_groups": info["param_groups"], "extra": extra, "optimizers": info["optimizers"]}
     try:
-        dcp.save(sd, storage_writer=FileSystemWriter(path), planner=FragmentSavePlanner(fragments),
-                 no_dist=not dist.is_initialized())
+        with comm.torch_object_collectives_without_numpy():  # DCP's own object collectives
+            dcp.save(sd, storage_writer=FileSystemWriter(path), planner=FragmentSavePlanner(fragments),
+                     no_dist=not dist.is_initialized())
     except (CheckpointException, OSError) as error:  # DCP gathers every rank's write errors: raised on every rank
         raise ValueError(f"checkpoint {path!r} cannot be written: "
                          f"{failure_text(error, with_ranks=dist.is_initialized())}") from error
@@ -355,11 +357,11 @@ def load(model: _Model, optimizer: _Optimizer, path: str,
     rank (e.g. it was saved by a smaller world size) are removed from the dict, so the caller knows what was not
     restored.
 
-    Collective over the default process group; it starts with a rendezvous of every rank bounded by the Topology
-    timeout, as :func:`save`.
+    Collective over the default process group; it starts with an arrival check of every rank, bounded by the arrival
+    deadline, as :func:`save`.
 
     Raises:
-        RuntimeError: on the ranks that called it, within the Topology timeout: some rank did not call it.
+        RuntimeError: on the ranks that called it, within the arrival deadline: some rank did not call it.
         ValueError: on every rank, before any read of tensors: a ``model`` or ``optimizer`` refused as by
             :func:`save`, an unreadable folder, a format version other than 2 or 3, parameters or buffers missing
             from the checkpoint or from the model (the union over the ranks), shapes that differ, a name held on two
@@ -406,8 +408,9 @@ def load(model: _Model, optimizer: _Optimizer, path: str,
         with torch.no_grad():
             # collective; a rank whose read fails makes DCP raise CheckpointException on every rank (it gathers the
             # results of every rank's read), so every rank raises the ValueError below: no rank is left waiting
-            dcp.load(sd, storage_reader=reader, planner=FragmentLoadPlanner(fragments, frozenset(optional)),
-                     no_dist=not dist.is_initialized())
+            with comm.torch_object_collectives_without_numpy():  # DCP's own object collectives
+                dcp.load(sd, storage_reader=reader, planner=FragmentLoadPlanner(fragments, frozenset(optional)),
+                         no_dist=not dist.is_initialized())
     except (CheckpointException, OSError) as error:  # DCP's error is a BaseException
         raise read_error(path, reader, error, with_ranks=dist.is_initialized()) from error
     if rank_state is not None:
@@ -450,7 +453,7 @@ def save_checkpoint(model: _Model, optimizer: _Optimizer, root: str, step: int,
     step: the one in flight has been renamed by then) are deleted too.
 
     Raises:
-        RuntimeError: on the ranks that called it, within the Topology timeout: some rank did not call it (e.g. under
+        RuntimeError: on the ranks that called it, within the arrival deadline: some rank did not call it (e.g. under
             ``if rank == 0:``), before rank 0 touches ``root``.
         ValueError: ``keep`` < 1 or ``step`` < 0; on every rank: rank 0 cannot create ``root`` or publish the
             checkpoint (e.g. not writable; the error names the path); anything :func:`save` raises (a bad

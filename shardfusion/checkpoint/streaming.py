@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardfusion import comm
+from shardfusion import arrival, comm
 from shardfusion._runtime.local_state_dict import persistent_buffers
 from shardfusion._runtime.state import named_fragments, sharded_state
 
@@ -140,6 +140,7 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
         raise ImportError("shardfusion.load_safetensors needs the safetensors package: pip install safetensors "
                           "(or pip install 'shardfusion[train]')") from error
     state = sharded_state(model)
+    arrival.enter("sf.load_safetensors", state.topology, range(state.topology.world_size))  # gathers over all
     path = os.fspath(path)
     split = [f.name for f in named_fragments(model) if f.tp_spec is not None]
     if split:  # the same on every rank: the model's structure

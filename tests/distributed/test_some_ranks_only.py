@@ -1,24 +1,30 @@
-"""Calls made on some ranks only (issue 22, item 6): an evaluation under ``if rank == 0:`` and a checkpoint saved by
-rank 0 alone. Within ``Topology(timeout=...)`` every rank raises an error that names the call it was in and the
-likely cause; nothing hangs past it.
+"""Calls made on some ranks only (issue 22, item 6; issue 33, item 3): within the arrival deadline, the rank that
+made the call alone gets an error naming the call and the ranks that did not make it, never a backend's raw timeout
+or a SIGABRT; the ranks that wait in a training step's collective meanwhile get a watchdog report naming the call
+the others came to; and the job can go on (no collective was issued by the lone call).
 
-Each case is a W=4 job of its own (a desynchronized job cannot go on), with a 5-second Topology timeout; the
-default group keeps the harness's longer one, so an error that comes within the Topology timeout (plus a margin for
-two busy cores) is the Topology's. Every rank sleeps past the timeout before leaving, so no rank's teardown breaks
-another's collective first.
+One W=4 job runs the cases in turn, without any Topology timeout (the groups keep torch's, minutes) and a 3-second
+arrival deadline (``Topology(arrival_timeout=3)``). In each case rank 0 makes a collective call alone while ranks
+1-3 go on to their next training step; rank 0 then joins that step (its forward in the unchanged mode issues no
+check), so every rank is in step again for the next case. The arrival counters are set equal on every rank between
+cases (rank 0 made one check more: a real job would stop at the error).
 
-* eval on rank 0 of a model with a buffer (a RoPE-like cache, broadcast at every training forward and at the first
-  evaluation after training), or of one without buffers (whose evaluation all-gathers paired silently with the other
-  ranks' training forward, then mismatched and aborted gloo), the other ranks going on to their next training step,
-  or to ``sf.full_state_dict``: every rank raises the explained error (rank 0 in the agreement on the forward mode
-  that starts a forward of another mode, ``Topology.check_forward_mode``; the others in an all-gather).
-* ``sf.checkpoint.save_checkpoint`` on rank 0 only: rank 0 raises, naming the call and the absent ranks, before it
-  touches the folder; the other ranks, gone on to a training step, raise the explained error there.
+* ``torch.save(model.state_dict(), f)``, ``optimizer.state_dict()`` (an AdamW state: gloo aborted the process on a
+  size mismatch before), an evaluation forward, ``sf.checkpoint.save_checkpoint`` (the folder stays untouched);
+* ranks making different calls at once (``sf.full_state_dict``, ``model.load_state_dict``,
+  ``optimizer.load_state_dict``): every rank raises at once, naming each call with its ranks; ranks starting
+  forwards of two modes at once: a ``ValueError`` on every rank naming each mode with its ranks.
+
+A second job sets a Topology timeout too (4 s): the evaluation on rank 0 alone raises the arrival error there, the
+other ranks the explained timeout of their training step's buffer broadcast.
 """
 
 from __future__ import annotations
 
+import datetime
+import io
 import os
+import threading
 import time
 
 import pytest
@@ -28,28 +34,19 @@ import torch.nn as nn
 from harness import run_distributed
 
 WORLD = 4
-TOPOLOGY_TIMEOUT_S = 5.0
-MARGIN_S = 15.0  # start-up of the collectives and compute on two shared cores
-JOB_TIMEOUT_S = 120  # the harness gives the default group half of it: 60 s, far past the Topology timeout
+ARRIVAL_S = 3.0
+TOPOLOGY_TIMEOUT_S = 4.0
+JOB_TIMEOUT_S = 120  # the harness gives the default group half of it: 60 s, far past the deadlines
 
-CAUSE_WORDS = (" on rank ", "some ranks only", "if rank == 0:", "evaluation", "same calls")
-
-
-class PlainNet(nn.Module):
-    """Three Linear units and no buffer: nothing but all-gathers in its forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-
-    def forward(self, x):  # x: (T, 8)
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return x
+ONE_SIDED = ("state_dict", "optimizer_state_dict", "eval", "save_checkpoint")
+WATCHED = ("state_dict", "eval")  # ranks 1-3 wait for their watchdog's report before rank 0 joins their step
+CALLS = {"state_dict": "model.state_dict()", "optimizer_state_dict": "optimizer.state_dict()",
+         "eval": "a forward in a new mode", "save_checkpoint": "sf.checkpoint.save_checkpoint"}
 
 
 class RopeNet(nn.Module):
-    """Three Linear units and a non-persistent cache buffer, as rotary embeddings keep their cos/sin tables."""
+    """Three Linear units and a non-persistent cache buffer, as rotary embeddings keep their cos/sin tables: its
+    training forward starts with a broadcast of the buffers."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -62,84 +59,184 @@ class RopeNet(nn.Module):
         return x
 
 
-def _setup(net: str = "rope"):
+def _setup(**topology):
     import shardfusion as sf
 
-    topo = sf.Topology(sharding=WORLD, timeout=TOPOLOGY_TIMEOUT_S)
+    topo = sf.Topology(sharding=WORLD, **topology)
     torch.manual_seed(0)
-    model = sf.fully_shard(RopeNet() if net == "rope" else PlainNet(), topo, units=(nn.Linear,))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = sf.fully_shard(RopeNet(), topo, units=(nn.Linear,))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
 
     def train_step():
         model(torch.randn(4, 8)).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
 
-    return model, train_step
+    return model, optimizer, train_step
 
 
-def some_ranks_only_job(case: str, root: str) -> tuple:
-    """(error type, message, seconds from the call made on some ranks to the error) on this rank."""
-    import torch.distributed as dist
+def _call_alone(case: str, model, optimizer, root: str) -> None:
     import shardfusion as sf
 
-    model, train_step = _setup("plain" if case.endswith("_plain") else "rope")
+    if case == "state_dict":
+        torch.save(model.state_dict(), io.BytesIO())
+    elif case == "optimizer_state_dict":
+        optimizer.state_dict()
+    elif case == "eval":
+        model.eval()
+        try:
+            with torch.no_grad():
+                model(torch.randn(4, 8))
+        finally:
+            model.train()
+    else:
+        sf.checkpoint.save_checkpoint(model, optimizer, root, step=1)
+
+
+def _named(reports: list[str], case: str) -> list[str]:
+    """The watchdog reports that name rank 0's call of ``case``."""
+    return [r for r in reports if f"ranks [0] came to {CALLS[case]}" in r]
+
+
+def _report_when_watched(case: str, store, rank: int, since: int) -> threading.Thread:
+    """A thread that sets ``test/<case>/reported/<rank>`` in the store once the watchdog has reported rank 0's call
+    (rank 0 joins the step after that)."""
+    from shardfusion import arrival
+
+    def poll():
+        while not _named(arrival.reports[since:], case):
+            time.sleep(0.05)
+        store.set(f"test/{case}/reported/{rank}", "1")
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    return thread
+
+
+def some_ranks_only_job(root: str) -> dict:
+    """{case: (error type, message) of rank 0's lone call, or the watchdog's reports on ranks 1-3}, and for the
+    mixed calls every rank's error."""
+    import torch.distributed as dist
+    from shardfusion import arrival
+
+    model, optimizer, train_step = _setup(arrival_timeout=ARRIVAL_S)
     rank = dist.get_rank()
-    train_step()  # every rank: the buffers have been trained, so the evaluation broadcasts them
-    dist.barrier()
-    t0 = time.monotonic()
-    try:
-        if case.startswith("eval"):
-            if rank == 0:
-                model.eval()
-                with torch.no_grad():
-                    model(torch.randn(4, 8))
-                model.train()
-            if case.startswith("eval_then_step"):
-                train_step()
-            else:
-                sf.full_state_dict(model)
+    store = dist.distributed_c10d._get_default_store()
+    train_step()  # every rank: AdamW has its states, the buffers have been trained
+    full = __import__("shardfusion").full_state_dict(model)
+    saved_optimizer = optimizer.state_dict()
+    results: dict = {}
+    for i, case in enumerate(ONE_SIDED):
+        for tag in arrival._counts:  # rank 0 made one check more in the last case
+            arrival._counts[tag] = 1000 * (i + 1)
+        if rank == 0:
+            store.set(f"test/{case}/calling", "1")
+            try:
+                _call_alone(case, model, optimizer, os.path.join(root, case))
+                results[case] = (None, None)
+            except Exception as e:  # noqa: BLE001 - the test asserts the type and the message
+                results[case] = (type(e).__name__, str(e))
+            if case in WATCHED:
+                store.wait([f"test/{case}/reported/{r}" for r in range(1, WORLD)], datetime.timedelta(seconds=60))
         else:
-            if rank == 0:
-                sf.checkpoint.save_checkpoint(model, None, root, step=1)
+            store.wait([f"test/{case}/calling"], datetime.timedelta(seconds=60))
+            since = len(arrival.reports)
+            if case in WATCHED:
+                _report_when_watched(case, store, rank, since)
+            results[case] = None
+        train_step()  # rank 0 joins the step the others wait in
+        if rank != 0:
+            results[case] = arrival.reports[since:]
+    for tag in arrival._counts:
+        arrival._counts[tag] = 1000 * (len(ONE_SIDED) + 1)
+    try:
+        if rank == 0:
+            __import__("shardfusion").full_state_dict(model)
+        elif rank == 1:
+            model.load_state_dict(full)
+        else:
+            optimizer.load_state_dict(saved_optimizer)
+        results["mixed"] = (None, None)
+    except Exception as e:  # noqa: BLE001
+        results["mixed"] = (type(e).__name__, str(e))
+    try:  # forwards of two modes at once: ranks 0 and 1 evaluate, ranks 2 and 3 run a no-grad training forward
+        if rank < 2:
+            model.eval()
+        with torch.no_grad():
+            model(torch.randn(4, 8))
+        results["modes"] = (None, None)
+    except Exception as e:  # noqa: BLE001
+        results["modes"] = (type(e).__name__, str(e))
+    finally:
+        model.train()
+    results["folder"] = sorted(os.listdir(root))
+    dist.barrier()
+    return results
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+def test_calls_on_some_ranks_name_the_call_and_the_absent_ranks(tmp_path):
+    results = run_distributed(some_ranks_only_job, WORLD, str(tmp_path), timeout=JOB_TIMEOUT_S)
+    for case in ONE_SIDED:
+        kind, msg = results[0][case]
+        assert kind == "RuntimeError", f"{case}: rank 0 raised {kind}: {msg}"
+        for words in (f"{CALLS[case]}", "on rank 0: ranks [1, 2, 3] of 4 have not called it after 3 s",
+                      "if rank == 0:", "SHARDFUSION_ARRIVAL_TIMEOUT"):
+            assert words in msg, f"{case}: rank 0's error should say {words!r}: {msg}"
+        for rank in range(1, WORLD):
+            reports = _named(results[rank][case], case)
+            if case not in WATCHED:
+                continue
+            assert len(reports) == 1, f"{case}: rank {rank}'s watchdog should report once: {results[rank][case]}"
+            for words in (f"rank {rank}: waiting for", "broadcast of the module buffers",
+                          f"which rank {rank} has not called", "if rank =="):
+                assert words in reports[0], f"{case}: rank {rank}'s watchdog should say {words!r}: {reports[0]}"
+    assert "(eval mode, grad disabled)" in _named(results[1]["eval"], "eval")[0], "the mode rank 0 came with"
+    assert results[0]["folder"] == [], "rank 0 raises before it touches the checkpoint folder"
+    for rank in range(WORLD):
+        kind, msg = results[rank]["mixed"]
+        assert kind == "RuntimeError", f"rank {rank}: {kind}: {msg}"
+        for words in ("came from different collective calls", "ranks [0]: sf.full_state_dict()",
+                      "ranks [1]: model.load_state_dict()", "ranks [2, 3]: optimizer.load_state_dict()"):
+            assert words in msg, f"rank {rank}: the error should say {words!r}: {msg}"
+        kind, msg = results[rank]["modes"]
+        assert kind == "ValueError", f"rank {rank}: {kind}: {msg}"
+        assert ("started forwards of different modes (ranks [0, 1]: eval mode, grad disabled; ranks [2, 3]: train "
+                "mode, grad disabled)") in msg, f"rank {rank}: {msg}"
+
+
+def eval_with_topology_timeout_job() -> tuple:
+    """(error type, message) on this rank: rank 0 evaluates alone, the others train; the Topology timeout (4 s)
+    ends their wait, the arrival deadline (3 s) rank 0's."""
+    import torch.distributed as dist
+
+    model, _, train_step = _setup(timeout=TOPOLOGY_TIMEOUT_S, arrival_timeout=ARRIVAL_S)
+    train_step()
+    try:
+        if dist.get_rank() == 0:
+            _call_alone("eval", model, None, "")
+        else:
             train_step()
-        error = (None, None, time.monotonic() - t0)
+        error = (None, None)
     except Exception as e:  # noqa: BLE001 - the test asserts the type and the message
-        error = (type(e).__name__, str(e), time.monotonic() - t0)
-    time.sleep(TOPOLOGY_TIMEOUT_S + 3)  # every rank reaches its own timeout before any tears the groups down
+        error = (type(e).__name__, str(e))
+    # every rank reaches its own error before any tears the groups down (the store needs no group)
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"test/done/{dist.get_rank()}", "1")
+    store.wait([f"test/done/{r}" for r in range(WORLD)], datetime.timedelta(seconds=60))
     return error
 
 
-def _check_explained(results, rank: int) -> None:
-    kind, msg, seconds = results[rank]
-    assert kind == "RuntimeError", f"rank {rank}: {kind}: {msg}"
-    for words in CAUSE_WORDS:
-        assert words in msg, f"rank {rank}: the message should say {words!r}: {msg}"
-    assert seconds < TOPOLOGY_TIMEOUT_S + MARGIN_S, f"rank {rank}: raised after {seconds:.1f} s: {msg}"
-
-
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
-@pytest.mark.parametrize("case", ["eval_then_step", "eval_then_full_state_dict", "eval_then_step_plain"])
-def test_eval_on_rank0_raises_on_every_rank_within_the_timeout(case, tmp_path):
-    results = run_distributed(some_ranks_only_job, WORLD, case, str(tmp_path), timeout=JOB_TIMEOUT_S)
-    for rank in range(WORLD):
-        _check_explained(results, rank)
-    kind, msg, _ = results[0]
-    assert "agreement on the forward mode (eval mode, grad disabled)" in msg, (
-        f"rank 0 waits in the agreement that starts a forward of another mode: {msg}")
-    for rank in range(1, WORLD):  # the first collective of their next call, which rank 0 never joins
-        first = "all_gather of unit 'blocks." if case != "eval_then_step" else "broadcast of the module buffers"
-        assert first in results[rank][1], f"rank {rank}: {results[rank][1]}"
-
-
-@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
-def test_save_checkpoint_on_rank0_only_raises_within_the_timeout(tmp_path):
-    results = run_distributed(some_ranks_only_job, WORLD, "save_on_rank0", str(tmp_path), timeout=JOB_TIMEOUT_S)
-    kind, msg, seconds = results[0]
+def test_eval_on_rank0_with_a_topology_timeout():
+    results = run_distributed(eval_with_topology_timeout_job, WORLD, timeout=JOB_TIMEOUT_S)
+    kind, msg = results[0]
     assert kind == "RuntimeError", f"rank 0: {kind}: {msg}"
-    for words in ("sf.checkpoint.save_checkpoint", "ranks [1, 2, 3] of 4 did not call it", "if rank == 0:"):
-        assert words in msg, f"rank 0: the message should say {words!r}: {msg}"
-    assert seconds < TOPOLOGY_TIMEOUT_S + MARGIN_S, f"rank 0: raised after {seconds:.1f} s: {msg}"
-    assert not os.listdir(tmp_path), "rank 0 raises before it touches the checkpoint folder"
-    for rank in range(1, WORLD):  # their next collective: the training step's all-gather, which rank 0 never joins
-        _check_explained(results, rank)
+    for words in ("a forward in a new mode", "ranks [1, 2, 3] of 4 have not called it after 3 s"):
+        assert words in msg, f"rank 0's error should say {words!r}: {msg}"
+    for rank in range(1, WORLD):  # the first collective of their next step, which rank 0 never joins
+        kind, msg = results[rank]
+        assert kind == "RuntimeError", f"rank {rank}: {kind}: {msg}"
+        for words in ("broadcast of the module buffers", f"timed out on rank {rank}", "some ranks only",
+                      "if rank == 0:"):
+            assert words in msg, f"rank {rank}: the message should say {words!r}: {msg}"
