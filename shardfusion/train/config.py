@@ -34,7 +34,7 @@ from shardfusion.train.outer_config import OuterConfig
 from shardfusion.train.tokenizer import BYTES
 from shardfusion.train.pipeline_config import PipelineConfig
 from shardfusion.plan import parse_bytes
-from shardfusion.topology import Degrees
+from shardfusion.topology import Degrees, outer_degree_within_nodes
 
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -601,14 +601,13 @@ def lr_factor(config: TrainConfig, step: int) -> float:
     return lr_at(dataclasses.replace(config, lr=1.0, min_lr=0.0), step)
 
 
-def resolve(config: TrainConfig, *, device: str, world_size: int,
-            saved: dict[str, Any] | None = None) -> TrainConfig:
+def resolve(config: TrainConfig, *, device: str, world_size: int, saved: dict[str, Any] | None = None,
+            ranks_per_node: int | None = None) -> TrainConfig:
     """Fill the run-time defaults: device, ep, fsdp_outer_degree, out, warmup (`warmup_steps`) and the batch sizes.
 
     ep: 1 for a Hugging Face model; else 2 when --experts and the sharding degree (world size / (pp x mp x cp)) are
-    even, else 1. fsdp_outer_degree: 2 when the ranks of a pipeline stage (the world size / pp: all of them without
-    a pipeline) are >= 4 and 2 divides the expert sharding degree sharding / ep, else 1. Batch sizes
-    (`resolve_batch`): saved is the settings of the checkpoint this run resumes
+    even, else 1. fsdp_outer_degree: `default_outer_degree` over nodes of ranks_per_node ranks (None: one node).
+    Batch sizes (`resolve_batch`): saved is the settings of the checkpoint this run resumes
     (`shardfusion.train.resume.saved_settings`), None for a new run. The pipeline section's defaults:
     `pipeline_config.resolve`. Raises nothing: `check_run` checks the result."""
     ep = config.ep
@@ -619,13 +618,47 @@ def resolve(config: TrainConfig, *, device: str, world_size: int,
         ep = 2 if config.experts and config.experts % 2 == 0 and sharding % 2 == 0 else 1
     outer = config.fsdp_outer_degree  # auto stays: the job plans it at start-up (shardfusion.train.job)
     if outer is None:
-        sharding = data_parallel_size(config, world_size)
-        moe_sharding = sharding // ep if sharding % ep == 0 else sharding
-        outer = 2 if world_size // max(1, config.pp) >= 4 and moe_sharding % 2 == 0 else 1
+        outer, _ = default_outer_degree(dataclasses.replace(config, ep=ep), world_size, ranks_per_node)
     out = config.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
     config = resolve_batch(config, dp_world=batch_world(config, world_size), saved=saved)
     return dataclasses.replace(config, device=device, ep=ep, fsdp_outer_degree=outer, out=out,
                                warmup=warmup_steps(config, saved), **pipeline_config.resolve(config))
+
+
+def default_outer_degree(config: TrainConfig, world_size: int, ranks_per_node: int | None) -> tuple[int, str]:
+    """--fsdp-outer-degree when it is not given, and why (one line), for `world_size` ranks on nodes of
+    `ranks_per_node` (None, or >= world_size: one node); config's ep must be resolved.
+
+    One node: 2 when the ranks of a pipeline stage (world size / pp) are >= 4 and 2 divides the expert sharding
+    degree (sharding / ep), else 1 (`make train`: HSDP 2 x 2). Several nodes: inner = one node, the README's rule:
+    the smallest degree whose inner groups sit within a node (`shardfusion.topology.outer_degree_within_nodes`:
+    world / (pp x ranks per node) when ep x cp x mp divides a node); when none does (ep x cp x mp does not divide
+    ranks_per_node), or the degrees do not fit the world (`check_run` then says which), the one-node rule, and the
+    reason says so. Raises nothing."""
+    pp, ep = max(1, config.pp), max(1, config.ep or 1)
+    sharding = data_parallel_size(config, world_size)
+    moe_sharding = sharding // ep if sharding % ep == 0 else sharding
+    one_node = 2 if world_size // pp >= 4 and moe_sharding % 2 == 0 else 1
+    if ranks_per_node is None or ranks_per_node >= world_size:
+        return one_node, (f"one node: outer {one_node}, the one-node default (2 when a pipeline stage has >= 4 ranks "
+                          f"and 2 divides sharding / ep)")
+    nodes = f"{world_size} ranks = {world_size // ranks_per_node} nodes x {ranks_per_node}"
+    try:
+        degrees = Degrees(world_size=world_size, pp=pp, mp=config.mp, cp=config.cp, ep=ep)
+    except ValueError:
+        return one_node, f"{nodes}: the one-node default {one_node}, as --ep/--pp/--mp/--cp do not fit the world"
+    outer = outer_degree_within_nodes(degrees, ranks_per_node)
+    if outer is None:
+        block = " x ".join(f"{flag} {v}" for flag, v in (("--ep", ep), ("--cp", config.cp), ("--mp", config.mp))
+                           if v > 1)
+        return one_node, (f"{nodes}: no outer degree keeps the inner groups within a node, as {block} = "
+                          f"{ep * config.cp * config.mp} ranks do not divide {ranks_per_node}; the one-node default "
+                          f"{one_node}")
+    inner = degrees.sharding // outer
+    span = inner * config.cp * config.mp  # consecutive ranks of an inner group's block
+    where = "a node each" if span == ranks_per_node else f"{span} of the {ranks_per_node} ranks of a node each"
+    return outer, (f"{nodes}: outer {outer} x inner {inner}, inner groups within a node ({where}), the default "
+                   f"over several nodes")
 
 
 def resolve_batch(config: TrainConfig, *, dp_world: int, saved: dict[str, Any] | None = None) -> TrainConfig:
