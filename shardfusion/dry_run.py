@@ -65,9 +65,10 @@ DEFAULT_BANDWIDTH = Bandwidth(within=150e9, across=25e9, latency_within=5e-6, la
 BOOKKEEPING_BYTES_PER_RANK = 2048
 """Memory a dry run needs per rank of the world it plays, whatever the model: torch's fake process group and the
 played rank's world-sized groups keep a dict entry and an int per member rank, the communication records a tuple
-of them, and the cost model lays every group of a kind out as int64 tensors. Measured (tiny preset, peak RSS, the
-slope from 262,144 to 2,097,152 ranks: benchmarks/results/dry-run-scale.md) about 0.8 KB per rank; this bound keeps
-a margin of more than 2 x for layouts with more world-sized groups."""
+of them, and the cost model lays every group of a kind out as int64 tensors. Measured: the job's dry run of the tiny
+preset grows by 624 bytes of peak RSS per rank from 65,536 to 2,097,152 ranks (0.89 GiB at 1,048,576;
+benchmarks/results/dry-run-scale-tiny.md); this bound keeps a margin of about 3 x for layouts with more
+world-sized groups."""
 
 
 def _available_memory() -> int:
@@ -404,7 +405,7 @@ def _layout_notes(degrees: Degrees, ranks_per_node: int) -> list[str]:
     fix = (f"fsdp_outer_degree {better} keeps each within a node" if better is not None else
            f"no outer degree keeps them within a node: ep x sep x cp x mp = "
            f"{degrees.ep * degrees.sep * degrees.cp * degrees.mp} ranks do not divide the {ranks_per_node} of a node")
-    return [f"{' and '.join(spanning)} groups span nodes (inner {degrees.inner}: blocks of {block} ranks over "
+    return [f"the inner groups span nodes (inner {degrees.inner}: blocks of {block} ranks over "
             f"{nodes}{'+' if block % ranks_per_node else ''} nodes of {ranks_per_node}): their all-gathers and "
             f"reduce-scatters cross the network; {fix}"]
 

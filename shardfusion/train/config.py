@@ -187,13 +187,15 @@ class TrainConfig(PipelineConfig, DataConfig, FTConfig, OuterConfig, DryRunConfi
         default=None, metadata={"parse": outer_degree_arg, "metavar": "INT|auto"})
     """HSDP replicas of each shard: 1 = plain FSDP; auto: chosen at start-up by the cost model (sf.plan) from a
     short bandwidth probe within and across nodes, the units' sizes and --max-memory-per-rank; the table is
-    printed and the chosen int is written to config.json (default: 2 when the world size is >= 4 and 2 divides
-    world size / ep, else 1)."""
+    printed and the chosen int is written to config.json (default: on several nodes, inner = one node, i.e. world
+    size / (pp x ranks per node) when that fits, and the run prints why; on one node 2 when the world size / pp is
+    >= 4 and 2 divides world size / ep, else 1)."""
     max_memory_per_rank: int | None = dataclasses.field(
         default=None, metadata={"parse": memory_arg, "metavar": "BYTES"})
-    """Memory budget of one rank for --fsdp-outer-degree auto, bytes with an optional suffix (8GB, 512MiB, ...);
-    activations are not counted against it (default: the GPU's memory; on CPU the host's memory / ranks per
-    node)."""
+    """Memory budget of one rank, bytes with an optional suffix (80GB = 80e9, 74.5GiB, 512MiB, 4096; B, kB, MB, GB,
+    TB, KiB, MiB, GiB, TiB): for --fsdp-outer-degree auto, without activations; with --dry-run each kind of rank's
+    peak, activations included, is judged against it (fits, or does not fit by how much) (default: the GPU's
+    memory; on CPU the host's memory / ranks per node; a dry run: no verdict)."""
     reshard_policy: str | None = None
     """When gathered parameters are freed: after_forward (ZeRO-3) or after_backward (default after_forward; with
     --pp > 1 after_backward: measured faster between micro-batches at the same peak, docs/pipeline-benchmark.md)."""
@@ -217,7 +219,8 @@ class TrainConfig(PipelineConfig, DataConfig, FTConfig, OuterConfig, DryRunConfi
     ranks_per_node: int | None = None
     """Ranks per node for the communication accounting: rank r is on node r // ranks-per-node, and the bytes sent
     between nodes are reported apart. It places no rank; use it to see what a multi-node layout would send across
-    nodes (default: LOCAL_WORLD_SIZE, which torchrun and the local launcher set: one node for a local run)."""
+    nodes. Below the world size it also sets the default --fsdp-outer-degree, as nodes would (default:
+    LOCAL_WORLD_SIZE, which torchrun and the local launcher set: one node for a local run)."""
     out: str | None = None
     """Output folder for metrics.jsonl, config.json, loss.png, summary.json and checkpoints/ (default
     runs/<timestamp>). A run whose --out holds a checkpoint resumes from the latest one."""
@@ -656,9 +659,8 @@ def default_outer_degree(config: TrainConfig, world_size: int, ranks_per_node: i
                           f"{one_node}")
     inner = degrees.sharding // outer
     span = inner * config.cp * config.mp  # consecutive ranks of an inner group's block
-    where = "a node each" if span == ranks_per_node else f"{span} of the {ranks_per_node} ranks of a node each"
-    return outer, (f"{nodes}: outer {outer} x inner {inner}, inner groups within a node ({where}), the default "
-                   f"over several nodes")
+    where = "one node" if span == ranks_per_node else f"{span} of the {ranks_per_node} ranks of a node"
+    return outer, f"{nodes}: outer {outer} x inner {inner}, each inner group {where}, the default over several nodes"
 
 
 def resolve_batch(config: TrainConfig, *, dp_world: int, saved: dict[str, Any] | None = None) -> TrainConfig:

@@ -7,13 +7,14 @@ against a brute-force walk over every group of the world (tests/unit/test_topolo
 
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import pytest
 import torch.distributed as dist
 
 import shardfusion as sf
-from shardfusion import dry_run as dr
+dr = importlib.import_module("shardfusion.dry_run")  # the module (shardfusion.dry_run is also the function's name)
 from shardfusion.topology import (KINDS, Degrees, Topology, _group_of, _inner_kinds_spanning_nodes, group_ranks,
                                   outer_degree_within_nodes)
 from shardfusion.train.config import TrainConfig, default_outer_degree, parse_args, resolve
@@ -46,11 +47,10 @@ def test_spanning_and_the_degree_within_nodes_against_brute_force() -> None:
             d = Degrees(**layout, fsdp_outer_degree=outer)
             spans[outer] = _spanning_brute_force(d, rpn)
             assert _inner_kinds_spanning_nodes(d, rpn) == spans[outer], (layout, rpn, outer)
-        # the smallest degree whose inner groups sit within a node, as a walk over the candidates finds it; none
-        # with more than one rank per inner group when ep x cp x mp do not divide a node
-        within = [o for o in sorted(spans) if not spans[o] and (base.sharding // o > 1 or base.ep * base.cp * base.mp
-                                                                <= rpn and rpn % (base.ep * base.cp * base.mp) == 0)]
-        assert outer_degree_within_nodes(base, rpn) == (within[0] if within else None), (layout, rpn)
+        # the smallest degree whose inner groups sit within a node, as a walk over the candidates finds it; None
+        # when ep x cp x mp do not divide a node (then only inner 1, every rank holding whole parameters, would)
+        expected = None if rpn % (base.ep * base.cp * base.mp) else min(o for o in spans if not spans[o])
+        assert outer_degree_within_nodes(base, rpn) == expected, (layout, rpn)
 
 
 @pytest.mark.parametrize("flags, world, rpn, outer", [
@@ -68,10 +68,12 @@ def test_default_outer_degree(flags: dict, world: int, rpn, outer: int) -> None:
     config = resolve(TrainConfig(preset="tiny", **flags), device="cpu", world_size=world, ranks_per_node=rpn)
     assert config.fsdp_outer_degree == outer
     d = Degrees(world_size=world, pp=config.pp, cp=config.cp, ep=config.ep, fsdp_outer_degree=outer)
-    if "ep" not in flags and rpn is not None:
+    if not {"ep", "fsdp_outer_degree"} & set(flags) and rpn is not None:
         assert _spanning_brute_force(d, rpn) == []
-    _, why = default_outer_degree(config, world, rpn)
-    if rpn is None or rpn >= world:
+    default, why = default_outer_degree(config, world, rpn)
+    if "fsdp_outer_degree" in flags:
+        assert default == 128  # what it would have been
+    elif rpn is None or rpn >= world:
         assert why.startswith("one node")
     elif "ep" in flags:
         assert "no outer degree keeps the inner groups within a node, as --ep 16 = 16 ranks do not divide 8" in why
@@ -111,7 +113,7 @@ def test_a_job_started_on_several_nodes(tmp_path, capsys, monkeypatch, local: st
 
 def test_a_given_degree_whose_inner_groups_span_nodes_is_named() -> None:
     notes = dr._layout_notes(Degrees(world_size=1024, fsdp_outer_degree=2), 8)
-    assert notes == ["fsdp_inner groups span nodes (inner 512: blocks of 512 ranks over 64 nodes of 8): their "
+    assert notes == ["the inner groups span nodes (inner 512: blocks of 512 ranks over 64 nodes of 8): their "
                      "all-gathers and reduce-scatters cross the network; fsdp_outer_degree 128 keeps each within a "
                      "node"]
     assert dr._layout_notes(Degrees(world_size=1024, fsdp_outer_degree=128), 8) == []
