@@ -359,8 +359,8 @@ class Topology:
         elif d.pp > 1:
             self._pipeline_ends, _ = dist.new_subgroups_by_enumeration(
                 [[g[0], g[-1]] for g in _ranks_of(d, "pp")], timeout=timeout)
-            if self._pipeline_ends is not None:  # None on the ranks of a middle pp index
-                comm.label_group(self._pipeline_ends, "pipeline_ends")
+        if self._pipeline_ends is not None:  # None on the ranks of a middle pp index
+            comm.label_group(self._pipeline_ends, "pipeline_ends")
         self.forward_mode_checks = 0
         """How many forward-mode agreements this rank has joined (``check_forward_mode``; one all-gather each, not
         in the communication accounting)."""

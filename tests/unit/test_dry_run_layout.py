@@ -132,27 +132,40 @@ def test_a_world_too_large_is_refused_before_anything_is_allocated(monkeypatch) 
     dr.check_world_fits(2**19)  # fits 1 GiB at 2 KiB per rank
 
 
-def _groups_made(world: int, **degrees) -> tuple[int, Topology]:
+def _groups_made(world: int, **degrees) -> tuple[int, dict]:
+    """Process groups a fake-group Topology makes for rank world / 2 + 1 (pp index 1, an end of the pipeline), and
+    its group of each kind (ranks, accounting label)."""
+    from shardfusion import comm
+
     dist.init_process_group("fake", rank=world // 2 + 1, world_size=world)
     try:
         before = dist.distributed_c10d._world.group_count
         topo = Topology(**degrees)
-        return dist.distributed_c10d._world.group_count - before, topo
+        made = dist.distributed_c10d._world.group_count - before
+        groups = {kind: (dist.get_process_group_ranks(topo.get_group(kind)), comm.group_kinds(topo.get_group(kind)))
+                  for kind in KINDS}
+        groups["pipeline_ends"] = (dist.get_process_group_ranks(topo.get_pipeline_ends_group()),
+                                   comm.group_kinds(topo.get_pipeline_ends_group()))
+        assert topo.rank in groups["world"][0] and _group_of(topo.degrees, "sharding", topo.rank) == groups["sharding"][0]
+        return made, groups
     finally:
         dist.destroy_process_group()
 
 
 def test_a_fake_topology_makes_the_played_ranks_groups_only() -> None:
-    """The same groups, for the played rank, as every group of the world would give; as many process groups at
-    4,096 ranks as at 64 (a mesh makes one per group of every axis: thousands)."""
+    """The played rank's groups, as a walk over every group of the world gives them, labelled for the accounting;
+    as many process groups at 4,096 ranks as at 64 (a mesh makes one per group of every axis: thousands)."""
     layout = dict(pp=2, cp=2, ep=2, fsdp_outer_degree=2)
     small, _ = _groups_made(64, **layout)
-    large, topo = _groups_made(4096, **layout)
+    large, groups = _groups_made(4096, **layout)
     assert small == large < 40
-    for kind in KINDS:  # the rank lists stay readable after the fake group is gone: compare with the walk
-        mine = _group_of(topo.degrees, kind, topo.rank)
-        assert mine in group_ranks(4096, kind, pp=2, cp=2, ep=2, fsdp_outer_degree=2), kind
-        assert topo.rank in mine
+    rank = 4096 // 2 + 1
+    for kind in KINDS:
+        ranks, labels = groups[kind]
+        assert ranks in group_ranks(4096, kind, **layout) and rank in ranks, kind
+        assert kind in labels, (kind, labels)
+    pp_group = next(g for g in group_ranks(4096, "pp", **layout) if rank in g)
+    assert groups["pipeline_ends"] == ([pp_group[0], pp_group[-1]], ("pipeline_ends",))
 
 
 def test_kinds_of_pipeline_stages_against_brute_force() -> None:
