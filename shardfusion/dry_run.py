@@ -66,8 +66,8 @@ BOOKKEEPING_BYTES_PER_RANK = 2048
 """Memory a dry run needs per rank of the world it plays, whatever the model: torch's fake process group and the
 played rank's world-sized groups keep a dict entry and an int per member rank, the communication records a tuple
 of them, and the cost model lays every group of a kind out as int64 tensors. Measured: the job's dry run of the tiny
-preset grows by 624 bytes of peak RSS per rank from 65,536 to 2,097,152 ranks (0.89 GiB at 1,048,576;
-benchmarks/results/dry-run-scale-tiny.md); this bound keeps a margin of about 3 x for layouts with more
+preset grows by 591 bytes of peak RSS per rank from 65,536 to 2,097,152 ranks (0.87 GiB at 1,048,576;
+benchmarks/results/dry-run-scale-tiny.md); this bound keeps a margin of about 3.5 x for layouts with more
 world-sized groups."""
 
 
