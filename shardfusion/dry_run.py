@@ -53,7 +53,8 @@ from shardfusion.live_memory import LiveMemory, model_storages
 from shardfusion.plan import _size
 from shardfusion.plan import plan as plan_outer
 from shardfusion.probe import Bandwidth, _check_int, check_bandwidth
-from shardfusion.topology import Degrees, Topology, _inner_kinds_spanning_nodes, outer_degree_within_nodes
+from shardfusion.dry_run_report import _layout_notes, _verdict, link_terms
+from shardfusion.topology import Degrees, Topology
 
 __all__ = ["DEFAULT_BANDWIDTH", "DryRun", "RankFigures", "check_world_fits", "dry_run", "kinds_of", "link_terms",
            "measure_step"]
@@ -234,47 +235,6 @@ class DryRun:
         return "\n".join(out)
 
 
-def _verdict(b: dict) -> str:
-    """One line of :meth:`RankFigures.budget`: fits (with headroom) or does not fit (by how much), and the largest
-    parts of the peak."""
-    def judge(fits: bool, headroom: float) -> str:
-        return f"fits, {_size(headroom)} headroom" if fits else f"does not fit by {_size(-headroom)}"
-
-    names = {"other": "activations and temporaries", "full_params": "gathered params",
-             "full_grads": "full gradient buffers"}
-    text = f"budget {_size(b['budget'])} per rank: {judge(b['fits'], b['headroom'])} at the peak"
-    if "fits_slow" in b:
-        text += f" (slow end: {judge(b['fits_slow'], b['headroom_slow'])})"
-    largest = ", ".join(f"{names.get(k, k)} {_size(v)}" for k, v in b["largest"][:3] if v)
-    return text + (f"; largest parts of the peak: {largest}" if largest else "")
-
-
-def link_terms(candidate, bandwidth: Bandwidth) -> list[str]:
-    """Two lines that split the cost model's serial time within and across nodes into its bandwidth term (bytes /
-    bandwidth) and its latency term (ring steps x latency per step; see [Note: the outer-degree cost model]), per
-    op: e.g. ``across nodes 84.441 ms = bytes 0.525 MB / 25.00 GB/s = 0.021 ms + latency 5,628 ring steps x 15 us =
-    84.420 ms (all_gather 3,577, ...): latency-bound``."""
-    lines = []
-    for where, bw, latency in (("within", bandwidth.within, bandwidth.latency_within),
-                               ("across", bandwidth.across, bandwidth.latency_across)):
-        total_bytes, total_s, steps = 0.0, 0.0, {}
-        for op, t in candidate.traffic.items():
-            nbytes, seconds = getattr(t, f"{where}_bytes"), getattr(t, f"{where}_s")
-            total_bytes += nbytes
-            total_s += seconds
-            # the model's time is bytes / bandwidth + steps x latency: the steps are what the bytes leave
-            steps[op] = round((seconds - nbytes / bw) / latency) if latency else 0
-        byte_s = total_bytes / bw
-        n = sum(steps.values())
-        bound = "latency-bound" if n * latency > byte_s else "bandwidth-bound"
-        per_op = ", ".join(f"{op} {k:,}" for op, k in steps.items() if k)
-        lines.append(f"{where} nodes {total_s * 1e3:.3f} ms = bytes {total_bytes / 1e6:.3f} MB / {bw / 1e9:.2f} GB/s "
-                     f"= {byte_s * 1e3:.3f} ms + latency {n:,} ring steps x {latency * 1e6:g} us = "
-                     f"{n * latency * 1e3:.3f} ms" + (f" ({per_op})" if per_op else "")
-                     + (f": {bound}" if total_s else ""))
-    return lines
-
-
 def _check_keywords(name: str, kwargs: dict, fn) -> None:
     """Every key of ``kwargs`` is a keyword parameter of ``fn``, else ValueError naming ``name`` and the key."""
     import inspect
@@ -391,23 +351,6 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     return DryRun(world_size, ranks_per_node, layout, figures, candidate, bandwidth, time.perf_counter() - t0, rss,
                   plan_error, notes, max_memory_per_rank)
-
-
-def _layout_notes(degrees: Degrees, ranks_per_node: int) -> list[str]:
-    """A warning when inner groups span nodes (the README's rule: inner within a node), with the degree that
-    would keep them within one (:func:`~shardfusion.topology.outer_degree_within_nodes`)."""
-    spanning = _inner_kinds_spanning_nodes(degrees, ranks_per_node)
-    if not spanning:
-        return []
-    block = degrees.inner * degrees.sep * degrees.cp * degrees.mp
-    nodes = -(-block // ranks_per_node)
-    better = outer_degree_within_nodes(degrees, ranks_per_node)
-    fix = (f"fsdp_outer_degree {better} keeps each within a node" if better is not None else
-           f"no outer degree keeps them within a node: ep x sep x cp x mp = "
-           f"{degrees.ep * degrees.sep * degrees.cp * degrees.mp} ranks do not divide the {ranks_per_node} of a node")
-    return [f"the inner groups span nodes (inner {degrees.inner}: blocks of {block} ranks over "
-            f"{nodes}{'+' if block % ranks_per_node else ''} nodes of {ranks_per_node}): their all-gathers and "
-            f"reduce-scatters cross the network; {fix}"]
 
 
 def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_kwargs, optimizer, micro_batches,
