@@ -621,16 +621,19 @@ def resolve(config: TrainConfig, *, device: str, world_size: int, saved: dict[st
         ep = 2 if config.experts and config.experts % 2 == 0 and sharding % 2 == 0 else 1
     outer = config.fsdp_outer_degree  # auto stays: the job plans it at start-up (shardfusion.train.job)
     if outer is None:
-        outer, _ = default_outer_degree(dataclasses.replace(config, ep=ep), world_size, ranks_per_node)
+        outer, _ = default_outer_degree(dataclasses.replace(config, ep=ep), world_size, ranks_per_node, saved)
     out = config.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
     config = resolve_batch(config, dp_world=batch_world(config, world_size), saved=saved)
     return dataclasses.replace(config, device=device, ep=ep, fsdp_outer_degree=outer, out=out,
                                warmup=warmup_steps(config, saved), **pipeline_config.resolve(config))
 
 
-def default_outer_degree(config: TrainConfig, world_size: int, ranks_per_node: int | None) -> tuple[int, str]:
+def default_outer_degree(config: TrainConfig, world_size: int, ranks_per_node: int | None,
+                         saved: dict[str, Any] | None = None) -> tuple[int, str]:
     """--fsdp-outer-degree when it is not given, and why (one line), for `world_size` ranks on nodes of
-    `ranks_per_node` (None, or >= world_size: one node); config's ep must be resolved.
+    `ranks_per_node` (None, or >= world_size: one node); config's ep must be resolved. `saved`: the settings of the
+    checkpoint this run resumes (`resolve`'s): over several nodes its int degree is kept when it fits the world, so
+    that a run started with another default (before inner = one node was the default) resumes as it ran.
 
     One node: 2 when the ranks of a pipeline stage (world size / pp) are >= 4 and 2 divides the expert sharding
     degree (sharding / ep), else 1 (`make train`: HSDP 2 x 2). Several nodes: inner = one node, the README's rule:
@@ -651,6 +654,10 @@ def default_outer_degree(config: TrainConfig, world_size: int, ranks_per_node: i
     except ValueError:
         return one_node, f"{nodes}: the one-node default {one_node}, as --ep/--pp/--mp/--cp do not fit the world"
     outer = outer_degree_within_nodes(degrees, ranks_per_node)
+    kept = (saved or {}).get("fsdp_outer_degree")
+    if isinstance(kept, int) and not isinstance(kept, bool) and kept > 0 and degrees.moe_sharding % kept == 0:
+        return kept, (f"{nodes}: outer {kept}, kept from the checkpoint this run resumes (the default over several "
+                      f"nodes, inner = one node, would be {outer or one_node})")
     if outer is None:
         block = " x ".join(f"{flag} {v}" for flag, v in (("--ep", ep), ("--cp", config.cp), ("--mp", config.mp))
                            if v > 1)

@@ -219,15 +219,16 @@ def _resumed_outer_degree(out: str) -> int | None:
     reads it). Collective."""
     if train_state.latest(out) is None:
         return None
+    return call_on_rank0(lambda: _saved_outer_degree(out), f"cannot read {out}/config.json")
 
-    def read() -> int | None:
-        try:
-            value = json.loads((Path(out) / "config.json").read_text()).get("fsdp_outer_degree")
-        except (OSError, ValueError, AttributeError):
-            return None
-        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
-    return call_on_rank0(read, f"cannot read {out}/config.json")
+def _saved_outer_degree(out: str) -> int | None:
+    """The int `fsdp_outer_degree` in OUT/config.json (the run that wrote OUT's checkpoints), else None."""
+    try:
+        value = json.loads((Path(out) / "config.json").read_text()).get("fsdp_outer_degree")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
@@ -544,6 +545,8 @@ def preflight(config: TrainConfig, *, torchrun: bool) -> TrainConfig:
         check_lighthouse(config.ft_lighthouse)
     # a resumed run keeps the saved global batch size unless a batch flag is given (resolve_batch)
     saved = train_state.saved_settings(config.out)
+    if saved is not None:  # the degree the resumed run ran with: kept over several nodes (default_outer_degree)
+        saved = {**saved, "fsdp_outer_degree": _saved_outer_degree(config.out)}
     # nodes: --ranks-per-node, else torchrun's LOCAL_WORLD_SIZE (a local launch is one node), as comm_layout
     ranks_per_node = config.ranks_per_node or local
     outer_given = config.fsdp_outer_degree is not None
@@ -560,7 +563,7 @@ def preflight(config: TrainConfig, *, torchrun: bool) -> TrainConfig:
                 print(f"shardfusion: warning: {warning}", flush=True)
         if not outer_given and ranks_per_node < world:  # several nodes: say why this degree (one node: as always)
             print(f"shardfusion: --fsdp-outer-degree {config.fsdp_outer_degree} by default: "
-                  f"{default_outer_degree(config, world, ranks_per_node)[1]}", flush=True)
+                  f"{default_outer_degree(config, world, ranks_per_node, saved)[1]}", flush=True)
     if job_model.is_hf(config):
         meta = job_model.checked_meta_model(config)  # transformers present, the config and the units usable
         train_state.check_resume(config.out, lambda: meta)

@@ -81,6 +81,19 @@ def test_default_outer_degree(flags: dict, world: int, rpn, outer: int) -> None:
         assert f"{world} ranks = {world // rpn} nodes x {rpn}: outer {outer} x inner" in why, why
 
 
+def test_a_resumed_run_keeps_its_saved_degree_over_several_nodes() -> None:
+    """A checkpoint written with outer 2 (the default before inner = one node) resumes with outer 2 on 128 nodes."""
+    config = TrainConfig(preset="tiny")
+    saved = {"fsdp_outer_degree": 2}
+    assert resolve(config, device="cpu", world_size=1024, ranks_per_node=8, saved=saved).fsdp_outer_degree == 2
+    assert default_outer_degree(resolve(config, device="cpu", world_size=1024, ranks_per_node=8), 1024, 8, saved)[1] \
+        == ("1024 ranks = 128 nodes x 8: outer 2, kept from the checkpoint this run resumes (the default over several "
+            "nodes, inner = one node, would be 128)")
+    # a saved degree that does not fit the world (moe_sharding 512 % 3): the default
+    assert resolve(config, device="cpu", world_size=1024, ranks_per_node=8,
+                   saved={"fsdp_outer_degree": 3}).fsdp_outer_degree == 128
+
+
 def test_the_dry_run_takes_the_default_over_nodes_and_says_why() -> None:
     given = TrainConfig(dry_run=True, world=1024, ranks_per_node=8, preset="tiny")
     config, world, rpn = prepare(given)
@@ -109,6 +122,22 @@ def test_a_job_started_on_several_nodes(tmp_path, capsys, monkeypatch, local: st
     printed = [x for x in capsys.readouterr().out.splitlines() if "--fsdp-outer-degree" in x]
     assert printed == ([f"shardfusion: --fsdp-outer-degree 8 by default: 32 ranks = 8 nodes x 4: outer 8 x inner 4, "
                         "each inner group one node, the default over several nodes"] if line else [])
+
+
+def test_a_job_resumed_on_several_nodes_keeps_its_degree(tmp_path, capsys, monkeypatch) -> None:
+    """The degree of the run being resumed (OUT/config.json) is kept on 8 nodes of 4, and the line says so."""
+    from shardfusion.train import job
+
+    for key, value in (("WORLD_SIZE", "32"), ("LOCAL_WORLD_SIZE", "4"), ("LOCAL_RANK", "0"), ("RANK", "0")):
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text('{"fsdp_outer_degree": 2}')
+    monkeypatch.setattr(job.train_state, "saved_settings", lambda folder: {})  # as if OUT held a checkpoint
+    config = job.preflight(parse_args(["--preset", "tiny", "--device", "cpu", "--out", str(out)]), torchrun=True)
+    assert config.fsdp_outer_degree == 2
+    assert "shardfusion: --fsdp-outer-degree 2 by default: 32 ranks = 8 nodes x 4: outer 2, kept from the checkpoint " \
+           "this run resumes (the default over several nodes, inner = one node, would be 8)" in capsys.readouterr().out
 
 
 def test_a_given_degree_whose_inner_groups_span_nodes_is_named() -> None:
