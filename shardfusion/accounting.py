@@ -35,6 +35,7 @@ While a :class:`shardfusion.comm.CommCounter` is active, every collective shardf
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable
 from typing import Any, Optional
@@ -109,6 +110,7 @@ def wire_bytes(op: str, group_size: int, nbytes: int, send_bytes: Optional[tuple
     raise ValueError(f"wire_bytes: unknown op {op!r}")
 
 
+@functools.lru_cache(maxsize=64)  # a step's collectives run over a few groups (of up to a dry run's million ranks)
 def ring_crossings(group_ranks: tuple[int, ...], ranks_per_node: Optional[int]) -> int:
     """Hops of the ring over ``group_ranks`` (in order, wrapping around) that join ranks on different nodes."""
     if ranks_per_node is None or len(group_ranks) < 2:

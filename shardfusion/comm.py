@@ -41,6 +41,7 @@ waiting: dict[int, tuple[Any, float]] = {}
 a string or the ``(op, group, what)`` of :func:`describe_wait`; set and removed around each wait (no store, no
 collective), read by the arrival watchdog ([Note: arrival checks] in ``arrival.py``)."""
 _group_kinds: dict[ProcessGroup, tuple[str, ...]] = {}  # label_group; keeps the labelled groups alive
+_group_ranks: dict[ProcessGroup, tuple] = {}  # _record: (ranks, this rank's index) once per group, not per collective
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases (down to 2.4) have only the old names.
 _all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -234,9 +235,12 @@ def _record(op: str, group: ProcessGroup, tensor: torch.Tensor,
     all-to-all of a compressed all-reduce, is counted under that all-reduce's category)."""
     if not _active_counters:
         return None
-    ranks = tuple(dist.get_process_group_ranks(group))
-    kinds = group_kinds(group)
     rank = dist.get_rank()
+    if group not in _group_ranks:  # a dry run's groups can hold a million ranks
+        ranks = tuple(dist.get_process_group_ranks(group))
+        _group_ranks[group] = ranks, ranks.index(rank)
+    ranks, index = _group_ranks[group]
+    kinds = group_kinds(group)
     nbytes = tensor.numel() * tensor.element_size()
     send_bytes = None
     if send_rows is not None:
@@ -244,7 +248,7 @@ def _record(op: str, group: ProcessGroup, tensor: torch.Tensor,
         send_bytes = tuple(int(n) * row_bytes for n in send_rows)
     rec = CommRecord(op, ranks, tensor.numel(), nbytes, label="+".join(kinds) or "unlabeled",
                      category=category or accounting.category(op, kinds), rank=rank,
-                     wire_bytes=accounting.wire_bytes(op, len(ranks), nbytes, send_bytes, ranks.index(rank)),
+                     wire_bytes=accounting.wire_bytes(op, len(ranks), nbytes, send_bytes, index),
                      send_bytes=send_bytes)
     for c in _active_counters:
         c.records.append(rec)

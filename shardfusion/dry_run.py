@@ -53,13 +53,54 @@ from shardfusion.live_memory import LiveMemory, model_storages
 from shardfusion.plan import _size
 from shardfusion.plan import plan as plan_outer
 from shardfusion.probe import Bandwidth, _check_int, check_bandwidth
+from shardfusion.dry_run_report import _layout_notes, _verdict, link_terms
 from shardfusion.topology import Degrees, Topology
 
-__all__ = ["DEFAULT_BANDWIDTH", "DryRun", "RankFigures", "dry_run", "kinds_of", "measure_step"]
+__all__ = ["DEFAULT_BANDWIDTH", "DryRun", "RankFigures", "check_world_fits", "dry_run", "kinds_of", "link_terms",
+           "measure_step"]
 
 DEFAULT_BANDWIDTH = Bandwidth(within=150e9, across=25e9, latency_within=5e-6, latency_across=15e-6)
 """Links assumed when none are given: 150 GB/s per rank inside a node (NVLink class), 25 GB/s per rank across nodes
 (one 200 Gbit/s NIC per GPU), 5 and 15 us per ring step. Measure yours with :func:`shardfusion.measure_bandwidth`."""
+
+BOOKKEEPING_BYTES_PER_RANK = 2048
+"""Memory a dry run needs per rank of the world it plays, whatever the model: torch's fake process group and the
+played rank's world-sized groups keep a dict entry and an int per member rank, the communication records a tuple
+of them, and the cost model lays every group of a kind out as int64 tensors. Measured: the job's dry run of the tiny
+preset grows by 591 bytes of peak RSS per rank from 65,536 to 2,097,152 ranks (0.87 GiB at 1,048,576;
+benchmarks/results/dry-run-scale-tiny.md); this bound keeps a margin of about 3.5 x for layouts with more
+world-sized groups."""
+
+
+def _available_memory() -> int:
+    """Bytes this machine can still give: MemAvailable in /proc/meminfo (Linux), else its physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_world_fits(world_size: int) -> None:
+    """Refuse, before anything is allocated, a world whose bookkeeping in a dry run (``world_size x``
+    :data:`BOOKKEEPING_BYTES_PER_RANK`) is more than this machine's available memory (a world of 10^9 ranks needs
+    2 TB: it would be killed for memory).
+
+    Raises:
+        ValueError: naming the world size, the bytes it needs, the bytes available and the largest world that fits.
+    """
+    need, available = world_size * BOOKKEEPING_BYTES_PER_RANK, _available_memory()
+    if need > available:
+        raise ValueError(f"world_size({world_size:,}) is more than this machine can play: a dry run keeps about "
+                         f"{BOOKKEEPING_BYTES_PER_RANK} bytes per rank of the world (its process groups' rank lists), "
+                         f"{_size(need)} here, and {_size(available)} is available; at most about "
+                         f"{available // BOOKKEEPING_BYTES_PER_RANK:,} ranks fit")
+
 
 Build = Callable[["object"], nn.Module]
 Step = Callable[[nn.Module, "object"], torch.Tensor]
@@ -97,6 +138,23 @@ class RankFigures:
     collectives: list
     categories: dict
     seconds: dict
+    peak_parts: dict = field(default_factory=dict)
+    """The live bytes at ``memory["peak"]`` by part (``params``, ``grads``, ``optimizer``, ``full_params``,
+    ``full_grads``, ``other``: activations and temporaries); with ``bounds`` also ``peak_parts_slow``'s, under the
+    key ``"slow"``."""
+
+    def budget(self, max_memory_per_rank: int) -> dict:
+        """This rank against a memory budget (bytes): ``fits`` (its ``peak`` does), ``headroom`` (budget - peak:
+        negative when short), with ``bounds`` ``fits_slow`` / ``headroom_slow`` (the ``peak_slow`` end), and
+        ``largest``: the parts of the peak, largest first, as ``(part, bytes)``."""
+        m, out = self.memory, {"budget": max_memory_per_rank}
+        for end in ("", "_slow"):
+            if "peak" + end in m:
+                out["fits" + end] = m["peak" + end] <= max_memory_per_rank
+                out["headroom" + end] = max_memory_per_rank - m["peak" + end]
+        parts = {k: v for k, v in self.peak_parts.items() if k != "slow"}
+        out["largest"] = sorted(parts.items(), key=lambda kv: -kv[1])
+        return out
 
     @property
     def wire_bytes(self) -> float:
@@ -121,6 +179,8 @@ class DryRun:
             predicted communication time of a step), or ``None`` when the model could not be planned (``plan_error``).
         bandwidth: the links the prediction used.
         seconds: wall time of the whole dry run; ``max_rss_bytes``: this process's peak resident memory.
+        plan_error: why ``plan`` is None; notes: what the figures assume, and layout warnings (inner groups that
+            span nodes); max_memory_per_rank: the budget each kind of rank is judged against (bytes; None: none).
     """
 
     world_size: int
@@ -133,6 +193,7 @@ class DryRun:
     max_rss_bytes: int
     plan_error: str = ""
     notes: list = field(default_factory=list)
+    max_memory_per_rank: Optional[int] = None
 
     def table(self) -> str:
         """The report as text: per kind of rank, memory by part, collectives with bytes within and across nodes,
@@ -158,12 +219,15 @@ class DryRun:
                            f"{c['bytes'] / 1e6:>11.3f} {c['within_bytes'] / 1e6:>11.3f} "
                            f"{c['across_bytes'] / 1e6:>11.3f}")
             out.append(f"  per step: {r.wire_bytes / 1e6:.3f} MB sent, {r.across_bytes / 1e6:.3f} MB across nodes")
+            if self.max_memory_per_rank is not None:
+                out.append("  " + _verdict(r.budget(self.max_memory_per_rank)))
         if self.plan is not None:
             p = self.plan
             out.append(f"cost model ({self.bandwidth.describe()}): outer {p.outer} inner {p.inner}: within "
                        f"{p.within_bytes / 1e6:.3f} MB ({p.within_s * 1e3:.3f} ms), across {p.across_bytes / 1e6:.3f} "
                        f"MB ({p.across_s * 1e3:.3f} ms); predicted step {p.step_s * 1e3:.3f} ms of communication "
                        f"(serial {p.serial_s * 1e3:.3f} ms; compute not modelled)")
+            out += [f"  {line}" for line in link_terms(p, self.bandwidth)]
         elif self.plan_error:
             out.append(f"cost model: not run ({self.plan_error})")
         out += [f"note: {n}" for n in self.notes]
@@ -185,17 +249,15 @@ def kinds_of(degrees: Degrees) -> list[tuple[int, str]]:
     """``(rank, kind)`` of the ranks a dry run plays: the first rank of each pipeline stage."""
     if degrees.pp == 1:
         return [(0, "all ranks")]
-    firsts: dict[int, int] = {}
-    for r in range(degrees.world_size):
-        firsts.setdefault(degrees.coordinates(r)["pp"], r)
-    return [(r, f"pp stage {s}") for s, r in sorted(firsts.items())]
+    stage = degrees.world_size // (degrees.dp * degrees.pp)  # ranks per pp index and dp index: pp is the 2nd axis
+    return [(s * stage, f"pp stage {s}") for s in range(degrees.pp)]
 
 
 def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, topology: Optional[dict] = None,
             fully_shard: Optional[dict] = None, optimizer: Callable = None, micro_batches: int = 1,
             max_norm: Optional[float] = 1.0, ranks: Optional[Sequence[int]] = None, backend: str = "nccl",
             bandwidth: Optional[Bandwidth] = None, plan_model: bool = True, bounds: bool = True,
-            step_runs_backward: bool = False) -> DryRun:
+            step_runs_backward: bool = False, max_memory_per_rank: Optional[int] = None) -> DryRun:
     """Play one optimizer step of a ``world_size``-rank job in this process and report, for each kind of rank, its
     memory and its collectives (see [Note: dry run]).
 
@@ -225,18 +287,24 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
             (communication keeps up with compute: the figures), then with none complete before it is waited for
             (``full_grads_slow``, ``other_peak_slow``, ``peak_slow``). False: once.
         step_runs_backward: see ``step``.
+        max_memory_per_rank: a memory budget per rank in bytes: the report judges each kind of rank's ``peak``
+            (and ``peak_slow``) against it (:meth:`RankFigures.budget`). None (default): no verdict.
 
     Returns:
         :class:`DryRun`.
 
     Raises:
         ValueError: a process group is already initialized in this process (a dry run needs its own, fake one); a
-            bad ``world_size``, ``ranks_per_node``, ``micro_batches``, ``backend`` or rank; the layout's degree
-            errors (:class:`~shardfusion.topology.Degrees`).
+            bad ``world_size``, ``ranks_per_node``, ``micro_batches``, ``backend``, ``max_memory_per_rank`` or rank;
+            a world whose bookkeeping would not fit this machine (:func:`check_world_fits`, before anything is
+            allocated); the layout's degree errors (:class:`~shardfusion.topology.Degrees`).
     """
     _check_int("world_size", world_size, 1)
     _check_int("ranks_per_node", ranks_per_node, 1)
     _check_int("micro_batches", micro_batches, 1)
+    if max_memory_per_rank is not None:
+        _check_int("max_memory_per_rank", max_memory_per_rank, 1)
+    check_world_fits(world_size)
     if world_size % ranks_per_node:
         raise ValueError(f"ranks_per_node({ranks_per_node}) must divide world_size({world_size})")
     if backend not in ("nccl", "gloo"):
@@ -275,14 +343,14 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
     if plan_model:
         candidate, plan_error = _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batches,
                                          backend, bandwidth)
-    notes = []
+    notes = _layout_notes(degrees, ranks_per_node)
     if any(c["op"] == "all_to_all" and c["label"] == "ep" for f in figures for c in f.collectives):
         notes.append("MoE all-to-alls and expert activations assume an even router (1/E of the assignments each)")
         if candidate is not None:
             notes.append("the cost model leaves out the MoE all-to-alls (in the table above, not in its time)")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     return DryRun(world_size, ranks_per_node, layout, figures, candidate, bandwidth, time.perf_counter() - t0, rss,
-                  plan_error, notes)
+                  plan_error, notes, max_memory_per_rank)
 
 
 def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_kwargs, optimizer, micro_batches,
@@ -313,11 +381,13 @@ def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_k
             slow = runs[1]
             for part in ("full_grads", "other_peak", "peak"):
                 fig.memory[f"{part}_slow"] = slow.memory[part]
+            fig.peak_parts["slow"] = slow.peak_parts
             fig.seconds["step_slow"] = slow.seconds["step"]
         fig.seconds["topology"] = topology_s
         return fig, topo.describe()
     finally:
         comm._fake_completion["at_once"] = False
+        comm._group_ranks.clear()  # the played rank's groups, up to world-sized rank lists: gone with them
         dist.destroy_process_group()
 
 
@@ -393,7 +463,7 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
                   activations=activations, other_peak=tracker.part_peaks["other"], peak=tracker.peak.total,
                   largest_full_unit=largest_unit)
     return RankFigures(topo.rank, coords, kind, memory, _collectives(counter, ranks_per_node) + p2p.rows(),
-                       counter.summary(ranks_per_node), seconds)
+                       counter.summary(ranks_per_node), seconds, dict(tracker.peak.parts))
 
 
 class _SendRecorder(TorchDispatchMode):

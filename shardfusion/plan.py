@@ -56,19 +56,17 @@ from __future__ import annotations
 
 import math
 import os
-from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
-from shardfusion import accounting
 from shardfusion._runtime import compress
 from shardfusion.probe import (Bandwidth, _check_int, _check_seconds, check_bandwidth,  # noqa: F401 (re-exported)
                                measure_bandwidth)
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_FILTERS, RESHARD_POLICIES, MixedPrecisionPolicy
-from shardfusion.topology import Degrees, group_ranks
+from shardfusion.topology import Degrees, _rank_grid
 
 __all__ = ["Bandwidth", "Candidate", "Plan", "Traffic", "UnitSize", "default_memory_budget", "measure_bandwidth",
            "parse_bytes", "plan", "unit_sizes"]
@@ -312,16 +310,17 @@ class _Group:
     """One kind of group of one candidate: its size, the share of a ring's / an all-to-all's bytes that crosses
     nodes (averaged over every rank of every group of the kind), and whether it spans nodes."""
 
-    def __init__(self, groups: list[list[int]], local_world_size: int) -> None:
-        self.size = len(groups[0])
-        ranks = sum(len(g) for g in groups)
-        self.ring_across = sum(accounting.ring_crossings(tuple(g), local_world_size) for g in groups) / ranks
-        off = 0  # (rank, peer) pairs of a group on different nodes: G^2 - sum over nodes of (its ranks)^2
-        self.spans = False
-        for g in groups:
-            per_node = Counter(r // local_world_size for r in g)
-            off += len(g) ** 2 - sum(c * c for c in per_node.values())
-            self.spans = self.spans or len(per_node) > 1
+    def __init__(self, grid: torch.Tensor, local_world_size: int) -> None:
+        # grid: (groups, size) int64, each row a group's ranks ascending (topology._rank_grid); vectorized, as a dry
+        # run plans worlds of a million ranks
+        groups, self.size = grid.shape
+        ranks = groups * self.size
+        nodes = grid // local_world_size  # (groups, size)
+        self.ring_across = int((nodes != nodes.roll(-1, dims=1)).sum()) / ranks  # accounting.ring_crossings' hops
+        # (rank, peer) pairs of a group on different nodes: G^2 - sum over its nodes of (the node's ranks)^2
+        _, per_node = torch.unique(torch.arange(groups)[:, None] * (int(nodes.max()) + 1) + nodes, return_counts=True)
+        off = ranks * self.size - int((per_node * per_node).sum())
+        self.spans = bool((nodes[:, 0] != nodes[:, -1]).any())  # ascending rows: first and last on other nodes
         self.a2a_across = off / (ranks * (self.size - 1)) if self.size > 1 else 0.0
 
 
@@ -505,8 +504,8 @@ class _Model:
             kinds.update(expert_inner="moe_sharding", expert_replicate="dp")
         else:
             kinds.update(expert_inner="expert_inner", expert_replicate="replicate")
-        return {key: _Group(group_ranks(self.world_size, kind, dp=self.dp, ep=self.ep, fsdp_outer_degree=outer),
-                            self.local) for key, kind in kinds.items()}
+        degrees = Degrees(world_size=self.world_size, dp=self.dp, ep=self.ep, fsdp_outer_degree=outer)
+        return {key: _Group(_rank_grid(degrees, kind), self.local) for key, kind in kinds.items()}
 
     def _cost(self, op: str, nbytes: float, group: _Group) -> tuple[float, float, float, float]:
         """(within bytes, across bytes, within s, across s) of one collective of ``nbytes`` logical bytes."""

@@ -181,13 +181,19 @@ def _kind_axes(kind: str) -> tuple[str, ...]:
     return KINDS[kind]
 
 
-def _ranks_of(degrees: Degrees, kind: str) -> list[list[int]]:
+def _rank_grid(degrees: Degrees, kind: str) -> torch.Tensor:
+    """Every group of ``kind`` as a row of an int64 tensor ``(groups, group size)``, each row ascending (the rows
+    in no particular order)."""
     members = [AXES.index(a) for a in _kind_axes(kind)]
     others = [i for i in range(len(AXES)) if i not in members]
     sizes = list(degrees.axis_sizes.values())
     grid = torch.arange(degrees.world_size).reshape(sizes).permute(others + members)
     # Member axes stay in slowest-first order, so each row is already ascending.
-    return sorted(grid.reshape(-1, math.prod(sizes[i] for i in members)).tolist())
+    return grid.reshape(-1, math.prod(sizes[i] for i in members))
+
+
+def _ranks_of(degrees: Degrees, kind: str) -> list[list[int]]:
+    return sorted(_rank_grid(degrees, kind).tolist())
 
 
 def group_ranks(world_size: int, kind: str, *, dp: int = 1, pp: int = 1, sharding: int = -1, sep: int = 1,
@@ -202,10 +208,52 @@ def group_ranks(world_size: int, kind: str, *, dp: int = 1, pp: int = 1, shardin
     return _ranks_of(degrees, kind)
 
 
+def _group_of(degrees: Degrees, kind: str, rank: int) -> list[int]:
+    """The group of ``kind`` that ``rank`` belongs to, as an ascending rank list: its row of :func:`group_ranks`,
+    made in time and memory of the group's size, not the world's."""
+    members = _kind_axes(kind)
+    coords, sizes = degrees.coordinates(rank), degrees.axis_sizes
+    strides, stride = {}, 1
+    for axis in reversed(AXES):
+        strides[axis], stride = stride, stride * sizes[axis]
+    ranks = torch.tensor([sum(coords[a] * strides[a] for a in AXES if a not in members)], dtype=torch.int64)
+    for axis in (a for a in AXES if a in members):  # slowest first: the rows come out ascending
+        ranks = (ranks[:, None] + torch.arange(sizes[axis], dtype=torch.int64) * strides[axis]).reshape(-1)
+    return ranks.tolist()
+
+
 def _inner_kinds_spanning_nodes(degrees: Degrees, local_world_size: int) -> list[str]:
-    """The inner kinds (``fsdp_inner``, ``expert_inner``) with a group whose ranks sit on more than one node."""
-    return [kind for kind in ("fsdp_inner", "expert_inner")
-            if any(len({r // local_world_size for r in g}) > 1 for g in _ranks_of(degrees, kind))]
+    """The inner kinds (``fsdp_inner``, ``expert_inner``) with a group whose ranks sit on more than one node of
+    ``local_world_size`` consecutive ranks. Arithmetic, not a walk over the groups: an inner group of more than one
+    rank lies in a block of ``inner x sep x cp x mp`` consecutive ranks (the blocks tile the world, aligned), every
+    rank of the block in one of the block's groups; a node boundary inside a block cuts at least one of them, so
+    some group spans nodes exactly when the world is more than one node and the block size does not divide
+    ``local_world_size``."""
+    d = degrees
+    cut = d.world_size > local_world_size and local_world_size % (d.inner * d.sep * d.cp * d.mp) != 0
+    return [kind for kind, size in (("fsdp_inner", d.inner), ("expert_inner", d.expert_inner)) if cut and size > 1]
+
+
+def outer_degree_within_nodes(degrees: Degrees, ranks_per_node: int) -> int | None:
+    """The smallest ``fsdp_outer_degree`` (``degrees``' own is ignored) whose inner groups, ``fsdp_inner`` and
+    ``expert_inner``, each sit within one node of ``ranks_per_node`` consecutive ranks: HSDP with inner = one node,
+    the README's rule. Inner groups of ``inner`` ranks lie in blocks of ``inner x sep x cp x mp`` consecutive ranks,
+    which must divide a node (:func:`_inner_kinds_spanning_nodes`), and ``inner = ep x expert_inner`` with
+    ``expert_inner`` dividing ``moe_sharding``; so ``expert_inner = gcd(moe_sharding, ranks_per_node / (ep x sep x
+    cp x mp))``. With the usual degrees (``dp x pp x ranks_per_node`` divides the world, ``ep x sep x cp x mp``
+    divides ``ranks_per_node``) that is ``outer = world / (dp x pp x ranks_per_node)``: an inner group per node.
+
+    Returns:
+        The degree; 1 when the world fits in one node; None when no degree keeps them within a node: ``ep x sep x
+        cp x mp`` does not divide ``ranks_per_node``, so even the smallest inner groups cross nodes.
+    """
+    d = degrees
+    if d.world_size <= ranks_per_node:
+        return 1
+    block = d.ep * d.sep * d.cp * d.mp
+    if ranks_per_node % block:
+        return None
+    return d.moe_sharding // math.gcd(d.moe_sharding, ranks_per_node // block)
 
 
 def _duration(name: str, value: datetime.timedelta | float | None) -> datetime.timedelta | None:
@@ -285,8 +333,11 @@ class Topology:
 
         backend = str(dist.get_backend())
         self._override = _backend_override(backend, timeout)
-        self._mesh = init_device_mesh("cuda" if "nccl" in backend else "cpu", tuple(d.axis_sizes.values()),
-                                      mesh_dim_names=AXES, backend_override={a: self._override for a in AXES})
+        # On torch's fake backend (a dry run: one process plays one rank) only this rank's groups are made, each in
+        # the time of its size (_group_of); the mesh would create every group of the world, one new_group call each
+        # (O(world) per axis), and is built on first use (`mesh`, `get_mesh`) with groups of its own.
+        self._fake = backend == "fake"
+        self._mesh = None if self._fake else self._make_mesh()
         self._kinds_of: dict[dist.ProcessGroup, list[str]] = {}  # the kinds each created group serves (accounting)
         by_axes: dict[tuple[str, ...], dist.ProcessGroup] = {}
         self._groups = {kind: self._make_group(kind, by_axes) for kind in KINDS
@@ -308,17 +359,20 @@ class Topology:
         for group, kinds in self._kinds_of.items():
             comm.label_group(group, kinds)
         comm.label_group(dist.group.WORLD, "world")
-        self.stage_ranks = next(g for g in _ranks_of(d, "stage") if self.rank in g)
+        self.stage_ranks = _group_of(d, "stage", self.rank)
         """The global ranks of this rank's pipeline stage (the same pp index; the world when pp is 1), ascending:
         those that make a sharded model's collective calls together (the arrival checks of ``arrival.py``)."""
         # The first and the last rank of each pp group: the two pipeline ends, which hold a weight tied across
         # stages (embedding and head; shardfusion.pipeline). Created on every rank, in one order, when pp > 1.
         self._pipeline_ends = None
-        if d.pp > 1:
+        if d.pp > 1 and self._fake:
+            ends = _group_of(d, "pp", self.rank)[::d.pp - 1]
+            self._pipeline_ends = dist.new_group(ends, timeout=timeout) if self.rank in ends else None
+        elif d.pp > 1:
             self._pipeline_ends, _ = dist.new_subgroups_by_enumeration(
                 [[g[0], g[-1]] for g in _ranks_of(d, "pp")], timeout=timeout)
-            if self._pipeline_ends is not None:  # None on the ranks of a middle pp index
-                comm.label_group(self._pipeline_ends, "pipeline_ends")
+        if self._pipeline_ends is not None:  # None on the ranks of a middle pp index
+            comm.label_group(self._pipeline_ends, "pipeline_ends")
         self.forward_mode_checks = 0
         """How many forward-mode agreements this rank has joined (``check_forward_mode``; one arrival check each,
         through the store: no collective)."""
@@ -340,7 +394,9 @@ class Topology:
         axes = KINDS[kind]
         key = tuple(a for a in axes if self.degrees.axis_sizes[a] > 1)
         if key not in cache:
-            if not twin and len(key) <= 1:
+            if self._fake:  # this rank's group only (see __init__)
+                cache[key] = dist.new_group(_group_of(self.degrees, kind, self.rank), timeout=self.timeout)
+            elif not twin and len(key) <= 1:
                 cache[key] = self._mesh.get_group((key or axes)[0])
             else:
                 submesh = self._mesh[key or axes[:1]]
@@ -374,9 +430,17 @@ class Topology:
                              "forwards, evaluation included (not under `if rank == 0:`); evaluate on every rank and "
                              "reduce the result, or evaluate a plain copy from sf.full_state_dict on one rank")
 
+    def _make_mesh(self) -> DeviceMesh:
+        backend = str(dist.get_backend())
+        return init_device_mesh("cuda" if "nccl" in backend else "cpu", tuple(self.degrees.axis_sizes.values()),
+                                mesh_dim_names=AXES, backend_override={a: self._override for a in AXES})
+
     @property
     def mesh(self) -> DeviceMesh:
-        """The ``DeviceMesh`` over the atomic axes ``AXES`` (slowest first)."""
+        """The ``DeviceMesh`` over the atomic axes ``AXES`` (slowest first). On a fake group (a dry run) it is made
+        on first use, with groups of its own (``get_group`` returns this rank's groups, made without it)."""
+        if self._mesh is None:
+            self._mesh = self._make_mesh()
         return self._mesh
 
     def get_mesh(self, kind: str) -> DeviceMesh:
@@ -398,10 +462,10 @@ class Topology:
         if kind == "world":
             raise ValueError("get_mesh('world'): the world is every axis; use Topology.mesh")
         if len(axes) == 1:
-            return self._mesh[axes[0]]
+            return self.mesh[axes[0]]
         cache = self.__dict__.setdefault("_flat_meshes", {})
         if kind not in cache:
-            cache[kind] = self._mesh[axes]._flatten(f"{kind}_mesh", backend_override=self._override)
+            cache[kind] = self.mesh[axes]._flatten(f"{kind}_mesh", backend_override=self._override)
         return cache[kind]
 
     def group_ranks(self, kind: str) -> list[list[int]]:

@@ -34,7 +34,7 @@ from shardfusion.train.outer_config import OuterConfig
 from shardfusion.train.tokenizer import BYTES
 from shardfusion.train.pipeline_config import PipelineConfig
 from shardfusion.plan import parse_bytes
-from shardfusion.topology import Degrees
+from shardfusion.topology import Degrees, outer_degree_within_nodes
 
 
 AUTO = "auto"
@@ -179,13 +179,15 @@ class TrainConfig(PipelineConfig, DataConfig, FTConfig, OuterConfig, DryRunConfi
         default=None, metadata={"parse": outer_degree_arg, "metavar": "INT|auto"})
     """HSDP replicas of each shard: 1 = plain FSDP; auto: chosen at start-up by the cost model (sf.plan) from a
     short bandwidth probe within and across nodes, the units' sizes and --max-memory-per-rank; the table is
-    printed and the chosen int is written to config.json (default: 2 when the world size is >= 4 and 2 divides
-    world size / ep, else 1)."""
+    printed and the chosen int is written to config.json (default: on several nodes, inner = one node, i.e. world
+    size / (pp x ranks per node) when that fits, and the run prints why; on one node 2 when the world size / pp is
+    >= 4 and 2 divides world size / ep, else 1)."""
     max_memory_per_rank: int | None = dataclasses.field(
         default=None, metadata={"parse": memory_arg, "metavar": "BYTES"})
-    """Memory budget of one rank for --fsdp-outer-degree auto, bytes with an optional suffix (8GB, 512MiB, ...);
-    activations are not counted against it (default: the GPU's memory; on CPU the host's memory / ranks per
-    node)."""
+    """Memory budget of one rank, bytes with an optional suffix (80GB = 80e9, 74.5GiB, 512MiB, 4096; B, kB, MB, GB,
+    TB, KiB, MiB, GiB, TiB): for --fsdp-outer-degree auto, without activations; with --dry-run each kind of rank's
+    peak, activations included, is judged against it (fits, or does not fit by how much) (default: the GPU's
+    memory; on CPU the host's memory / ranks per node; a dry run: no verdict)."""
     reshard_policy: str | None = None
     """When gathered parameters are freed: after_forward (ZeRO-3) or after_backward (default after_forward; with
     --pp > 1 after_backward: measured faster between micro-batches at the same peak, docs/pipeline-benchmark.md)."""
@@ -209,7 +211,8 @@ class TrainConfig(PipelineConfig, DataConfig, FTConfig, OuterConfig, DryRunConfi
     ranks_per_node: int | None = None
     """Ranks per node for the communication accounting: rank r is on node r // ranks-per-node, and the bytes sent
     between nodes are reported apart. It places no rank; use it to see what a multi-node layout would send across
-    nodes (default: LOCAL_WORLD_SIZE, which torchrun and the local launcher set: one node for a local run)."""
+    nodes. Below the world size it also sets the default --fsdp-outer-degree, as nodes would (default:
+    LOCAL_WORLD_SIZE, which torchrun and the local launcher set: one node for a local run)."""
     out: str | None = None
     """Output folder for metrics.jsonl, config.json, loss.png, summary.json and checkpoints/ (default
     runs/<timestamp>). A run whose --out holds a checkpoint resumes from the latest one."""
@@ -589,14 +592,13 @@ def lr_factor(config: TrainConfig, step: int) -> float:
     return lr_at(dataclasses.replace(config, lr=1.0, min_lr=0.0), step)
 
 
-def resolve(config: TrainConfig, *, device: str, world_size: int,
-            saved: dict[str, Any] | None = None) -> TrainConfig:
+def resolve(config: TrainConfig, *, device: str, world_size: int, saved: dict[str, Any] | None = None,
+            ranks_per_node: int | None = None) -> TrainConfig:
     """Fill the run-time defaults: device, ep, fsdp_outer_degree, out, warmup (`warmup_steps`) and the batch sizes.
 
     ep: 1 for a Hugging Face model; else 2 when --experts and the sharding degree (world size / (pp x mp x cp)) are
-    even, else 1. fsdp_outer_degree: 2 when the ranks of a pipeline stage (the world size / pp: all of them without
-    a pipeline) are >= 4 and 2 divides the expert sharding degree sharding / ep, else 1. Batch sizes
-    (`resolve_batch`): saved is the settings of the checkpoint this run resumes
+    even, else 1. fsdp_outer_degree: `default_outer_degree` over nodes of ranks_per_node ranks (None: one node).
+    Batch sizes (`resolve_batch`): saved is the settings of the checkpoint this run resumes
     (`shardfusion.train.resume.saved_settings`), None for a new run. The pipeline section's defaults:
     `pipeline_config.resolve`. Raises nothing: `check_run` checks the result."""
     ep = config.ep
@@ -607,13 +609,53 @@ def resolve(config: TrainConfig, *, device: str, world_size: int,
         ep = 2 if config.experts and config.experts % 2 == 0 and sharding % 2 == 0 else 1
     outer = config.fsdp_outer_degree  # auto stays: the job plans it at start-up (shardfusion.train.job)
     if outer is None:
-        sharding = data_parallel_size(config, world_size)
-        moe_sharding = sharding // ep if sharding % ep == 0 else sharding
-        outer = 2 if world_size // max(1, config.pp) >= 4 and moe_sharding % 2 == 0 else 1
+        outer, _ = default_outer_degree(dataclasses.replace(config, ep=ep), world_size, ranks_per_node, saved)
     out = config.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
     config = resolve_batch(config, dp_world=batch_world(config, world_size), saved=saved)
     return dataclasses.replace(config, device=device, ep=ep, fsdp_outer_degree=outer, out=out,
                                warmup=warmup_steps(config, saved), **pipeline_config.resolve(config))
+
+
+def default_outer_degree(config: TrainConfig, world_size: int, ranks_per_node: int | None,
+                         saved: dict[str, Any] | None = None) -> tuple[int, str]:
+    """--fsdp-outer-degree when it is not given, and why (one line), for `world_size` ranks on nodes of
+    `ranks_per_node` (None, or >= world_size: one node); config's ep must be resolved. `saved`: the settings of the
+    checkpoint this run resumes (`resolve`'s): over several nodes its int degree is kept when it fits the world, so
+    that a run started with another default (before inner = one node was the default) resumes as it ran.
+
+    One node: 2 when the ranks of a pipeline stage (world size / pp) are >= 4 and 2 divides the expert sharding
+    degree (sharding / ep), else 1 (`make train`: HSDP 2 x 2). Several nodes: inner = one node, the README's rule:
+    the smallest degree whose inner groups sit within a node (`shardfusion.topology.outer_degree_within_nodes`:
+    world / (pp x ranks per node) when ep x cp x mp divides a node); when none does (ep x cp x mp does not divide
+    ranks_per_node), or the degrees do not fit the world (`check_run` then says which), the one-node rule, and the
+    reason says so. Raises nothing."""
+    pp, ep = max(1, config.pp), max(1, config.ep or 1)
+    sharding = data_parallel_size(config, world_size)
+    moe_sharding = sharding // ep if sharding % ep == 0 else sharding
+    one_node = 2 if world_size // pp >= 4 and moe_sharding % 2 == 0 else 1
+    if ranks_per_node is None or ranks_per_node >= world_size:
+        return one_node, (f"one node: outer {one_node}, the one-node default (2 when a pipeline stage has >= 4 ranks "
+                          f"and 2 divides sharding / ep)")
+    nodes = f"{world_size} ranks = {world_size // ranks_per_node} nodes x {ranks_per_node}"
+    try:
+        degrees = Degrees(world_size=world_size, pp=pp, mp=config.mp, cp=config.cp, ep=ep)
+    except ValueError:
+        return one_node, f"{nodes}: the one-node default {one_node}, as --ep/--pp/--mp/--cp do not fit the world"
+    outer = outer_degree_within_nodes(degrees, ranks_per_node)
+    kept = (saved or {}).get("fsdp_outer_degree")
+    if isinstance(kept, int) and not isinstance(kept, bool) and kept > 0 and degrees.moe_sharding % kept == 0:
+        return kept, (f"{nodes}: outer {kept}, kept from the checkpoint this run resumes (the default over several "
+                      f"nodes, inner = one node, would be {outer or one_node})")
+    if outer is None:
+        block = " x ".join(f"{flag} {v}" for flag, v in (("--ep", ep), ("--cp", config.cp), ("--mp", config.mp))
+                           if v > 1)
+        return one_node, (f"{nodes}: no outer degree keeps the inner groups within a node, as {block} = "
+                          f"{ep * config.cp * config.mp} ranks do not divide {ranks_per_node}; the one-node default "
+                          f"{one_node}")
+    inner = degrees.sharding // outer
+    span = inner * config.cp * config.mp  # consecutive ranks of an inner group's block
+    where = "one node" if span == ranks_per_node else f"{span} of the {ranks_per_node} ranks of a node"
+    return outer, f"{nodes}: outer {outer} x inner {inner}, each inner group {where}, the default over several nodes"
 
 
 def resolve_batch(config: TrainConfig, *, dp_world: int, saved: dict[str, Any] | None = None) -> TrainConfig:

@@ -58,8 +58,8 @@ from shardfusion.train import (data_config, dry_run_config, dtype_flags, ft_conf
 from shardfusion.train import tokenizer as tokenizers
 from shardfusion.train.job_model import JobModel, Losses
 from shardfusion.train.outputs import open_outputs
-from shardfusion.train.config import (AUTO, TrainConfig, check_batch, check_run, parse_args, resolve,
-                                      seq_len_warning, usage_error)
+from shardfusion.train.config import (AUTO, TrainConfig, check_batch, check_run, default_outer_degree, parse_args,
+                                      resolve, seq_len_warning, usage_error)
 from shardfusion.train.optim import (balance_record, build_optimizers, format_balance, muon_matrices,  # noqa: F401
                                      no_decay, param_groups, set_learning_rates)
 
@@ -220,22 +220,24 @@ def _resumed_outer_degree(out: str) -> int | None:
     reads it). Collective."""
     if train_state.latest(out) is None:
         return None
+    return call_on_rank0(lambda: _saved_outer_degree(out), f"cannot read {out}/config.json")
 
-    def read() -> int | None:
-        try:
-            value = json.loads((Path(out) / "config.json").read_text()).get("fsdp_outer_degree")
-        except (OSError, ValueError, AttributeError):
-            return None
-        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
-    return call_on_rank0(read, f"cannot read {out}/config.json")
+def _saved_outer_degree(out: str) -> int | None:
+    """The int `fsdp_outer_degree` in OUT/config.json (the run that wrote OUT's checkpoints), else None."""
+    try:
+        value = json.loads((Path(out) / "config.json").read_text()).get("fsdp_outer_degree")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def train(config: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     """One worker's training run; returns the summary on rank 0, None elsewhere."""
     t_start = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = resolve(config, device=device.type, world_size=world)
+    config = resolve(config, device=device.type, world_size=world,
+                     ranks_per_node=comm_layout(config, world)["ranks_per_node"])
     shared = [config.out]
     dist.broadcast_object_list(shared, src=0)  # under torchrun each rank made its own timestamp: use rank 0's
     config = dataclasses.replace(config, out=shared[0])
@@ -544,7 +546,12 @@ def preflight(config: TrainConfig, *, torchrun: bool) -> TrainConfig:
         check_lighthouse(config.ft_lighthouse)
     # a resumed run keeps the saved global batch size unless a batch flag is given (resolve_batch)
     saved = train_state.saved_settings(config.out)
-    config = resolve(config, device=device, world_size=world, saved=saved)
+    if saved is not None:  # the degree the resumed run ran with: kept over several nodes (default_outer_degree)
+        saved = {**saved, "fsdp_outer_degree": _saved_outer_degree(config.out)}
+    # nodes: --ranks-per-node, else torchrun's LOCAL_WORLD_SIZE (a local launch is one node), as comm_layout
+    ranks_per_node = config.ranks_per_node or local
+    outer_given = config.fsdp_outer_degree is not None
+    config = resolve(config, device=device, world_size=world, saved=saved, ranks_per_node=ranks_per_node)
     train_state.check_optimizer(config.out, config.optimizer, saved)
     config = _saved_qkv_layout(config)
     check_run(config, world_size=world, world=label)
@@ -555,6 +562,9 @@ def preflight(config: TrainConfig, *, torchrun: bool) -> TrainConfig:
                         seq_len_warning(config)):
             if warning:
                 print(f"shardfusion: warning: {warning}", flush=True)
+        if not outer_given and ranks_per_node < world:  # several nodes: say why this degree (one node: as always)
+            print(f"shardfusion: --fsdp-outer-degree {config.fsdp_outer_degree} by default: "
+                  f"{default_outer_degree(config, world, ranks_per_node, saved)[1]}", flush=True)
     if job_model.is_hf(config):
         meta = job_model.checked_meta_model(config)  # transformers present, the config and the units usable
         train_state.check_resume(config.out, lambda: meta)

@@ -17,24 +17,40 @@ import torch
 import shardfusion as sf
 from shardfusion.plan import Bandwidth
 from shardfusion.train import dry_run_config, dtype_flags, job_model
-from shardfusion.train.config import TrainConfig, check_run, resolve
+from shardfusion.dry_run import check_world_fits
+from shardfusion.train.config import TrainConfig, check_run, default_outer_degree, resolve
 from shardfusion.train.data import context_parallel_slice
 from shardfusion.train.dry_run_config import DEFAULT_RANKS_PER_NODE
 from shardfusion.train.launch import default_nproc
 
 def prepare(config: TrainConfig) -> tuple[TrainConfig, int, int]:
-    """The resolved config, the world size and the ranks per node of the dry run.
+    """The resolved config, the world size and the ranks per node of the dry run. Without --fsdp-outer-degree the
+    degree is the job's default for that many nodes (`outer_degree_line` says which and why).
 
     Raises:
-        ValueError: the layout or batch flags do not fit --world (the job's own checks, naming the flag).
+        ValueError: a world whose bookkeeping would not fit this machine's memory (`sf.dry_run.check_world_fits`,
+            before anything is allocated); the layout or batch flags do not fit --world (the job's own checks,
+            naming the flag).
     """
     world = config.world or config.nproc or default_nproc("cpu")
+    try:
+        check_world_fits(world)
+    except ValueError as error:
+        raise ValueError(f"--world {world}: {error}") from None
     ranks_per_node = config.ranks_per_node or min(DEFAULT_RANKS_PER_NODE, world)
     if world % ranks_per_node:
         raise ValueError(f"--ranks-per-node {ranks_per_node} must divide --world {world}")
-    config = resolve(config, device="cuda", world_size=world)
+    config = resolve(config, device="cuda", world_size=world, ranks_per_node=ranks_per_node)
     check_run(config, world_size=world, world=f"--world {world}")  # the job's own layout, batch and pipeline rules
     return config, world, ranks_per_node
+
+
+def outer_degree_line(given: TrainConfig, config: TrainConfig, world: int, ranks_per_node: int) -> str:
+    """One line: the outer degree of the dry run and why, for the flags `given` and their resolved `config`."""
+    if given.fsdp_outer_degree is not None:
+        return f"--fsdp-outer-degree {config.fsdp_outer_degree}, as given"
+    return (f"--fsdp-outer-degree {config.fsdp_outer_degree} by default: "
+            f"{default_outer_degree(config, world, ranks_per_node)[1]}")
 
 
 def job_step(config: TrainConfig, mp_policy: sf.MixedPrecisionPolicy, ranks_per_node: int):
@@ -83,7 +99,7 @@ def run(config: TrainConfig) -> int:
     Raises:
         ValueError: as :func:`prepare`.
     """
-    given_out = config.out
+    given, given_out = config, config.out
     config, world, ranks_per_node = prepare(config)
     within, across = dry_run_config.bandwidths(config)
     mp_policy = dtype_flags.mixed_precision(config)
@@ -101,6 +117,7 @@ def run(config: TrainConfig) -> int:
                             topology={"ep": config.ep, "cp": config.cp, "pp": config.pp,
                                       "fsdp_outer_degree": config.fsdp_outer_degree},
                             fully_shard=fully_shard, micro_batches=1 if config.pp > 1 else config.grad_accum, max_norm=config.clip or None,
+                            max_memory_per_rank=config.max_memory_per_rank,
                             bandwidth=Bandwidth(within=within, across=across,
                                                 latency_within=config.latency_within * 1e-6,
                                                 latency_across=config.latency_across * 1e-6))
@@ -113,6 +130,7 @@ def run(config: TrainConfig) -> int:
     header = (f"shardfusion: dry run of a {model} ({job.num_params:,} parameters), global batch "
               f"{config.global_batch_size} x {job.seq_len} tokens, {batches}")
     print(header)
+    print(f"shardfusion: {outer_degree_line(given, config, world, ranks_per_node)}")
     print(report.table(), flush=True)
     if given_out is not None:
         out = Path(given_out)

@@ -14,12 +14,16 @@ TIMEOUT_S = 240
 
 def test_dry_run_of_a_512_rank_moe_job(tmp_path) -> None:
     out = tmp_path / "plan"
-    result = run_train(["--dry-run", "--world", "512", "--ranks-per-node", "8", "--fsdp-outer-degree", "64",
+    # the default outer degree over 64 nodes: inner = one node (64 x 8), and the report says why
+    result = run_train(["--dry-run", "--world", "512", "--ranks-per-node", "8", "--max-memory-per-rank", "80GB",
                         "--ep", "2", "--experts", "4", "--preset", "tiny", "--batch-size", "2", "--out", str(out)],
                        timeout=TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     text = result.stdout
     assert "dry run: world 512 = 64 nodes x 8 ranks" in text
+    assert ("shardfusion: --fsdp-outer-degree 64 by default: 512 ranks = 64 nodes x 8: outer 64 x inner 8, each "
+            "inner group one node") in text
+    assert "  budget 74.51 GiB per rank: fits, " in text and "across nodes " in text and " ring steps x 15 us" in text
     assert "outer64 x inner8" in text and "ep2" in text
     assert "predicted step" in text and "even router" in text
     record = json.loads((out / "dry-run.json").read_text())

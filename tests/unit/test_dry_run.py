@@ -5,12 +5,14 @@ with measured runs of real processes: tests/distributed/test_dry_run.py and benc
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import shardfusion as sf
-from shardfusion.dry_run import kinds_of
+from shardfusion.dry_run import kinds_of, link_terms
 from shardfusion.models.gpt import GPT, Block, GPTConfig
 from shardfusion.moe import _even_routing
 from shardfusion.plan import Bandwidth
@@ -83,6 +85,58 @@ def test_bytes_equal_the_cost_model(w1024) -> None:
     assert "world 1024 = 128 nodes x 8 ranks" in text and "predicted step" in text
 
 
+def test_memory_budget_verdict(w1024) -> None:
+    """--max-memory-per-rank / max_memory_per_rank: each kind of rank's peak against the budget, by how much, and the
+    largest parts of the peak (the parts the live-memory sample at the peak adds up from)."""
+    (rank,) = w1024.ranks
+    m, parts = rank.memory, {k: v for k, v in rank.peak_parts.items() if k != "slow"}
+    assert sum(parts.values()) == m["peak"] and sum(rank.peak_parts["slow"].values()) == m["peak_slow"]
+    short = rank.budget(m["peak"] - 2**20)
+    assert (short["fits"], short["headroom"]) == (False, -2**20)
+    assert short["largest"][0] == max(parts.items(), key=lambda kv: kv[1])
+    roomy = rank.budget(m["peak_slow"] + 2**30)
+    assert roomy["fits"] and roomy["fits_slow"] and roomy["headroom_slow"] == 2**30
+    text = dataclasses.replace(w1024, max_memory_per_rank=m["peak"] - 2**20).table()
+    assert "does not fit by 1.00 MiB at the peak" in text and "largest parts of the peak: " in text
+    assert "budget" not in w1024.table()  # no budget given: no verdict
+
+
+def test_cross_node_time_in_latency_and_bandwidth_terms(w1024) -> None:
+    """The cost model's time within and across nodes = bytes / bandwidth + ring steps x latency, each term shown;
+    the steps counted here from the collectives: G - 1 per all-gather and reduce-scatter on the inner groups of 8
+    (one node), 2 (G - 1) per all-reduce over the 128 replicas (on 128 nodes)."""
+    p, bw = w1024.plan, w1024.bandwidth
+    within, across = link_terms(p, bw)
+    steps_within = (p.traffic["all_gather"].count + p.traffic["reduce_scatter"].count) * 7
+    steps_across = p.traffic["all_reduce"].count * 2 * 127
+    assert p.across_s == pytest.approx(p.across_bytes / bw.across + steps_across * bw.latency_across)
+    assert across == (f"across nodes {p.across_s * 1e3:.3f} ms = bytes {p.across_bytes / 1e6:.3f} MB / 25.00 GB/s = "
+                      f"{p.across_bytes / bw.across * 1e3:.3f} ms + latency {steps_across:,} ring steps x 15 us = "
+                      f"{steps_across * 15e-3:.3f} ms (all_reduce {steps_across:,}): latency-bound")
+    assert within.startswith(f"within nodes {p.within_s * 1e3:.3f} ms = bytes {p.within_bytes / 1e6:.3f} MB / "
+                             f"150.00 GB/s")
+    assert f"latency {steps_within:,} ring steps x 5 us" in within
+    assert across in w1024.table()
+
+
+def test_the_job_passes_its_memory_budget(monkeypatch, capsys) -> None:
+    """--max-memory-per-rank reaches the dry run in bytes, with the units of parse_bytes."""
+    from shardfusion.train import job_dry_run
+    from shardfusion.train.config import parse_args
+
+    seen = {}
+
+    def fake_dry_run(build, step, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(sf, "dry_run", fake_dry_run)
+    with pytest.raises(ValueError, match="stop here"):
+        job_dry_run.run(parse_args(["--dry-run", "--world", "64", "--preset", "tiny", "--max-memory-per-rank", "80GB"]))
+    assert seen["max_memory_per_rank"] == 80 * 10**9
+    assert parse_args(["--max-memory-per-rank", "74.5GiB"]).max_memory_per_rank == int(74.5 * 2**30)
+
+
 def test_pipeline_stages_are_the_kinds() -> None:
     assert kinds_of(Degrees(world_size=16)) == [(0, "all ranks")]
     assert kinds_of(Degrees(world_size=16, pp=2)) == [(0, "pp stage 0"), (8, "pp stage 1")]
@@ -123,6 +177,7 @@ def test_moe_expert_ranks() -> None:
     ({"topology": {"outer": 2}}, "topology: unknown keyword(s) ['outer']"),
     ({"fully_shard": {"unit": (Block,)}}, "fully_shard: unknown keyword(s) ['unit']"),
     ({"bandwidth": Bandwidth(within=0, across=1e9)}, "bandwidth.within must be a number > 0, got 0"),
+    ({"max_memory_per_rank": 0}, "max_memory_per_rank must be an int >= 1, got 0"),
 ])
 def test_argument_errors(kwargs: dict, words: str) -> None:
     args = {"world_size": 16, "ranks_per_node": 8, **kwargs}
