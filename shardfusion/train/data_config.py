@@ -245,8 +245,9 @@ def check_pretrained_tokenizer(config: TrainConfig, tokenizer: tok.Tokenizer) ->
              f"tokenizer of --init-from {config.init_from} (ids fingerprint {theirs[:12]})")
     if config.tokenizer_override:
         return f"{clash}; training with {source} anyway (--tokenizer-override)"
-    raise ValueError(f"{clash}, whose ids the model was trained on; drop --tokenizer to use the folder's own, or "
-                     f"pass --tokenizer-override to train with {source} anyway")
+    instead = "drop --tokenizer to use the folder's own, or " if config.tokenizer is not None else ""
+    raise ValueError(f"{clash}, whose ids the model was trained on; {instead}pass --tokenizer-override to train with "
+                     f"{source} anyway")
 
 
 def check_saved(config: TrainConfig, tokenizer: tok.Tokenizer, saved: Optional[dict[str, Any]]) -> None:
