@@ -79,7 +79,8 @@ class TrainConfig(PipelineConfig, DataConfig, FTConfig, OuterConfig, DryRunConfi
     Sections owned by other modules are base classes, whose fields are flags like these and whose checks live with
     them: `PipelineConfig` (--pp, --pp-schedule, --stages-per-rank, --microbatches;
     `shardfusion.train.pipeline_config`), `DataConfig` (--data, --data-bytes, --tokenizer, --train-tokenizer,
-    --text-field, --data-cache; `shardfusion.train.data_config`) and `FTConfig` (--ft-lighthouse, --ft-replica-id,
+    --tokenizer-override, --text-field, --data-cache; `shardfusion.train.data_config`) and `FTConfig` (--ft-lighthouse,
+    --ft-replica-id,
     --ft-replicas, --ft-min-replicas, --ft-join-wait, --ft-timeout, --ft-host, --ft-quorum-timeout, --ft-max-discards;
     `shardfusion.train.ft_config`) and `OuterConfig` (--outer-sync, --outer-every, --outer-lr, --outer-momentum,
     --outer-fragments; `shardfusion.train.outer_config`) and `DryRunConfig` (--dry-run, --world,
@@ -478,8 +479,8 @@ def check_run(config: TrainConfig, *, world_size: int, world: str) -> None:
     if not data_config.plain_bytes(config):
         return  # tokens, not bytes: data_config.prepare tokenizes the corpus and checks it
     where = "the standard library" if config.data is None else f"--data {config.data}"
-    try:
-        size = corpus_size(config.data, min(config.data_bytes, need))
+    try:  # every --data file the run reads is checked to be text; the standard library only as far as needed
+        size = corpus_size(config.data, config.data_bytes if config.data is not None else min(config.data_bytes, need))
     except OSError as error:
         raise ValueError(str(error) if str(error).startswith("--data") else f"{where}: {error}") from None
     if size == 0:

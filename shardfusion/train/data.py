@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from shardfusion.context_parallel import sequence_chunk
+from shardfusion.train.text_files import check_file, read_bytes, text_size
 
 VAL_FRACTION = 0.05
 """Fraction of the corpus, taken from its end, held out for validation."""
@@ -79,55 +80,63 @@ def _corpus_files(path: str | Path | None) -> tuple[list[Path], str]:
     raise FileNotFoundError(f"--data {str(path)!r} is neither a file nor a folder")
 
 
-def _read_files(files: list[Path], max_bytes: int) -> bytes:
+def _read_files(files: list[Path], max_bytes: int, check: bool) -> bytes:
     chunks: list[bytes] = []
     total = 0
     for path in files:
         if total >= max_bytes:
             break
-        chunk = path.read_bytes()
+        chunk = read_bytes(path, max_bytes - total, check)
         chunks.append(chunk)
         total += len(chunk)
-    return b"".join(chunks)[:max_bytes]
+    return b"".join(chunks)
 
 
 def load_corpus(path: str | Path | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> torch.Tensor:
     """Read the corpus as a 1-D uint8 tensor of at most max_bytes bytes.
 
     path: None for the standard library's source; a file; or a folder, whose files (recursively, sorted by relative
-    path) are concatenated as raw bytes.
+    path) are concatenated as raw bytes. A compressed file (.gz, .bz2, .xz, .zst) gives its decompressed bytes, and
+    each file read must be text (`shardfusion.train.text_files`; the standard library is not checked).
 
     Raises:
         FileNotFoundError: `path` is neither a file nor a folder.
-        ValueError: max_bytes < 1, or no bytes were read.
+        ValueError: max_bytes < 1, no bytes were read, or a file is not text or does not decompress (one line
+            naming --data and the file).
     """
     if max_bytes < 1:
         raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
     files, where = _corpus_files(path)
-    data = _read_files(files, max_bytes)
+    data = _read_files(files, max_bytes, check=path is not None)
     if not data:
         raise ValueError(f"no bytes read from {where}; pass --data with a non-empty text file or folder")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)  # (N,)
 
 
 def corpus_size(path: str | Path | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
-    """How many bytes `load_corpus(path, max_bytes)` would return, from the file sizes; each file it would read is
-    opened (and its first byte read), so a file that cannot be read fails here, before any worker starts.
+    """How many bytes `load_corpus(path, max_bytes)` would return: the file sizes, or for compressed files the
+    bytes they decompress to (counted up to the cap). Each file it would read is opened and, for `--data` (not the
+    standard library), its first MiB checked to be text, so a file that cannot be read, does not decompress or is
+    not text fails here, before any worker starts.
 
     Raises:
         FileNotFoundError: `path` is neither a file nor a folder.
         OSError: a file of the corpus cannot be read; the message starts with ``--data`` and names the file.
+        ValueError: a file is not text or does not decompress (`shardfusion.train.text_files`).
     """
     total = 0
     for file in _corpus_files(path)[0]:
         if total >= max_bytes:
             break
         try:
-            with file.open("rb") as handle:
-                handle.read(1)
+            if path is None:
+                with file.open("rb") as handle:
+                    handle.read(1)
+            else:
+                check_file(file)
+            total += text_size(file, max_bytes - total)
         except OSError as error:
             raise OSError(f"--data: cannot read {file}: {error.strerror or error}") from None
-        total += file.stat().st_size
     return min(total, max_bytes)
 
 

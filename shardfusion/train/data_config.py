@@ -1,8 +1,9 @@
 """The data section of the training job's settings (`--data`, `--data-bytes`, `--tokenizer`, `--train-tokenizer`,
-`--text-field`, `--data-cache`) and its checks: this module owns them, `shardfusion.train.config` includes the section
-(`TrainConfig` derives from `DataConfig`) and calls `check_flags` with the other flag checks; the job calls
-`prepare` once before any worker starts (it trains a tokenizer if asked, tokenizes the corpus into the token cache
-and checks that each split holds a window) and each worker calls `load_splits`. docs/data.md tells the whole story.
+`--tokenizer-override`, `--text-field`, `--data-cache`) and its checks: this module owns them,
+`shardfusion.train.config` includes the section (`TrainConfig` derives from `DataConfig`) and calls `check_flags`
+with the other flag checks; the job calls `prepare` once before any worker starts (it trains a tokenizer if asked,
+checks it against an --init-from folder's, tokenizes the corpus into the token cache and checks that each split
+holds a window) and each worker calls `load_splits`. docs/data.md tells the whole story.
 
 Two paths, chosen by the tokenizer and the files (`plain_bytes`):
 
@@ -29,6 +30,7 @@ import numpy as np
 
 from shardfusion.train import tokenizer as tok
 from shardfusion.train.documents import data_files, documents, is_structured
+from shardfusion.train.text_files import text_size
 
 if TYPE_CHECKING:  # annotations only: config.py imports this module
     from shardfusion.train.config import TrainConfig
@@ -57,6 +59,9 @@ class DataConfig:
     train_tokenizer: int | None = None
     """Train a byte-level BPE tokenizer of at most this many tokens (>= 257) on the training part of --data with the
     tokenizers library, cached beside the data, and train with it; kept in OUT/tokenizer (default: none)."""
+    tokenizer_override: bool = False
+    """Train with --tokenizer even when it maps text to other ids than the tokenizer of the --init-from folder
+    (another ids fingerprint): a warning instead of the error (default off)."""
     text_field: str = DEFAULT_TEXT_FIELD
     """The field (JSON Lines) or column (Parquet) that holds each document's text (default text)."""
     data_cache: str | None = None
@@ -100,6 +105,13 @@ def _files(config: TrainConfig) -> list[Path]:
 
 def where(config: TrainConfig) -> str:
     return "the standard library" if config.data is None else f"--data {config.data}"
+
+
+def _check_text(config: TrainConfig) -> bool:
+    """Whether the corpus's files are checked to be text (`shardfusion.train.text_files`): those of --data are; the
+    standard library's source, the job's own default, is not (a few of its test files are in other encodings on
+    purpose)."""
+    return config.data is not None
 
 
 def plain_bytes(config: TrainConfig) -> bool:
@@ -150,11 +162,16 @@ def _train_texts(config: TrainConfig):
     the validation text is not seen (the split itself is on tokens, close to the same place)."""
     from shardfusion.train.data import VAL_FRACTION
     files = _files(config)
-    limit = (1 - VAL_FRACTION) * min(config.data_bytes, sum(p.stat().st_size for p in files))
+    size = 0
+    for path in files:  # bytes of text, decompressed, up to the cap
+        if size >= config.data_bytes:
+            break
+        size += text_size(path, config.data_bytes - size)
+    limit = (1 - VAL_FRACTION) * min(config.data_bytes, size)
 
     def texts():
         seen = 0
-        for _, text in documents(files, config.text_field, config.data_bytes):
+        for _, text in documents(files, config.text_field, config.data_bytes, _check_text(config)):
             if seen >= limit:
                 return
             seen += len(text.encode("utf-8"))
@@ -204,6 +221,35 @@ def check_vocabulary(config: TrainConfig, tokenizer: tok.Tokenizer) -> None:
                          f"with (--tokenizer PATH)")
 
 
+def check_pretrained_tokenizer(config: TrainConfig, tokenizer: tok.Tokenizer) -> Optional[str]:
+    """The run's tokenizer must map text to the ids of the tokenizer an `--init-from` folder holds (the same
+    `shardfusion.train.tokenizer.ids_fingerprint`): a model's embedding rows mean the ids it was trained with, so
+    another tokenizer of the same size would train it on shuffled ids. Nothing to check without --init-from, when
+    the folder holds no tokenizer, or when the run's tokenizer is the folder's own. Returns a one-line warning with
+    --tokenizer-override, else None.
+
+    Raises:
+        ValueError: one line naming both tokenizers and both fingerprints (the first 12 hex digits), unless
+            --tokenizer-override; or the folder's tokenizer cannot be loaded.
+    """
+    if config.init_from is None or not tok.is_tokenizer_folder(config.init_from):
+        return None
+    if tokenizer.name == config.init_from:
+        return None
+    theirs = tok.folder_ids_fingerprint(config.init_from)
+    ours = tokenizer.ids_fingerprint
+    if ours == theirs:
+        return None
+    source = f"--tokenizer {config.tokenizer}" if config.tokenizer is not None else f"the tokenizer {tokenizer.name}"
+    clash = (f"{source} (ids fingerprint {ours[:12]}, {tokenizer.vocab_size} ids) maps text to other ids than the "
+             f"tokenizer of --init-from {config.init_from} (ids fingerprint {theirs[:12]})")
+    if config.tokenizer_override:
+        return f"{clash}; training with {source} anyway (--tokenizer-override)"
+    instead = "drop --tokenizer to use the folder's own, or " if config.tokenizer is not None else ""
+    raise ValueError(f"{clash}, whose ids the model was trained on; {instead}pass --tokenizer-override to train with "
+                     f"{source} anyway")
+
+
 def check_saved(config: TrainConfig, tokenizer: tok.Tokenizer, saved: Optional[dict[str, Any]]) -> None:
     """A resumed run must tokenize as the saved run did (saved: the checkpoint's settings; a checkpoint without a
     fingerprint was written by a byte-level run).
@@ -225,7 +271,7 @@ def _token_stream(config: TrainConfig, tokenizer: tok.Tokenizer, progress: bool)
     from shardfusion.train.token_cache import cache_folder, cached_tokens
     return cached_tokens(_files(config), tokenizer, text_field=config.text_field, max_bytes=config.data_bytes,
                          folder=cache_folder(config.data, config.data_cache), progress=progress,
-                         where=where(config))
+                         where=where(config), check_text=_check_text(config))
 
 
 def check_stream(config: TrainConfig, n_tokens: int, meta: dict) -> None:
@@ -249,15 +295,19 @@ def check_stream(config: TrainConfig, n_tokens: int, meta: dict) -> None:
 
 def prepare(config: TrainConfig, saved: Optional[dict[str, Any]] = None, progress: bool = True) -> TrainConfig:
     """Before any worker starts: resolve and load the tokenizer (training it with `--train-tokenizer`), check it
-    against the pretrained model and the resumed checkpoint, tokenize the corpus into the cache (unless the run
-    reads plain bytes, which `check_run` checked) and check its size. Returns ``config`` with `tokenizer` set to the
-    resolved one (bytes or a path), `vocab_size` and `tokenizer_fingerprint`.
+    against the pretrained model (its vocabulary and its tokenizer's ids; local rank 0 prints the warning of
+    --tokenizer-override) and the resumed checkpoint, tokenize the corpus into the cache (unless the run reads plain
+    bytes, which `check_run` checked) and check its size. Returns ``config`` with `tokenizer` set to the resolved one
+    (bytes or a path), `vocab_size` and `tokenizer_fingerprint`.
 
     Raises:
         ValueError: one line naming the flag (see the functions above and `shardfusion.train.documents`).
     """
     tokenizer = resolve_tokenizer(config, resuming=saved is not None, progress=progress)
     check_vocabulary(config, tokenizer)
+    warning = check_pretrained_tokenizer(config, tokenizer)
+    if warning and os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun every worker runs this: one prints
+        print(f"shardfusion: warning: {warning}", flush=True)
     check_saved(config, tokenizer, saved)
     resolved = dataclasses.replace(config, tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size,
                                    tokenizer_fingerprint=tokenizer.fingerprint)

@@ -1,8 +1,9 @@
 """The documents of a corpus (`--data`): text files, JSON Lines and Parquet, read in a fixed order.
 
 `--data` is a file or a folder; a folder's files are taken recursively, sorted by relative path, hidden files and
-folders (a name starting with ".", such as the token cache `.shardfusion-tokens`) left out. Each file is read by
-its suffix:
+folders (a name starting with ".", such as the token cache `.shardfusion-tokens`) left out. A file compressed
+with gzip, bzip2, xz or Zstandard (``.gz``, ``.bz2``, ``.xz``, ``.zst``) is decompressed, and the suffix before that
+one tells its format (`shardfusion.train.text_files`). Each file is read by its suffix:
 
 - ``.jsonl`` / ``.ndjson``: JSON Lines, one object per line, its `--text-field` (default "text") a document; blank
   lines are skipped.
@@ -10,16 +11,23 @@ its suffix:
   `--text-field` column, one document per row, read a row group at a time.
 - anything else: text, the whole file one document (UTF-8; invalid bytes become U+FFFD; an empty file none).
 
-`documents` yields the non-empty documents in that order, stopping after the one that reaches `max_bytes` bytes of text, and
-raises a one-line ValueError naming --data, the file and (for JSON Lines) the line for input it cannot use. The
-training job tokenizes them once into a token cache (`shardfusion.train.token_cache`).
+JSON Lines and text files must be text (`shardfusion.train.text_files.check_text`: no NUL byte and at most 1 % of
+the characters not UTF-8 in the first MiB), unless the caller vouches for them (``check_text=False``: the job's
+default corpus, the standard library's source, a few of whose test files are in other encodings on purpose).
+
+`documents` yields the non-empty documents in that order, stopping after the one that reaches `max_bytes` bytes of
+text, and raises a one-line ValueError naming --data, the file and (for JSON Lines) the line for input it cannot
+use. The training job tokenizes them once into a token cache (`shardfusion.train.token_cache`).
 """
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Iterator
+
+from shardfusion.train.text_files import check_file, format_suffix, open_bytes, read_bytes
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
@@ -27,8 +35,9 @@ DATA_INSTALL_HINT = "pip install 'shardfusion[data]'"
 
 
 def is_structured(path: Path) -> bool:
-    """Whether the file holds documents of its own (JSON Lines or Parquet) rather than one text."""
-    return path.suffix.lower() in JSONL_SUFFIXES + PARQUET_SUFFIXES
+    """Whether the file holds documents of its own (JSON Lines or Parquet, compressed or not) rather than one
+    text."""
+    return format_suffix(path) in JSONL_SUFFIXES + PARQUET_SUFFIXES
 
 
 def data_files(root: Path) -> list[Path]:
@@ -47,8 +56,10 @@ def data_files(root: Path) -> list[Path]:
     raise FileNotFoundError(f"--data {str(root)!r} is neither a file nor a folder")
 
 
-def _jsonl(path: Path, field: str) -> Iterator[str]:
-    with path.open("r", encoding="utf-8", errors="replace") as handle:
+def _jsonl(path: Path, field: str, check_text: bool) -> Iterator[str]:
+    if check_text:
+        check_file(path)
+    with open_bytes(path) as raw, io.TextIOWrapper(raw, encoding="utf-8", errors="replace") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
@@ -95,35 +106,46 @@ def _parquet(path: Path, field: str) -> Iterator[str]:
             yield value
 
 
-def _text(path: Path) -> Iterator[str]:
-    try:
-        text = path.read_bytes().decode("utf-8", errors="replace")
-    except OSError as error:
-        raise ValueError(f"--data: cannot read {path}: {error.strerror or error}") from None
+def _text(path: Path, check_text: bool) -> Iterator[str]:
+    text = read_bytes(path, check=check_text).decode("utf-8", errors="replace")
     if text:  # an empty file holds no document
         yield text
 
 
-def file_documents(path: Path, text_field: str) -> Iterator[str]:
-    """The documents of one file, by its suffix (see the module docstring)."""
-    suffix = path.suffix.lower()
-    if suffix in JSONL_SUFFIXES:
-        return _jsonl(path, text_field)
-    if suffix in PARQUET_SUFFIXES:
-        return _parquet(path, text_field)
-    return _text(path)
+def file_documents(path: Path, text_field: str, check_text: bool = True) -> Iterator[str]:
+    """The documents of one file, by its suffix (see the module docstring); with check_text, a JSON Lines or text
+    file must be text (`shardfusion.train.text_files.check_text`).
+
+    Raises:
+        ValueError: one line naming --data and the file: it cannot be read or decompressed, it is not text, or
+            its content does not fit its format (the line of a JSON Lines file).
+    """
+    suffix = format_suffix(path)
+    try:
+        if suffix in JSONL_SUFFIXES:
+            yield from _jsonl(path, text_field, check_text)
+        elif suffix in PARQUET_SUFFIXES:
+            if path.suffix.lower() not in PARQUET_SUFFIXES:
+                raise ValueError(f"--data {path}: a compressed Parquet file; Parquet compresses its own columns, "
+                                 f"so decompress it to {path.stem}")
+            yield from _parquet(path, text_field)
+        else:
+            yield from _text(path, check_text)
+    except OSError as error:
+        raise ValueError(f"--data: cannot read {path}: {error.strerror or error}") from None
 
 
-def documents(files: list[Path], text_field: str, max_bytes: int) -> Iterator[tuple[Path, str]]:
+def documents(files: list[Path], text_field: str, max_bytes: int,
+              check_text: bool = True) -> Iterator[tuple[Path, str]]:
     """(file, document) of the files in order, until the text read reaches max_bytes UTF-8 bytes (the document
-    that crosses it is the last, whole).
+    that crosses it is the last, whole); check_text as in `file_documents`.
 
     Raises:
         ValueError: a file it cannot use (see `file_documents`).
     """
     total = 0
     for path in files:
-        for text in file_documents(path, text_field):
+        for text in file_documents(path, text_field, check_text):
             if not text:
                 continue  # an empty document would be a lone end-of-text token
             yield path, text

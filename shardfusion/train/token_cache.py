@@ -33,8 +33,9 @@ import numpy as np
 from shardfusion.train.documents import documents
 from shardfusion.train.tokenizer import Tokenizer
 
-CACHE_VERSION = 1
-"""Bumped when the layout of an entry or the packing changes."""
+CACHE_VERSION = 2
+"""Bumped when the layout of an entry, the packing or the reading of the files changes (2: compressed files are
+decompressed, where version 1 tokenized their compressed bytes as text)."""
 
 CACHE_FOLDER = ".shardfusion-tokens"
 """Name of the cache folder beside the data (hidden: a folder of data never reads it as data)."""
@@ -82,9 +83,9 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _batches(files: list[Path], text_field: str, max_bytes: int) -> Iterator[list[str]]:
+def _batches(files: list[Path], text_field: str, max_bytes: int, check_text: bool) -> Iterator[list[str]]:
     batch, size = [], 0
-    for _, text in documents(files, text_field, max_bytes):
+    for _, text in documents(files, text_field, max_bytes, check_text):
         batch.append(text)
         size += len(text)
         if size >= BATCH_BYTES:
@@ -95,7 +96,7 @@ def _batches(files: list[Path], text_field: str, max_bytes: int) -> Iterator[lis
 
 
 def _build(files: list[Path], tokenizer: Tokenizer, text_field: str, max_bytes: int, stem: Path,
-           progress: bool, where: str) -> dict:
+           progress: bool, where: str, check_text: bool = True) -> dict:
     from tqdm import tqdm  # the job's extra; the library never gets here
 
     total = min(max_bytes, sum(p.stat().st_size for p in files))
@@ -106,7 +107,7 @@ def _build(files: list[Path], tokenizer: Tokenizer, text_field: str, max_bytes: 
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not progress, file=sys.stderr)
     try:
         with open(tmp, "wb") as out:
-            for batch in _batches(files, text_field, max_bytes):
+            for batch in _batches(files, text_field, max_bytes, check_text):
                 dtype = tokenizer.id_dtype.newbyteorder("<")
                 ids = np.concatenate([np.asarray(doc, dtype=dtype) for doc in tokenizer.document_ids(batch)])
                 out.write(ids.tobytes())
@@ -129,9 +130,11 @@ def _build(files: list[Path], tokenizer: Tokenizer, text_field: str, max_bytes: 
 
 
 def cached_tokens(files: list[Path], tokenizer: Tokenizer, *, text_field: str, max_bytes: int, folder: Path,
-                  progress: bool = True, where: str = "the corpus") -> tuple[np.ndarray, dict]:
+                  progress: bool = True, where: str = "the corpus", check_text: bool = True
+                  ) -> tuple[np.ndarray, dict]:
     """The packed token stream of the files, (N,) `tokenizer.id_dtype`, read-only memory map, and its entry's
-    metadata; tokenizes the files first when the cache has no entry for them.
+    metadata; tokenizes the files first when the cache has no entry for them (check_text: see
+    `shardfusion.train.documents.file_documents`).
 
     Raises:
         ValueError: a file it cannot use (`shardfusion.train.documents`), or the cache folder cannot be written
@@ -150,7 +153,7 @@ def cached_tokens(files: list[Path], tokenizer: Tokenizer, *, text_field: str, m
                              f"pass --data-cache with a writable folder")
         with _locked(stem.with_suffix(".lock")):
             if not meta_path.is_file():  # another process may have built it while this one waited
-                _build(files, tokenizer, text_field, max_bytes, stem, progress, where)
+                _build(files, tokenizer, text_field, max_bytes, stem, progress, where, check_text)
     meta = json.loads(meta_path.read_text())
     meta["path"] = str(stem.with_suffix(".tokens"))
     if meta["tokens"] == 0:

@@ -10,7 +10,8 @@ A `Tokenizer` gives the job what it needs and nothing more: `vocab_size` (ids ar
 end-of-text id that closes each document when documents are packed (`eot_id`), an optional `bos_id` that opens
 each, `encode_batch` / `decode`, `token_bytes` (how many UTF-8 bytes each id stands for, for bits per byte), a
 `fingerprint` that changes with every change of the tokenization (the token cache and the resume checks are keyed by
-it) and `save` (a folder that ``transformers.AutoTokenizer.from_pretrained`` loads).
+it), an `ids_fingerprint` of what maps text to ids alone (compared with a pretrained folder's tokenizer) and `save`
+(a folder that ``transformers.AutoTokenizer.from_pretrained`` loads).
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ def byte_alphabet() -> dict[int, str]:
             table[byte] = chr(256 + extra)
             extra += 1
     return table
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of an error's message, or its type's name when it has none."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def _import(what: str, module: str) -> Any:
@@ -145,6 +151,12 @@ class Tokenizer:
         bytes, the byte-level equivalent of `hf_byte_tokenizer`)."""
         (self.hf if self.hf is not None else hf_byte_tokenizer()).save_pretrained(str(folder))
 
+    @property
+    def ids_fingerprint(self) -> str:
+        """`ids_fingerprint` of the tokenizer; for bytes, that of `hf_byte_tokenizer` (whose ids are the bytes), so
+        the byte tokenizer matches the tokenizer an export of a byte-level run writes."""
+        return ids_fingerprint(self.hf if self.hf is not None else hf_byte_tokenizer())
+
     def describe(self) -> str:
         if self.hf is None:
             return "bytes (vocabulary 256)"
@@ -201,6 +213,38 @@ def _wrap(hf: Any, name: str) -> Tokenizer:
     return Tokenizer(name=name, vocab_size=len(hf), eot_id=eot, bos_id=bos, fingerprint=digest, hf=hf)
 
 
+def ids_fingerprint(hf: Any) -> str:
+    """SHA-256 (hex) of what decides which ids a text gets: the model (vocabulary token -> id, merges and its
+    options), the added tokens (id and content), the normalizer and the pre-tokenizer. Two tokenizers with the same
+    vocabulary size but other ids differ here; a copy written by ``save_pretrained`` does not. Unlike
+    `Tokenizer.fingerprint` it leaves out what does not change ids (decoder, post-processor, padding, truncation)
+    and the end-of-text and bos choice. hf: a ``transformers`` tokenizer (a slow one: its vocabulary alone)."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        body: Any = {"class": type(hf).__name__, "vocab": hf.get_vocab()}
+    else:
+        spec = json.loads(backend.to_str())
+        added = sorted((t["id"], t["content"]) for t in spec.get("added_tokens") or [])
+        body = {"model": spec.get("model"), "added_tokens": added, "normalizer": spec.get("normalizer"),
+                "pre_tokenizer": spec.get("pre_tokenizer")}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def folder_ids_fingerprint(folder: str | Path) -> str:
+    """`ids_fingerprint` of the tokenizer in a Hugging Face folder (``AutoTokenizer.from_pretrained``; it needs no
+    end-of-text token, unlike `load`).
+
+    Raises:
+        ValueError: one line naming the folder: transformers is missing or the tokenizer cannot be loaded.
+    """
+    transformers = _import(f"the tokenizer of {folder}", "transformers")
+    try:
+        hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    except Exception as error:  # the libraries raise many kinds; the user needs one line
+        raise ValueError(f"{folder}: cannot load its tokenizer: {_first_line(error)}") from None
+    return ids_fingerprint(hf)
+
+
 def is_tokenizer_folder(path: str | Path) -> bool:
     """Whether ``path`` is a folder holding a Hugging Face tokenizer (`TOKENIZER_FILES`)."""
     return Path(path).is_dir() and any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
@@ -235,8 +279,7 @@ def load(spec: str) -> Tokenizer:
             if eot is not None:
                 hf.eos_token = eot
     except Exception as error:  # the libraries raise many kinds (ValueError too); the user needs one line
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"{what}: cannot load it as a Hugging Face tokenizer: {first}") from None
+        raise ValueError(f"{what}: cannot load it as a Hugging Face tokenizer: {_first_line(error)}") from None
     return _wrap(hf, str(spec))
 
 

@@ -124,9 +124,9 @@ def test_val_batches_are_the_same_on_every_rank() -> None:
 def test_data_file_and_folder(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_bytes(b"hello ")
     (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "b.txt").write_bytes(b"world\xff")
+    (tmp_path / "sub" / "b.txt").write_bytes(b"world" * 20 + b"\xff")  # an invalid byte in 101 characters: text
     assert bytes(load_corpus(tmp_path / "a.txt").tolist()) == b"hello "
-    assert bytes(load_corpus(tmp_path).tolist()) == b"hello world\xff"
+    assert bytes(load_corpus(tmp_path).tolist()) == b"hello " + b"world" * 20 + b"\xff"
     assert bytes(load_corpus(tmp_path, max_bytes=8).tolist()) == b"hello wo"
     with pytest.raises(FileNotFoundError):
         load_corpus(tmp_path / "missing")
@@ -142,7 +142,7 @@ def test_too_little_data_is_an_error() -> None:
 def test_corpus_size_without_reading(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_bytes(b"hello ")
     (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "b.txt").write_bytes(b"world\xff")
+    (tmp_path / "sub" / "b.txt").write_bytes(b"world" * 20 + b"\xff")
     for path, max_bytes in ((tmp_path / "a.txt", 100), (tmp_path, 100), (tmp_path, 8), (tmp_path, 1)):
         assert corpus_size(path, max_bytes) == len(load_corpus(path, max_bytes))
     (tmp_path / "empty").mkdir()
@@ -188,3 +188,43 @@ def test_min_corpus_bytes_is_the_least_that_samples(seq_len: int) -> None:
 
     n = min_corpus_bytes(seq_len)
     assert fits(n) and not fits(n - 1)
+
+
+def test_compressed_and_binary_files_in_the_byte_corpus(tmp_path: Path) -> None:
+    """The byte corpus (--tokenizer bytes on text files) holds the decompressed bytes of .gz/.bz2/.xz files, and
+    corpus_size counts them (up to the cap); a file that is not text, alone or inside a folder, is refused by both,
+    in one line naming the file; the standard library is read unchecked (a few of its test files are not UTF-8)."""
+    import bz2
+    import gzip
+    import lzma
+    text = "text ☃ of the corpus\n".encode() * 50
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(text))
+    (tmp_path / "b.txt.bz2").write_bytes(bz2.compress(text))
+    (tmp_path / "c.txt.xz").write_bytes(lzma.compress(text))
+    for max_bytes in (10**6, 1500, 10):
+        expected = (text * 3)[:max_bytes]
+        assert bytes(load_corpus(tmp_path, max_bytes).tolist()) == expected
+        assert corpus_size(tmp_path, max_bytes) == len(expected)
+    assert bytes(load_corpus(tmp_path / "a.txt.gz").tolist()) == text
+    (tmp_path / "z" / "deep").mkdir(parents=True)
+    (tmp_path / "z" / "deep" / "random.bin").write_bytes(bytes(range(256)) * 4)
+    for read in (load_corpus, corpus_size):
+        with pytest.raises(ValueError, match=rf"^--data {tmp_path / 'z' / 'deep' / 'random.bin'}: not text \(a NUL "
+                                             rf"byte at offset 0\)[^\n]*$"):
+            read(tmp_path)
+        with pytest.raises(ValueError, match="random.bin: not text"):
+            read(tmp_path / "z" / "deep" / "random.bin")
+    assert corpus_size(tmp_path, 3 * len(text)) == 3 * len(text)  # a file past the cap is not read
+
+
+def test_binary_file_past_the_first_window_is_refused_before_launch(tmp_path: Path) -> None:
+    """check_run (the job's pre-launch check, on every rank under torchrun) reads the head of every --data file the
+    run will read, not only as many bytes as one window needs: a binary file after enough text is refused."""
+    from shardfusion.train.config import TrainConfig, check_run, resolve
+    (tmp_path / "a.txt").write_text("enough text for the windows\n" * 1000)
+    (tmp_path / "b.dat").write_bytes(b"\x00\x01\x02" * 100)
+    config = resolve(TrainConfig(preset="tiny", data=str(tmp_path)), device="cpu", world_size=2)
+    with pytest.raises(ValueError, match=rf"^--data {tmp_path / 'b.dat'}: not text"):
+        check_run(config, world_size=2, world="--nproc 2")
+    (tmp_path / "b.dat").unlink()
+    check_run(config, world_size=2, world="--nproc 2")

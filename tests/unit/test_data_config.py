@@ -2,6 +2,7 @@
 the checks against a pretrained model and a resumed checkpoint, `prepare` and `load_splits` on both paths (plain
 bytes, the token cache), the run's tokenizer copy, and the batch sampler over a numpy token stream."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -204,3 +205,80 @@ def test_batch_sampler_over_a_numpy_stream() -> None:
     byte_sampler = make(*split_corpus(byte_stream))
     assert byte_sampler.val_bytes_per_token(tk.byte_tokenizer().token_bytes(), 4) == 1.0
     assert byte_sampler.val_bytes_per_token(np.full(256, 3), 4) == 3.0
+
+
+def test_prepare_reads_compressed_data_and_refuses_binary(tmp_path: Path, bpe_folder: Path) -> None:
+    """prepare (before launch) tokenizes a .jsonl.gz file as the JSON Lines inside it, the same stream as the plain
+    file's, and refuses a folder holding a binary file with a one-line error naming that file."""
+    import gzip
+    (tmp_path / "plain").mkdir()
+    plain = jsonl(tmp_path / "plain" / "docs.jsonl", DOCS)
+    packed = tmp_path / "packed" / "docs.jsonl.gz"
+    packed.parent.mkdir()
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    t = tk.load(str(bpe_folder))
+    streams = []
+    for data in (plain, packed):
+        config = dc.prepare(TrainConfig(data=str(data), tokenizer=str(bpe_folder), seq_len=16), progress=False)
+        train, val, info = dc.load_splits(config, t)
+        assert info["documents"] == len(DOCS)
+        streams.append(np.concatenate([train, val]).tolist())
+    assert streams[0] == streams[1]
+    (tmp_path / "packed" / "weights.bin").write_bytes(bytes(range(256)))
+    for tokenizer in (str(bpe_folder), "bytes"):
+        with pytest.raises(ValueError, match=rf"^--data {tmp_path / 'packed' / 'weights.bin'}: not text[^\n]*$"):
+            dc.prepare(TrainConfig(data=str(tmp_path / "packed"), tokenizer=tokenizer, seq_len=16), progress=False)
+
+
+@pytest.fixture(scope="module")
+def other_folder(tmp_path_factory, bpe_folder: Path) -> Path:
+    """A BPE of the same size as bpe_folder's, trained on other text: the same vocabulary size, other ids."""
+    folder = tmp_path_factory.mktemp("other")
+    other = tk.train_bpe(lambda: iter([f"zebras {i} jump ✓ over tall fences\n" for i in range(80)]), 300, folder)
+    assert other.vocab_size == tk.load(str(bpe_folder)).vocab_size
+    return folder
+
+
+def test_tokenizer_that_contradicts_the_pretrained_one(tmp_path: Path, bpe_folder: Path, other_folder: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """--init-from DIR --tokenizer OTHER, OTHER of the same size with other ids, is refused in one line naming both
+    sources and both ids fingerprints (prepare, before launch); with --tokenizer-override it is a one-line warning
+    naming both; DIR's own tokenizer (the folder, its tokenizer.json, a copy), or a DIR without a tokenizer, passes;
+    --tokenizer bytes contradicts a BPE folder but not the byte tokenizer an export of a byte-level run holds."""
+    model = pretrained(tmp_path / "model", 300, bpe_folder)
+    ours, theirs = tk.load(str(other_folder)), tk.load(str(bpe_folder))
+    assert ours.ids_fingerprint != theirs.ids_fingerprint
+    data = jsonl(tmp_path / "docs.jsonl", DOCS)
+    config = TrainConfig(init_from=model, tokenizer=str(other_folder), data=str(data), seq_len=16)
+    with pytest.raises(ValueError) as caught:
+        dc.prepare(config, progress=False)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"--tokenizer {other_folder} (ids fingerprint "
+                                                      f"{ours.ids_fingerprint[:12]}, 300 ids)"), message
+    assert f"--init-from {model} (ids fingerprint {theirs.ids_fingerprint[:12]})" in message, message
+    assert "--tokenizer-override" in message, message
+    override = dataclasses.replace(config, tokenizer_override=True)
+    assert dc.prepare(override, progress=False).tokenizer == str(other_folder)
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("shardfusion: warning: ")]
+    assert len(warnings) == 1 and ours.ids_fingerprint[:12] in warnings[0], warnings
+    assert theirs.ids_fingerprint[:12] in warnings[0] and f"--init-from {model}" in warnings[0], warnings
+    theirs.save(tmp_path / "copy")
+    for same in (str(bpe_folder), str(bpe_folder / "tokenizer.json"), str(tmp_path / "copy"), None):
+        fields = {} if same is None else {"tokenizer": same}
+        assert dc.check_pretrained_tokenizer(TrainConfig(init_from=model, **fields), tk.load(same or model)) is None
+    bare = pretrained(tmp_path / "bare", 300)
+    assert dc.check_pretrained_tokenizer(TrainConfig(init_from=bare, tokenizer=str(other_folder)), ours) is None
+    with pytest.raises(ValueError, match=rf"^--tokenizer bytes \(ids fingerprint \w{{12}}, 256 ids\) maps"):
+        dc.check_pretrained_tokenizer(TrainConfig(init_from=model, tokenizer="bytes"), tk.byte_tokenizer())
+    exported = pretrained(tmp_path / "export", 256)
+    tk.byte_tokenizer().save(exported)
+    assert dc.check_pretrained_tokenizer(TrainConfig(init_from=exported, tokenizer="bytes"),
+                                         tk.byte_tokenizer()) is None
+
+
+def test_tokenizer_override_flag() -> None:
+    """--tokenizer-override is a flag of the data section (off by default), documented in --help."""
+    from shardfusion.train.config import build_parser, parse_args
+    assert parse_args([]).tokenizer_override is False
+    assert parse_args(["--tokenizer-override"]).tokenizer_override is True
+    assert "--init-from folder" in " ".join(build_parser().format_help().split())

@@ -1,12 +1,13 @@
 """The corpus readers (shardfusion.train.documents): text, JSON Lines and Parquet files, folders in path order
-without hidden entries, the byte cap, and the one-line errors that name --data, the file and the line."""
+without hidden entries, the byte cap, compressed files (decompressed), files that are not text (refused), and the
+one-line errors that name --data, the file and the line."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from shardfusion.train.documents import data_files, documents, file_documents
+from shardfusion.train.documents import data_files, documents, file_documents, is_structured
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -99,9 +100,10 @@ def test_empty_files_hold_no_documents(tmp_path: Path) -> None:
 
 
 def test_text_files_are_one_document(tmp_path: Path) -> None:
-    """Any other suffix is text: the whole file one document, UTF-8, invalid bytes become U+FFFD."""
-    (tmp_path / "a.py").write_bytes("line 1\nline ☃\n".encode() + b"\xff")
-    assert read(tmp_path / "a.py") == ["line 1\nline ☃\n\ufffd"]
+    """Any other suffix is text: the whole file one document, UTF-8, invalid bytes (at most 1 % of the characters)
+    become U+FFFD."""
+    (tmp_path / "a.py").write_bytes("line 1\nline ☃\n".encode() * 10 + b"\xff")
+    assert read(tmp_path / "a.py") == ["line 1\nline ☃\n" * 10 + "\ufffd"]
 
 
 def test_folder_order_and_hidden_entries(tmp_path: Path) -> None:
@@ -134,3 +136,77 @@ def test_max_bytes_cap(tmp_path: Path) -> None:
     assert texts(17) == ["é" * 5, "abcd", "xyz"]
     with pytest.raises(ValueError, match="2.jsonl line 1"):
         texts(18)
+
+
+def compress(kind: str, data: bytes) -> bytes:
+    """data compressed as a file of suffix `kind` holds it."""
+    import bz2
+    import gzip
+    import lzma
+    if kind == ".zst":
+        return pytest.importorskip("zstandard").ZstdCompressor().compress(data)
+    return {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress}[kind](data)
+
+
+@pytest.mark.parametrize("kind", [".gz", ".bz2", ".xz", ".zst"])
+def test_compressed_files_are_decompressed(tmp_path: Path, kind: str) -> None:
+    """A compressed text or JSON Lines file gives the documents of the file it holds, told by the suffix before the
+    compression's (a.jsonl.gz is JSON Lines, is_structured); so does a folder of them, in path order."""
+    records = [{"text": f"doc {i}: sé ☃"} for i in range(3)]
+    plain_jsonl = write_jsonl(tmp_path / "plain.jsonl", records)
+    (tmp_path / "plain.txt").write_text("line ☃\n" * 20, encoding="utf-8")
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / f"a.jsonl{kind}").write_bytes(compress(kind, plain_jsonl.read_bytes()))
+    (folder / f"b.txt{kind}").write_bytes(compress(kind, (tmp_path / "plain.txt").read_bytes()))
+    assert read(folder / f"a.jsonl{kind}") == read(plain_jsonl) == [r["text"] for r in records]
+    assert read(folder / f"b.txt{kind}") == read(tmp_path / "plain.txt")
+    assert is_structured(folder / f"a.jsonl{kind}") and not is_structured(folder / f"b.txt{kind}")
+    docs = [text for _, text in documents(data_files(folder), "text", 10**6)]
+    assert docs == [r["text"] for r in records] + ["line ☃\n" * 20]
+
+
+def test_files_that_are_not_text_are_refused(tmp_path: Path) -> None:
+    """A file whose first MiB (decompressed) holds a NUL byte, or more than 1 % of characters that are not UTF-8,
+    is refused in one line naming --data and the file, as JSON Lines or text, compressed or not; a file inside a
+    folder is named by its own path; 1 % passes; data that do not decompress are refused naming the compression;
+    a compressed Parquet file is refused; with check_text=False (the standard library) a file is read as before."""
+    import gzip
+    import random
+    (tmp_path / "random.bin").write_bytes(random.Random(0).randbytes(4096))
+    assert "not text (a NUL byte at offset" in error_of(tmp_path / "random.bin")
+    (tmp_path / "nul.txt").write_bytes(b"text\0more")
+    assert "NUL byte at offset 4" in error_of(tmp_path / "nul.txt")
+    (tmp_path / "x.tar.gz").write_bytes(gzip.compress(b"name" + b"\0" * 96 + b"x" * 400))
+    assert "NUL byte at offset 4 after decompression" in error_of(tmp_path / "x.tar.gz")
+    latin = "café à la crème ".encode("latin-1") * 20  # 3 of 16 characters are not UTF-8
+    (tmp_path / "latin.txt").write_bytes(latin)
+    assert "60 of the first 320 characters are not UTF-8, more than 1%" in error_of(tmp_path / "latin.txt")
+    (tmp_path / "latin.jsonl").write_bytes(b'{"text": "' + latin + b'"}\n')
+    assert "not UTF-8 text" in error_of(tmp_path / "latin.jsonl")
+    (tmp_path / "one_percent.txt").write_bytes(b"x" * 99 + b"\xff")  # 1 of 100 characters: text
+    assert read(tmp_path / "one_percent.txt") == ["x" * 99 + "\ufffd"]
+    (tmp_path / "over.txt").write_bytes(b"x" * 98 + b"\xff")
+    assert "1 of the first 99" in error_of(tmp_path / "over.txt")
+    folder = tmp_path / "corpus"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("fine text\n")
+    (folder / "sub" / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    with pytest.raises(ValueError, match=rf"^--data {folder / 'sub' / 'image.png'}: not text \(a NUL byte"):
+        list(documents(data_files(folder), "text", 10**6))
+    (tmp_path / "bad.gz").write_bytes(b"plain text, not gzip")
+    assert "cannot decompress it as gzip" in error_of(tmp_path / "bad.gz")
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 50)[:30])
+    assert "cannot decompress it as gzip" in error_of(tmp_path / "cut.jsonl.gz")
+    (tmp_path / "t.parquet.gz").write_bytes(gzip.compress(b"PAR1"))
+    assert "a compressed Parquet file" in error_of(tmp_path / "t.parquet.gz")
+    assert list(file_documents(tmp_path / "latin.txt", "text", check_text=False)) == [latin.decode("utf-8", "replace")]
+
+
+def test_zst_without_zstandard_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the zstandard package a .zst file is a one-line error naming the extra that installs it."""
+    import sys
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # import zstandard raises ImportError
+    (tmp_path / "a.jsonl.zst").write_bytes(b"(\xb5/\xfd")
+    message = error_of(tmp_path / "a.jsonl.zst")
+    assert "needs the zstandard package (pip install 'shardfusion[data]')" in message, message

@@ -2,6 +2,7 @@
 trained with `train_bpe`, `token_bytes`, and `load` of folders, files and things that are not tokenizers. Every
 tokenizer is built locally (no hub)."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -160,3 +161,27 @@ def test_load_refuses_what_is_not_a_tokenizer(tmp_path: Path) -> None:
     model = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
     model.save(str(tmp_path / "no_eot.json"))
     _one_line_error(str(tmp_path / "no_eot.json"), "end-of-text")
+
+
+def test_ids_fingerprint_tells_other_ids_apart(tmp_path: Path, bpe_folder: Path) -> None:
+    """`ids_fingerprint` is the same for a tokenizer, its folder read by AutoTokenizer, its tokenizer.json and a
+    save_pretrained copy; it differs for a BPE of the same size trained on other text (same size, other ids), and
+    for the same vocabulary with two ids swapped; the byte tokenizer's is its Hugging Face twin's, saved or not."""
+    bpe = tk.load(str(bpe_folder))
+    bpe.save(tmp_path / "copy")
+    same = {bpe.ids_fingerprint, tk.folder_ids_fingerprint(bpe_folder), tk.load(str(tmp_path / "copy")).ids_fingerprint,
+            tk.load(str(bpe_folder / "tokenizer.json")).ids_fingerprint}
+    assert len(same) == 1 and len(bpe.ids_fingerprint) == 64
+    other = tk.train_bpe(lambda: iter([f"zebras {i} jump ✓ over tall fences\n" for i in range(60)]), 300,
+                         tmp_path / "other")
+    assert other.vocab_size == bpe.vocab_size and other.ids_fingerprint != bpe.ids_fingerprint
+    spec = json.loads((bpe_folder / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab)[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (tmp_path / "swapped.json").write_text(json.dumps(spec))
+    assert tk.load(str(tmp_path / "swapped.json")).ids_fingerprint != bpe.ids_fingerprint
+    tk.byte_tokenizer().save(tmp_path / "bytes")
+    assert tk.byte_tokenizer().ids_fingerprint == tk.folder_ids_fingerprint(tmp_path / "bytes")
+    with pytest.raises(ValueError, match="^.*nowhere: cannot load its tokenizer"):
+        tk.folder_ids_fingerprint(tmp_path / "nowhere")
