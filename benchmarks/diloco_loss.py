@@ -163,6 +163,7 @@ def main(argv=None) -> int:
                                      ",".join(VARIANTS)), ("--name", args.name, "diloco-loss"),
                                     ("--jobs", str(args.jobs), "1"), ("--extra", args.extra, "")) if value != default)
     runs_dir = RESULTS / ("diloco-runs" if args.name == "diloco-loss" else f"{args.name}-runs")
+    commit = git_commit()  # before the runs: the code they ran
     runs, folders, labels = [], [], []
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
@@ -189,7 +190,7 @@ def main(argv=None) -> int:
                 shutil.copy(out / name, runs_dir / out.name / name)
     rows = table(runs, variants, seeds)
     loads = [x for r in runs for x in (r["load_before"][0], r["load_after"][0])]
-    result = {"benchmark": "diloco_loss", "command": command, "commit": git_commit(),
+    result = {"benchmark": "diloco_loss", "command": command, "commit": commit,
               "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                           "python": sys.version.split()[0], "torch": __import__("torch").__version__},
               "name": args.name, "runs_dir": runs_dir.name, "jobs": args.jobs, "seeds": seeds, "variants": variants, "extra": extra, "load_range": [min(loads), max(loads)],
