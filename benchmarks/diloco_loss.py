@@ -193,8 +193,8 @@ def main(argv=None) -> int:
     result = {"benchmark": "diloco_loss", "command": command, "commit": commit,
               "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                           "python": sys.version.split()[0], "torch": __import__("torch").__version__},
-              "name": args.name, "runs_dir": runs_dir.name, "jobs": args.jobs, "seeds": seeds, "variants": variants, "extra": extra, "load_range": [min(loads), max(loads)],
-              "runs": runs, "table": rows}
+              "name": args.name, "runs_dir": runs_dir.name, "jobs": args.jobs, "seeds": seeds, "variants": variants,
+              "extra": extra, "load_range": [min(loads), max(loads)], "runs": runs, "table": rows}
     if "diloco" in rows and "ratio_of_means" in rows["diloco"]:
         ratio = rows["diloco"]["ratio_of_means"]
         result["goal"] = {"ratio_of_means": ratio, "limit": 1 + GOAL, "met": ratio <= 1 + GOAL}
