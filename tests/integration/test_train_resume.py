@@ -6,9 +6,9 @@ the same command again, which resumes from step 15 by itself; its step-30 checkp
 its metrics must equal the reference bitwise. Killed worker: the same flags with --max-restarts 2; once the first
 checkpoint is published the test SIGKILLs one worker; the elastic launcher restarts all workers, which resume from
 the latest checkpoint, and the run must end equal to the reference bitwise. The reference's checkpoint resumed with
---outer-sync diloco starts a new outer period from the loaded parameters (docs/slow-links.md). The checkpoint flags, the metrics log and
-config.json of a resumed run are tested in one process in tests/unit/test_train_config.py and
-tests/unit/test_train_outputs.py.
+--outer-sync diloco starts a new outer period from the loaded parameters (docs/slow-links.md). The checkpoint
+flags, the metrics log and config.json of a resumed run are tested in one process in tests/unit/test_train_config.py
+and tests/unit/test_train_outputs.py.
 """
 
 from __future__ import annotations
