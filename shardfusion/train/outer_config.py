@@ -7,6 +7,13 @@ docs/slow-links.md tells the whole story.
 ``--outer-sync every-step`` (the default) is HSDP as it is: one gradient all-reduce per step across the replicas,
 exact. ``--outer-sync diloco`` takes --outer-every inner steps per replica without any traffic between nodes, then
 one outer Nesterov step on the pseudo-gradients (sent in --outer-comm-dtype when given).
+
+The job's default outer optimizer is not the paper's (`shardfusion.diloco`'s defaults, lr 0.7 with Nesterov momentum
+0.9, tuned for H = 500 and runs of hundreds of outer steps): it is plain averaging, lr 1 without momentum
+(`JOB_LR`, `JOB_MOMENTUM`), for the runs people start first (a few hundred steps, H of 8 to 32: 10 to 25 outer
+steps). The rule: the outer step's steady-state gain on the mean pseudo-gradient is lr / (1 - momentum), 7 for the
+paper's; with few outer steps and a small H that gain overshoots. Measured on the default run (200 steps, H = 16):
+benchmarks/results/diloco-loss.md (`python -m benchmarks.diloco_loss`).
 """
 
 from __future__ import annotations
@@ -14,13 +21,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shardfusion.diloco import DEFAULT_EVERY, DEFAULT_LR, DEFAULT_MOMENTUM
+from shardfusion.diloco import DEFAULT_EVERY
 from shardfusion.train.flag_checks import refuse_first
 
 if TYPE_CHECKING:  # annotations only: config.py imports this module
     from shardfusion.train.config import TrainConfig
 
 OUTER_SYNCS = ("every-step", "diloco")
+JOB_LR = 1.0
+"""The job's default --outer-lr: with `JOB_MOMENTUM` 0 the outer step sets every replica to the mean of the replicas'
+parameters (the module docstring says why not the paper's 0.7)."""
+JOB_MOMENTUM = 0.0
+"""The job's default --outer-momentum (the paper's: 0.9)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,10 +45,12 @@ class OuterConfig:
     2023; needs --fsdp-outer-degree > 1; docs/slow-links.md) (default every-step)."""
     outer_every: int = DEFAULT_EVERY
     """With --outer-sync diloco: H, the inner steps between two outer steps (default 16)."""
-    outer_lr: float = DEFAULT_LR
-    """With --outer-sync diloco: the outer learning rate (default 0.7, the paper's)."""
-    outer_momentum: float = DEFAULT_MOMENTUM
-    """With --outer-sync diloco: the outer Nesterov momentum (default 0.9, the paper's)."""
+    outer_lr: float = JOB_LR
+    """With --outer-sync diloco: the outer learning rate (default 1.0; with --outer-momentum 0, plain averaging of the
+    replicas, for runs of few outer steps; the paper's, for H in the hundreds and long runs: --outer-lr 0.7
+    --outer-momentum 0.9; docs/slow-links.md)."""
+    outer_momentum: float = JOB_MOMENTUM
+    """With --outer-sync diloco: the outer Nesterov momentum (default 0; the paper's 0.9)."""
     outer_fragments: int = 1
     """With --outer-sync diloco: streaming DiLoCo, the model cut into this many fragments synchronised at staggered
     steps, so no step carries more than about 1/F of the model's bytes (default 1: all at once)."""
@@ -57,8 +71,8 @@ def check_flags(config: TrainConfig) -> None:
         raise ValueError(f"--outer-sync must be {' or '.join(OUTER_SYNCS)}, got {config.outer_sync!r}")
     if not enabled(config):
         changed = [flag for flag, value, default in (
-            ("--outer-every", config.outer_every, DEFAULT_EVERY), ("--outer-lr", config.outer_lr, DEFAULT_LR),
-            ("--outer-momentum", config.outer_momentum, DEFAULT_MOMENTUM),
+            ("--outer-every", config.outer_every, DEFAULT_EVERY), ("--outer-lr", config.outer_lr, JOB_LR),
+            ("--outer-momentum", config.outer_momentum, JOB_MOMENTUM),
             ("--outer-fragments", config.outer_fragments, 1)) if value != default]
         if changed:
             raise ValueError(f"{changed[0]} needs --outer-sync diloco (with every-step the replicas synchronise each "

@@ -5,15 +5,17 @@ Reference: one uninterrupted run of 30 steps saving every 5. Exact resume: the s
 the same command again, which resumes from step 15 by itself; its step-30 checkpoint (parameters, AdamW state) and
 its metrics must equal the reference bitwise. Killed worker: the same flags with --max-restarts 2; once the first
 checkpoint is published the test SIGKILLs one worker; the elastic launcher restarts all workers, which resume from
-the latest checkpoint, and the run must end equal to the reference bitwise. The checkpoint flags, the metrics log and
-config.json of a resumed run are tested in one process in tests/unit/test_train_config.py and
-tests/unit/test_train_outputs.py.
+the latest checkpoint, and the run must end equal to the reference bitwise. The reference's checkpoint resumed with
+--outer-sync diloco starts a new outer period from the loaded parameters (docs/slow-links.md). The checkpoint
+flags, the metrics log and config.json of a resumed run are tested in one process in tests/unit/test_train_config.py
+and tests/unit/test_train_outputs.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,6 +93,29 @@ def test_exact_resume_after_stop(reference: Path, tmp_path: Path) -> None:
     missing, unexpected = plain.load_state_dict(load_file(str(tmp_path / "export" / "model.safetensors")),
                                                 strict=False)
     assert missing == ["lm_head.weight"] and unexpected == []  # tied to the token embedding
+
+
+@pytest.mark.timeout(150 + 150 + 60)
+def test_every_step_checkpoint_resumed_with_diloco_starts_a_new_period(reference: Path, tmp_path: Path) -> None:
+    """The reference's last checkpoint (step 30, synchronous HSDP: no DiLoCo state) resumed with --outer-sync diloco
+    for 4 more steps at H = 4: the run says it starts a new outer period; the first outer step comes at the next
+    multiple of H (step 32); and the outer steps start from the loaded parameters: with the paper's outer optimizer
+    (lr 0.7, Nesterov 0.9; plain averaging would hide a wrong snapshot) the validation loss goes on as the
+    synchronous run left it, while a snapshot left at the initial weights the DiLoCo was built on (no reset after
+    the load) ends 0.26 higher."""
+    shutil.copytree(reference, tmp_path, dirs_exist_ok=True)
+    flags = [*FLAGS, "--out", str(tmp_path), "--steps", str(STEPS + 4), "--outer-sync", "diloco", "--outer-every", "4",
+             "--outer-lr", "0.7", "--outer-momentum", "0.9"]
+    stdout = _ok(run_train(flags))
+    assert f"resuming at step {STEPS} from" in stdout
+    assert ("not an exact resume: the checkpoint has no DiLoCo state (an every-step run): a new outer period "
+            "starts here") in stdout, stdout[-3000:]
+    train, _ = read_metrics(tmp_path / "metrics.jsonl")
+    resumed = [r for r in train if r["step"] > STEPS]
+    assert [(r["step"], r["outer_synced"]) for r in resumed] == [(31, []), (32, [0]), (33, []), (34, [0])]
+    val = {r["step"]: r["val_loss"] for r in read_metrics(tmp_path / "metrics.jsonl")[1]}
+    # from the loaded parameters: 3.219 at step 30, 3.202 at step 34; from the initial weights: 3.461 at step 34
+    assert val[STEPS + 4] < val[STEPS] + 0.1, val
 
 
 @pytest.mark.timeout(3 * 150 + 60)

@@ -3,12 +3,16 @@ themselves: tests/integration/test_train_diloco.py."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from shardfusion.train import outer_config as oc
 from shardfusion.train.config import TrainConfig
 
 ON = dict(outer_sync="diloco", fsdp_outer_degree=2)
+LOSS_RESULT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "diloco-loss.json"
 
 
 @pytest.mark.parametrize("fields, words", [
@@ -40,3 +44,22 @@ def test_defaults_pass_and_layout_needs_replicas() -> None:
         with pytest.raises(ValueError, match=rf"^--outer-sync diloco needs replicas: --fsdp-outer-degree {outer} "
                                              r"\(--nproc 4\)"):
             oc.check_layout(TrainConfig(outer_sync="diloco", fsdp_outer_degree=outer), "--nproc 4")
+
+
+def test_the_default_outer_optimizer_is_the_measured_one() -> None:
+    """The job's default outer optimizer and H are those of the stored measurement (`python -m
+    benchmarks.diloco_loss`: the default run, seeds 42, 43, 44, synchronous and DiLoCo interleaved), and its final
+    validation loss averaged over the seeds is closer to the synchronous runs' than the paper's outer optimizer,
+    measured beside it and still reachable by its flags. The result records its verdict on the 3 % goal."""
+    result = json.loads(LOSS_RESULT.read_text())
+    assert result["seeds"] == [42, 43, 44] and result["extra"] == [], result["command"]
+    table = result["table"]
+    default, paper = table["diloco"]["outer"], table["diloco-paper"]["outer"]
+    config = TrainConfig(**ON)
+    assert (default["lr"], default["momentum"], default["every"]) == (
+        config.outer_lr, config.outer_momentum, config.outer_every)
+    assert (paper["lr"], paper["momentum"], paper["every"]) == (0.7, 0.9, config.outer_every)
+    oc.check_flags(TrainConfig(**ON, outer_lr=0.7, outer_momentum=0.9))
+    ratio = table["diloco"]["ratio_of_means"]
+    assert ratio < table["diloco-paper"]["ratio_of_means"] - 0.05, table
+    assert result["goal"] == {"ratio_of_means": ratio, "limit": 1.03, "met": ratio <= 1.03}
