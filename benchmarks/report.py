@@ -41,6 +41,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from benchmarks.provenance import describe
+
 SMALL_NUMEL = 1024
 """Collectives below this many elements (norm scalars) are reported apart from the bulk traffic."""
 
@@ -359,6 +361,8 @@ def markdown(raw: dict, summary: dict) -> str:
              f"worker. Loss: first and last timed step of the first repeat.",
              "", f"Machine: {env['cpu_count']} CPUs, torch {env['torch']}; load average before {env['load_before']}, "
              f"after {env['load_after']}; wall {env.get('wall_s', 0):.0f} s.", ""]
+    if env.get("commit"):
+        lines += [describe(env), ""]
     for regime, s in summary.items():
         shape = s["shape"]
         lines += [f"## {regime}: batch {shape['batch']}, seq {shape['seq']}, {shape['n_layer']} layers, d "
