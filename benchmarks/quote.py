@@ -30,7 +30,8 @@ Every marker's text is compared with its rendering: a figure edited by hand, or 
 ``python -m benchmarks.quote``, makes ``--check`` fail (``tests/unit/test_quote.py``). The check also flags, in
 README.md, a measured figure (a number with a unit of time, speed, memory, ratio or loss: :data:`MEASURED`) outside
 every marker and outside code; and in docs/*.md, a section (a ``##`` heading and what follows up to the next) with
-such a figure in a table row that names no result under ``benchmarks/results/`` (a link or a marker).
+such a figure in a table row that names no result under ``benchmarks/results/`` (a link or a marker), unless the
+section says why its figures are not results: ``<!-- figures: REASON -->``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import argparse
 import json
 import re
 import shlex
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,8 +59,14 @@ MEASURED = re.compile(
     r"|\d[\d,]*(?:\.\d+)?\s*%)")
 """A measured figure: a number followed by a unit of time, speed, memory, a ratio (``0.63 x``, but not a layout
 such as ``2 x 2``), a percentage or a loss."""
+CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
 RESULT_LINK = re.compile(r"benchmarks/results/[\w.-]+")
 """A result named in prose (that the file exists is checked by tests/unit/test_repo_layout.py)."""
+
+
+FIGURES = re.compile(r"<!-- figures: \S[^>]*-->")
+"""A section's declaration that its table figures are not benchmark results, with the reason (test runtimes,
+deterministic layout figures): ``<!-- figures: REASON -->``."""
 
 
 class QuoteError(ValueError):
@@ -172,7 +180,55 @@ def table_compare_speed(data: Any, regime: str = "comm", peers: str = "fsdp2,ddp
     return lines
 
 
-TABLES: dict[str, Callable[..., list[str]]] = {"rows": table_rows, "compare-speed": table_compare_speed}
+def _x(value: Optional[float], spec: str = ".2f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def table_link_rate(data: Any, rate: str = "200mbit") -> list[str]:
+    """A `benchmarks/link.py` result at one rate: per variant its step (DiLoCo: the mean over whole periods, with
+    the median inner step and the mean outer step; others: the median), the larger node's link MB per step, and
+    the ratios against sf-hsdp and DDP at this rate and against the one-node reference (paired in parentheses)."""
+    s = lookup(data, f"summary.{rate}")
+    rows, diloco = s["variants"], s.get("diloco") or {}
+    lines = ["| variant | step s | inner step s (median) | outer step s (mean) | link MB/step per node | "
+             "vs sf-hsdp (paired) | vs DDP (paired) | vs one node (paired) |", "|---|---|---|---|---|---|---|---|"]
+    for v, row in rows.items():
+        d = diloco.get(v)
+        link = max(row["link_bytes_per_step"]) / 1e6
+        if d is None:
+            hsdp = rows.get("sf-hsdp")
+            vs_hsdp = "1" if v == "sf-hsdp" else "n/a"
+            if hsdp and v != "sf-hsdp":
+                pairs = [a / b for a, b in zip(row["median_per_repeat_s"], hsdp["median_per_repeat_s"])]
+                vs_hsdp = f"{row['median_step_s'] / hsdp['median_step_s']:.2f} ({statistics.median(pairs):.2f})"
+            lines.append(f"| {row['label']} | {row['median_step_s']:.3f} (median) | | | {link:.2f} | {vs_hsdp} | "
+                         f"{_x(row.get('vs_ddp'))} ({_x(row.get('vs_ddp_paired'))}) | |")
+            continue
+        lines.append(f"| {row['label']} | {d['mean_step_s']:.3f} (mean) | {_x(d['median_inner_step_s'], '.3f')} | "
+                     f"{_x(d['mean_outer_step_s'], '.3f')} | {link:.2f} | {_x(d['vs_sf-hsdp'])} "
+                     f"({_x(d['vs_sf-hsdp_paired'])}) | {_x(d['vs_ddp'])} ({_x(d['vs_ddp_paired'])}) | "
+                     f"{_x(d['vs_one_node'])} ({_x(d.get('vs_one_node_paired'))}) |")
+    return lines
+
+
+def table_link_goal(data: Any, rate: str = "200mbit", goal: str = "1.15") -> list[str]:
+    """The DiLoCo rows of a `benchmarks/link.py` result against the goal "the step within GOAL x of the run on one
+    node": the paired ratio to the one-node reference (the ratio of means beside it), the mean step against the
+    run's own median inner step, and whether the paired ratio meets the goal."""
+    diloco = lookup(data, f"summary.{rate}.diloco")
+    lines = ["| setting | vs one node, paired (ratio of means) | vs its own inner step | goal met (paired) |",
+             "|---|---|---|---|"]
+    for d in diloco.values():
+        paired = d.get("vs_one_node_paired")
+        own = d["mean_step_s"] / d["median_inner_step_s"] if d["median_inner_step_s"] else None
+        met = "n/a" if paired is None else ("yes" if paired <= float(goal) else "no")
+        setting = f"H = {d['every']}" + ("" if d["comm_dtype"] == "fp32" else f", {d['comm_dtype']}")
+        lines.append(f"| {setting} | {_x(paired)} ({_x(d['vs_one_node'])}) | {_x(own)} | {met} |")
+    return lines
+
+
+TABLES: dict[str, Callable[..., list[str]]] = {"rows": table_rows, "compare-speed": table_compare_speed,
+                                               "link-rate": table_link_rate, "link-goal": table_link_goal}
 """Renderers of ``<!-- quote FILE TABLE ... -->`` blocks: ``f(result json, **options) -> lines``."""
 
 
@@ -216,8 +272,14 @@ def render_text(text: str, results: Path = RESULTS, cache: Optional[dict] = None
     """``text`` with every marker rendered, and the markers that could not be (as problems)."""
     cache = {} if cache is None else cache
     problems: list[Problem] = []
+    code = [m.span() for m in CODE.finditer(text)]  # a marker shown in code is an example, not a quote
+
+    def in_code(m: re.Match) -> bool:
+        return any(a <= m.start() < b for a, b in code)
 
     def block(m: re.Match) -> str:
+        if in_code(m):
+            return m[0]
         try:
             return m["open"] + render_block(m["spec"], results, cache) + m["close"]
         except QuoteError as e:
@@ -225,6 +287,8 @@ def render_text(text: str, results: Path = RESULTS, cache: Optional[dict] = None
             return m[0]
 
     def inline(m: re.Match) -> str:
+        if in_code(m):
+            return m[0]
         try:
             value = render_inline(m["spec"], results, cache)
         except QuoteError as e:
@@ -233,7 +297,7 @@ def render_text(text: str, results: Path = RESULTS, cache: Optional[dict] = None
         return m[0] if value is None else f"<!-- q {m['spec']} -->{value}<!-- /q -->"
 
     text = BLOCK.sub(block, text)
-    # inline markers inside a rendered block are rendered too (a block's text is the renderer's, so it has none)
+    code = [m.span() for m in CODE.finditer(text)]  # again: the blocks' new text moved the spans
     return INLINE.sub(inline, text), problems
 
 
@@ -265,7 +329,7 @@ def unnamed_sections(text: str) -> list[tuple[int, str]]:
         rows = [ln for ln in plain.splitlines() if ln.lstrip().startswith("|")]
         if not any(MEASURED.search(r) for r in rows):
             continue
-        if RESULT_LINK.search(section) or INLINE.search(section) or BLOCK.search(section):
+        if any(p.search(section) for p in (RESULT_LINK, INLINE, BLOCK, FIGURES)):
             continue
         out.append((_line(text, a), section.splitlines()[0] if section else ""))
     return out

@@ -24,6 +24,8 @@ fmt=.2f -->1.25<!-- /q --> x the reference), layout 2 x 2, int8 is <!-- q none b
 | 42 | 2.030 |
 | 43 | 1.950 |
 <!-- /quote -->
+
+A marker shown as an example in code is not rendered: `<!-- q missing.json key -->3 s<!-- /q -->`.
 """
 RESULT = {"summary": {"loss": 2.0312, "tokens_per_s": 12412.3, "step_s": 0.0571, "ref_s": 0.04568,
                       "rows": [{"seed": 42, "loss": 2.03}, {"seed": 43, "loss": 1.95}]}}
@@ -72,7 +74,7 @@ def test_a_figure_that_names_no_result_is_flagged(tmp_path: Path) -> None:
     docs = ("# page\n\n## Measured\n\n| variant | step s |\n|---|---|\n| a | 0.241 s |\n\n"
             "## Named\n\nFrom [r](../benchmarks/results/run.md):\n\n| a | 0.5 s |\n\n## Flags\n\n| `--n` | 3 |\n")
     problems = quote.check(_repo(tmp_path, readme, docs=docs))
-    assert [(p.path, p.line) for p in problems] == [("README.md", 15)] * 4 + [("docs/page.md", 3)], problems
+    assert [(p.path, p.line) for p in problems] == [("README.md", 17)] * 4 + [("docs/page.md", 3)], problems
     for p, figure in zip(problems, ("0.63 x", "1.2 s", "16,000 tokens/s", "5 %")):
         assert p.message.startswith(f"figure {figure!r} names no result"), p
     assert "'## Measured'" in problems[4].message
