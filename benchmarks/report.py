@@ -514,7 +514,7 @@ def memory_markdown(raw: dict, summary: dict) -> str:
              + ", ".join(f"{v} {sum(row['wall_s']):.0f} s" for v, row in summary["variants"].items())
              + "); workers' MALLOC_MMAP_THRESHOLD_: "
              + (f"{env['MALLOC_MMAP_THRESHOLD_']} bytes" if env.get("MALLOC_MMAP_THRESHOLD_") else
-                "unset (glibc's dynamic threshold)") + ".", "",
+                "unset (glibc's dynamic threshold)") + ".", "", *([describe(env), ""] if env.get("commit") else []),
              "Each figure: the largest rank's, over its own baseline (after imports and process groups), the median "
              "over repeats. MB = 2^20 bytes.", "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -752,6 +752,7 @@ def pipeline_markdown(raw: dict, summary: dict) -> str:
              "worker.", "",
              f"Machine: {env['cpu_count']} CPUs, torch {env['torch']}; load average before {env['load_before']}, "
              f"after {env['load_after']}; wall {env.get('wall_s', 0):.0f} s. Command: `{cfg.get('command', '')}`.",
+             *([describe(env)] if env.get("commit") else []),
              "", "MB = 2^20 bytes. Per-stage figures are given as stage 0 / stage 1 (the pp ranks; under the "
              "interleaved schedule pp rank 0 holds stages 0 and 2, pp rank 1 stages 1 and 3).", ""]
     lines += ["## Step time and bubble", "",
