@@ -10,8 +10,8 @@ name the result it comes from (docs/benchmarks.md, "Quoted figures"):
 
       <!-- q default-run.json summary.final_val_loss fmt=.2f -->2.03<!-- /q -->
 
-  FILE is a path under ``benchmarks/results/``, KEY a dotted path into its JSON (a segment of digits, or ``-1``,
-  indexes a list); options: ``fmt=`` a Python format spec (default ``g``), ``scale=`` a factor applied first
+  FILE is a path under ``benchmarks/results/``, KEY a dotted path into its JSON (:func:`lookup`: in a list a
+  segment of digits, or ``-1``, is an index and ``field=value`` picks a record); options: ``fmt=`` a Python format spec (default: ``g`` for a number), ``scale=`` a factor applied first
   (``scale=1000`` for ms from seconds), ``div=KEY2`` divides by another value of the same file, ``round=N`` rounds
   to N decimals first (``round=-2``: to hundreds). ``<!-- q none REASON -->text<!-- /q -->`` marks a figure that
   is not a measurement (a design constant, a formula's value): it is left as written and exempt from the check;
@@ -86,19 +86,29 @@ def load(name: str, results: Path = RESULTS, cache: Optional[dict] = None) -> An
 
 
 def lookup(data: Any, key: str) -> Any:
-    """The value at the dotted ``key`` of ``data`` (digits or ``-1`` index a list); ``QuoteError`` naming the
-    first segment that is not there."""
+    """The value at the dotted ``key`` of ``data`` (``.`` is ``data`` itself). In a list, a segment of digits (or
+    ``-1``) is an index, and ``field=value`` the first record whose ``field`` reads ``value``. ``QuoteError`` names
+    the first segment that is not there."""
+    if key == ".":
+        return data
     value = data
     for i, part in enumerate(key.split(".")):
         try:
-            value = value[int(part)] if isinstance(value, list) else value[part]
-        except (KeyError, IndexError, ValueError, TypeError):
+            if isinstance(value, list) and "=" in part:
+                field, _, want = part.partition("=")
+                value = next(r for r in value if isinstance(r, dict) and str(r.get(field)) == want)
+            else:
+                value = value[int(part)] if isinstance(value, list) else value[part]
+        except (KeyError, IndexError, ValueError, TypeError, StopIteration):
             raise QuoteError(f"key {key!r}: no {'.'.join(key.split('.')[:i + 1])!r}") from None
     return value
 
 
-def fmt(value: Any, spec: str = "g", scale: Optional[str] = None, round_to: Optional[str] = None) -> str:
-    """``value`` scaled, rounded and formatted with the format ``spec``."""
+def fmt(value: Any, spec: Optional[str] = None, scale: Optional[str] = None, round_to: Optional[str] = None) -> str:
+    """``value`` scaled, rounded and formatted with the format ``spec`` (None: a string as it is, a number
+    with ``g``)."""
+    if spec is None:
+        spec = "" if isinstance(value, str) else "g"
     if scale is not None:
         value = value * float(scale)
     if round_to is not None:
@@ -136,7 +146,7 @@ def render_inline(spec: str, results: Path = RESULTS, cache: Optional[dict] = No
         value = lookup(data, words[1])
         if "div" in opts:
             value = value / lookup(data, opts["div"])
-        return fmt(value, opts.get("fmt", "g"), opts.get("scale"), opts.get("round"))
+        return fmt(value, opts.get("fmt"), opts.get("scale"), opts.get("round"))
     except QuoteError as e:
         raise QuoteError(f"<!-- q {spec} -->: {e}") from None
 
@@ -153,7 +163,7 @@ def table_rows(data: Any, path: str, columns: str) -> list[str]:
         if not eq:
             raise QuoteError(f"columns: {col!r} is not Header=key[:fmt]")
         key, _, spec = rest.partition(":")
-        cols.append((header.strip(), key.strip(), spec or "g"))
+        cols.append((header.strip(), key.strip(), spec or None))
     lines = ["| " + " | ".join(h for h, _, _ in cols) + " |", "|" + "---|" * len(cols)]
     for rec in records:
         lines.append("| " + " | ".join(fmt(lookup(rec, k), s) if k != "_key" else str(rec["_key"])

@@ -25,6 +25,8 @@ fmt=.2f -->1.25<!-- /q --> x the reference), layout 2 x 2, int8 is <!-- q none b
 | 43 | 1.950 |
 <!-- /quote -->
 
+Seed 43 by its field: <!-- q run.json "summary.rows.seed=43.loss" fmt=.2f -->1.95<!-- /q -->.
+
 A marker shown as an example in code is not rendered: `<!-- q missing.json key -->3 s<!-- /q -->`.
 """
 RESULT = {"summary": {"loss": 2.0312, "tokens_per_s": 12412.3, "step_s": 0.0571, "ref_s": 0.04568,
@@ -74,7 +76,7 @@ def test_a_figure_that_names_no_result_is_flagged(tmp_path: Path) -> None:
     docs = ("# page\n\n## Measured\n\n| variant | step s |\n|---|---|\n| a | 0.241 s |\n\n"
             "## Named\n\nFrom [r](../benchmarks/results/run.md):\n\n| a | 0.5 s |\n\n## Flags\n\n| `--n` | 3 |\n")
     problems = quote.check(_repo(tmp_path, readme, docs=docs))
-    assert [(p.path, p.line) for p in problems] == [("README.md", 17)] * 4 + [("docs/page.md", 3)], problems
+    assert [(p.path, p.line) for p in problems] == [("README.md", 19)] * 4 + [("docs/page.md", 3)], problems
     for p, figure in zip(problems, ("0.63 x", "1.2 s", "16,000 tokens/s", "5 %")):
         assert p.message.startswith(f"figure {figure!r} names no result"), p
     assert "'## Measured'" in problems[4].message
@@ -84,6 +86,7 @@ def test_a_figure_that_names_no_result_is_flagged(tmp_path: Path) -> None:
     ("<!-- q missing.json a -->1<!-- /q -->", "no result file benchmarks/results/missing.json"),
     ("<!-- q run.json summary.nope -->1<!-- /q -->", "key 'summary.nope': no 'summary.nope'"),
     ("<!-- q run.json summary.rows.5.loss -->1<!-- /q -->", "no 'summary.rows.5'"),
+    ("<!-- q run.json summary.rows.seed=44.loss -->1<!-- /q -->", "no 'summary.rows.seed=44'"),
     ("<!-- q run.json summary.loss fmt=.2f size=3 -->1<!-- /q -->", "unknown option 'size=3'"),
     ("<!-- q none -->1<!-- /q -->", "needs a reason"),
     ("<!-- quote run.json nope -->\nx\n<!-- /quote -->", "unknown table 'nope'"),
