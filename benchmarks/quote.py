@@ -37,6 +37,7 @@ section says why its figures are not results: ``<!-- figures: REASON -->``.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import re
 import shlex
@@ -119,6 +120,13 @@ def fmt(value: Any, spec: Optional[str] = None, scale: Optional[str] = None, rou
         raise QuoteError(f"cannot format {value!r} with {spec!r}: {e}") from None
 
 
+def _words(spec: str, where: str) -> list[str]:
+    try:
+        return shlex.split(spec)
+    except ValueError as e:
+        raise QuoteError(f"{where}: {e}") from None
+
+
 def _options(words: list[str], allowed: Iterable[str], where: str) -> dict[str, str]:
     opts = {}
     for w in words:
@@ -131,13 +139,13 @@ def _options(words: list[str], allowed: Iterable[str], where: str) -> dict[str, 
 
 def render_inline(spec: str, results: Path = RESULTS, cache: Optional[dict] = None) -> Optional[str]:
     """The text of an inline marker ``<!-- q SPEC -->``; None for ``q none ...`` (kept as written)."""
-    words = shlex.split(spec)
-    if not words:
-        raise QuoteError("an empty <!-- q --> marker")
-    if words[0] == "none":
-        if len(words) < 2:
+    if spec.split()[:1] == ["none"]:  # the reason is prose: not split
+        if len(spec.split()) < 2:
             raise QuoteError("<!-- q none --> needs a reason: <!-- q none REASON -->")
         return None
+    words = _words(spec, f"<!-- q {spec} -->")
+    if not words:
+        raise QuoteError("an empty <!-- q --> marker")
     if len(words) < 2:
         raise QuoteError(f"<!-- q {spec} -->: FILE KEY expected")
     data = load(words[0], results, cache)
@@ -179,14 +187,19 @@ def table_compare_speed(data: Any, regime: str = "comm", peers: str = "fsdp2,ddp
     names = {"shardfusion": "shardfusion", "fsdp2": "FSDP2", "ddp": "DDP", "deepspeed": "DeepSpeed ZeRO-3",
              "ds-hpz": "DeepSpeed ZeRO++ hpZ"}
     sf = variants["shardfusion"]
-    lines = ["| variant | step s (median) | tokens/s | shardfusion / variant, paired (ratio of medians) |",
-             "|---|---|---|---|"]
+    lines = ["| variant | step s (median) | tokens/s | shardfusion / variant: paired | per repeat | ratio of medians |",
+             "|---|---|---|---|---|---|"]
     for name, v in variants.items():
         if "median_step_s" not in v:
             continue
-        ratio = "1" if name == "shardfusion" else (
-            f"{sf[f'vs_{name}_paired']:.2f} ({sf[f'vs_{name}']:.2f})" if f"vs_{name}_paired" in sf else "n/a")
-        lines.append(f"| {names.get(name, name)} | {v['median_step_s']:.3f} | {v['tokens_per_s']:,.0f} | {ratio} |")
+        if name == "shardfusion":
+            ratios = "1 | | 1"
+        elif f"vs_{name}_paired" in sf:
+            each = ", ".join(f"{r:.2f}" for r in sf.get(f"vs_{name}_per_repeat", []))
+            ratios = f"{sf[f'vs_{name}_paired']:.2f} | {each} | {sf[f'vs_{name}']:.2f}"
+        else:
+            ratios = "n/a | | n/a"
+        lines.append(f"| {names.get(name, name)} | {v['median_step_s']:.3f} | {v['tokens_per_s']:,.0f} | {ratios} |")
     return lines
 
 
@@ -243,7 +256,7 @@ TABLES: dict[str, Callable[..., list[str]]] = {"rows": table_rows, "compare-spee
 
 
 def render_block(spec: str, results: Path = RESULTS, cache: Optional[dict] = None) -> str:
-    words = shlex.split(spec)
+    words = _words(spec, f"<!-- quote {spec} -->")
     if len(words) < 2:
         raise QuoteError(f"<!-- quote {spec} -->: FILE TABLE expected")
     name, table = words[0], words[1]
@@ -357,9 +370,11 @@ def check(repo: Path = REPO, results: Optional[Path] = None) -> list[Problem]:
         rendered, bad = render_text(text, results, cache, rel)
         problems += bad
         if rendered != text:
-            for i, (old, new) in enumerate(zip(text.splitlines(), rendered.splitlines()), 1):
-                if old != new:
-                    problems.append(Problem(rel, i, f"differs from its result; rendered: {new.strip()[:200]}"))
+            old_lines, new_lines = text.splitlines(), rendered.splitlines()
+            for op, i1, _, j1, j2 in difflib.SequenceMatcher(None, old_lines, new_lines, False).get_opcodes():
+                if op != "equal":
+                    shown = " / ".join(line.strip() for line in new_lines[j1:j2])[:200]
+                    problems.append(Problem(rel, i1 + 1, f"differs from its result; rendered: {shown}"))
         if rel == "README.md":
             problems += [Problem(rel, n, f"figure {fig!r} names no result (mark it: <!-- q FILE KEY -->)")
                          for n, fig in unmarked_figures(text)]
@@ -370,21 +385,20 @@ def check(repo: Path = REPO, results: Optional[Path] = None) -> list[Problem]:
 
 
 def render(repo: Path = REPO) -> list[Path]:
-    """Rewrite every document's markers from the stored results; returns the files changed (raises QuoteError
-    listing the markers that could not be rendered, and changes nothing then)."""
+    """Rewrite every document's markers from the stored results; returns the files changed. A document with a
+    marker that cannot be rendered is left as it is, and QuoteError lists those markers after the others are
+    written."""
     cache: dict = {}
-    changed, todo, problems = [], [], []
+    changed, problems = [], []
     for path in documents(repo):
         text = path.read_text()
         rendered, bad = render_text(text, repo / "benchmarks" / "results", cache, str(path.relative_to(repo)))
         problems += bad
-        if rendered != text:
-            todo.append((path, rendered))
+        if rendered != text and not bad:
+            path.write_text(rendered)
+            changed.append(path)
     if problems:
         raise QuoteError("\n".join(map(str, problems)))
-    for path, rendered in todo:
-        path.write_text(rendered)
-        changed.append(path)
     return changed
 
 

@@ -240,7 +240,8 @@ def _loss_spread(variants: dict) -> float | None:
 
 def _ratios(rows: dict) -> None:
     """``vs_<peer>``: ratio of the median step times; ``vs_<peer>_paired``: the median over repeats of the ratio of
-    the two variants' medians within a repeat (they ran minutes apart at most: robust to slow changes of load)."""
+    the two variants' medians within a repeat (they ran minutes apart at most: robust to slow changes of load);
+    ``vs_<peer>_per_repeat``: those ratios, one per repeat."""
     for v, row in rows.items():
         if "median_step_s" not in row:
             continue
@@ -250,6 +251,7 @@ def _ratios(rows: dict) -> None:
             mine, theirs = row["median_per_repeat_s"], rows.get(peer, {}).get("median_per_repeat_s") or []
             pairs = [a / b for a, b in zip(mine, theirs) if a and b]
             row[f"vs_{peer}_paired"] = _median(pairs)
+            row[f"vs_{peer}_per_repeat"] = pairs  # the spread of the paired ratio, for a loaded machine
 
 
 def _targets(regime: str, rows: dict, n_units: int, inner: int, outer: int) -> list[dict]:
