@@ -57,7 +57,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"`{result['command']}` ({s['layout']}).", "", describe(result["env"]), "",
         "| figure | value |", "|---|---|",
         f"| parameters (active per token) | {s['num_params']:,} ({s['num_active_params']:,}) |",
-        f"| validation loss, nats per token, before -> after | {s['first_val_loss']:.4f} -> {s['final_val_loss']:.4f} |",
+        f"| validation loss, nats per token, before -> after | {s['first_val_loss']:.4f} -> "
+        f"{s['final_val_loss']:.4f} |",
         f"| steps, training seconds | {s['steps']}, {s['train_s']:.1f} s |",
         f"| tokens/s (mean over steps after the first) | {s['tokens_per_s']:,.0f} |",
         f"| wall seconds (start-up included) | {result['env']['wall_s']:.0f} s |", ""])

@@ -11,9 +11,10 @@ name the result it comes from (docs/benchmarks.md, "Quoted figures"):
       <!-- q default-run.json summary.final_val_loss fmt=.2f -->2.03<!-- /q -->
 
   FILE is a path under ``benchmarks/results/``, KEY a dotted path into its JSON (:func:`lookup`: in a list a
-  segment of digits, or ``-1``, is an index and ``field=value`` picks a record); options: ``fmt=`` a Python format spec (default: ``g`` for a number), ``scale=`` a factor applied first
-  (``scale=1000`` for ms from seconds), ``div=KEY2`` divides by another value of the same file, ``round=N`` rounds
-  to N decimals first (``round=-2``: to hundreds). ``<!-- q none REASON -->text<!-- /q -->`` marks a figure that
+  segment of digits, or ``-1``, is an index and ``field=value`` picks a record); options: ``fmt=`` a Python format
+  spec (default: ``g`` for a number), ``div=KEY2`` divides by another value of the same file, ``scale=`` a factor
+  applied next (``scale=1000`` for ms from seconds), ``round=N`` rounds to N decimals last (``round=-2``: to
+  hundreds). ``<!-- q none REASON -->text<!-- /q -->`` marks a figure that
   is not a measurement (a design constant, a formula's value): it is left as written and exempt from the check;
 
 - a table or a block of lines::
@@ -61,10 +62,9 @@ MEASURED = re.compile(
 """A measured figure: a number followed by a unit of time, speed, memory, a ratio (``0.63 x``, but not a layout
 such as ``2 x 2``), a percentage or a loss."""
 CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
+"""Code in a document: a marker there is an example, and a figure there is not checked."""
 RESULT_LINK = re.compile(r"benchmarks/results/[\w.-]+")
 """A result named in prose (that the file exists is checked by tests/unit/test_repo_layout.py)."""
-
-
 FIGURES = re.compile(r"<!-- figures: \S[^>]*-->")
 """A section's declaration that its table figures are not benchmark results, with the reason (test runtimes,
 deterministic layout figures): ``<!-- figures: REASON -->``."""
