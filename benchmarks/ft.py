@@ -206,6 +206,10 @@ def run_scenario(out: Path, *, steps: int, kill_at: int, restart_after: int, rep
             tails = "\n".join(f"---- {n} (exit {c}):\n{run.log(n)[-3000:]}" for n, c in codes.items())
             raise RuntimeError(f"a replica group failed: {codes}\n{tails}")
         logs = {n: run.log(n) for n in names}
+    if restart_after is not None and not (out / REPLICA_FOLDER.format(victim) / "summary.json").exists():
+        raise RuntimeError(f"the restarted replica group {victim} started after the survivors had finished all "
+                           f"{steps} steps (a slow start-up on a loaded machine): run more --steps\n"
+                           f"{logs[f'replica{victim}b'][-1500:]}")
     runs = {g: read_run(out, g) for g in range(replicas)}
     survivor = runs[0]
     times = step_times(survivor["train"])
