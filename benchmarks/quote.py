@@ -61,7 +61,7 @@ MEASURED = re.compile(
     r"|\d[\d,]*(?:\.\d+)?\s*%)")
 """A measured figure: a number followed by a unit of time, speed, memory, a ratio (``0.63 x``, but not a layout
 such as ``2 x 2``), a percentage or a loss."""
-CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
+CODE = re.compile(r"```.*?```|`(?:[^`\n]|\n(?!\s*\n))*`", re.S)
 """Code in a document: a marker there is an example, and a figure there is not checked."""
 RESULT_LINK = re.compile(r"benchmarks/results/[\w.-]+")
 """A result named in prose (that the file exists is checked by tests/unit/test_repo_layout.py)."""
@@ -329,8 +329,8 @@ def _strip(text: str) -> str:
     unmarked figures."""
     def blank(m: re.Match) -> str:
         return re.sub(r"[^\n]", " ", m[0])
-    for pattern in (r"(?m)^ {4}[^\n]*$", r"```.*?```", BLOCK.pattern, INLINE.pattern, r"`[^`\n]*`",
-                    r"\]\([^)\n]*\)", r"<!--.*?-->"):
+    for pattern in (r"(?m)^ {4}[^\n]*$", CODE.pattern, BLOCK.pattern, INLINE.pattern, r"\]\([^)\n]*\)",
+                    r"<!--.*?-->"):
         text = re.sub(pattern, blank, text, flags=re.S)
     return text
 
