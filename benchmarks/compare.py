@@ -326,6 +326,7 @@ def worker(opts: dict) -> dict | None:
 # ---- parent -----------------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     from benchmarks import report
+    from benchmarks.provenance import RunRecord
     from benchmarks.compare import worker as entry  # pickled by module name for the spawned workers
     from benchmarks.spawn import end_process, run_workers, under_torchrun
 
@@ -339,22 +340,20 @@ def main(argv=None) -> int:
             "param_dtype": args.param_dtype, "reshard": args.reshard, "prefetch": args.prefetch, "seed": args.seed,
             "profile": args.profile, "name": name,
             "out_dir": args.out_dir}
-    env = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
-           "load_before": [round(x, 2) for x in os.getloadavg()]}
-    t0 = time.time()
-    if under_torchrun():
-        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-        res = entry(opts)
-        if res is None:
-            end_process(0)
-    else:
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        results = run_workers(entry, (opts,), nproc)
-        if results is None:
-            return 1
-        res = results[0]
-    env["wall_s"] = time.time() - t0
-    env["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    with RunRecord() as record:
+        if under_torchrun():
+            os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+            res = entry(opts)
+            if res is None:
+                end_process(0)
+        else:
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+            results = run_workers(entry, (opts,), nproc)
+            if results is None:
+                return 1
+            res = results[0]
+    env = {**record.as_dict(), "command": "python -m benchmarks.compare " + " ".join(
+        argv if argv is not None else sys.argv[1:])}
     cfg = {**{k: v for k, v in opts.items() if k not in ("regimes", "variants")}, "regimes": opts["regimes"],
            "variants": opts["variants"], "world_size": res["world_size"], "inner": res["inner"],
            "backend": res["backend"], "threads": res["threads"], "prefetch_depth": args.prefetch}

@@ -39,6 +39,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from shardfusion.train.ft_config import REPLICA_FOLDER  # noqa: E402
 from shardfusion.train.job_ft import PAUSE_ENV, PAUSED_FILE  # noqa: E402
+
+from benchmarks.provenance import RunRecord, describe  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 HEARTBEAT_MS = 2000
 """The lighthouse's --heartbeat_timeout_ms here: how long a dead replica group stays in the quorum's view."""
@@ -234,6 +236,10 @@ def run_scenario(out: Path, *, steps: int, kill_at: int, restart_after: int, rep
             tails = "\n".join(f"---- {n} (exit {c}):\n{run.log(n)[-3000:]}" for n, c in codes.items())
             raise RuntimeError(f"a replica group failed: {codes}\n{tails}")
         logs = {n: run.log(n) for n in names}
+    if restart_after is not None and not (out / REPLICA_FOLDER.format(victim) / "summary.json").exists():
+        raise RuntimeError(f"the restarted replica group {victim} started after the survivors had finished all "
+                           f"{steps} steps (a slow start-up on a loaded machine): run more --steps\n"
+                           f"{logs[f'replica{victim}b'][-1500:]}")
     runs = {g: read_run(out, g) for g in range(replicas)}
     survivor = runs[0]
     times = step_times(survivor["train"])
@@ -282,7 +288,7 @@ def run_clean(out: Path, *, steps: int, replicas: int = 2, nproc: int = 2, clust
 
 
 def run_hsdp(out: Path, *, steps: int, replicas: int = 2, nproc: int = 2, train: Sequence[str] = TRAIN,
-             timeout: float = 600) -> dict[str, Any]:
+             timeout: float = 600, seed: int = 42) -> dict[str, Any]:
     """The peer without fault tolerance: HSDP replicas x nproc in one job of the same flags (loopback), whose
     failure would restart every rank from the last checkpoint. Returns its median step time and start-up time."""
     at = list(train).index("--ft-timeout") if "--ft-timeout" in train else len(train)
@@ -290,7 +296,8 @@ def run_hsdp(out: Path, *, steps: int, replicas: int = 2, nproc: int = 2, train:
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "shardfusion.train", *flags, "--steps", str(steps), "--eval-every",
-                             str(steps), "--nproc", str(replicas * nproc), "--fsdp-outer-degree", str(replicas),
+                             str(steps), "--seed", str(seed), "--nproc", str(replicas * nproc), "--fsdp-outer-degree",
+                             str(replicas),
                              "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=timeout,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     if result.returncode != 0:
@@ -298,45 +305,72 @@ def run_hsdp(out: Path, *, steps: int, replicas: int = 2, nproc: int = 2, train:
     wall = time.monotonic() - t0
     summary = json.loads((out / "summary.json").read_text())
     train_records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
-    return {"median_step_s": statistics.median(t for _, t in step_times(train_records)),
+    return {"seed": seed, "median_step_s": statistics.median(t for _, t in step_times(train_records)),
             "startup_s": wall - summary["train_s"]}
 
 
-def report(result: dict[str, Any]) -> str:
+def paired_cost(clean: list[dict[str, Any]], hsdp: list[dict[str, Any]]) -> dict[str, Any]:
+    """The cost of fault tolerance when nothing fails: each seed's run with fault tolerance against the HSDP run of
+    the same seed started right after it (a pair shares the machine's load); the median over pairs, and each."""
+    ratios = [c["median_step_s"] / h["median_step_s"] for c, h in zip(clean, hsdp)]
+    return {"ratios": ratios, "median": statistics.median(ratios),
+            "ft_step_s": [c["median_step_s"] for c in clean], "hsdp_step_s": [h["median_step_s"] for h in hsdp]}
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures the report and the docs quote, from a result of :func:`main`: the survivors' median step, gap
+    and detection time (and its ratio to the heartbeat timeout), the failure run's final validation loss against
+    the run of the same seed without a failure and the two seeds' difference (the noise), the cost of fault
+    tolerance when nothing fails (paired; see :func:`paired_cost`) in ratio and ms per step, and what the elastic
+    path would have lost (steps since the last checkpoint and a start-up)."""
     f, c = result["failure"], result["clean"]
-    noise = abs(c[0]["final_val_loss"] - c[1]["final_val_loss"])
+    hsdp = result["hsdp"] if isinstance(result["hsdp"], list) else [result["hsdp"]]
+    cost = result.get("cost") or paired_cost(c[:len(hsdp)], hsdp)
+    since = f["killed_at_step"] % result["save_every"]
+    lost = since * hsdp[0]["median_step_s"] + hsdp[0]["startup_s"]
+    return {"median_step_ms": f["survivor_median_step_s"] * 1000, "gap_s": f["survivor_gap_s"],
+            "detection_s": f["detection_s"], "detection_vs_heartbeat": f["detection_s"] * 1000 / f["heartbeat_ms"],
+            "discarded_steps": [d["step"] for d in f["discarded"]],
+            "final_val_loss": f["final_val_loss"]["0"],
+            "loss_vs_same_seed": abs(f["final_val_loss"]["0"] - c[0]["final_val_loss"]),
+            "noise": abs(c[0]["final_val_loss"] - c[1]["final_val_loss"]),
+            "cost": cost["median"], "cost_ratios": cost["ratios"],
+            "cost_ms": statistics.median((a - b) * 1000 for a, b in zip(cost["ft_step_s"], cost["hsdp_step_s"])),
+            "ft_step_ms": cost["ft_step_s"][0] * 1000, "hsdp_step_ms": hsdp[0]["median_step_s"] * 1000,
+            "elastic_steps_since_checkpoint": since, "elastic_startup_s": hsdp[0]["startup_s"],
+            "elastic_lost_s": lost}
+
+
+def report(result: dict[str, Any]) -> str:
+    f, c, s = result["failure"], result["clean"], summarize(result)
     lines = [f"# Fault-tolerant replica groups: one killed and restarted ({f['where']})", "",
-             f"`{result['command']}`", "",
+             f"`{result['command']}`", "", *([describe(result["env"]), ""] if "env" in result else []),
              f"{f['replicas']} replica groups x {f['nproc']} ranks, {f['steps']} steps of a tiny GPT; the lighthouse's "
              f"heartbeat timeout {f['heartbeat_ms']} ms. Group {f['replicas'] - 1} killed (SIGKILL) at step "
              f"{f['killed_at_step']}, restarted at step {f['restarted_at_step']}.", "",
              "| measure | value |", "|---|---|",
-             f"| survivors' median step | {f['survivor_median_step_s'] * 1000:.0f} ms |",
-             f"| survivors' failed step to the next commit (gap) | {f['survivor_gap_s']:.2f} s |",
-             f"| gap - median step (detection and new quorum) | {f['detection_s']:.2f} s "
-             f"(heartbeat timeout {f['heartbeat_ms'] / 1000:.1f} s: ratio "
-             f"{f['detection_s'] * 1000 / f['heartbeat_ms']:.2f}) |",
-             f"| discarded steps | {[d['step'] for d in f['discarded']]} |"]
+             f"| survivors' median step | {s['median_step_ms']:.0f} ms |",
+             f"| survivors' failed step to the next commit (gap) | {s['gap_s']:.2f} s |",
+             f"| gap - median step (detection and new quorum) | {s['detection_s']:.2f} s "
+             f"(heartbeat timeout {f['heartbeat_ms'] / 1000:.1f} s: ratio {s['detection_vs_heartbeat']:.2f}) |",
+             f"| discarded steps | {s['discarded_steps']} |"]
     for r in f["recoveries"]:
         lines.append(f"| recovery | step {r['step']}: {r['bytes'] / 2**20:.2f} MiB in {r['seconds']:.2f} s |")
-    failure = f["final_val_loss"]["0"]
     lines += [f"| state digests equal in every group at the end | {f['digests_equal']} |",
-              f"| final val loss, failure run | {failure:.4f} |",
+              f"| final val loss, failure run | {s['final_val_loss']:.4f} |",
               f"| final val loss, no failure, seeds {c[0]['seed']} / {c[1]['seed']} | {c[0]['final_val_loss']:.4f} / "
-              f"{c[1]['final_val_loss']:.4f} (noise {noise:.4f}) |", ""]
-    h = result["hsdp"]
-    overhead = c[0]["median_step_s"] / h["median_step_s"]
-    since = f["killed_at_step"] % result["save_every"]
-    lost_elastic = since * h["median_step_s"] + h["startup_s"]
+              f"{c[1]['final_val_loss']:.4f} (noise {s['noise']:.4f}) |", ""]
+    paired = (f"; paired: the median of {', '.join(f'{r:.2f}' for r in s['cost_ratios'])}, each seed's run "
+              f"against the HSDP run of the same seed right after it" if len(s["cost_ratios"]) > 1 else "")
     lines += [f"Against HSDP {f['replicas']} x {f['nproc']} in one job (no fault tolerance): median step "
-              f"{h['median_step_s'] * 1000:.0f} ms; with fault tolerance and no failure "
-              f"{c[0]['median_step_s'] * 1000:.0f} ms ({overhead:.2f} x: the quorum and the vote each step). "
-              f"A failure there restarts every rank from the last checkpoint: here {since} steps since it "
-              f"(--save-every {result['save_every']}; {result['save_every'] / 2:.0f} on average) and a start-up of "
-              f"{h['startup_s']:.1f} s: {lost_elastic:.1f} s lost on every node, against the survivors' "
-              f"{f['survivor_gap_s']:.2f} s here.", ""]
-    lines.append(f"The failure run's final val loss is {abs(failure - c[0]['final_val_loss']):.4f} from the run of "
-                 f"the same seed without a failure; the two seeds differ by {noise:.4f}.")
+              f"{s['hsdp_step_ms']:.0f} ms; with fault tolerance and no failure {s['ft_step_ms']:.0f} ms "
+              f"({s['cost']:.2f} x, {s['cost_ms']:.0f} ms per step: the quorum and the vote each step{paired}). "
+              f"A failure there restarts every rank from the last checkpoint: here "
+              f"{s['elastic_steps_since_checkpoint']} steps since it (--save-every {result['save_every']}; "
+              f"{result['save_every'] / 2:.0f} on average) and a start-up of {s['elastic_startup_s']:.1f} s: "
+              f"{s['elastic_lost_s']:.1f} s lost on every node, against the survivors' {s['gap_s']:.2f} s here.", ""]
+    lines.append(f"The failure run's final val loss is {s['loss_vs_same_seed']:.4f} from the run of the same seed "
+                 f"without a failure; the two seeds differ by {s['noise']:.4f}.")
     return "\n".join(lines) + "\n"
 
 
@@ -357,18 +391,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         from benchmarks.netcluster import EmulatedCluster
         cluster = EmulatedCluster(nodes=args.nodes, rate=args.rate).__enter__()
         args.replicas = args.nodes
+    record = RunRecord().__enter__()
     try:
         base = Path(args.out)
         failure = run_scenario(base / "failure", steps=args.steps, kill_at=args.kill_at,
                                restart_after=args.restart_after, replicas=args.replicas, nproc=args.nproc,
                                cluster=cluster, timeout=1200)
-        clean = [run_clean(base / f"clean-{seed}", steps=args.steps, replicas=args.replicas, nproc=args.nproc,
-                           cluster=cluster, seed=seed, timeout=1200) for seed in (42, 43)]
-        hsdp = run_hsdp(base / "hsdp", steps=args.steps, replicas=args.replicas, nproc=args.nproc)
+        clean, hsdp = [], []
+        for seed in (42, 43):  # pairs: each clean run, then HSDP of the same seed right after it (paired_cost)
+            clean.append(run_clean(base / f"clean-{seed}", steps=args.steps, replicas=args.replicas,
+                                   nproc=args.nproc, cluster=cluster, seed=seed, timeout=1200))
+            hsdp.append(run_hsdp(base / f"hsdp-{seed}", steps=args.steps, replicas=args.replicas, nproc=args.nproc,
+                                 seed=seed, timeout=1200))
     finally:
+        record.__exit__(None, None, None)
         if cluster is not None:
             cluster.close()
-    result = {"command": command, "failure": failure, "clean": clean, "hsdp": hsdp, "save_every": SAVE_EVERY}
+    result = {"command": command, "env": record.as_dict(), "failure": failure, "clean": clean, "hsdp": hsdp,
+              "cost": paired_cost(clean, hsdp), "save_every": SAVE_EVERY}
+    result["summary"] = summarize(result)
     where = f"cluster{args.nodes}" if args.nodes else "loopback"
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"ft-{where}.json").write_text(json.dumps(result, indent=2) + "\n")

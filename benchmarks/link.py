@@ -75,6 +75,8 @@ from typing import Optional
 if __package__ in (None, ""):  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.provenance import RunRecord, describe  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 NODES, NPROC_PER_NODE = 2, 2
 DEFAULT_RATES = "100mbit,1gbit,unlimited"
@@ -230,7 +232,7 @@ def worker(opts: dict) -> Optional[dict]:
         if diloco_every(v) is not None:
             res[v]["outer_step"] = []  # per repeat: per timed step, whether it carried the outer step
     for r in range(opts["repeats"]):
-        k = r % len(variants)
+        k = (r + opts.get("rotate", 0)) % len(variants)  # rotate: this job's repeat number under --interleave-rates
         for v in variants[k:] + variants[:k]:
             lib, outer, per_step_last, spec, _ = VARIANTS[v]
             n = n_timed[v]
@@ -289,7 +291,7 @@ def worker(opts: dict) -> Optional[dict]:
                 cats = list(acct)
                 res[v]["accounting"].append([{c: sum(got[i]["acct"][c] for i in range(n * local, (n + 1) * local))
                                               for c in cats} for n in range(world // local)])
-            if r == 0:
+            if r == 0 and opts.get("record", True):
                 rec = CollectiveRecorder()
                 if lib == "shardfusion":
                     # a dispatch mode is thread-local: the overlapped all-reduces, issued from shardfusion's worker
@@ -438,16 +440,17 @@ def summarize(raw: dict) -> dict:
     one_node = per_rate.get(ONE_NODE_RATE, (None, {}))[1].get(ONE_NODE_REF)
     out = {}
     for rate, (bps, rows) in per_rate.items():
-        diloco = _diloco_rows(raw["rates"][rate], rows, one_node)
+        diloco = _diloco_rows(raw["rates"][rate], rows, one_node, bool(raw["config"].get("interleave_rates")))
         out[rate] = {"rate_bps": bps, "variants": rows, "diloco": diloco, "targets": _targets(rate, rows, diloco)}
     return out
 
 
-def _diloco_rows(rr: dict, rows: dict, one_node: Optional[dict]) -> dict:
+def _diloco_rows(rr: dict, rows: dict, one_node: Optional[dict], interleaved: bool = False) -> dict:
     """Per DiLoCo variant at one rate: the mean step over the timed window (whole periods), the median inner step,
     the mean outer step, link bytes per step per node, and the ratios of means against ``sf-hsdp`` and ``ddp`` at
     this rate (and paired: the median over repeats of the ratio of the repeat's means) and against ``one_node``
-    (``sf-hsdp``'s row at ``ONE_NODE_RATE``, or None: n/a)."""
+    (``sf-hsdp``'s row at ``ONE_NODE_RATE``, or None: n/a), paired too when ``interleaved`` (the rates ran repeat by
+    repeat)."""
     out = {}
     for v, row in rows.items():
         h = diloco_every(v)
@@ -466,10 +469,14 @@ def _diloco_rows(rr: dict, rows: dict, one_node: Optional[dict]) -> dict:
              "link_bytes_per_step": row["link_bytes_per_step"]}
         for key, peer in (("sf-hsdp", rows.get("sf-hsdp")), ("ddp", rows.get("ddp")), ("one_node", one_node)):
             d[f"vs_{key}"] = row["mean_step_s"] / peer["mean_step_s"] if peer else None
-            if key != "one_node":
+            # the one-node reference ran at another rate: paired only when the rates were interleaved repeat by
+            # repeat (--interleave-rates), so that repeat i of both ran minutes apart at most
+            if key != "one_node" or interleaved:
                 pairs = ([a / b for a, b in zip(row["mean_per_repeat_s"], peer["mean_per_repeat_s"]) if a and b]
                          if peer else [])
                 d[f"vs_{key}_paired"] = _median(pairs)
+            else:
+                d["vs_one_node_paired"] = None
         out[v] = d
     return out
 
@@ -493,10 +500,11 @@ def _targets(rate: str, rows: dict, diloco: Optional[dict] = None) -> list[dict]
         val = None
     out.append({"target": "sf-hsdp-int8 link bytes <= 0.35 x sf-hsdp", "value": val,
                 "met": None if val is None else val <= 0.35})
-    for v in DILOCO:  # "DiLoCo step within 1.15 x of the same run on one node"
-        val = diloco[v]["vs_one_node"] if v in diloco else None
+    for v in DILOCO:  # "DiLoCo step within 1.15 x of the same run on one node"; paired when the rates interleaved
+        paired = diloco[v].get("vs_one_node_paired") if v in diloco else None
+        val = paired if paired is not None else (diloco[v]["vs_one_node"] if v in diloco else None)
         out.append({"target": f"{v} mean step <= {DILOCO_VS_ONE_NODE} x one node ({ONE_NODE_REF} at "
-                              f"{ONE_NODE_RATE}, mean)", "value": val,
+                              f"{ONE_NODE_RATE}, mean{', paired' if paired is not None else ''})", "value": val,
                     "met": None if val is None else val <= DILOCO_VS_ONE_NODE})
     return out
 
@@ -529,6 +537,12 @@ def markdown(raw: dict, summary: dict) -> str:
              f"steps and repeats of the slowest rank's step.", "",
              f"Machine: {env['cpu_count']} CPUs, torch {env['torch']}; load average before {env['load_before']}, "
              f"after {env['load_after']}; wall {env['wall_s']:.0f} s.", ""]
+    if env.get("commit"):
+        lines += [describe(env), ""]
+    if cfg.get("interleave_rates"):
+        lines += [f"Rates interleaved: each repeat is one job per rate (rates rotated each repeat), so the ratios "
+                  f"against the one-node reference are paired: the median over repeats of the ratio within one "
+                  f"repeat.", ""]
     names = [v for v in VARIANTS if any(v in s["variants"] for s in summary.values())]
     lines += ["## Median step time (s)", "", "| link | " + " | ".join(VARIANTS[v][4] for v in names) + " |",
               "|---|" + "---|" * len(names)]
@@ -586,11 +600,13 @@ def _diloco_markdown(rate: str, rows: dict, have_one_node: bool) -> list[str]:
              f"standing in for one node{ref}.", "",
              "| variant | H | pseudo-gradient | timed steps (outer) | step s (mean) | inner step s (median) | "
              "outer step s (mean) | link MB/step node 0, 1 (veth) | vs sf-hsdp (paired) | vs DDP (paired) | "
-             "vs one node |", "|---|" + "---|" * 10]
+             "vs one node (paired) |", "|---|" + "---|" * 10]
     for row in rows.values():
         lk = ", ".join(_mb(x) for x in row["link_bytes_per_step"])
         outer = ", ".join(str(n) for n in row["outer_steps_per_repeat"])
         one = "n/a" if row["vs_one_node"] is None else _f(row["vs_one_node"], ".2f")
+        if row.get("vs_one_node_paired") is not None:
+            one += f" ({_f(row['vs_one_node_paired'], '.2f')})"
         lines.append(
             f"| {row['label']} | {row['every']} | {row['comm_dtype']} | {row['timed_steps']} ({outer}) | "
             f"{_f(row['mean_step_s'])} | {_f(row['median_inner_step_s'])} | {_f(row['mean_outer_step_s'])} | {lk} | "
@@ -611,6 +627,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant per repeat (DiLoCo variants: "
                    "max(steps, H) rounded up to a multiple of H)")
     p.add_argument("--quick", action="store_true", help="1 repeat, 1 warm-up step, 2 timed steps")
+    p.add_argument("--interleave-rates", action="store_true",
+                   help="one job per rate and repeat, rates rotated each repeat: ratios across rates (vs one node) "
+                        "are then paired")
     p.add_argument("--regime", default="comm", help="a regime of benchmarks/compare.py")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per link rate before the job is killed")
@@ -638,13 +657,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _rotated(items: list, k: int) -> list:
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+def _merge(into: dict, more: dict) -> dict:
+    """One rate's raw results with another job's repeats at that rate appended (--interleave-rates)."""
+    for v, vr in more["variants"].items():
+        mine = into["variants"][v]
+        for key in ("step_s", "link_bytes", "accounting", "losses", "outer_step"):
+            if key in vr:
+                mine.setdefault(key, []).extend(vr[key])
+    into["qdisc"] = [{k: a.get(k, 0) + b.get(k, 0) for k in {**a, **b}} for a, b in zip(into["qdisc"], more["qdisc"])]
+    into["jobs"] = into.get("jobs", 1) + 1
+    return into
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         worker_main(argv[1], argv[2])
         return 0
-    import torch
-
     from benchmarks.netcluster import ClusterError, netns_available
 
     args = parse_args(argv)
@@ -668,22 +702,23 @@ def main(argv=None) -> int:
             print(f"benchmarks.link: {notes[-1]}", flush=True)
     opts = {"variants": variants, "repeats": args.repeats, "warmup": args.warmup, "steps": args.steps,
             "regime": args.regime, "seed": args.seed}
-    env = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
-           "load_before": [round(x, 2) for x in os.getloadavg()]}
-    t0 = time.time()
-    rates = {}
-    for rate in args.rates.split(","):
-        print(f"benchmarks.link: link {rate}", flush=True)
-        try:
-            r = run_rate(rate, opts, args.timeout)
-        except ClusterError as e:
-            print(f"benchmarks.link: the job at {rate} failed:\n{e}", file=sys.stderr)
-            return 1
-        rates[r["link"]["rate"]] = r
-    env["wall_s"] = time.time() - t0
-    env["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    rates: dict = {}
+    jobs = ([(rate, {**opts, "rotate": r, "repeats": 1, "record": r == 0})
+             for r in range(args.repeats) for rate in _rotated(args.rates.split(","), r)]
+            if args.interleave_rates else [(rate, opts) for rate in args.rates.split(",")])
+    with RunRecord() as record:
+        for rate, job in jobs:
+            print(f"benchmarks.link: link {rate}", flush=True)
+            try:
+                r = run_rate(rate, job, args.timeout)
+            except ClusterError as e:
+                print(f"benchmarks.link: the job at {rate} failed:\n{e}", file=sys.stderr)
+                return 1
+            name = r["link"]["rate"]
+            rates[name] = _merge(rates[name], r) if name in rates else r
+    env = {**record.as_dict(), "command": "python -m benchmarks.link " + " ".join(argv)}
     raw = {"name": args.name, "config": {**opts, "rates": list(rates), "nodes": NODES,
-                                         "nproc_per_node": NPROC_PER_NODE},
+                                         "nproc_per_node": NPROC_PER_NODE, "interleave_rates": args.interleave_rates},
            "env": env, "rates": rates, "notes": notes}
     summary = summarize(raw)
     text = markdown(raw, summary)

@@ -280,6 +280,7 @@ def worker(variant: str, opts: dict) -> dict:
 def main(argv=None) -> int:
     from benchmarks import report
     from benchmarks.memory import worker as entry  # pickled by module name for the spawned workers
+    from benchmarks.provenance import RunRecord
     from benchmarks.spawn import run_workers, under_torchrun
     from benchmarks.variants import unit_sizes
     from shardfusion.models.gpt import GPT, GPTConfig
@@ -302,14 +303,12 @@ def main(argv=None) -> int:
             "outer": args.outer, "seed": args.seed,
             "weights": write_weights(args.shape, args.seed + 1, Path(weights.name))}
     root, blocks = unit_sizes(GPTConfig(**args.shape))
-    env = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
-           "load_before": [round(x, 2) for x in os.getloadavg()]}
+    record, env = RunRecord().__enter__(), {}  # commit and load (benchmarks/provenance.py)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     if args.malloc_mmap_threshold > 0:  # read by glibc when a process starts: the workers', not this one's
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
     env["MALLOC_MMAP_THRESHOLD_"] = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     runs: dict[str, list] = {v: [] for v in variants}
-    t0 = time.time()
     for r in range(args.repeats):
         k = r % len(variants)
         for v in variants[k:] + variants[:k]:
@@ -325,8 +324,8 @@ def main(argv=None) -> int:
             print(f"repeat {r} {v}: {run['wall_s']:.1f} s" + (f" ({err['phase']}: {err['text']})" if err else "")
                   + (f" ({run['failed']})" if "failed" in run else ""), flush=True)
     weights.cleanup()
-    env["wall_s"] = time.time() - t0
-    env["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    record.__exit__(None, None, None)
+    env = {**record.as_dict(), **env}
     cfg = {**{k: v for k, v in vars(args).items() if k not in ("shape", "out_dir", "name")}, "device": device,
            "world_size": world, "inner": world // args.outer, "threads": threads, "variants": variants}
     with torch.device("meta"):

@@ -61,6 +61,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks.measure import CollectiveRecorder
+from benchmarks.provenance import RunRecord
 
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = ("shardfusion", "fsdp2")
@@ -561,16 +562,14 @@ def main(argv=None) -> int:
             "warmup": args.warmup, "steps": args.steps, "pp": args.pp, "outer": args.outer, "n_layer": args.n_layer,
             "d_model": args.d_model, "n_head": args.n_head, "seq": args.seq, "mb_rows": args.mb_rows,
             "seed": args.seed, "lr": LR, "max_norm": MAX_NORM}
-    env = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
-           "load_before": [round(x, 2) for x in os.getloadavg()]}
-    t0 = time.time()
+    record = RunRecord().__enter__()  # commit and load (benchmarks/provenance.py)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     results = run_workers(entry, (opts,), args.nproc)
     if results is None:
         return 1
     res = results[0]
-    env["wall_s"] = time.time() - t0
-    env["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    record.__exit__(None, None, None)
+    env = record.as_dict()
     cfg = {**opts, "world_size": res["world_size"], "inner": res["inner"], "backend": res["backend"],
            "threads": res["threads"], "command": "python -m benchmarks.pipeline "
            + shlex.join(sys.argv[1:] if argv is None else argv)}

@@ -41,6 +41,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from benchmarks.provenance import describe
+
 SMALL_NUMEL = 1024
 """Collectives below this many elements (norm scalars) are reported apart from the bulk traffic."""
 
@@ -238,7 +240,8 @@ def _loss_spread(variants: dict) -> float | None:
 
 def _ratios(rows: dict) -> None:
     """``vs_<peer>``: ratio of the median step times; ``vs_<peer>_paired``: the median over repeats of the ratio of
-    the two variants' medians within a repeat (they ran minutes apart at most: robust to slow changes of load)."""
+    the two variants' medians within a repeat (they ran minutes apart at most: robust to slow changes of load);
+    ``vs_<peer>_per_repeat``: those ratios, one per repeat."""
     for v, row in rows.items():
         if "median_step_s" not in row:
             continue
@@ -248,6 +251,7 @@ def _ratios(rows: dict) -> None:
             mine, theirs = row["median_per_repeat_s"], rows.get(peer, {}).get("median_per_repeat_s") or []
             pairs = [a / b for a, b in zip(mine, theirs) if a and b]
             row[f"vs_{peer}_paired"] = _median(pairs)
+            row[f"vs_{peer}_per_repeat"] = pairs  # the spread of the paired ratio, for a loaded machine
 
 
 def _targets(regime: str, rows: dict, n_units: int, inner: int, outer: int) -> list[dict]:
@@ -359,6 +363,8 @@ def markdown(raw: dict, summary: dict) -> str:
              f"worker. Loss: first and last timed step of the first repeat.",
              "", f"Machine: {env['cpu_count']} CPUs, torch {env['torch']}; load average before {env['load_before']}, "
              f"after {env['load_after']}; wall {env.get('wall_s', 0):.0f} s.", ""]
+    if env.get("commit"):
+        lines += [describe(env), ""]
     for regime, s in summary.items():
         shape = s["shape"]
         lines += [f"## {regime}: batch {shape['batch']}, seq {shape['seq']}, {shape['n_layer']} layers, d "
@@ -510,7 +516,7 @@ def memory_markdown(raw: dict, summary: dict) -> str:
              + ", ".join(f"{v} {sum(row['wall_s']):.0f} s" for v, row in summary["variants"].items())
              + "); workers' MALLOC_MMAP_THRESHOLD_: "
              + (f"{env['MALLOC_MMAP_THRESHOLD_']} bytes" if env.get("MALLOC_MMAP_THRESHOLD_") else
-                "unset (glibc's dynamic threshold)") + ".", "",
+                "unset (glibc's dynamic threshold)") + ".", "", *([describe(env), ""] if env.get("commit") else []),
              "Each figure: the largest rank's, over its own baseline (after imports and process groups), the median "
              "over repeats. MB = 2^20 bytes.", "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -748,6 +754,7 @@ def pipeline_markdown(raw: dict, summary: dict) -> str:
              "worker.", "",
              f"Machine: {env['cpu_count']} CPUs, torch {env['torch']}; load average before {env['load_before']}, "
              f"after {env['load_after']}; wall {env.get('wall_s', 0):.0f} s. Command: `{cfg.get('command', '')}`.",
+             *([describe(env)] if env.get("commit") else []),
              "", "MB = 2^20 bytes. Per-stage figures are given as stage 0 / stage 1 (the pp ranks; under the "
              "interleaved schedule pp rank 0 holds stages 0 and 2, pp rank 1 stages 1 and 3).", ""]
     lines += ["## Step time and bubble", "",
