@@ -23,7 +23,7 @@ from typing import Any, Optional
 REPO = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
-from benchmarks.provenance import RunRecord, describe  # noqa: E402
+from benchmarks.provenance import RunRecord, describe, write_result  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SUMMARY_KEYS = ("first_val_loss", "final_val_loss", "first_val_bpb", "final_val_bpb", "final_train_loss",
@@ -75,12 +75,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="shardfusion-default-run-") as tmp:
         result = run(job_args, Path(tmp) / "out")
     result["name"] = args.name
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    text = markdown(result)
-    (out_dir / f"{args.name}.md").write_text(text)
-    print(text)
+    write_result(Path(args.out_dir), args.name, result, markdown(result))
     return 0
 
 

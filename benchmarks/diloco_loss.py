@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.loss_curves import plot
+from benchmarks.provenance import write_result
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -198,10 +199,7 @@ def main(argv=None) -> int:
     if "diloco" in rows and "ratio_of_means" in rows["diloco"]:
         ratio = rows["diloco"]["ratio_of_means"]
         result["goal"] = {"ratio_of_means": ratio, "limit": 1 + GOAL, "met": ratio <= 1 + GOAL}
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    text = markdown(result)
-    (RESULTS / f"{args.name}.md").write_text(text)
-    print(text)
+    write_result(RESULTS, args.name, result, markdown(result))
     return 0
 
 

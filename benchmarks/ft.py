@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 from shardfusion.train.ft_config import REPLICA_FOLDER  # noqa: E402
 from shardfusion.train.job_ft import PAUSE_ENV, PAUSED_FILE  # noqa: E402
 
-from benchmarks.provenance import RunRecord, describe  # noqa: E402
+from benchmarks.provenance import RunRecord, describe, write_result  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 HEARTBEAT_MS = 2000
 """The lighthouse's --heartbeat_timeout_ms here: how long a dead replica group stays in the quorum's view."""
@@ -411,11 +411,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               "cost": paired_cost(clean, hsdp), "save_every": SAVE_EVERY}
     result["summary"] = summarize(result)
     where = f"cluster{args.nodes}" if args.nodes else "loopback"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"ft-{where}.json").write_text(json.dumps(result, indent=2) + "\n")
-    text = report(result)
-    (RESULTS / f"ft-{where}.md").write_text(text)
-    print(text)
+    write_result(RESULTS, f"ft-{where}", result, report(result), indent=2)
     return 0
 
 

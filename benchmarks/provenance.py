@@ -16,6 +16,7 @@ with the load; ratios of variants interleaved in one run much less).
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -104,3 +105,13 @@ def describe(env: dict[str, Any]) -> str:
               f"{env.get('cpu_count')} CPUs" if load else f"load average before {env.get('load_before')}, after "
               f"{env.get('load_after')}")
     return f"Commit {commit}, {env.get('date', 'date unknown')}; {during}; wall {env.get('wall_s', 0):.0f} s."
+
+
+def write_result(folder: Path, name: str, result: dict[str, Any], text: str, indent: int = 1) -> None:
+    """Store a benchmark's result as ``folder/name.json`` (the figures, with their provenance) and ``folder/name.md``
+    (the report ``text``, also printed)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps(result, indent=indent) + "\n")
+    (folder / f"{name}.md").write_text(text)
+    print(text)
