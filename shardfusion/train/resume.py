@@ -59,6 +59,10 @@ have. The per-rank batch_size is not one of them (it follows from the global one
 a checkpoint of the per-rank data order, whose saved batch_size is compared too. `optimizer` is not merely compared:
 a resume with another one is refused (`check_optimizer`)."""
 
+OUTER_SETTINGS = ("outer_every", "outer_lr", "outer_momentum", "outer_fragments")
+"""`RESUME_FIELDS` that only DiLoCo uses: compared only when the saved run or this one has --outer-sync diloco (their
+defaults changed since runs were saved, and an every-step run never read them)."""
+
 SAVED_TOKENIZER_FIELDS = ("tokenizer", "tokenizer_fingerprint", "train_tokenizer")
 """TrainConfig fields saved beside `RESUME_FIELDS` but not compared by `restore`: the tokenizer a resume must use.
 Its path may change (a resumed run reads its own OUT/tokenizer), so `shardfusion.train.data_config.check_saved`
@@ -250,6 +254,8 @@ def restore(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.o
     compared = RESUME_FIELDS + (("batch_size",) if order == DATA_ORDER_PER_RANK else ())
     if config.optimizer != "muon":
         compared = tuple(name for name in compared if name != "muon_lr")  # unused by AdamW alone
+    if "diloco" not in (config.outer_sync, extra.get("config", {}).get("outer_sync")):
+        compared = tuple(name for name in compared if name not in OUTER_SETTINGS)  # unused by every-step
     notes = [f"--{name.replace('_', '-')} was {old!r}, now {getattr(config, name)!r}"
              for name, old in extra.get("config", {}).items()
              if name in compared and getattr(config, name) != old]
