@@ -42,7 +42,7 @@ from shardfusion.models.gpt_pipeline import split_gpt, stage_layers
 from shardfusion.moe import MoE
 from shardfusion.pipeline import PipelineStage, build_schedule, stage_ranks
 from shardfusion.train import dtype_flags, pipeline_config
-from shardfusion.train.config import TrainConfig
+from shardfusion.train.config import ResolvedJob
 from shardfusion.train.data import BatchSampler
 from shardfusion.train.metrics import COMM_FIELDS
 
@@ -115,7 +115,7 @@ class PipelineRun:
         node_of: global rank -> node, for the P2P bytes across nodes.
     """
 
-    def __init__(self, config: TrainConfig, topo: sf.Topology, device: torch.device,
+    def __init__(self, config: ResolvedJob, topo: sf.Topology, device: torch.device,
                  mp_policy: sf.MixedPrecisionPolicy, node_of) -> None:
         self.config, self.topo, self.device = config, topo, device
         self.num_stages = pipeline_config.num_stages(config)
