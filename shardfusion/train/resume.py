@@ -44,7 +44,7 @@ import torch.nn as nn
 
 from shardfusion import checkpoint as ckpt
 from shardfusion.comm import call_on_rank0
-from shardfusion.train.config import RESUME_FIELDS, SAVED_TOKENIZER_FIELDS
+from shardfusion.train.config import OWNER, RESUME_FIELDS, SAVED_TOKENIZER_FIELDS
 from shardfusion.train.data import DATA_ORDER_PER_RANK, DATA_ORDERS
 
 CHECKPOINT_DIR = "checkpoints"
@@ -58,6 +58,11 @@ CHECKPOINT_DIR = "checkpoints"
 # not compared by `restore`: the tokenizer a resume must use. Its path may change (a resumed run reads its own
 # OUT/tokenizer), so `shardfusion.train.data_config.check_saved` compares the fingerprint instead, before any worker
 # starts. Both come from the sections' field metadata (`shardfusion.train.sections`).
+
+OUTER_SETTINGS = tuple(name for name in RESUME_FIELDS if OWNER[name] == "outer" and name != "outer_sync")
+"""`RESUME_FIELDS` that only DiLoCo uses (the outer section's, but --outer-sync): compared only when the saved run
+or this one has --outer-sync diloco (their defaults changed since runs were saved, and an every-step run never read
+them)."""
 
 SAVED_OPTIMIZER_DEFAULT = "adamw"
 """The optimizer of a checkpoint whose settings name none (written before --optimizer existed: AdamW)."""
@@ -245,6 +250,8 @@ def restore(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.o
     compared = RESUME_FIELDS + (("batch_size",) if order == DATA_ORDER_PER_RANK else ())
     if config.optimizer != "muon":
         compared = tuple(name for name in compared if name != "muon_lr")  # unused by AdamW alone
+    if "diloco" not in (config.outer_sync, extra.get("config", {}).get("outer_sync")):
+        compared = tuple(name for name in compared if name not in OUTER_SETTINGS)  # unused by every-step
     notes = [f"--{name.replace('_', '-')} was {old!r}, now {getattr(config, name)!r}"
              for name, old in extra.get("config", {}).items()
              if name in compared and getattr(config, name) != old]
