@@ -28,7 +28,6 @@ usage error with exit status 2.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -44,17 +43,16 @@ from tqdm import tqdm
 
 import shardfusion as sf
 from shardfusion.train import resume as train_state
-from shardfusion.accounting import ranks_per_node_from_env
 from shardfusion.comm import call_on_rank0
 from shardfusion.ft import FTError
-from shardfusion.plan import default_memory_budget
 from shardfusion.train.data import DATA_ORDER, DATA_ORDER_PER_RANK, BatchSampler, context_parallel_slice
 from shardfusion.train.launch import (cpu_cores, default_nproc, exit_now, init_worker, launch, nproc_warning,
                                       pick_device, restart_problem, threads_per_worker, under_torchrun)
 from shardfusion.train.metrics import (MetricsLog, comm_step_record, expert_balance, format_summary, plot_losses,
                                  summarize)
 from shardfusion.train import (data_config, dry_run_config, dtype_flags, ft_config, job_dry_run, job_ft, job_model,
-                               job_outer, job_pipeline, outer_config, pipeline_config)
+                               job_outer, job_pipeline, outer_config, parallelize, pipeline_config)
+from shardfusion.train.parallelize import comm_layout, plan_outer_degree, saved_outer_degree
 from shardfusion.train import tokenizer as tokenizers
 from shardfusion.train.job_model import JobModel, Losses
 from shardfusion.train.outputs import open_outputs
@@ -150,88 +148,6 @@ def generate_sample(model: nn.Module, job: JobModel, sampler: BatchSampler, conf
     return tokenizer.decode(prompt) + "⟫" + tokenizer.decode(out[0, len(prompt):].tolist())
 
 
-def comm_layout(config: ResolvedJob, world: int) -> dict[str, Any]:
-    """The node layout the communication accounting assumes: `ranks_per_node` (None: one node), `nodes`, and
-    `ranks_per_node_from`, where the figure came from (`--ranks-per-node`, `LOCAL_WORLD_SIZE` or neither)."""
-    rpn, source = config.ranks_per_node, "--ranks-per-node"
-    if rpn is None:
-        rpn, source = ranks_per_node_from_env(), "LOCAL_WORLD_SIZE"
-    if rpn is None:
-        return {"ranks_per_node": None, "nodes": 1, "ranks_per_node_from": "no LOCAL_WORLD_SIZE: one node"}
-    return {"ranks_per_node": rpn, "nodes": -(-world // rpn), "ranks_per_node_from": source}
-
-
-def plan_outer_degree(config: ResolvedJob, device: torch.device, world: int) -> int:
-    """`--fsdp-outer-degree auto`: the outer degree `sf.plan` chooses for this run; rank 0 prints its table.
-    Collective: every rank probes the links (`sf.measure_bandwidth`, about a second) and gets the same degree.
-
-    Inputs: nodes of `--ranks-per-node` ranks (default LOCAL_WORLD_SIZE: torchrun's ranks per node), the units of
-    the job's model (built on meta with every expert, the experts' elements divided by ep), fp32 shards and AdamW
-    state, --param-dtype / --grad-comm-dtype, --grad-accum micro-batches, --reshard-policy, --prefetch,
-    --expert-policy, and the budget `--max-memory-per-rank` (default `shardfusion.plan.default_memory_budget`,
-    the least over the ranks). A run that resumes a checkpoint keeps the degree of the run it resumes (from
-    OUT/config.json) when that fits, so the resume stays exact. With --optimizer muon the plan lays the Muon
-    matrices out in owner layouts for each candidate's inner degree (their padding counted: `whole_params`); it
-    still counts AdamW's two states where Muon keeps one per matrix element (docs/train-muon.md).
-
-    Raises:
-        ValueError: on every rank: no degree fits the budget (naming --max-memory-per-rank and the smallest need),
-            or --ranks-per-node does not divide the world size.
-    """
-    local = comm_layout(config, world)["ranks_per_node"] or world
-    if world % local:
-        raise ValueError(f"--fsdp-outer-degree auto: the ranks per node ({local}, --ranks-per-node or "
-                         f"LOCAL_WORLD_SIZE) must divide the world size {world}")
-    t_probe = time.perf_counter()
-    bandwidth = sf.measure_bandwidth(local, device=device)
-    t_probe = time.perf_counter() - t_probe
-    meta = job_model.build(config, None, device)  # on meta, every expert
-    whole = muon_matrices(meta.module, meta.units) if config.optimizer == "muon" else None
-    sizes = [dataclasses.replace(u, expert_numel=u.expert_numel // config.ep,  # one ep rank's experts (alike)
-                                 expert_whole_shapes=u.expert_whole_shapes[:len(u.expert_whole_shapes) // config.ep])
-             for u in sf.unit_sizes(meta.module, units=meta.units, reshard_policy=config.reshard_policy,
-                                    whole_params=whole)]
-    budget = config.max_memory_per_rank
-    if budget is None:
-        least = torch.tensor([default_memory_budget(device, local)], dtype=torch.float64,
-                             device=device)
-        dist.all_reduce(least, op=dist.ReduceOp.MIN)
-        budget = int(least.item())
-    saved = _resumed_outer_degree(config.out)
-    prefer = saved if saved is not None and (world // config.ep) % saved == 0 else None
-    mp_policy = dtype_flags.mixed_precision(config)
-    try:
-        choice = sf.plan(sizes, world_size=world, local_world_size=local, bandwidth=bandwidth,
-                         max_memory_per_rank=budget, micro_batches=config.grad_accum, ep=config.ep,
-                         prefetch=config.prefetch, expert_policy=config.expert_policy, shard_dtype=torch.float32,
-                         param_dtype=mp_policy.param_dtype, grad_comm_dtype=mp_policy.grad_comm_dtype,
-                         outer_comm_dtype=dtype_flags.outer_comm_dtype(config),
-                         backend="nccl" if "nccl" in str(dist.get_backend()) else "gloo", prefer=prefer)
-    except ValueError as error:
-        raise ValueError(f"--fsdp-outer-degree auto with --max-memory-per-rank {budget}: {error}") from None
-    if dist.get_rank() == 0:
-        print(f"shardfusion: --fsdp-outer-degree auto: bandwidth probe {t_probe:.2f} s", flush=True)
-        print("\n".join(f"shardfusion: {line}" for line in choice.table().splitlines()), flush=True)
-    return choice.fsdp_outer_degree
-
-
-def _resumed_outer_degree(out: str) -> int | None:
-    """The int `fsdp_outer_degree` in OUT/config.json when OUT holds a checkpoint to resume, else None (as rank 0
-    reads it). Collective."""
-    if train_state.latest(out) is None:
-        return None
-    return call_on_rank0(lambda: _saved_outer_degree(out), f"cannot read {out}/config.json")
-
-
-def _saved_outer_degree(out: str) -> int | None:
-    """The int `fsdp_outer_degree` in OUT/config.json (the run that wrote OUT's checkpoints), else None."""
-    try:
-        value = json.loads((Path(out) / "config.json").read_text()).get("fsdp_outer_degree")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
 def train(config: ResolvedJob, device: torch.device) -> dict[str, Any] | None:
     """One worker's training run; returns the summary on rank 0, None elsewhere."""
     t_start = time.perf_counter()
@@ -244,8 +160,7 @@ def train(config: ResolvedJob, device: torch.device) -> dict[str, Any] | None:
     if config.fsdp_outer_degree == PLANNED:  # the cost model's choice, an int from here on (config.json records it)
         config = config.with_outer_degree(plan_outer_degree(config, device, world))
 
-    topo = sf.Topology(fsdp_outer_degree=config.fsdp_outer_degree, ep=config.ep, mp=config.mp, cp=config.cp,
-                       pp=config.pp)
+    topo = parallelize.topology(config.parallelism, config.pipeline)
     job = job_model.build(config, topo.get_group("ep"), device, mp_mesh=topo.get_mesh("mp"),
                           context_group=topo.get_group("context"))
     moe, num_params, num_active = job.moe, job.num_params, job.num_active
@@ -259,10 +174,9 @@ def train(config: ResolvedJob, device: torch.device) -> dict[str, Any] | None:
                                         node_of=lambda r: r // rpn if rpn else 0)
         model = pipe.models  # clipping, the optimizers and the checkpoints take the list of stages
     else:
-        model = sf.fully_shard(job.module, topo, units=job.units, reshard_policy=config.reshard_policy,
-                               expert_policy=config.expert_policy, prefetch=config.prefetch, mp_policy=mp_policy,
-                               device=device, init_fn=job.init_fn,  # built on meta: materialized module by module
-                               outer_comm_dtype=dtype_flags.outer_comm_dtype(config), whole_params=matrices)
+        model = parallelize.shard(job.module, topo, config.parallelism, config.precision, units=job.units,
+                                  device=device, init_fn=job.init_fn,  # built on meta: materialized module by module
+                                  whole_params=matrices)
     balance = balance_record(sf.owner_balance(model)) if matrices is not None else None
     resume_from = train_state.latest(config.out)
     if config.init_from is not None and resume_from is None:  # a resumed run takes its weights from the checkpoint
@@ -541,7 +455,7 @@ def preflight(config: JobConfig, *, torchrun: bool) -> ResolvedJob:
     # a resumed run keeps the saved global batch size unless a batch flag is given (schedule.resolve_batch)
     saved = train_state.saved_settings(config.out)
     if saved is not None:  # the degree the resumed run ran with: kept over several nodes (default_outer_degree)
-        saved = {**saved, "fsdp_outer_degree": _saved_outer_degree(config.out)}
+        saved = {**saved, "fsdp_outer_degree": saved_outer_degree(config.out)}
     # nodes: --ranks-per-node, else torchrun's LOCAL_WORLD_SIZE (a local launch is one node), as comm_layout
     ranks_per_node = config.ranks_per_node or local
     progress = config.progress and os.environ.get("LOCAL_RANK", "0") == "0"

@@ -16,7 +16,7 @@ import torch
 
 import shardfusion as sf
 from shardfusion.plan import Bandwidth
-from shardfusion.train import dry_run_config, dtype_flags, job_model
+from shardfusion.train import dry_run_config, dtype_flags, job_model, parallelize
 from shardfusion.dry_run import check_world_fits
 from shardfusion.train.config import JobConfig, ResolvedJob, check_run, default_outer_degree, resolve
 from shardfusion.train.data import context_parallel_slice
@@ -107,15 +107,12 @@ def run(config: JobConfig) -> int:
 
     build, step = job_step(config, mp_policy, ranks_per_node)
 
-    fully_shard = {"units": job.units, "reshard_policy": config.reshard_policy, "expert_policy": config.expert_policy,
-                   "prefetch": config.prefetch, "mp_policy": mp_policy,
-                   "outer_comm_dtype": dtype_flags.outer_comm_dtype(config)}
+    fully_shard = {"units": job.units, **parallelize.shard_options(config.parallelism, config.precision)}
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's notes on fake tensors' data pointers and deprecated names
         report = sf.dry_run(build, step, step_runs_backward=config.pp > 1, world_size=world, ranks_per_node=ranks_per_node,
-                            topology={"ep": config.ep, "cp": config.cp, "pp": config.pp,
-                                      "fsdp_outer_degree": config.fsdp_outer_degree},
+                            topology=parallelize.topology_degrees(config.parallelism, config.pipeline),
                             fully_shard=fully_shard, micro_batches=1 if config.pp > 1 else config.grad_accum, max_norm=config.clip or None,
                             max_memory_per_rank=config.max_memory_per_rank,
                             bandwidth=Bandwidth(within=within, across=across,
