@@ -4,7 +4,7 @@ Not part of the library: ``import shardfusion`` never imports it. It needs the `
 matplotlib, safetensors): ``pip install 'shardfusion[train]'``. One module per concern:
 
 - ``job``: one worker's run (build, wrap, train, evaluate, save) and ``main``;
-- ``config``: ``TrainConfig``, the flags generated from it, and the checks run before any worker starts;
+- ``config``: ``JobConfig`` (the sections composed), ``ResolvedJob``, the flags generated from them, and the checks run before any worker starts;
 - ``launch``: the local launcher (torch's elastic agent) and worker set-up;
 - ``data``: the byte-level corpus and the seeded batch sampler;
 - ``resume``: what a checkpoint of the job holds beyond the model and optimizer, and the resume checks;

@@ -1,9 +1,11 @@
 """The data section of the training job's settings (`--data`, `--data-bytes`, `--tokenizer`, `--train-tokenizer`,
 `--tokenizer-override`, `--text-field`, `--data-cache`) and its checks: this module owns them,
-`shardfusion.train.config` includes the section (`TrainConfig` derives from `DataConfig`) and calls `check_flags`
-with the other flag checks; the job calls `prepare` once before any worker starts (it trains a tokenizer if asked,
-checks it against an --init-from folder's, tokenizes the corpus into the token cache and checks that each split
-holds a window) and each worker calls `load_splits`. docs/data.md tells the whole story.
+`shardfusion.train.config.JobConfig` composes the section (``config.corpus``) and calls `check_flags` with the other
+sections' checks; the job calls `prepare_tokenizer` once before any worker starts (it trains a tokenizer if asked
+and checks it against an --init-from folder's and the resumed checkpoint's), whose facts `config.resolve` takes,
+then `prepare_corpus` (it tokenizes the corpus into the token cache and checks that each split holds a window);
+each worker calls `load_splits`. The functions below other than `check_flags` read the flags of a whole
+`JobConfig` or `ResolvedJob` (``config``). docs/data.md tells the whole story.
 
 Two paths, chosen by the tokenizer and the files (`plain_bytes`):
 
@@ -24,16 +26,19 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import numpy as np
 
 from shardfusion.train import tokenizer as tok
 from shardfusion.train.documents import data_files, documents, is_structured
+from shardfusion.train.model_config import ModelConfig
+from shardfusion.train.sections import meta
 from shardfusion.train.text_files import text_size
 
-if TYPE_CHECKING:  # annotations only: config.py imports this module
-    from shardfusion.train.config import TrainConfig
+AnyConfig = Any
+"""The annotation of the functions that read a whole config (`JobConfig` or `ResolvedJob`, which this section's
+module does not import: `shardfusion.train.config` imports it)."""
 
 RUN_TOKENIZER = "tokenizer"
 """OUT/tokenizer: the run's copy of its tokenizer (not for bytes), which an export writes beside the weights."""
@@ -43,39 +48,34 @@ DEFAULT_TEXT_FIELD = "text"
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """The data settings of a training run (a section of `TrainConfig`, which derives from it)."""
+    """The data settings of a training run (a section of `JobConfig`: ``config.corpus``)."""
 
-    data: str | None = None
+    data: str | None = field(default=None, metadata=meta(resume=True))
     """A text file, a JSON Lines file (.jsonl, one JSON object per line), a Parquet file (.parquet, needs pyarrow),
     or a folder of such files (recursively, sorted by path) to train on (default: the Python standard library's
     source)."""
-    data_bytes: int = 16_000_000
+    data_bytes: int = field(default=16_000_000, metadata=meta(resume=True, ft_shared=True))
     """Read at most this many bytes of text of the corpus (JSON Lines and Parquet: whole documents until the text
     reaches it) (default 16000000)."""
-    tokenizer: str | None = None
+    tokenizer: str | None = field(default=None, metadata=meta(saved=True))
     """bytes (one token per byte, vocabulary 256), a Hugging Face tokenizer folder or a tokenizer.json; loaded with
     transformers/tokenizers (pip install 'shardfusion[hf]') (default: the --init-from folder's own tokenizer, or
     bytes)."""
-    train_tokenizer: int | None = None
+    train_tokenizer: int | None = field(default=None, metadata=meta(saved=True))
     """Train a byte-level BPE tokenizer of at most this many tokens (>= 257) on the training part of --data with the
     tokenizers library, cached beside the data, and train with it; kept in OUT/tokenizer (default: none)."""
     tokenizer_override: bool = False
     """Train with --tokenizer even when it maps text to other ids than the tokenizer of the --init-from folder
     (another ids fingerprint): a warning instead of the error (default off)."""
-    text_field: str = DEFAULT_TEXT_FIELD
+    text_field: str = field(default=DEFAULT_TEXT_FIELD, metadata=meta(resume=True, ft_shared=True))
     """The field (JSON Lines) or column (Parquet) that holds each document's text (default text)."""
     data_cache: str | None = None
     """Folder of the token cache: each corpus is tokenized once per tokenizer and memory-mapped from here
     (default: .shardfusion-tokens beside --data, or ~/.cache/shardfusion/tokens when that is not writable)."""
-    vocab_size: int | None = field(default=None, metadata={"flag": False})
-    """The tokenizer's vocabulary, set by `prepare` (not a flag): the GPT's embedding rows."""
-    tokenizer_fingerprint: str | None = field(default=None, metadata={"flag": False})
-    """The tokenizer's `Tokenizer.fingerprint`, set by `prepare` (not a flag); recorded so a resume can refuse
-    another tokenizer."""
 
 
-def check_flags(config: TrainConfig) -> None:
-    """The data flags on their own and against each other (no file system needed).
+def check_flags(config: DataConfig, model: ModelConfig) -> None:
+    """The data flags on their own, against each other and against --init-from (no file system needed).
 
     Raises:
         ValueError: one line naming the flag.
@@ -89,32 +89,32 @@ def check_flags(config: TrainConfig) -> None:
         if config.train_tokenizer < 257:
             raise ValueError(f"--train-tokenizer {config.train_tokenizer} is too small: a byte-level BPE holds the "
                              f"256 bytes and the end-of-text token, so it needs >= 257")
-        if config.init_from is not None:
-            raise ValueError(f"--train-tokenizer with --init-from {config.init_from}: a pretrained model keeps the "
+        if model.init_from is not None:
+            raise ValueError(f"--train-tokenizer with --init-from {model.init_from}: a pretrained model keeps the "
                              f"vocabulary it was trained with; drop --train-tokenizer")
     if not config.text_field:
         raise ValueError("--text-field must not be empty")
 
 
-def _files(config: TrainConfig) -> list[Path]:
+def _files(config: AnyConfig) -> list[Path]:
     if config.data is None:
         from shardfusion.train.data import stdlib_files
         return stdlib_files()
     return data_files(Path(config.data))
 
 
-def where(config: TrainConfig) -> str:
+def where(config: AnyConfig) -> str:
     return "the standard library" if config.data is None else f"--data {config.data}"
 
 
-def _check_text(config: TrainConfig) -> bool:
+def _check_text(config: AnyConfig) -> bool:
     """Whether the corpus's files are checked to be text (`shardfusion.train.text_files`): those of --data are; the
     standard library's source, the job's own default, is not (a few of its test files are in other encodings on
     purpose)."""
     return config.data is not None
 
 
-def plain_bytes(config: TrainConfig) -> bool:
+def plain_bytes(config: AnyConfig) -> bool:
     """Whether the run reads raw bytes (`--tokenizer bytes`, text files only): the path of runs before tokenizers."""
     if config.tokenizer not in (None, tok.BYTES) or config.train_tokenizer is not None:
         return False
@@ -134,7 +134,7 @@ def _pretrained_vocab(folder: str) -> Optional[int]:
     return vocab if isinstance(vocab, int) else None
 
 
-def tokenizer_spec(config: TrainConfig, resuming: bool = False) -> str:
+def tokenizer_spec(config: AnyConfig, resuming: bool = False) -> str:
     """What `--tokenizer` resolves to, before `--train-tokenizer` (see `prepare`): the flag; else the run's own
     OUT/tokenizer when resuming a run that has one; else the `--init-from` folder when it holds a tokenizer; else
     bytes.
@@ -157,7 +157,7 @@ def tokenizer_spec(config: TrainConfig, resuming: bool = False) -> str:
     return tok.BYTES
 
 
-def _train_texts(config: TrainConfig):
+def _train_texts(config: AnyConfig):
     """The documents a tokenizer is trained on: those that begin in the first 1 - VAL_FRACTION of the text, so that
     the validation text is not seen (the split itself is on tokens, close to the same place)."""
     from shardfusion.train.data import VAL_FRACTION
@@ -179,7 +179,7 @@ def _train_texts(config: TrainConfig):
     return texts
 
 
-def _trained(config: TrainConfig, progress: bool) -> tok.Tokenizer:
+def _trained(config: AnyConfig, progress: bool) -> tok.Tokenizer:
     """`--train-tokenizer N`: the BPE of the corpus and N, trained once and kept in the token cache."""
     from shardfusion.train.token_cache import _locked, cache_folder, cache_key
     files = _files(config)
@@ -197,7 +197,7 @@ def _trained(config: TrainConfig, progress: bool) -> tok.Tokenizer:
     return tok.load(str(folder))
 
 
-def resolve_tokenizer(config: TrainConfig, resuming: bool = False, progress: bool = False) -> tok.Tokenizer:
+def resolve_tokenizer(config: AnyConfig, resuming: bool = False, progress: bool = False) -> tok.Tokenizer:
     """The run's tokenizer: trained (`--train-tokenizer`, unless a resumed run has its own copy) or loaded
     (`tokenizer_spec`)."""
     if config.train_tokenizer is not None and not (
@@ -206,7 +206,7 @@ def resolve_tokenizer(config: TrainConfig, resuming: bool = False, progress: boo
     return tok.load(tokenizer_spec(config, resuming))
 
 
-def check_vocabulary(config: TrainConfig, tokenizer: tok.Tokenizer) -> None:
+def check_vocabulary(config: AnyConfig, tokenizer: tok.Tokenizer) -> None:
     """A pretrained model (`--init-from`) must have an embedding row for every id of the tokenizer.
 
     Raises:
@@ -221,7 +221,7 @@ def check_vocabulary(config: TrainConfig, tokenizer: tok.Tokenizer) -> None:
                          f"with (--tokenizer PATH)")
 
 
-def check_pretrained_tokenizer(config: TrainConfig, tokenizer: tok.Tokenizer) -> Optional[str]:
+def check_pretrained_tokenizer(config: AnyConfig, tokenizer: tok.Tokenizer) -> Optional[str]:
     """The run's tokenizer must map text to the ids of the tokenizer an `--init-from` folder holds (the same
     `shardfusion.train.tokenizer.ids_fingerprint`): a model's embedding rows mean the ids it was trained with, so
     another tokenizer of the same size would train it on shuffled ids. Nothing to check without --init-from, when
@@ -250,7 +250,7 @@ def check_pretrained_tokenizer(config: TrainConfig, tokenizer: tok.Tokenizer) ->
                      f"{source} anyway")
 
 
-def check_saved(config: TrainConfig, tokenizer: tok.Tokenizer, saved: Optional[dict[str, Any]]) -> None:
+def check_saved(config: AnyConfig, tokenizer: tok.Tokenizer, saved: Optional[dict[str, Any]]) -> None:
     """A resumed run must tokenize as the saved run did (saved: the checkpoint's settings; a checkpoint without a
     fingerprint was written by a byte-level run).
 
@@ -267,14 +267,14 @@ def check_saved(config: TrainConfig, tokenizer: tok.Tokenizer, saved: Optional[d
                          f"run's tokenizer, or use another --out")
 
 
-def _token_stream(config: TrainConfig, tokenizer: tok.Tokenizer, progress: bool) -> tuple[np.ndarray, dict]:
+def _token_stream(config: AnyConfig, tokenizer: tok.Tokenizer, progress: bool) -> tuple[np.ndarray, dict]:
     from shardfusion.train.token_cache import cache_folder, cached_tokens
     return cached_tokens(_files(config), tokenizer, text_field=config.text_field, max_bytes=config.data_bytes,
                          folder=cache_folder(config.data, config.data_cache), progress=progress,
                          where=where(config), check_text=_check_text(config))
 
 
-def check_stream(config: TrainConfig, n_tokens: int, meta: dict) -> None:
+def check_stream(config: AnyConfig, n_tokens: int, meta: dict) -> None:
     """Each split of the token stream must hold one window of seq_len + 1 tokens.
 
     Raises:
@@ -293,15 +293,15 @@ def check_stream(config: TrainConfig, n_tokens: int, meta: dict) -> None:
                          f"{seq_len + 1} tokens (a corpus of >= {need} tokens); use more data or a smaller --seq-len")
 
 
-def prepare(config: TrainConfig, saved: Optional[dict[str, Any]] = None, progress: bool = True) -> TrainConfig:
+def prepare_tokenizer(config: AnyConfig, saved: Optional[dict[str, Any]] = None,
+                      progress: bool = True) -> tok.Tokenizer:
     """Before any worker starts: resolve and load the tokenizer (training it with `--train-tokenizer`), check it
     against the pretrained model (its vocabulary and its tokenizer's ids; local rank 0 prints the warning of
-    --tokenizer-override) and the resumed checkpoint, tokenize the corpus into the cache (unless the run reads plain
-    bytes, which `check_run` checked) and check its size. Returns ``config`` with `tokenizer` set to the resolved one
-    (bytes or a path), `vocab_size` and `tokenizer_fingerprint`.
+    --tokenizer-override) and the resumed checkpoint. `shardfusion.train.config.resolve` takes its name, vocabulary
+    and fingerprint.
 
     Raises:
-        ValueError: one line naming the flag (see the functions above and `shardfusion.train.documents`).
+        ValueError: one line naming the flag (see the functions above).
     """
     tokenizer = resolve_tokenizer(config, resuming=saved is not None, progress=progress)
     check_vocabulary(config, tokenizer)
@@ -309,16 +309,23 @@ def prepare(config: TrainConfig, saved: Optional[dict[str, Any]] = None, progres
     if warning and os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun every worker runs this: one prints
         print(f"shardfusion: warning: {warning}", flush=True)
     check_saved(config, tokenizer, saved)
-    resolved = dataclasses.replace(config, tokenizer=tokenizer.name, vocab_size=tokenizer.vocab_size,
-                                   tokenizer_fingerprint=tokenizer.fingerprint)
-    if not plain_bytes(resolved):
-        stream, meta = _token_stream(resolved, tokenizer, progress)
-        check_stream(resolved, len(stream), meta)
-    return resolved
+    return tokenizer
 
 
-def load_splits(config: TrainConfig, tokenizer: tok.Tokenizer) -> tuple[Any, Any, dict]:
-    """(train, val, info) of a `prepare`d config: 1-D uint8 tensors for plain bytes, else read-only numpy views of
+def prepare_corpus(config: AnyConfig, tokenizer: tok.Tokenizer, progress: bool = True) -> None:
+    """Tokenize the corpus into the cache (unless the run reads plain bytes, which `check_run` checked) and check
+    its size; ``config`` is resolved with ``tokenizer``.
+
+    Raises:
+        ValueError: one line naming the flag (see `check_stream` and `shardfusion.train.documents`).
+    """
+    if not plain_bytes(config):
+        stream, meta_ = _token_stream(config, tokenizer, progress)
+        check_stream(config, len(stream), meta_)
+
+
+def load_splits(config: AnyConfig, tokenizer: tok.Tokenizer) -> tuple[Any, Any, dict]:
+    """(train, val, info) of a resolved config (`prepare_corpus` ran): 1-D uint8 tensors for plain bytes, else read-only numpy views of
     the cached stream; info: {"tokens", "documents", "text_bytes", "cache"} (documents and cache None for bytes)."""
     from shardfusion.train.data import load_corpus, split_corpus
     if plain_bytes(config):

@@ -1,19 +1,19 @@
 """The dry-run section of the training job's settings (`--dry-run`, `--world`, `--bandwidth-within`,
-`--bandwidth-across`, `--latency-within`, `--latency-across`) and its checks: this module owns them, `shardfusion.train.config` includes the section
-(`TrainConfig` derives from `DryRunConfig`) and calls `check_flags` with the other flag checks. The run itself is
+`--bandwidth-across`, `--latency-within`, `--latency-across`) and its checks: this module owns them, `shardfusion.train.config.JobConfig` composes the section
+(``config.dry``) and calls `check_flags` with the other sections' checks. The run itself is
 `shardfusion.train.job_dry_run`; the engine is `shardfusion.dry_run`; docs/dry-run.md tells the whole story.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from shardfusion.plan import parse_bytes
 from shardfusion.train.flag_checks import refuse_first
-
-if TYPE_CHECKING:  # annotations only: config.py imports this module
-    from shardfusion.train.config import TrainConfig
+from shardfusion.train.ft_config import FTConfig
+from shardfusion.train.model_config import ModelConfig
+from shardfusion.train.optim_config import OptimizerConfig
+from shardfusion.train.outer_config import OuterConfig
+from shardfusion.train.parallel_config import ParallelismConfig
 
 DEFAULT_RANKS_PER_NODE = 8
 """Ranks per node a dry run assumes without --ranks-per-node: a node of 8 GPUs."""
@@ -21,7 +21,7 @@ DEFAULT_RANKS_PER_NODE = 8
 
 @dataclass(frozen=True, kw_only=True)
 class DryRunConfig:
-    """Sizing a job before booking it (a section of `TrainConfig`, which derives from it)."""
+    """Sizing a job before booking it (a section of `JobConfig`: ``config.dry``)."""
 
     dry_run: bool = False
     """Do not train: play one optimizer step of a --world-rank job in this one process (torch's fake process group,
@@ -65,8 +65,9 @@ def bandwidths(config: DryRunConfig) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def check_flags(config: TrainConfig) -> None:
-    """The section's flags together, and against the flags a dry run cannot play yet.
+def check_flags(config: DryRunConfig, parallelism: ParallelismConfig, optim: OptimizerConfig, outer: OuterConfig,
+                ft: FTConfig, model: ModelConfig) -> None:
+    """The section's flags together, and against the flags of the other sections a dry run cannot play yet.
 
     Raises:
         ValueError: naming the flag and the numbers.
@@ -87,13 +88,14 @@ def check_flags(config: TrainConfig) -> None:
     for flag, value in (("--latency-within", config.latency_within), ("--latency-across", config.latency_across)):
         if value < 0:
             raise ValueError(f"{flag} must be >= 0 microseconds, got {value}")
-    refuse_first([("--mp", config.mp, config.mp != 1),
-                  ("--optimizer", config.optimizer, config.optimizer != "adamw"),
-                  ("--outer-sync", config.outer_sync, config.outer_sync != "every-step"),
-                  ("--ft-lighthouse", config.ft_lighthouse, config.ft_lighthouse is not None),
-                  ("--fsdp-outer-degree", config.fsdp_outer_degree, config.fsdp_outer_degree == "auto"),
-                  ("--init-from", config.init_from, config.init_from is not None),
-                  ("--hf-model", config.hf_model, config.hf_model is not None)],
+    p = parallelism
+    refuse_first([("--mp", p.mp, p.mp != 1),
+                  ("--optimizer", optim.optimizer, optim.optimizer != "adamw"),
+                  ("--outer-sync", outer.outer_sync, outer.outer_sync != "every-step"),
+                  ("--ft-lighthouse", ft.ft_lighthouse, ft.ft_lighthouse is not None),
+                  ("--fsdp-outer-degree", p.fsdp_outer_degree, p.fsdp_outer_degree == "auto"),
+                  ("--init-from", model.init_from, model.init_from is not None),
+                  ("--hf-model", model.hf_model, model.hf_model is not None)],
                  "--dry-run", "a dry run plays the GPT under FSDP/HSDP with AdamW, ep, cp and pp (no --mp, --optimizer "
                  "muon, --outer-sync diloco, --ft-lighthouse, --fsdp-outer-degree auto, --init-from or --hf-model "
                  "yet); see docs/dry-run.md")

@@ -3,7 +3,7 @@ workers make of them.
 
 The names are the library's (`shardfusion.policies.DTYPE_NAMES`: fp32, bf16, fp16; and
 `shardfusion._runtime.compress.INT8` for the outer wire format), never a table of the job's own. `check_flags` checks
-them with the other flag checks (`TrainConfig.validate`); `mixed_precision` and `outer_comm_dtype` turn them into the
+them with the other sections' checks (`JobConfig.validate`); `mixed_precision` and `outer_comm_dtype` turn them into the
 arguments the library takes, and every mode builds from these two: plain HSDP (`shardfusion.train.job`), the pipeline
 stages (`job_pipeline`), DiLoCo and streaming DiLoCo (`job_outer`: the pseudo-gradients' wire format) and the dry run
 (`job_dry_run`). A fault-tolerant replica group refuses `--outer-comm-dtype` (`ft_config.check_flags`: torchft
@@ -12,19 +12,32 @@ averages the gradients across the groups, in their own dtype).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from shardfusion._runtime.compress import INT8, OuterCommDtype, validate_outer_comm_dtype
 from shardfusion.policies import DTYPE_NAMES, MixedPrecisionPolicy, dtype_named
-
-if TYPE_CHECKING:  # annotations only: config.py imports this module
-    from shardfusion.train.config import TrainConfig
+from shardfusion.train.sections import meta
 
 VALUES: dict[str, tuple[str, ...]] = {"param_dtype": tuple(DTYPE_NAMES), "grad_comm_dtype": tuple(DTYPE_NAMES),
                                       "outer_comm_dtype": (*DTYPE_NAMES, INT8)}
-"""Each dtype field of `TrainConfig` and the values its flag takes (``None``, the default, is accepted too)."""
+"""Each dtype field of `PrecisionConfig` and the values its flag takes (``None``, the default, is accepted too)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionConfig:
+    """The dtypes of compute and communication (a section of `JobConfig`); shards and optimizer state stay fp32."""
+
+    param_dtype: str = field(default="fp32", metadata=meta(resume=True, ft_shared=True))
+    """Compute dtype of the gathered parameters: fp32, bf16 or fp16; shards and optimizer state stay fp32
+    (default fp32)."""
+    grad_comm_dtype: str | None = field(default=None, metadata=meta(resume=True, ft_shared=True))
+    """Dtype of the reduce-scatter and the outer all-reduce: fp32, bf16 or fp16 (default: --param-dtype)."""
+    outer_comm_dtype: str | None = field(default=None, metadata=meta(resume=True))
+    """Wire format of the HSDP outer (cross-node) all-reduce only: fp32, bf16, fp16, or int8 (block-wise, about a
+    quarter of fp32's bytes; see docs/compressed-all-reduce.md) (default: --grad-comm-dtype)."""
 
 
 def torch_dtype(name: str | None) -> torch.dtype | None:
@@ -49,7 +62,7 @@ def outer_comm_dtype(config: Any) -> OuterCommDtype:
     return validate_outer_comm_dtype(config.outer_comm_dtype)
 
 
-def check_flags(config: TrainConfig) -> None:
+def check_flags(config: PrecisionConfig) -> None:
     """Each dtype flag's value is one of `VALUES` (or None).
 
     Raises:

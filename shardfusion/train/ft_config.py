@@ -1,8 +1,8 @@
 """The fault-tolerance section of the training job's settings (`--ft-lighthouse`, `--ft-replica-id`,
 `--ft-replicas`, `--ft-min-replicas`, `--ft-join-wait`, `--ft-timeout`, `--ft-host`, `--ft-quorum-timeout`,
 `--ft-max-discards`) and its checks: this module
-owns them, `shardfusion.train.config` includes the section (`TrainConfig` derives from `FTConfig`) and calls `check_flags`
-with the other flag checks; the job calls `resolve` and `check_lighthouse` in its preflight. The run itself is
+owns them, `shardfusion.train.config.JobConfig` composes the section (``config.ft``) and calls `check_flags` with the
+other sections' checks; the job calls `resolve_host` and `check_lighthouse` in its preflight. The run itself is
 `shardfusion.train.job_ft` over `shardfusion.ft`; docs/fault-tolerance.md tells the whole story.
 
 With --ft-lighthouse, each replica group is a job of its own (one per node, or per few nodes), started with the
@@ -14,17 +14,20 @@ with every replica alive the run trains on the same global batches as HSDP ft_re
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
+from shardfusion.train.checkpoint_config import CheckpointConfig
+from shardfusion.train.dtype_flags import PrecisionConfig
 from shardfusion.train.flag_checks import refuse_first
-
-if TYPE_CHECKING:  # annotations only: config.py imports this module
-    from shardfusion.train.config import TrainConfig
+from shardfusion.train.optim_config import OptimizerConfig
+from shardfusion.train.parallel_config import ParallelismConfig
+from shardfusion.train.pipeline_config import PipelineConfig
+from shardfusion.train.run_config import RunConfig
+from shardfusion.train.sections import meta
 
 REPLICA_FOLDER = "replica-{}"
 """Each replica group's outputs (metrics, config, summary, plot) go to OUT/replica-<id>; checkpoints to OUT."""
@@ -32,7 +35,7 @@ REPLICA_FOLDER = "replica-{}"
 
 @dataclass(frozen=True, kw_only=True)
 class FTConfig:
-    """The fault-tolerance settings of a training run (a section of `TrainConfig`, which derives from it)."""
+    """The fault-tolerance settings of a training run (a section of `JobConfig`: ``config.ft``)."""
 
     ft_lighthouse: str | None = None
     """http://host:port of a torchft lighthouse (start one with `torchft_lighthouse --min_replicas 1 --bind
@@ -42,10 +45,10 @@ class FTConfig:
     ft_replica_id: int | None = None
     """This replica group's id, 0 .. --ft-replicas - 1: which slice of each global batch it trains on; its metrics
     and summary go to OUT/replica-<id>, the checkpoints of the run to OUT/checkpoints (default: none)."""
-    ft_replicas: int | None = None
+    ft_replicas: int | None = field(default=None, metadata=meta(ft_shared=True))
     """Replica groups the run is planned for: the global batch is cut into that many slices, one per group; a
     group that is down leaves its slice out of the step (default: none)."""
-    ft_min_replicas: int = 1
+    ft_min_replicas: int = field(default=1, metadata=meta(ft_shared=True))
     """A step commits only when at least this many replica groups take part; below, the groups wait and say so
     (default 1)."""
     ft_join_wait: float = 30.0
@@ -72,8 +75,9 @@ def enabled(config: FTConfig) -> bool:
     return config.ft_lighthouse is not None
 
 
-def check_flags(config: TrainConfig) -> None:
-    """The section's flags together, and against the flags it cannot run with.
+def check_flags(config: FTConfig, parallelism: ParallelismConfig, pipeline: PipelineConfig, optim: OptimizerConfig,
+                checkpoint: CheckpointConfig, precision: PrecisionConfig, run: RunConfig) -> None:
+    """The section's flags together, and against the flags it cannot run with (those of the other sections).
 
     Raises:
         ValueError: naming the flag and the numbers.
@@ -110,16 +114,16 @@ def check_flags(config: TrainConfig) -> None:
         raise ValueError(f"--ft-host {config.ft_host} is this machine's loopback, but the lighthouse is at {there}: "
                          f"the other replica groups could not reach this one; give an address they reach, or leave "
                          f"--ft-host out (then this machine's address towards the lighthouse is used)")
-    if config.out is None:
+    if run.out is None:
         raise ValueError("--ft-lighthouse needs --out (a folder every replica group reaches: shared storage on a "
                          "cluster): the groups share its checkpoints, so a timestamped default would differ between "
                          "them")
-    refuse_first([("--pp", config.pp, config.pp != 1), ("--mp", config.mp, config.mp != 1),
-                  ("--cp", config.cp, config.cp != 1),
-                  ("--fsdp-outer-degree", config.fsdp_outer_degree, config.fsdp_outer_degree not in (None, 1)),
-                  ("--optimizer", config.optimizer, config.optimizer != "adamw"),
-                  ("--max-restarts", config.max_restarts, bool(config.max_restarts)),
-                  ("--outer-comm-dtype", config.outer_comm_dtype, config.outer_comm_dtype is not None)],
+    p = parallelism
+    refuse_first([("--pp", pipeline.pp, pipeline.pp != 1), ("--mp", p.mp, p.mp != 1), ("--cp", p.cp, p.cp != 1),
+                  ("--fsdp-outer-degree", p.fsdp_outer_degree, p.fsdp_outer_degree not in (None, 1)),
+                  ("--optimizer", optim.optimizer, optim.optimizer != "adamw"),
+                  ("--max-restarts", checkpoint.max_restarts, bool(checkpoint.max_restarts)),
+                  ("--outer-comm-dtype", precision.outer_comm_dtype, precision.outer_comm_dtype is not None)],
                  "--ft-lighthouse",
                  "a fault-tolerant replica group is FSDP with outer degree 1 and AdamW, its replicas joined by "
                  "torchft, which averages the gradients in their own dtype (restart a replica group with its "
@@ -127,34 +131,25 @@ def check_flags(config: TrainConfig) -> None:
                  "docs/fault-tolerance.md")
 
 
-def resolve(config: TrainConfig) -> TrainConfig:
-    """With --ft-lighthouse: outer degree 1 (the replicas are the other jobs) and --ft-host
-    (`shardfusion.ft.reachable_host` when not given).
+def resolve_host(config: FTConfig) -> str | None:
+    """With --ft-lighthouse: --ft-host, or `shardfusion.ft.reachable_host` when not given; None without.
+    (`shardfusion.train.config.resolve` takes it, and sets the outer degree to 1: the replicas are the other jobs.)
 
     Raises:
         ValueError: no --ft-host given and no route to the lighthouse's host.
     """
     if not enabled(config):
-        return config
+        return None
     from shardfusion.ft import reachable_host
-    return dataclasses.replace(config, fsdp_outer_degree=1,
-                               ft_host=config.ft_host or reachable_host(config.ft_lighthouse))
+    return config.ft_host or reachable_host(config.ft_lighthouse)
 
 
-SHARED_SETTINGS = ("ft_replicas", "ft_min_replicas", "tokenizer_fingerprint", "vocab_size", "text_field",
-                   "data_bytes", "preset", "hf_model", "n_layer", "n_head", "d_model", "seq_len", "dropout", "experts",
-                   "top_k", "expert_hidden", "ep", "aux_loss_coef", "expert_policy", "fused_qkv", "tie_embeddings",
-                   "batch_size", "global_batch_size", "grad_accum", "steps", "lr", "min_lr", "warmup",
-                   "weight_decay", "optimizer", "clip", "seed", "param_dtype", "grad_comm_dtype", "device")
-"""The settings every replica group must share for its arithmetic to be its peers' (`settings_fingerprint`).
-Paths (--out, --data, --init-from) are left out: shared storage may be mounted at other paths on other nodes."""
-
-
-def settings_fingerprint(config: TrainConfig) -> str:
-    """Hex SHA-256 of the `SHARED_SETTINGS` of a resolved config, compared across the quorum's groups
-    (`shardfusion.ft.agreement`)."""
-    shared = {name: getattr(config, name) for name in SHARED_SETTINGS}
-    return hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()
+def settings_fingerprint(shared: Mapping[str, Any]) -> str:
+    """Hex SHA-256 of the settings every replica group must share for its arithmetic to be its peers' (``shared``:
+    `ResolvedJob.marked("ft_shared")`, the fields whose metadata says so: `shardfusion.train.config.FT_SHARED`),
+    compared across the quorum's groups (`shardfusion.ft.agreement`). Paths (--out, --data, --init-from) are not
+    among them: shared storage may be mounted at other paths on other nodes."""
+    return hashlib.sha256(json.dumps(dict(shared), sort_keys=True, default=str).encode()).hexdigest()
 
 
 def outputs_folder(config: FTConfig, out: str) -> str:

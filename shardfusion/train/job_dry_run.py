@@ -16,14 +16,14 @@ import torch
 
 import shardfusion as sf
 from shardfusion.plan import Bandwidth
-from shardfusion.train import dry_run_config, dtype_flags, job_model
+from shardfusion.train import dry_run_config, dtype_flags, job_model, parallelize
 from shardfusion.dry_run import check_world_fits
-from shardfusion.train.config import TrainConfig, check_run, default_outer_degree, resolve
+from shardfusion.train.config import JobConfig, ResolvedJob, check_run, default_outer_degree, resolve
 from shardfusion.train.data import context_parallel_slice
 from shardfusion.train.dry_run_config import DEFAULT_RANKS_PER_NODE
 from shardfusion.train.launch import default_nproc
 
-def prepare(config: TrainConfig) -> tuple[TrainConfig, int, int]:
+def prepare(config: JobConfig) -> tuple[ResolvedJob, int, int]:
     """The resolved config, the world size and the ranks per node of the dry run. Without --fsdp-outer-degree the
     degree is the job's default for that many nodes (`outer_degree_line` says which and why).
 
@@ -40,12 +40,12 @@ def prepare(config: TrainConfig) -> tuple[TrainConfig, int, int]:
     ranks_per_node = config.ranks_per_node or min(DEFAULT_RANKS_PER_NODE, world)
     if world % ranks_per_node:
         raise ValueError(f"--ranks-per-node {ranks_per_node} must divide --world {world}")
-    config = resolve(config, device="cuda", world_size=world, ranks_per_node=ranks_per_node)
-    check_run(config, world_size=world, world=f"--world {world}")  # the job's own layout, batch and pipeline rules
-    return config, world, ranks_per_node
+    job = resolve(config, device="cuda", world_size=world, ranks_per_node=ranks_per_node, world=f"--world {world}")
+    check_run(job, world=f"--world {world}")  # the job's own layout, batch and pipeline rules
+    return job, world, ranks_per_node
 
 
-def outer_degree_line(given: TrainConfig, config: TrainConfig, world: int, ranks_per_node: int) -> str:
+def outer_degree_line(given: JobConfig, config: ResolvedJob, world: int, ranks_per_node: int) -> str:
     """One line: the outer degree of the dry run and why, for the flags `given` and their resolved `config`."""
     if given.fsdp_outer_degree is not None:
         return f"--fsdp-outer-degree {config.fsdp_outer_degree}, as given"
@@ -53,7 +53,7 @@ def outer_degree_line(given: TrainConfig, config: TrainConfig, world: int, ranks
             f"{default_outer_degree(config, world, ranks_per_node)[1]}")
 
 
-def job_step(config: TrainConfig, mp_policy: sf.MixedPrecisionPolicy, ranks_per_node: int):
+def job_step(config: ResolvedJob, mp_policy: sf.MixedPrecisionPolicy, ranks_per_node: int):
     """``(build, step)`` of one optimizer step of the job as ``config`` (resolved) describes it, for
     ``sf.dry_run`` or ``measure_step``: the job's model (GPT or GPT-MoE; with --pp the played rank's stages of
     `job_pipeline.PipelineRun`, sharded, whose ``step`` runs the schedule and returns None:
@@ -93,7 +93,7 @@ def job_step(config: TrainConfig, mp_policy: sf.MixedPrecisionPolicy, ranks_per_
     return build, step
 
 
-def run(config: TrainConfig) -> int:
+def run(config: JobConfig) -> int:
     """Play the step and print the report (and write OUT/dry-run.json with --out); returns the exit status.
 
     Raises:
@@ -107,15 +107,12 @@ def run(config: TrainConfig) -> int:
 
     build, step = job_step(config, mp_policy, ranks_per_node)
 
-    fully_shard = {"units": job.units, "reshard_policy": config.reshard_policy, "expert_policy": config.expert_policy,
-                   "prefetch": config.prefetch, "mp_policy": mp_policy,
-                   "outer_comm_dtype": dtype_flags.outer_comm_dtype(config)}
+    fully_shard = {"units": job.units, **parallelize.shard_options(config.parallelism, config.precision)}
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's notes on fake tensors' data pointers and deprecated names
         report = sf.dry_run(build, step, step_runs_backward=config.pp > 1, world_size=world, ranks_per_node=ranks_per_node,
-                            topology={"ep": config.ep, "cp": config.cp, "pp": config.pp,
-                                      "fsdp_outer_degree": config.fsdp_outer_degree},
+                            topology=parallelize.topology_degrees(config.parallelism, config.pipeline),
                             fully_shard=fully_shard, micro_batches=1 if config.pp > 1 else config.grad_accum, max_norm=config.clip or None,
                             max_memory_per_rank=config.max_memory_per_rank,
                             bandwidth=Bandwidth(within=within, across=across,
@@ -135,7 +132,7 @@ def run(config: TrainConfig) -> int:
     if given_out is not None:
         out = Path(given_out)
         out.mkdir(parents=True, exist_ok=True)
-        record = {"config": {k: v for k, v in dataclasses.asdict(config).items()}, "report": _as_dict(report)}
+        record = {"config": config.flat(), "report": _as_dict(report)}
         (out / "dry-run.json").write_text(json.dumps(record, indent=1, default=str))
         print(f"shardfusion: wrote {out / 'dry-run.json'}")
     return 0

@@ -100,7 +100,7 @@ class FTRun:
                                       timeout=timedelta(seconds=config.ft_timeout),
                                       quorum_timeout=timedelta(seconds=config.ft_quorum_timeout),
                                       max_discards=config.ft_max_discards, host=config.ft_host,
-                                      fingerprint=ft_config.settings_fingerprint(config), device=device)
+                                      fingerprint=ft_config.settings_fingerprint(config.marked("ft_shared")), device=device)
         except ValueError as error:  # e.g. the lighthouse refused this group: one line, as the other FT errors
             raise FTError(str(error)) from None
         self.start = start

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 import shardfusion as sf
 from shardfusion.models.gpt import GPT, Block
-from shardfusion.train.config import TrainConfig
+from shardfusion.train.config import ResolvedJob
 
 Losses = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
 """(model, x, y) -> (cross-entropy, load-balancing loss, (L, E) expert assignments or None): one micro-batch."""
@@ -70,12 +70,12 @@ class JobModel:
         return self.n_experts > 0
 
 
-def is_hf(config: TrainConfig) -> bool:
+def is_hf(config: ResolvedJob) -> bool:
     """Whether the run trains a Hugging Face model (`--hf-model` or `--init-from`)."""
     return config.hf_model is not None or config.init_from is not None
 
 
-def hf_config(config: TrainConfig) -> Any:
+def hf_config(config: ResolvedJob) -> Any:
     """The HF config of an HF run: `--init-from DIR`'s config.json, or the `--hf-model` preset built from the shape
     flags (`hf_models.preset_config`). `--dropout` sets its attention_dropout either way.
 
@@ -96,7 +96,7 @@ def hf_config(config: TrainConfig) -> Any:
                                    aux_loss_coef=config.aux_loss_coef, vocab_size=shape.vocab_size)
 
 
-def meta_model(config: TrainConfig) -> nn.Module:
+def meta_model(config: ResolvedJob) -> nn.Module:
     """The run's model on the meta device (no memory, no process group): its parameter names and shapes, for the
     resume check before any worker starts."""
     if is_hf(config):
@@ -109,7 +109,7 @@ def meta_model(config: TrainConfig) -> nn.Module:
         return GPT(config.model_config())
 
 
-def checked_meta_model(config: TrainConfig) -> nn.Module:
+def checked_meta_model(config: ResolvedJob) -> nn.Module:
     """`meta_model` of an HF run, with the failures of transformers, of DIR's config and of the model's units as
     one-line errors naming the flag: run before any worker starts.
 
@@ -143,7 +143,7 @@ def load_pretrained(model: nn.Module, folder: str) -> None:
     sf.load_safetensors(model, folder)
 
 
-def build(config: TrainConfig, ep_group: Optional[dist.ProcessGroup], device: torch.device,
+def build(config: ResolvedJob, ep_group: Optional[dist.ProcessGroup], device: torch.device,
           mp_mesh=None, context_group: Optional[dist.ProcessGroup] = None) -> JobModel:
     """The run's model on the meta device, to be initialized from `--seed` (the same on every rank) by
     `fully_shard(job.module, ..., device=device, init_fn=job.init_fn)`.
@@ -176,7 +176,7 @@ def _gpt_generate(model: nn.Module, idx: torch.Tensor, new: int, temperature: fl
     return model.generate(idx, new, temperature=temperature, top_k=top_k, generator=generator)
 
 
-def _build_gpt(config: TrainConfig, ep_group: Optional[dist.ProcessGroup],
+def _build_gpt(config: ResolvedJob, ep_group: Optional[dist.ProcessGroup],
                context_group: Optional[dist.ProcessGroup] = None) -> JobModel:
     shape = config.model_config()
     model = GPT(shape, ep_group=ep_group, context_group=context_group if config.cp > 1 else None)
@@ -192,7 +192,7 @@ def _build_gpt(config: TrainConfig, ep_group: Optional[dist.ProcessGroup],
         generate=_gpt_generate)
 
 
-def _build_hf(config: TrainConfig) -> JobModel:
+def _build_hf(config: ResolvedJob) -> JobModel:
     from shardfusion.train import hf_models
 
     hf = hf_config(config)

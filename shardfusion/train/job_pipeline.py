@@ -41,8 +41,8 @@ from shardfusion.models.gpt import GPT, Block
 from shardfusion.models.gpt_pipeline import split_gpt, stage_layers
 from shardfusion.moe import MoE
 from shardfusion.pipeline import PipelineStage, build_schedule, stage_ranks
-from shardfusion.train import dtype_flags, pipeline_config
-from shardfusion.train.config import TrainConfig
+from shardfusion.train import dtype_flags, parallelize, pipeline_config
+from shardfusion.train.config import ResolvedJob
 from shardfusion.train.data import BatchSampler
 from shardfusion.train.metrics import COMM_FIELDS
 
@@ -115,7 +115,7 @@ class PipelineRun:
         node_of: global rank -> node, for the P2P bytes across nodes.
     """
 
-    def __init__(self, config: TrainConfig, topo: sf.Topology, device: torch.device,
+    def __init__(self, config: ResolvedJob, topo: sf.Topology, device: torch.device,
                  mp_policy: sf.MixedPrecisionPolicy, node_of) -> None:
         self.config, self.topo, self.device = config, topo, device
         self.num_stages = pipeline_config.num_stages(config)
@@ -142,10 +142,9 @@ class PipelineRun:
                 self._moe_layers += layers
                 part.register_forward_hook(self._aux_hook(layers))
             tied = part.tied_parameters  # a tied head's copy of the embedding: kept whole on both ends
-            self.models.append(sf.fully_shard(
-                part, topo, units=(Block,), reshard_policy=config.reshard_policy,
-                expert_policy=config.expert_policy, prefetch=config.prefetch, mp_policy=mp_policy, device=device,
-                outer_comm_dtype=dtype_flags.outer_comm_dtype(config), replicate_filter=lambda n, p, tied=tied: n in tied))
+            self.models.append(parallelize.shard(
+                part, topo, config.parallelism, config.precision, units=(Block,), device=device,
+                replicate_filter=lambda n, p, tied=tied: n in tied))
         del whole
         self.stages = self._stages(self.microbatch_rows, shape, act_dtype, measured=True, node_of=node_of)
         self.schedule = build_schedule(config.pp_schedule, self.stages, config.microbatches, cross_entropy)

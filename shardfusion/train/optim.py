@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from shardfusion.train.config import TrainConfig, lr_at, lr_factor
+from shardfusion.train.config import ResolvedJob, lr_at, lr_factor
 
 ADAM_BETAS = (0.9, 0.95)
 MUON_MOMENTUM = 0.95
@@ -85,7 +85,7 @@ def muon_matrices(module: nn.Module, units: tuple[type, ...]) -> Callable[[str, 
     return chosen
 
 
-def build_optimizers(model: Models, config: TrainConfig,
+def build_optimizers(model: Models, config: ResolvedJob,
                      matrices: Optional[Callable[[str, nn.Parameter], bool]]) -> list[torch.optim.Optimizer]:
     """The run's optimizers, each parameter in one: ``[AdamW]`` (``matrices`` None: --optimizer adamw), or
     ``[Muon, AdamW]``: torch.optim.Muon on the parameters ``matrices`` chooses (`muon_matrices`; whole on their
@@ -101,7 +101,7 @@ def build_optimizers(model: Models, config: TrainConfig,
                               betas=ADAM_BETAS)]
 
 
-def set_learning_rates(optimizers: list[torch.optim.Optimizer], config: TrainConfig, step: int) -> float:
+def set_learning_rates(optimizers: list[torch.optim.Optimizer], config: ResolvedJob, step: int) -> float:
     """Set every group's lr for optimizer step ``step`` (0-based): AdamW's groups `lr_at` (warm-up to --lr, cosine
     down to --min-lr), Muon's --muon-lr times the same schedule's fraction of its peak (`lr_factor`). Returns
     AdamW's lr."""

@@ -1,7 +1,7 @@
 """The outer-synchronisation section of the training job's settings (`--outer-sync`, `--outer-every`,
 `--outer-lr`, `--outer-momentum`, `--outer-fragments`) and its checks: this module owns them,
-`shardfusion.train.config` includes the section (`TrainConfig` derives from `OuterConfig`) and calls `check_flags`
-with the other flag checks and `check_layout` with the world-size checks. The engine is `shardfusion.diloco`;
+`shardfusion.train.config.JobConfig` composes the section (``config.outer``) and calls `check_flags` with the other
+sections' checks and `check_layout` with the world-size checks. The engine is `shardfusion.diloco`;
 docs/slow-links.md tells the whole story.
 
 ``--outer-sync every-step`` (the default) is HSDP as it is: one gradient all-reduce per step across the replicas,
@@ -19,13 +19,15 @@ benchmarks/results/diloco-loss.md (`python -m benchmarks.diloco_loss`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from shardfusion.train.flag_checks import refuse_first
-
-if TYPE_CHECKING:  # annotations only: config.py imports this module
-    from shardfusion.train.config import TrainConfig
+from shardfusion.train.ft_config import FTConfig
+from shardfusion.train.model_config import ModelConfig
+from shardfusion.train.optim_config import OptimizerConfig
+from shardfusion.train.parallel_config import ParallelismConfig
+from shardfusion.train.pipeline_config import PipelineConfig
+from shardfusion.train.sections import meta
 
 OUTER_SYNCS = ("every-step", "diloco")
 JOB_LR = 1.0
@@ -41,22 +43,22 @@ benchmarks/results/diloco-loss.md. A long run raises it, with the paper's outer 
 
 @dataclass(frozen=True, kw_only=True)
 class OuterConfig:
-    """How the replicas of HSDP synchronise (a section of `TrainConfig`, which derives from it)."""
+    """How the replicas of HSDP synchronise (a section of `JobConfig`: ``config.outer``)."""
 
-    outer_sync: str = "every-step"
+    outer_sync: str = field(default="every-step", metadata=meta(resume=True))
     """every-step (HSDP: one gradient all-reduce across the replicas per step, exact) or diloco (each replica steps
     alone for --outer-every steps, then an outer Nesterov step on the change of the parameters; Douillard et al.,
     2023; needs --fsdp-outer-degree > 1; docs/slow-links.md) (default every-step)."""
-    outer_every: int = JOB_EVERY
+    outer_every: int = field(default=JOB_EVERY, metadata=meta(resume=True))
     """With --outer-sync diloco: H, the inner steps between two outer steps (default 4, for runs of a few hundred steps;
     the paper used 500 with its outer optimizer, docs/slow-links.md)."""
-    outer_lr: float = JOB_LR
+    outer_lr: float = field(default=JOB_LR, metadata=meta(resume=True))
     """With --outer-sync diloco: the outer learning rate (default 1.0; with --outer-momentum 0, plain averaging of the
     replicas, for runs of few outer steps; the paper's, for H in the hundreds and long runs: --outer-lr 0.7
     --outer-momentum 0.9; docs/slow-links.md)."""
-    outer_momentum: float = JOB_MOMENTUM
+    outer_momentum: float = field(default=JOB_MOMENTUM, metadata=meta(resume=True))
     """With --outer-sync diloco: the outer Nesterov momentum (default 0; the paper's 0.9)."""
-    outer_fragments: int = 1
+    outer_fragments: int = field(default=1, metadata=meta(resume=True))
     """With --outer-sync diloco: streaming DiLoCo, the model cut into this many fragments synchronised at staggered
     steps, so no step carries more than about 1/F of the model's bytes (default 1: all at once)."""
 
@@ -66,8 +68,9 @@ def enabled(config: OuterConfig) -> bool:
     return config.outer_sync == "diloco"
 
 
-def check_flags(config: TrainConfig) -> None:
-    """The section's flags together, and against the flags they cannot run with.
+def check_flags(config: OuterConfig, parallelism: ParallelismConfig, pipeline: PipelineConfig, ft: FTConfig,
+                optim: OptimizerConfig, model: ModelConfig) -> None:
+    """The section's flags together, and against the flags of the other sections they cannot run with.
 
     Raises:
         ValueError: naming the flag and the numbers.
@@ -92,20 +95,22 @@ def check_flags(config: TrainConfig) -> None:
     if not 1 <= config.outer_fragments <= config.outer_every:
         raise ValueError(f"--outer-fragments {config.outer_fragments} must be in 1 .. --outer-every "
                          f"{config.outer_every} (each fragment is synchronised every H steps, at its own step)")
-    refuse_first([("--pp", config.pp, config.pp != 1), ("--cp", config.cp, config.cp != 1),
-                  ("--ft-lighthouse", config.ft_lighthouse, config.ft_lighthouse is not None),
-                  ("--optimizer", config.optimizer, config.optimizer != "adamw"),
-                  ("--expert-policy", config.expert_policy, bool(config.experts) and config.expert_policy == "shard")],
+    policy = parallelism.expert_policy
+    refuse_first([("--pp", pipeline.pp, pipeline.pp != 1), ("--cp", parallelism.cp, parallelism.cp != 1),
+                  ("--ft-lighthouse", ft.ft_lighthouse, ft.ft_lighthouse is not None),
+                  ("--optimizer", optim.optimizer, optim.optimizer != "adamw"),
+                  ("--expert-policy", policy, bool(model.experts) and policy == "shard")],
                  "--outer-sync diloco", "DiLoCo runs on HSDP's replicas with AdamW inside (no --pp, --cp, "
                  "--ft-lighthouse, --optimizer muon or --expert-policy shard yet); see docs/slow-links.md")
 
 
-def check_layout(config: TrainConfig, world: str) -> None:
-    """With diloco, the resolved layout must have replicas (the outer degree is known once `resolve`d).
+def check_layout(config: OuterConfig, fsdp_outer_degree: object, world: str) -> None:
+    """With diloco, the resolved layout must have replicas: ``fsdp_outer_degree``, the resolved outer degree (an
+    int, or the marker of auto, which DiLoCo does not take).
 
     Raises:
         ValueError: --fsdp-outer-degree 1 (or auto) with --outer-sync diloco.
     """
-    if enabled(config) and (not isinstance(config.fsdp_outer_degree, int) or config.fsdp_outer_degree < 2):
-        raise ValueError(f"--outer-sync diloco needs replicas: --fsdp-outer-degree {config.fsdp_outer_degree} "
+    if enabled(config) and (not isinstance(fsdp_outer_degree, int) or fsdp_outer_degree < 2):
+        raise ValueError(f"--outer-sync diloco needs replicas: --fsdp-outer-degree {fsdp_outer_degree} "
                          f"({world}); give an outer degree >= 2 (one replica per node)")

@@ -1,8 +1,8 @@
 """The pipeline-parallel section of the training job's settings (`--pp`, `--pp-schedule`, `--stages-per-rank`,
-`--microbatches`) and its checks: this module owns them, `shardfusion.train.config` only includes the section
-(`TrainConfig` derives from `PipelineConfig`, so the flags are generated like every other one) and calls the checks
-below at their moments: `check_flags` with the other flag checks (`TrainConfig.validate`), `resolve` with the other
-run-time defaults (`config.resolve`), `check_world` with the checks against the world size (`config.check_run`).
+`--microbatches`) and its checks: this module owns them, `shardfusion.train.config.JobConfig` composes the section
+(``config.pipeline``; the flags are generated like every other one) and calls the functions below at their moments:
+`check_flags` with the other sections' checks (`JobConfig.validate`), `resolve` with the other run-time defaults
+(`config.resolve`), `check_world` with the checks against the world size (`config.check_run`).
 The run itself is `shardfusion.train.job_pipeline`; docs/train-pipeline.md describes both.
 
 How the pipeline cuts a step's batch (the data do not depend on the layout): a step trains on --grad-accum (A)
@@ -16,10 +16,10 @@ another order). With M = A the pipeline micro-batches are the accumulation micro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: config.py imports this module
-    from shardfusion.train.config import TrainConfig
+from shardfusion.train.model_config import ModelConfig, shape
+from shardfusion.train.optim_config import OptimizerConfig
+from shardfusion.train.parallel_config import ParallelismConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 """The --pp-schedule choices: torch's ScheduleGPipe, Schedule1F1B (one stage per pp rank) and
@@ -31,7 +31,7 @@ INTERLEAVED_STAGES_PER_RANK = 2
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
-    """The pipeline-parallel settings of a training run (a section of `TrainConfig`, which derives from it)."""
+    """The pipeline-parallel settings of a training run (a section of `JobConfig`: ``config.pipeline``)."""
 
     pp: int = 1
     """Pipeline-parallel degree: the GPT's blocks are cut into consecutive stages (embeddings on the first, final
@@ -78,9 +78,10 @@ def interleaved_rounds(pp: int, microbatches: int) -> int:
     return max(1, microbatches // pp)
 
 
-def check_flags(config: TrainConfig) -> None:
-    """The pipeline flags on their own and against the other flags (no world size needed); called by
-    `TrainConfig.validate`.
+def check_flags(config: PipelineConfig, model: ModelConfig, parallelism: ParallelismConfig,
+                optim: OptimizerConfig) -> None:
+    """The pipeline flags on their own and against the other sections' (no world size needed); called by
+    `JobConfig.validate`.
 
     Raises:
         ValueError: one line naming the flag to change and the numbers involved.
@@ -101,18 +102,18 @@ def check_flags(config: TrainConfig) -> None:
                 raise ValueError(f"{flag} {value} applies only to a pipeline: it needs {instead}")
         return
     what = f"--pp {pp}"
-    if config.hf_model is not None or config.init_from is not None:
-        source = f"--hf-model {config.hf_model}" if config.init_from is None else f"--init-from {config.init_from}"
+    if model.hf_model is not None or model.init_from is not None:
+        source = f"--hf-model {model.hf_model}" if model.init_from is None else f"--init-from {model.init_from}"
         raise ValueError(f"{what} does not apply to {source}: the pipeline stages are the GPT's "
                          f"(shardfusion.models.gpt_pipeline); drop --pp, or train the GPT")
-    for flag, degree in (("--mp", config.mp), ("--cp", config.cp)):
+    for flag, degree in (("--mp", parallelism.mp), ("--cp", parallelism.cp)):
         if degree != 1:
             raise ValueError(f"{what} with {flag} {degree} is not supported: the job's pipeline stages are sharded "
                              f"by fully_shard alone; use --pp or {flag}, not both")
-    if config.optimizer != "adamw":
-        raise ValueError(f"{what} with --optimizer {config.optimizer} is not supported: Muon's whole matrices per "
+    if optim.optimizer != "adamw":
+        raise ValueError(f"{what} with --optimizer {optim.optimizer} is not supported: Muon's whole matrices per "
                          f"stage are not wired into the job's pipeline yet; use --optimizer adamw")
-    if config.fsdp_outer_degree == "auto":
+    if parallelism.fsdp_outer_degree == "auto":
         raise ValueError(f"--fsdp-outer-degree auto with {what}: the cost model does not plan pipeline stages; give "
                          f"the outer degree as an int")
     schedule, per_rank = config.pp_schedule, stages_per_rank(config)
@@ -123,18 +124,18 @@ def check_flags(config: TrainConfig) -> None:
         raise ValueError(f"--pp-schedule interleaved needs --stages-per-rank >= 2, got {per_rank}; for one stage per "
                          f"pp rank use --pp-schedule 1f1b")
     stages = pp * per_rank
-    n_layer = config.model_config().n_layer
+    n_layer = shape(model).n_layer
     if n_layer % stages:
         below = stages * (n_layer // stages)
         hint = f"use --n-layer {below} or {below + stages}" if below else f"use --n-layer {stages}"
         raise ValueError(f"{what} x {per_rank} stage(s) per rank = {stages} stages must divide n_layer {n_layer} "
-                         f"(--n-layer, --preset {config.preset}): each stage holds n_layer / stages consecutive "
+                         f"(--n-layer, --preset {model.preset}): each stage holds n_layer / stages consecutive "
                          f"blocks; {hint}")
     if config.microbatches is not None:
         check_microbatches(config, config.microbatches)
 
 
-def check_microbatches(config: TrainConfig, m: int) -> None:
+def check_microbatches(config: PipelineConfig, m: int) -> None:
     """A given M against the stages and the schedule (`check_flags`; the default M fits them).
 
     Raises:
@@ -182,21 +183,23 @@ and 11-29 % shorter steps than after_forward, peak memory within -8 % to +3 % (t
 buffers, kept between micro-batches, already set the peak)."""
 
 
-def resolve(config: TrainConfig) -> dict[str, int | str | None]:
-    """The run-time defaults of the section: {"stages_per_rank", "microbatches", "reshard_policy"} to replace in
-    ``config`` (without a pipeline: as given, and after_forward for the reshard policy; with one: `RESHARD_POLICY`).
-    Raises nothing: `check_world` checks the result."""
+def resolve(config: PipelineConfig, grad_accum: int, reshard_policy: str | None) -> dict[str, int | str | None]:
+    """The run-time defaults of the section: {"stages_per_rank", "microbatches", "reshard_policy"} for
+    `shardfusion.train.config.resolve` (without a pipeline: as given, and after_forward for the reshard policy
+    --reshard-policy; with one: `RESHARD_POLICY`). Raises nothing: `check_world` checks the result."""
     if config.pp <= 1:
         return {"stages_per_rank": config.stages_per_rank, "microbatches": config.microbatches,
-                "reshard_policy": config.reshard_policy or "after_forward"}
-    m = config.microbatches if config.microbatches is not None else default_microbatches(config, config.grad_accum)
+                "reshard_policy": reshard_policy or "after_forward"}
+    m = config.microbatches if config.microbatches is not None else default_microbatches(config, grad_accum)
     return {"stages_per_rank": stages_per_rank(config), "microbatches": m,
-            "reshard_policy": config.reshard_policy or RESHARD_POLICY}
+            "reshard_policy": reshard_policy or RESHARD_POLICY}
 
 
-def check_world(config: TrainConfig, *, world_size: int, world: str) -> None:
-    """The pipeline against the world size, the batch and the output folder (run before any worker starts, by
-    `config.check_run`; config must be resolved). ``world`` names where world_size comes from (e.g. "--nproc 4").
+def check_world(config: PipelineConfig, grad_accum: int, batch_size: int | None, *, world_size: int,
+                world: str) -> None:
+    """The pipeline (resolved: its micro-batches known) against the world size and the batch (--grad-accum,
+    --batch-size B), run before any worker starts by `config.check_run`. ``world`` names where world_size comes from
+    (e.g. "--nproc 4").
 
     Raises:
         ValueError: one line naming the flag to change and the numbers involved.
@@ -207,7 +210,7 @@ def check_world(config: TrainConfig, *, world_size: int, world: str) -> None:
                          f"world / pp ranks")
     if pp == 1:
         return
-    m, accum, per_rank = config.microbatches, config.grad_accum, config.batch_size
+    m, accum, per_rank = config.microbatches, grad_accum, batch_size
     if per_rank is not None and m is not None:
         rows = accum * per_rank
         if rows % m:

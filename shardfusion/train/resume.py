@@ -9,7 +9,7 @@ list `[muon, adamw]`) and:
   world size, `layout` (`Topology.describe()`), the model's record (`JobModel.extra`: `model`, the `GPTConfig`
   fields, what a plain `GPT` needs to load an export of the checkpoint; or for a Hugging Face model `hf_config`,
   its config dict, which `shardfusion.export` writes as the export's config.json) and `config`: the
-  `RESUME_FIELDS` of the run's `TrainConfig`, the settings that decide the learning rate schedule and the data
+  `RESUME_FIELDS` of the run's `ResolvedJob`, the settings that decide the learning rate schedule and the data
   order;
 - `data_order`: the sampler's data order (`shardfusion.train.data.DATA_ORDER`); a checkpoint without it was written
   before the order was recorded, by a run that drew each data-parallel rank's batches itself
@@ -44,29 +44,25 @@ import torch.nn as nn
 
 from shardfusion import checkpoint as ckpt
 from shardfusion.comm import call_on_rank0
+from shardfusion.train.config import OWNER, RESUME_FIELDS, SAVED_TOKENIZER_FIELDS
 from shardfusion.train.data import DATA_ORDER_PER_RANK, DATA_ORDERS
 
 CHECKPOINT_DIR = "checkpoints"
 """Folder under --out holding the job's checkpoints (`step-N`, `latest`)."""
 
-RESUME_FIELDS = ("seed", "steps", "lr", "min_lr", "warmup", "weight_decay", "clip", "global_batch_size",
-                 "grad_accum", "aux_loss_coef", "data", "data_bytes", "dropout", "param_dtype", "grad_comm_dtype",
-                 "outer_comm_dtype", "expert_policy", "device", "hf_model", "init_from", "optimizer", "muon_lr",
-                 "text_field", "outer_sync", "outer_every", "outer_lr", "outer_momentum", "outer_fragments")
-"""TrainConfig fields that decide the learning rate schedule, the data order, the loss or the arithmetic (dtypes,
-device, where expert gradients are summed): a resume with other values continues, but not as the saved run would
-have. The per-rank batch_size is not one of them (it follows from the global one and the world size), except for
-a checkpoint of the per-rank data order, whose saved batch_size is compared too. `optimizer` is not merely compared:
-a resume with another one is refused (`check_optimizer`)."""
+# RESUME_FIELDS: the fields that decide the learning rate schedule, the data order, the loss or the arithmetic
+# (dtypes, device, where expert gradients are summed): a resume with other values continues, but not as the saved run
+# would have. The per-rank batch_size is not one of them (it follows from the global one and the world size), except
+# for a checkpoint of the per-rank data order, whose saved batch_size is compared too. `optimizer` is not merely
+# compared: a resume with another one is refused (`check_optimizer`). SAVED_TOKENIZER_FIELDS: saved beside them but
+# not compared by `restore`: the tokenizer a resume must use. Its path may change (a resumed run reads its own
+# OUT/tokenizer), so `shardfusion.train.data_config.check_saved` compares the fingerprint instead, before any worker
+# starts. Both come from the sections' field metadata (`shardfusion.train.sections`).
 
-OUTER_SETTINGS = ("outer_every", "outer_lr", "outer_momentum", "outer_fragments")
-"""`RESUME_FIELDS` that only DiLoCo uses: compared only when the saved run or this one has --outer-sync diloco (their
-defaults changed since runs were saved, and an every-step run never read them)."""
-
-SAVED_TOKENIZER_FIELDS = ("tokenizer", "tokenizer_fingerprint", "train_tokenizer")
-"""TrainConfig fields saved beside `RESUME_FIELDS` but not compared by `restore`: the tokenizer a resume must use.
-Its path may change (a resumed run reads its own OUT/tokenizer), so `shardfusion.train.data_config.check_saved`
-compares the fingerprint instead, before any worker starts."""
+OUTER_SETTINGS = tuple(name for name in RESUME_FIELDS if OWNER[name] == "outer" and name != "outer_sync")
+"""`RESUME_FIELDS` that only DiLoCo uses (the outer section's, but --outer-sync): compared only when the saved run
+or this one has --outer-sync diloco (their defaults changed since runs were saved, and an every-step run never read
+them)."""
 
 SAVED_OPTIMIZER_DEFAULT = "adamw"
 """The optimizer of a checkpoint whose settings name none (written before --optimizer existed: AdamW)."""

@@ -225,9 +225,8 @@ def test_bad_flag_under_torchrun(tmp_path: Path) -> None:
 def test_worker_failure_gives_nonzero_exit(tmp_path: Path) -> None:
     # A worker that fails after the launch must still fail the job. Skip the parent's checks (in the parent only;
     # spawned workers import the module afresh) so that a layout error reaches the workers: 2 ranks, 3 replicas.
-    code = ("import dataclasses, sys; import shardfusion.train.job as t\n"
-            "t.preflight = lambda config, torchrun: t.resolve(dataclasses.replace(config, nproc=2), device='cpu', "
-            "world_size=2)\n"
+    code = ("import sys; import shardfusion.train.job as t\n"
+            "t.preflight = lambda config, torchrun: t.resolve(config, device='cpu', world_size=2, nproc=2)\n"
             f"sys.exit(t.main({[*TINY_RUN, '--fsdp-outer-degree', '3', '--steps', '1', '--out', str(tmp_path)]!r}))")
     result = run_train([], launcher=[sys.executable, "-c", code])  # the module name that run_train() appends is unused
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]

@@ -27,13 +27,22 @@ pytest.importorskip("tokenizers")
 from harness import TRAIN_TIMEOUT_S, run_command, run_train, train_usage_error  # noqa: E402
 from shardfusion.train import data_config as dc  # noqa: E402
 from shardfusion.train import tokenizer as tk  # noqa: E402
-from shardfusion.train.config import TrainConfig  # noqa: E402
+from shardfusion.train.config import JobConfig, ResolvedJob, TokenizerFacts, resolve  # noqa: E402
 from shardfusion.train.data import BatchSampler  # noqa: E402
 from shardfusion.train.metrics import read_metrics  # noqa: E402
 
 VOCAB, SEQ_LEN, EVAL_BATCHES, STEPS = 512, 32, 4, 6
 TOPICS = ("cats", "hats", "boats", "trees", "rivers", "clocks", "lamps", "roads")
 
+
+
+def prepare(config: JobConfig, saved: dict | None = None, progress: bool = False) -> ResolvedJob:
+    """What the job's preflight does with the data flags: the tokenizer, the config resolved with it (one rank on
+    cpu), the corpus tokenized and checked."""
+    tokenizer = dc.prepare_tokenizer(config, saved, progress=progress)
+    job = resolve(config, device="cpu", world_size=1, saved=saved, tokenizer=TokenizerFacts.of(tokenizer))
+    dc.prepare_corpus(job, tokenizer, progress=progress)
+    return job
 
 def _documents() -> list[str]:
     """~190 kB of varied, deterministic text: enough tokens for both splits at seq_len 32."""
@@ -94,7 +103,7 @@ def finetune(tmp_path_factory: pytest.TempPathFactory, pretrained: Path, corpus:
 
 def _samplers(pretrained: Path, corpus: Path, cache: Path, world: int) -> list[BatchSampler]:
     """The job's samplers of data-parallel ranks 0..world-1 over the cached stream (global batch 8, seed 42)."""
-    config = dc.prepare(TrainConfig(init_from=str(pretrained), data=str(corpus), data_cache=str(cache)),
+    config = prepare(JobConfig.from_flat(init_from=str(pretrained), data=str(corpus), data_cache=str(cache)),
                         progress=False)
     train, val, _ = dc.load_splits(config, tk.load(config.tokenizer))
     return [BatchSampler(train=train, val=val, batch_size=8 // world, seq_len=SEQ_LEN, seed=42, dp_rank=r,

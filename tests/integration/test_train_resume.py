@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from benchmarks.netcluster import descendants
-from harness import REPO, clean_env, run_train, train_usage_error
+from harness import REPO, TRAIN_TIMEOUT_S, clean_env, run_train, train_usage_error
 from shardfusion.checkpoint import latest_checkpoint, read_all, read_meta
 from shardfusion.checkpoint.export import export
 from shardfusion.models.gpt import GPT, GPTConfig
@@ -227,3 +227,32 @@ def test_torchrun_restarts_need_an_unshared_store(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in result.stdout + result.stderr
     assert not (tmp_path / "checkpoints").exists()
+
+
+FIXTURE_RUN = REPO / "tests" / "fixtures" / "run-before-trainer"
+"""A run folder the job wrote before its settings were split into sections (4 steps of the tiny GPT-MoE on 2 ranks,
+saved at step 4; its flags in its config.json)."""
+
+
+@pytest.mark.timeout(TRAIN_TIMEOUT_S + 30)
+def test_a_run_saved_before_the_sections_resumes(tmp_path: Path) -> None:
+    """Runs saved before the redesign still resume: a copy of FIXTURE_RUN, resumed with its own flags and --steps 6,
+    goes on at step 4 from its checkpoint with no note but the changed --steps (a setting saved in the checkpoint
+    read under another name, or a derived value resolved otherwise, would add one), trains steps 5 and 6, and its
+    config.json records the same fields as the old one (which is kept as config.step-4.json: --steps differs)."""
+    out = tmp_path / "run"
+    shutil.copytree(FIXTURE_RUN, out)
+    before = json.loads((out / "config.json").read_text())
+    flags = ["--preset", before["preset"], "--nproc", str(before["nproc"]), "--data-bytes", str(before["data_bytes"]),
+             "--eval-every", str(before["eval_every"]), "--save-every", str(before["save_every"]),
+             "--keep", str(before["keep"]), "--sample-tokens", "0", "--device", before["device"], "--no-progress"]
+    stdout = _ok(run_train([*flags, "--steps", "6", "--out", str(out)]))
+    assert f"resuming at step 4 from {out / 'checkpoints' / 'step-4'}" in stdout, stdout[-3000:]
+    notes = [line for line in stdout.splitlines() if "not an exact resume" in line]
+    assert notes == ["shardfusion: warning: not an exact resume: --steps was 4, now 6"], notes
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")[0]]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    after = json.loads((out / "config.json").read_text())
+    assert set(after) - {"resumed"} == set(before) and after["resumed"]["step"] == 4
+    assert json.loads((out / "config.step-4.json").read_text()) == before
+    assert latest_checkpoint(str(out / "checkpoints")).endswith("step-6")

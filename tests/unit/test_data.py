@@ -220,11 +220,11 @@ def test_compressed_and_binary_files_in_the_byte_corpus(tmp_path: Path) -> None:
 def test_binary_file_past_the_first_window_is_refused_before_launch(tmp_path: Path) -> None:
     """check_run (the job's pre-launch check, on every rank under torchrun) reads the head of every --data file the
     run will read, not only as many bytes as one window needs: a binary file after enough text is refused."""
-    from shardfusion.train.config import TrainConfig, check_run, resolve
+    from shardfusion.train.config import JobConfig, check_run, resolve
     (tmp_path / "a.txt").write_text("enough text for the windows\n" * 1000)
     (tmp_path / "b.dat").write_bytes(b"\x00\x01\x02" * 100)
-    config = resolve(TrainConfig(preset="tiny", data=str(tmp_path)), device="cpu", world_size=2)
+    config = resolve(JobConfig.from_flat(preset="tiny", data=str(tmp_path)), device="cpu", world_size=2)
     with pytest.raises(ValueError, match=rf"^--data {tmp_path / 'b.dat'}: not text"):
-        check_run(config, world_size=2, world="--nproc 2")
+        check_run(config, world="--nproc 2")
     (tmp_path / "b.dat").unlink()
-    check_run(config, world_size=2, world="--nproc 2")
+    check_run(config, world="--nproc 2")

@@ -2,7 +2,6 @@
 the checks against a pretrained model and a resumed checkpoint, `prepare` and `load_splits` on both paths (plain
 bytes, the token cache), the run's tokenizer copy, and the batch sampler over a numpy token stream."""
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -15,11 +14,20 @@ pytest.importorskip("transformers")
 
 from shardfusion.train import data_config as dc  # noqa: E402
 from shardfusion.train import tokenizer as tk  # noqa: E402
-from shardfusion.train.config import TrainConfig  # noqa: E402
+from shardfusion.train.config import JobConfig, ResolvedJob, TokenizerFacts, resolve  # noqa: E402
 from shardfusion.train.data import BatchSampler, min_corpus_bytes, split_corpus  # noqa: E402
 
 DOCS = [f"record {i}: a small document about cats and hats, ☃\n" for i in range(80)]  # ~4 kB of text
 
+
+
+def prepare(config: JobConfig, saved: dict | None = None, progress: bool = False) -> ResolvedJob:
+    """What the job's preflight does with the data flags: the tokenizer, the config resolved with it (one rank on
+    cpu), the corpus tokenized and checked."""
+    tokenizer = dc.prepare_tokenizer(config, saved, progress=progress)
+    job = resolve(config, device="cpu", world_size=1, saved=saved, tokenizer=TokenizerFacts.of(tokenizer))
+    dc.prepare_corpus(job, tokenizer, progress=progress)
+    return job
 
 @pytest.fixture(scope="module")
 def bpe_folder(tmp_path_factory) -> Path:
@@ -52,33 +60,33 @@ def pretrained(folder: Path, vocab_size: int, tokenizer_from: Path | None = None
 ])
 def test_check_flags_refusals(fields: dict, words: list[str]) -> None:
     """check_flags refuses a BPE of < 257 ids, --train-tokenizer with --tokenizer or with --init-from, an empty
-    --text-field and --data-bytes < 1, each in one line naming the flags; TrainConfig.validate runs it."""
-    config = TrainConfig(**fields)
+    --text-field and --data-bytes < 1, each in one line naming the flags; JobConfig.validate runs it."""
+    config = JobConfig.from_flat(**fields)
     with pytest.raises(ValueError) as caught:
-        dc.check_flags(config)
+        (config).check_section("corpus")
     assert "\n" not in str(caught.value) and all(w in str(caught.value) for w in words), str(caught.value)
-    dc.check_flags(TrainConfig(train_tokenizer=257))
+    (JobConfig.from_flat(train_tokenizer=257)).check_section("corpus")
     with pytest.raises(ValueError, match="--train-tokenizer 256"):
-        TrainConfig(train_tokenizer=256).validate()
+        JobConfig.from_flat(train_tokenizer=256).validate()
 
 
 def test_tokenizer_spec_defaults(tmp_path: Path, bpe_folder: Path) -> None:
     """Without --tokenizer: bytes; an --init-from folder with a tokenizer gives that folder; one without a tokenizer
     gives bytes if its vocabulary is 256, else a one-line error naming --init-from and its vocabulary; a resumed run
     takes OUT/tokenizer; --tokenizer always wins."""
-    assert dc.tokenizer_spec(TrainConfig()) == "bytes"
+    assert dc.tokenizer_spec(JobConfig()) == "bytes"
     with_tok = pretrained(tmp_path / "with", 300, bpe_folder)
-    assert dc.tokenizer_spec(TrainConfig(init_from=with_tok)) == with_tok
-    assert dc.tokenizer_spec(TrainConfig(init_from=pretrained(tmp_path / "b256", 256))) == "bytes"
+    assert dc.tokenizer_spec(JobConfig.from_flat(init_from=with_tok)) == with_tok
+    assert dc.tokenizer_spec(JobConfig.from_flat(init_from=pretrained(tmp_path / "b256", 256))) == "bytes"
     big = pretrained(tmp_path / "v1000", 1000)
     with pytest.raises(ValueError) as caught:
-        dc.tokenizer_spec(TrainConfig(init_from=big))
+        dc.tokenizer_spec(JobConfig.from_flat(init_from=big))
     assert "\n" not in str(caught.value) and f"--init-from {big}" in str(caught.value) and "1000" in str(caught.value)
-    assert dc.tokenizer_spec(TrainConfig(init_from=big, tokenizer="bytes")) == "bytes"
+    assert dc.tokenizer_spec(JobConfig.from_flat(init_from=big, tokenizer="bytes")) == "bytes"
     out = tmp_path / "out"
     tk.load(str(bpe_folder)).save(out / "tokenizer")
-    assert dc.tokenizer_spec(TrainConfig(out=str(out)), resuming=True) == str(out / "tokenizer")
-    assert dc.tokenizer_spec(TrainConfig(out=str(out)), resuming=False) == "bytes"
+    assert dc.tokenizer_spec(JobConfig.from_flat(out=str(out)), resuming=True) == str(out / "tokenizer")
+    assert dc.tokenizer_spec(JobConfig.from_flat(out=str(out)), resuming=False) == "bytes"
 
 
 def test_check_vocabulary(tmp_path: Path, bpe_folder: Path) -> None:
@@ -87,19 +95,19 @@ def test_check_vocabulary(tmp_path: Path, bpe_folder: Path) -> None:
     t = tk.load(str(bpe_folder))
     small = pretrained(tmp_path / "small", t.vocab_size - 20)
     with pytest.raises(ValueError) as caught:
-        dc.check_vocabulary(TrainConfig(init_from=small, tokenizer=str(bpe_folder)), t)
+        dc.check_vocabulary(JobConfig.from_flat(init_from=small, tokenizer=str(bpe_folder)), t)
     message = str(caught.value)
     assert f"vocab_size {t.vocab_size - 20}" in message and f"has {t.vocab_size} ids" in message, message
-    dc.check_vocabulary(TrainConfig(init_from=pretrained(tmp_path / "same", t.vocab_size)), t)
-    dc.check_vocabulary(TrainConfig(init_from=pretrained(tmp_path / "larger", 4096)), t)
-    dc.check_vocabulary(TrainConfig(), t)
+    dc.check_vocabulary(JobConfig.from_flat(init_from=pretrained(tmp_path / "same", t.vocab_size)), t)
+    dc.check_vocabulary(JobConfig.from_flat(init_from=pretrained(tmp_path / "larger", 4096)), t)
+    dc.check_vocabulary(JobConfig(), t)
 
 
 def test_check_saved(bpe_folder: Path) -> None:
     """A resumed checkpoint of another tokenizer is refused, naming it and this run's; one without a fingerprint
     (an older byte-level run) resumes with bytes only; the same fingerprint resumes."""
     bpe, byte = tk.load(str(bpe_folder)), tk.byte_tokenizer()
-    config = TrainConfig(out="runs/x")
+    config = JobConfig.from_flat(out="runs/x")
     with pytest.raises(ValueError, match=r"^--tokenizer: the checkpoint in --out runs/x .* tokenizer bytes"):
         dc.check_saved(config, bpe, {"lr": 1.0})
     with pytest.raises(ValueError, match="trained with the tokenizer /old/tok, this run's is bytes"):
@@ -114,7 +122,7 @@ def test_prepare_plain_bytes_keeps_the_old_path(tmp_path: Path) -> None:
     uint8 tensors that are the file's bytes, split at the end."""
     data = tmp_path / "corpus.txt"
     data.write_text("".join(DOCS), encoding="utf-8")
-    config = dc.prepare(TrainConfig(data=str(data), seq_len=16), progress=False)
+    config = prepare(JobConfig.from_flat(data=str(data), seq_len=16), progress=False)
     assert (config.tokenizer, config.vocab_size, config.tokenizer_fingerprint) == ("bytes", 256, "bytes")
     assert dc.plain_bytes(config) and not (tmp_path / ".shardfusion-tokens").exists()
     train, val, info = dc.load_splits(config, tk.byte_tokenizer())
@@ -130,7 +138,7 @@ def test_prepare_jsonl_with_a_tokenizer(tmp_path: Path, bpe_folder: Path) -> Non
     the data; load_splits' train + val is the packed stream (ids then eot per document, by the HF tokenizer)."""
     data = jsonl(tmp_path / "docs.jsonl", DOCS)
     t = tk.load(str(bpe_folder))
-    config = dc.prepare(TrainConfig(data=str(data), tokenizer=str(bpe_folder), seq_len=16), progress=False)
+    config = prepare(JobConfig.from_flat(data=str(data), tokenizer=str(bpe_folder), seq_len=16), progress=False)
     assert (config.vocab_size, config.tokenizer_fingerprint) == (t.vocab_size, t.fingerprint)
     assert config.model_config().vocab_size == t.vocab_size
     train, val, info = dc.load_splits(config, t)
@@ -144,7 +152,7 @@ def test_prepare_refuses_too_small_corpora(tmp_path: Path) -> None:
     --seq-len; a corpus of empty files is refused as holding no documents."""
     data = jsonl(tmp_path / "tiny.jsonl", ["abc", "de"])  # 4 + 3 byte tokens with the eots
     with pytest.raises(ValueError) as caught:
-        dc.prepare(TrainConfig(data=str(data), seq_len=16), progress=False)
+        prepare(JobConfig.from_flat(data=str(data), seq_len=16), progress=False)
     message = str(caught.value)
     assert "holds only 7 tokens (2 documents)" in message and f">= {min_corpus_bytes(16)} tokens" in message
     assert "--seq-len" in message and "\n" not in message
@@ -152,20 +160,20 @@ def test_prepare_refuses_too_small_corpora(tmp_path: Path) -> None:
     jsonl(tmp_path / "empty" / "a.jsonl", [])
     (tmp_path / "empty" / "b.txt").write_text("")
     with pytest.raises(ValueError, match="holds no documents"):
-        dc.prepare(TrainConfig(data=str(tmp_path / "empty"), tokenizer="bytes", seq_len=16), progress=False)
+        prepare(JobConfig.from_flat(data=str(tmp_path / "empty"), tokenizer="bytes", seq_len=16), progress=False)
 
 
 def test_prepare_trains_a_tokenizer_once(tmp_path: Path, monkeypatch) -> None:
     """--train-tokenizer N trains a BPE of <= N ids into the cache folder and runs with it; a second prepare of the
     same corpus reuses it without training; a resume against another fingerprint is refused."""
     data = jsonl(tmp_path / "docs.jsonl", DOCS)
-    first = dc.prepare(TrainConfig(data=str(data), train_tokenizer=290, seq_len=16), progress=False)
+    first = prepare(JobConfig.from_flat(data=str(data), train_tokenizer=290, seq_len=16), progress=False)
     assert Path(first.tokenizer).parent == tmp_path / ".shardfusion-tokens" and 257 <= first.vocab_size <= 290
     monkeypatch.setattr(tk, "train_bpe", lambda *a, **k: pytest.fail("trained again"))
-    again = dc.prepare(TrainConfig(data=str(data), train_tokenizer=290, seq_len=16), progress=False)
+    again = prepare(JobConfig.from_flat(data=str(data), train_tokenizer=290, seq_len=16), progress=False)
     assert (again.tokenizer, again.tokenizer_fingerprint) == (first.tokenizer, first.tokenizer_fingerprint)
     with pytest.raises(ValueError, match="^--tokenizer: the checkpoint"):
-        dc.prepare(TrainConfig(data=str(data), train_tokenizer=290, seq_len=16, out=str(tmp_path / "o")),
+        prepare(JobConfig.from_flat(data=str(data), train_tokenizer=290, seq_len=16, out=str(tmp_path / "o")),
                    saved={"tokenizer_fingerprint": "another"}, progress=False)
 
 
@@ -219,7 +227,7 @@ def test_prepare_reads_compressed_data_and_refuses_binary(tmp_path: Path, bpe_fo
     t = tk.load(str(bpe_folder))
     streams = []
     for data in (plain, packed):
-        config = dc.prepare(TrainConfig(data=str(data), tokenizer=str(bpe_folder), seq_len=16), progress=False)
+        config = prepare(JobConfig.from_flat(data=str(data), tokenizer=str(bpe_folder), seq_len=16), progress=False)
         train, val, info = dc.load_splits(config, t)
         assert info["documents"] == len(DOCS)
         streams.append(np.concatenate([train, val]).tolist())
@@ -227,7 +235,7 @@ def test_prepare_reads_compressed_data_and_refuses_binary(tmp_path: Path, bpe_fo
     (tmp_path / "packed" / "weights.bin").write_bytes(bytes(range(256)))
     for tokenizer in (str(bpe_folder), "bytes"):
         with pytest.raises(ValueError, match=rf"^--data {tmp_path / 'packed' / 'weights.bin'}: not text[^\n]*$"):
-            dc.prepare(TrainConfig(data=str(tmp_path / "packed"), tokenizer=tokenizer, seq_len=16), progress=False)
+            prepare(JobConfig.from_flat(data=str(tmp_path / "packed"), tokenizer=tokenizer, seq_len=16), progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -249,30 +257,30 @@ def test_tokenizer_that_contradicts_the_pretrained_one(tmp_path: Path, bpe_folde
     ours, theirs = tk.load(str(other_folder)), tk.load(str(bpe_folder))
     assert ours.ids_fingerprint != theirs.ids_fingerprint
     data = jsonl(tmp_path / "docs.jsonl", DOCS)
-    config = TrainConfig(init_from=model, tokenizer=str(other_folder), data=str(data), seq_len=16)
+    config = JobConfig.from_flat(init_from=model, tokenizer=str(other_folder), data=str(data), seq_len=16)
     with pytest.raises(ValueError) as caught:
-        dc.prepare(config, progress=False)
+        prepare(config, progress=False)
     message = str(caught.value)
     assert "\n" not in message and message.startswith(f"--tokenizer {other_folder} (ids fingerprint "
                                                       f"{ours.ids_fingerprint[:12]}, 300 ids)"), message
     assert f"--init-from {model} (ids fingerprint {theirs.ids_fingerprint[:12]})" in message, message
     assert "--tokenizer-override" in message, message
-    override = dataclasses.replace(config, tokenizer_override=True)
-    assert dc.prepare(override, progress=False).tokenizer == str(other_folder)
+    override = config.replace(tokenizer_override=True)
+    assert prepare(override, progress=False).tokenizer == str(other_folder)
     warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("shardfusion: warning: ")]
     assert len(warnings) == 1 and ours.ids_fingerprint[:12] in warnings[0], warnings
     assert theirs.ids_fingerprint[:12] in warnings[0] and f"--init-from {model}" in warnings[0], warnings
     theirs.save(tmp_path / "copy")
     for same in (str(bpe_folder), str(bpe_folder / "tokenizer.json"), str(tmp_path / "copy"), None):
         fields = {} if same is None else {"tokenizer": same}
-        assert dc.check_pretrained_tokenizer(TrainConfig(init_from=model, **fields), tk.load(same or model)) is None
+        assert dc.check_pretrained_tokenizer(JobConfig.from_flat(init_from=model, **fields), tk.load(same or model)) is None
     bare = pretrained(tmp_path / "bare", 300)
-    assert dc.check_pretrained_tokenizer(TrainConfig(init_from=bare, tokenizer=str(other_folder)), ours) is None
+    assert dc.check_pretrained_tokenizer(JobConfig.from_flat(init_from=bare, tokenizer=str(other_folder)), ours) is None
     with pytest.raises(ValueError, match=rf"^--tokenizer bytes \(ids fingerprint \w{{12}}, 256 ids\) maps"):
-        dc.check_pretrained_tokenizer(TrainConfig(init_from=model, tokenizer="bytes"), tk.byte_tokenizer())
+        dc.check_pretrained_tokenizer(JobConfig.from_flat(init_from=model, tokenizer="bytes"), tk.byte_tokenizer())
     exported = pretrained(tmp_path / "export", 256)
     tk.byte_tokenizer().save(exported)
-    assert dc.check_pretrained_tokenizer(TrainConfig(init_from=exported, tokenizer="bytes"),
+    assert dc.check_pretrained_tokenizer(JobConfig.from_flat(init_from=exported, tokenizer="bytes"),
                                          tk.byte_tokenizer()) is None
 
 

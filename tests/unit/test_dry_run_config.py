@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shardfusion.train import dry_run_config as dc
-from shardfusion.train.config import TrainConfig
+from shardfusion.train.config import JobConfig
 from shardfusion.train.job_dry_run import prepare
 
 ON = dict(dry_run=True)
@@ -26,15 +26,15 @@ ON = dict(dry_run=True)
 ])
 def test_check_flags_refusals(fields: dict, words: str) -> None:
     with pytest.raises(ValueError) as error:
-        dc.check_flags(TrainConfig(**fields))
+        (JobConfig.from_flat(**fields)).check_section("dry")
     assert str(error.value).startswith(words), str(error.value)
 
 
 def test_defaults_and_units() -> None:
-    dc.check_flags(TrainConfig())
-    dc.check_flags(TrainConfig(**ON, world=1024, bandwidth_within="900MB", bandwidth_across="12.5GB"))
-    assert dc.bandwidths(TrainConfig(bandwidth_within="900MB", bandwidth_across="1GiB")) == (900e6, float(2**30))
-    assert not dc.enabled(TrainConfig()) and dc.enabled(TrainConfig(**ON))
+    (JobConfig()).check_section("dry")
+    (JobConfig.from_flat(**ON, world=1024, bandwidth_within="900MB", bandwidth_across="12.5GB")).check_section("dry")
+    assert dc.bandwidths(JobConfig.from_flat(bandwidth_within="900MB", bandwidth_across="1GiB")) == (900e6, float(2**30))
+    assert not dc.enabled(JobConfig()) and dc.enabled(JobConfig.from_flat(**ON))
 
 
 @pytest.mark.parametrize("fields, words", [
@@ -46,11 +46,11 @@ def test_defaults_and_units() -> None:
 def test_layouts_checked_against_the_world(fields: dict, words: str) -> None:
     """The job's own rules (check_run) against --world, before anything is built."""
     with pytest.raises(ValueError) as error:
-        prepare(TrainConfig(**ON, **fields))
+        prepare(JobConfig.from_flat(**ON, **fields))
     assert str(error.value).startswith(words), str(error.value)
 
 
 def test_a_layout_that_fits() -> None:
-    config, world, ranks_per_node = prepare(TrainConfig(**ON, world=1024, fsdp_outer_degree=128, experts=0))
+    config, world, ranks_per_node = prepare(JobConfig.from_flat(**ON, world=1024, fsdp_outer_degree=128, experts=0))
     assert (world, ranks_per_node, config.fsdp_outer_degree) == (1024, 8, 128)
     assert config.global_batch_size == config.batch_size * 1024

@@ -17,7 +17,7 @@ import shardfusion as sf
 dr = importlib.import_module("shardfusion.dry_run")  # the module (shardfusion.dry_run is also the function's name)
 from shardfusion.topology import (KINDS, Degrees, Topology, _group_of, _inner_kinds_spanning_nodes, group_ranks,
                                   outer_degree_within_nodes)
-from shardfusion.train.config import TrainConfig, default_outer_degree, parse_args, resolve
+from shardfusion.train.config import JobConfig, default_outer_degree, parse_args, resolve
 from shardfusion.train.job_dry_run import prepare
 
 LAYOUTS = [dict(world_size=w, pp=pp, cp=cp, mp=mp, ep=ep)
@@ -65,7 +65,7 @@ def test_spanning_and_the_degree_within_nodes_against_brute_force() -> None:
     ({"fsdp_outer_degree": 2}, 1024, 8, 2),           # given: kept
 ])
 def test_default_outer_degree(flags: dict, world: int, rpn, outer: int) -> None:
-    config = resolve(TrainConfig(preset="tiny", **flags), device="cpu", world_size=world, ranks_per_node=rpn)
+    config = resolve(JobConfig.from_flat(preset="tiny", **flags), device="cpu", world_size=world, ranks_per_node=rpn)
     assert config.fsdp_outer_degree == outer
     d = Degrees(world_size=world, pp=config.pp, cp=config.cp, ep=config.ep, fsdp_outer_degree=outer)
     if not {"ep", "fsdp_outer_degree"} & set(flags) and rpn is not None:
@@ -83,7 +83,7 @@ def test_default_outer_degree(flags: dict, world: int, rpn, outer: int) -> None:
 
 def test_a_resumed_run_keeps_its_saved_degree_over_several_nodes() -> None:
     """A checkpoint written with outer 2 (the default before inner = one node) resumes with outer 2 on 128 nodes."""
-    config = TrainConfig(preset="tiny")
+    config = JobConfig.from_flat(preset="tiny")
     saved = {"fsdp_outer_degree": 2}
     assert resolve(config, device="cpu", world_size=1024, ranks_per_node=8, saved=saved).fsdp_outer_degree == 2
     assert default_outer_degree(resolve(config, device="cpu", world_size=1024, ranks_per_node=8), 1024, 8, saved)[1] \
@@ -95,7 +95,7 @@ def test_a_resumed_run_keeps_its_saved_degree_over_several_nodes() -> None:
 
 
 def test_the_dry_run_takes_the_default_over_nodes_and_says_why() -> None:
-    given = TrainConfig(dry_run=True, world=1024, ranks_per_node=8, preset="tiny")
+    given = JobConfig.from_flat(dry_run=True, world=1024, ranks_per_node=8, preset="tiny")
     config, world, rpn = prepare(given)
     assert (world, rpn, config.fsdp_outer_degree, config.ep) == (1024, 8, 128, 2)
     from shardfusion.train.job_dry_run import outer_degree_line
@@ -103,9 +103,9 @@ def test_the_dry_run_takes_the_default_over_nodes_and_says_why() -> None:
     assert outer_degree_line(given, config, world, rpn) == (
         "--fsdp-outer-degree 128 by default: 1024 ranks = 128 nodes x 8: outer 128 x inner 8, each inner group one "
         "node, the default over several nodes")
-    kept, _, _ = prepare(TrainConfig(dry_run=True, world=1024, ranks_per_node=8, preset="tiny", fsdp_outer_degree=2))
+    kept, _, _ = prepare(JobConfig.from_flat(dry_run=True, world=1024, ranks_per_node=8, preset="tiny", fsdp_outer_degree=2))
     assert kept.fsdp_outer_degree == 2
-    one_node, _, _ = prepare(TrainConfig(dry_run=True, world=4, preset="tiny"))
+    one_node, _, _ = prepare(JobConfig.from_flat(dry_run=True, world=4, preset="tiny"))
     assert one_node.fsdp_outer_degree == 2
 
 
@@ -157,7 +157,7 @@ def test_a_world_too_large_is_refused_before_anything_is_allocated(monkeypatch) 
                                          r"1\.00 GiB is available; at most about 524,288 ranks fit"):
         sf.dry_run(lambda topo: None, lambda m, t: None, world_size=10**9, ranks_per_node=8)
     with pytest.raises(ValueError, match=r"^--world 1048576: world_size\(1,048,576\) is more than"):
-        prepare(TrainConfig(dry_run=True, world=2**20, preset="tiny"))
+        prepare(JobConfig.from_flat(dry_run=True, world=2**20, preset="tiny"))
     dr.check_world_fits(2**19)  # fits 1 GiB at 2 KiB per rank
 
 

@@ -5,15 +5,17 @@ recoveries: tests/integration/test_train_ft.py."""
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from shardfusion import ft
 from shardfusion.train import ft_config as fc
-from shardfusion.train.config import TrainConfig
+from shardfusion.train.config import JobConfig, resolve
 
 ON = dict(ft_lighthouse="http://127.0.0.1:1", ft_replicas=3, ft_replica_id=1, out="runs/x")
 
@@ -41,19 +43,19 @@ ON = dict(ft_lighthouse="http://127.0.0.1:1", ft_replicas=3, ft_replica_id=1, ou
 ])
 def test_check_flags_refusals(fields: dict, words: str) -> None:
     with pytest.raises(ValueError, match="^" + words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
-        fc.check_flags(TrainConfig(**fields))
+        (JobConfig.from_flat(**fields)).check_section("ft")
 
 
 def test_flags_parse_and_defaults() -> None:
-    fc.check_flags(TrainConfig())  # off: nothing to check
-    config = TrainConfig(**ON)
-    fc.check_flags(config)
+    (JobConfig()).check_section("ft")  # off: nothing to check
+    config = JobConfig.from_flat(**ON)
+    (config).check_section("ft")
     assert (config.ft_min_replicas, config.ft_timeout, config.ft_join_wait, config.ft_host,
             config.ft_quorum_timeout, config.ft_max_discards) == (1, 10.0, 30.0, None, 120.0, 20)
-    resolved = fc.resolve(config)
-    assert resolved.fsdp_outer_degree == 1 and fc.resolve(TrainConfig()).fsdp_outer_degree is None
+    resolved = resolve(config, device="cpu", world_size=2, ft_host=fc.resolve_host(config.ft))
+    assert resolved.fsdp_outer_degree == 1 and fc.resolve_host(JobConfig().ft) is None
     assert resolved.ft_host == "127.0.0.1"  # the lighthouse is on loopback: so is the way to it
-    assert fc.resolve(TrainConfig(**ON, ft_host="10.0.0.7")).ft_host == "10.0.0.7"  # given: kept
+    assert fc.resolve_host(JobConfig.from_flat(**ON, ft_host="10.0.0.7").ft) == "10.0.0.7"  # given: kept
 
 
 def test_default_host_is_the_address_towards_the_lighthouse() -> None:
@@ -71,11 +73,28 @@ def test_default_host_is_the_address_towards_the_lighthouse() -> None:
 
 
 def test_settings_fingerprint_covers_the_arithmetic_not_the_paths() -> None:
-    base = fc.settings_fingerprint(TrainConfig(**ON))
-    assert fc.settings_fingerprint(TrainConfig(**{**ON, "ft_replica_id": 2, "out": "/mnt/other"})) == base
-    assert fc.settings_fingerprint(TrainConfig(**ON, ft_host="10.0.0.7", data="/elsewhere")) == base
+    def fingerprint(**fields) -> str:
+        config = JobConfig.from_flat(**fields)
+        job = resolve(config, device="cpu", world_size=2, ft_host=fc.resolve_host(config.ft))
+        return fc.settings_fingerprint(job.marked("ft_shared"))
+
+    base = fingerprint(**ON)
+    assert fingerprint(**{**ON, "ft_replica_id": 2, "out": "/mnt/other"}) == base
+    assert fingerprint(**ON, ft_host="10.0.0.7", data="/elsewhere") == base
     for change in ({"lr": 1e-3}, {"seed": 7}, {"n_layer": 3}, {"batch_size": 5}, {"ft_replicas": 4}):
-        assert fc.settings_fingerprint(TrainConfig(**{**ON, **change})) != base, change
+        assert fingerprint(**{**ON, **change}) != base, change
+
+
+def test_settings_fingerprint_of_a_run_before_the_sections() -> None:
+    """The digest of the settings the job computed before its settings were split into sections
+    (tests/fixtures/ft-settings-before-trainer.json: the flags, resolved for 2 ranks on cpu, no data prepared) is
+    the digest of the same flags today: replica groups of both versions agree, and the field metadata
+    (``ft_shared``) names the same settings the hand-kept list did."""
+    fixture = json.loads((Path(__file__).parents[1] / "fixtures" / "ft-settings-before-trainer.json").read_text())
+    config = JobConfig.from_flat(**fixture["flags"])
+    job = resolve(config, device=fixture["device"], world_size=fixture["world_size"])
+    assert fc.settings_fingerprint(job.marked("ft_shared")) == fixture["settings_fingerprint"]
+    assert fc.settings_fingerprint(job.replace(lr=1e-3).marked("ft_shared")) != fixture["settings_fingerprint"]
 
 
 @pytest.mark.parametrize("groups, words", [
@@ -105,22 +124,23 @@ def test_agreement_of_the_quorums_groups(groups: list, words: str | None) -> Non
 
 def test_data_slices_are_hsdps() -> None:
     """Replica r's inner rank i takes slice r x inner + i of replicas x inner: HSDP's data-parallel ranks."""
-    config = TrainConfig(**ON)  # replica 1 of 3
+    config = JobConfig.from_flat(**ON)  # replica 1 of 3
     assert [fc.data_slices(config, i, 2) for i in range(2)] == [(2, 6), (3, 6)]
-    assert fc.data_slices(TrainConfig(), 1, 4) == (1, 4) and fc.replicas(TrainConfig()) == 1
+    assert fc.data_slices(JobConfig(), 1, 4) == (1, 4) and fc.replicas(JobConfig()) == 1
     assert fc.replicas(config) == 3
 
 
 def test_outputs_folder() -> None:
-    assert fc.outputs_folder(TrainConfig(**ON), "runs/x") == "runs/x/replica-1"
-    assert fc.outputs_folder(TrainConfig(), "runs/x") == "runs/x"
+    assert fc.outputs_folder(JobConfig.from_flat(**ON), "runs/x") == "runs/x/replica-1"
+    assert fc.outputs_folder(JobConfig(), "runs/x") == "runs/x"
 
 
 def test_batch_world_counts_the_replicas() -> None:
-    from shardfusion.train.config import batch_world, resolve_batch
-    config = TrainConfig(**ON, batch_size=4)
+    from shardfusion.train.config import batch_world
+    from shardfusion.train.schedule import resolve_batch
+    config = JobConfig.from_flat(**ON, batch_size=4)
     assert batch_world(config, 2) == 6
-    assert resolve_batch(config, dp_world=batch_world(config, 2)).global_batch_size == 24
+    assert resolve_batch(config.schedule, dp_world=batch_world(config, 2)) == (4, 24)
 
 
 def _trained_adamw() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from shardfusion.train import hf_models  # noqa: E402
-from shardfusion.train.config import TrainConfig, check_pretrained, parse_args, resolve  # noqa: E402
+from shardfusion.train.config import JobConfig, check_pretrained, parse_args, resolve  # noqa: E402
 from shardfusion.train.job_model import build, hf_config  # noqa: E402
 from test_train_config import flag_error  # noqa: E402  (the one error line of a bad flag)
 
@@ -50,8 +50,8 @@ def test_preset_configs_from_flags() -> None:
         hf_models.preset_config("gpt2", **SHAPE)
     with pytest.raises(ValueError, match="--hf-model mixtral is a mixture of experts: it needs --experts >= 1"):
         hf_models.preset_config("mixtral", **{**SHAPE, "n_experts": 0})
-    # the job's flags reach the preset through TrainConfig (--preset tiny: 2 layers of 64)
-    cfg = hf_config(TrainConfig(hf_model="qwen3_moe", preset="tiny", n_layer=3, seq_len=48, experts=6, top_k=3))
+    # the job's flags reach the preset through JobConfig (--preset tiny: 2 layers of 64)
+    cfg = hf_config(JobConfig.from_flat(hf_model="qwen3_moe", preset="tiny", n_layer=3, seq_len=48, experts=6, top_k=3))
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.max_position_embeddings, cfg.num_experts,
             cfg.num_experts_per_tok) == (3, 64, 48, 6, 3)
 
@@ -98,8 +98,8 @@ def test_model_units_loss_and_sample(name: str, layer: str) -> None:
 
 @pytest.mark.timeout(60)
 def test_job_model_of_an_hf_run() -> None:
-    job = build(TrainConfig(hf_model="llama", preset="tiny", seed=3), None, torch.device("cpu"))
-    again = build(TrainConfig(hf_model="llama", preset="tiny", seed=3), None, torch.device("cpu"))
+    job = build(JobConfig.from_flat(hf_model="llama", preset="tiny", seed=3), None, torch.device("cpu"))
+    again = build(JobConfig.from_flat(hf_model="llama", preset="tiny", seed=3), None, torch.device("cpu"))
     assert all(p.is_meta for p in job.module.parameters())  # fully_shard materializes it with job.init_fn
     for j in (job, again):  # what fully_shard's meta-device init does, in one process: the same values from --seed
         torch.manual_seed(3)
@@ -118,7 +118,7 @@ def test_job_model_of_an_hf_run() -> None:
     stored_bf16.dtype = torch.bfloat16  # a pretrained config may name the dtype its weights were saved in
     assert {p.dtype for p in hf_models.build_model(stored_bf16).parameters()} == {torch.float32}
     assert hf_models.config_dict(stored_bf16)["dtype"] == "float32"
-    moe = build(TrainConfig(hf_model="mixtral", preset="tiny"), None, torch.device("cpu"))
+    moe = build(JobConfig.from_flat(hf_model="mixtral", preset="tiny"), None, torch.device("cpu"))
     assert (moe.n_moe_layers, moe.n_experts, moe.top_k, moe.tied) == (2, 4, 2, frozenset())
     assert 0 < moe.num_active < moe.num_params
 
@@ -136,15 +136,15 @@ def test_hf_flags(capsys: pytest.CaptureFixture) -> None:
     assert parse_args(["--hf-model", "llama", "--ep", "1"]).ep == 1
     # ep resolves to 1 (the GPT-MoE's default at an even world size is 2), and the layout follows
     for flags in ({"hf_model": "qwen3_moe"}, {"init_from": "somewhere"}):
-        resolved = resolve(TrainConfig(**flags), device="cpu", world_size=4)
+        resolved = resolve(JobConfig.from_flat(**flags), device="cpu", world_size=4)
         assert (resolved.ep, resolved.fsdp_outer_degree) == (1, 2)
-    assert resolve(TrainConfig(), device="cpu", world_size=4).ep == 2
+    assert resolve(JobConfig(), device="cpu", world_size=4).ep == 2
 
 
 def test_init_from_folder_checks(tmp_path: Path) -> None:
     def check(folder: Path, **fields) -> None:
         fields.setdefault("tokenizer", "bytes")  # the folders below hold no tokenizer
-        check_pretrained(TrainConfig(init_from=str(folder), preset="tiny", **fields))
+        check_pretrained(JobConfig.from_flat(init_from=str(folder), preset="tiny", **fields))
 
     with pytest.raises(ValueError, match="^--init-from .*: cannot read a Hugging Face config.json there"):
         check(tmp_path)

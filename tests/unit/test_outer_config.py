@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from shardfusion.train import outer_config as oc
-from shardfusion.train.config import TrainConfig
+from shardfusion.train.config import JobConfig
 
 ON = dict(outer_sync="diloco", fsdp_outer_degree=2)
 LOSS_RESULT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "diloco-loss.json"
@@ -30,20 +30,24 @@ LOSS_RESULT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "
 ])
 def test_check_flags_refusals(fields: dict, words: str) -> None:
     with pytest.raises(ValueError) as error:
-        oc.check_flags(TrainConfig(**fields))
+        (JobConfig.from_flat(**fields)).check_section("outer")
     assert str(error.value).startswith(words), str(error.value)
 
 
 def test_defaults_pass_and_layout_needs_replicas() -> None:
-    oc.check_flags(TrainConfig())
-    oc.check_flags(TrainConfig(**ON, outer_every=32, outer_fragments=4))
-    assert not oc.enabled(TrainConfig()) and oc.enabled(TrainConfig(**ON))
-    oc.check_layout(TrainConfig(**ON), "--nproc 4")
-    oc.check_layout(TrainConfig(fsdp_outer_degree=1), "--nproc 4")  # every-step: nothing to check
+    (JobConfig()).check_section("outer")
+    (JobConfig.from_flat(**ON, outer_every=32, outer_fragments=4)).check_section("outer")
+    assert not oc.enabled(JobConfig()) and oc.enabled(JobConfig.from_flat(**ON))
+    def check_layout(**fields) -> None:
+        config = JobConfig.from_flat(**fields)
+        oc.check_layout(config.outer, config.fsdp_outer_degree, "--nproc 4")
+
+    check_layout(**ON)
+    check_layout(fsdp_outer_degree=1)  # every-step: nothing to check
     for outer in (1, "auto"):
         with pytest.raises(ValueError, match=rf"^--outer-sync diloco needs replicas: --fsdp-outer-degree {outer} "
                                              r"\(--nproc 4\)"):
-            oc.check_layout(TrainConfig(outer_sync="diloco", fsdp_outer_degree=outer), "--nproc 4")
+            check_layout(outer_sync="diloco", fsdp_outer_degree=outer)
 
 
 def test_the_default_outer_optimizer_is_the_measured_one() -> None:
@@ -55,11 +59,11 @@ def test_the_default_outer_optimizer_is_the_measured_one() -> None:
     assert result["seeds"] == [42, 43, 44] and result["extra"] == [], result["command"]
     table = result["table"]
     default, paper = table["diloco"]["outer"], table["diloco-paper"]["outer"]
-    config = TrainConfig(**ON)
+    config = JobConfig.from_flat(**ON)
     assert (default["lr"], default["momentum"], default["every"]) == (
         config.outer_lr, config.outer_momentum, config.outer_every)
     assert (paper["lr"], paper["momentum"], paper["every"]) == (0.7, 0.9, config.outer_every)
-    oc.check_flags(TrainConfig(**ON, outer_lr=0.7, outer_momentum=0.9))
+    (JobConfig.from_flat(**ON, outer_lr=0.7, outer_momentum=0.9)).check_section("outer")
     ratio = table["diloco"]["ratio_of_means"]
     assert ratio < table["diloco-paper"]["ratio_of_means"] - 0.05, table
     assert result["goal"] == {"ratio_of_means": ratio, "limit": 1.03, "met": ratio <= 1.03}

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 import shardfusion as sf
 from shardfusion.plan import Bandwidth, UnitSize, parse_bytes, plan, unit_sizes
-from shardfusion.train.config import TrainConfig, check_run, parse_args
+from shardfusion.train.config import JobConfig, check_run, parse_args, resolve
 
 UNITS = [UnitSize("", 1000, 0, False), UnitSize("blocks.0", 4000), UnitSize("blocks.1", 4000)]
 SLOW = Bandwidth(within=1e9, across=1e7)  # a cross-node link 100x slower than within a node
@@ -222,15 +222,18 @@ def test_job_flags(capsys: pytest.CaptureFixture) -> None:
             parse_args(args)
         assert f"argument {flag}: expected" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--fsdp-outer-degree must be an int >= 1 or auto, got 'x'"):
-        TrainConfig(fsdp_outer_degree="x").validate()
+        JobConfig.from_flat(fsdp_outer_degree="x").validate()
     with pytest.raises(ValueError, match="--max-memory-per-rank must be a size in bytes > 0"):
-        TrainConfig(max_memory_per_rank=0).validate()
+        JobConfig.from_flat(max_memory_per_rank=0).validate()
     # auto passes the layout checks before launch (the ep ones still apply)
-    check_run(TrainConfig(preset="tiny", fsdp_outer_degree="auto", ep=1, data_bytes=300_000), world_size=4,
-              world="--nproc 4")
+    def check(world_size: int, **fields) -> None:
+        world = f"--nproc {world_size}"
+        config = JobConfig.from_flat(preset="tiny", fsdp_outer_degree="auto", data_bytes=300_000, **fields)
+        check_run(resolve(config, device="cpu", world_size=world_size, world=world), world=world)
+
+    check(4, ep=1)
     with pytest.raises(ValueError, match="--ep 4 with --fsdp-outer-degree 1 does not fit 2 ranks"):
-        check_run(TrainConfig(preset="tiny", fsdp_outer_degree="auto", ep=4, data_bytes=300_000), world_size=2,
-                  world="--nproc 2")
+        check(2, ep=4)
 
 
 def test_measure_bandwidth_needs_a_process_group() -> None:

@@ -1,4 +1,4 @@
-"""The training job's configuration in one process: the flags generated from TrainConfig, their checks (including
+"""The training job's configuration in one process: the flags generated from JobConfig, their checks (including
 those against the world size and the file system, `check_run`), the ep / outer defaults, the learning-rate schedule
 and the weight-decay rule by parameter name (`no_decay`, which tests/reference.py uses too). Whole runs are in
 tests/integration/test_train.py."""
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shardfusion.train.config import (DEFAULT_WARMUP, SLOW_ATTENTION_FLOPS, TrainConfig, attention_flops,
+from shardfusion.train.config import (DEFAULT_WARMUP, SLOW_ATTENTION_FLOPS, JobConfig, attention_flops,
                                       build_parser, check_run, lr_at, parse_args, resolve, seq_len_warning)
 from shardfusion.train.launch import WORKERS_PER_CORE, nproc_warning
 from shardfusion.train.data import DATA_ORDER, DATA_ORDER_PER_RANK, min_corpus_bytes
@@ -35,8 +35,9 @@ def test_check_run_messages(tmp_path: Path) -> None:
 
     def check(world_size: int = 4, **fields) -> None:
         fields = {"data": str(tmp_path / "corpus.txt"), "out": str(tmp_path / "run"), **fields}
-        config = resolve(TrainConfig(preset="tiny", **fields), device="cpu", world_size=world_size)
-        check_run(config, world_size=world_size, world=f"--nproc {world_size}")
+        config = resolve(JobConfig.from_flat(preset="tiny", **fields), device="cpu", world_size=world_size,
+                         world=f"--nproc {world_size}")
+        check_run(config, world=f"--nproc {world_size}")
 
     check()
     check(world_size=8, fsdp_outer_degree=4)
@@ -76,7 +77,7 @@ def test_check_run_messages(tmp_path: Path) -> None:
 
 def test_resolve_ep_and_outer_defaults() -> None:
     def resolved(world_size: int, **fields) -> tuple[int, int]:
-        config = resolve(TrainConfig(**fields), device="cpu", world_size=world_size)
+        config = resolve(JobConfig.from_flat(**fields), device="cpu", world_size=world_size)
         return config.ep, config.fsdp_outer_degree
 
     assert resolved(4) == (2, 2)  # the default job: ep 2, HSDP outer 2
@@ -92,14 +93,15 @@ def test_resolve_ep_and_outer_defaults() -> None:
 
 def test_batch_flags_per_rank_and_global(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     def sizes(world_size: int, saved: dict | None = None, **fields) -> tuple[int | None, int | None]:
-        config = resolve(TrainConfig(**fields), device="cpu", world_size=world_size, saved=saved)
+        config = resolve(JobConfig.from_flat(**fields), device="cpu", world_size=world_size, saved=saved)
         return config.batch_size, config.global_batch_size
 
     assert sizes(4) == (16, 64)  # neither flag: 16 per data-parallel rank
     assert sizes(4, batch_size=3) == (3, 12)
     assert sizes(4, global_batch_size=8) == (2, 8)
     assert sizes(2, batch_size=4, global_batch_size=8) == (4, 8)  # both, consistent
-    assert sizes(3, global_batch_size=8) == (None, 8)  # does not divide: check_run refuses it (below)
+    with pytest.raises(ValueError, match=r"^--global-batch-size 8 is not divisible .* 3 \(3 ranks\)"):
+        sizes(3, global_batch_size=8)  # does not divide: resolve refuses it (more below)
     # a resume without batch flags keeps the saved G (per-rank B recomputed), or an older run's per-rank B
     assert sizes(2, saved={"global_batch_size": 8, "data_order": 2}) == (4, 8)
     assert sizes(2, saved={"batch_size": 4, "data_order": 1}) == (4, 8)
@@ -110,9 +112,9 @@ def test_batch_flags_per_rank_and_global(tmp_path: Path, capsys: pytest.CaptureF
     (tmp_path / "corpus.txt").write_bytes(b"x" * min_corpus_bytes(64))  # tiny: seq_len 64
 
     def check(world_size: int, **fields) -> None:
-        config = resolve(TrainConfig(preset="tiny", data=str(tmp_path / "corpus.txt"), out=str(tmp_path / "run"),
-                                     **fields), device="cpu", world_size=world_size)
-        check_run(config, world_size=world_size, world=f"--nproc {world_size}")
+        config = resolve(JobConfig.from_flat(preset="tiny", data=str(tmp_path / "corpus.txt"), out=str(tmp_path / "run"),
+                                     **fields), device="cpu", world_size=world_size, world=f"--nproc {world_size}")
+        check_run(config, world=f"--nproc {world_size}")
 
     check(4, global_batch_size=8)
     check(4, batch_size=2, global_batch_size=8)
@@ -195,7 +197,7 @@ def test_non_finite_float_flags_rejected(flag: str, value: str, capsys: pytest.C
 
 def test_config_refuses_non_finite_floats() -> None:
     with pytest.raises(ValueError, match="^--clip must be a finite number, got nan$"):
-        TrainConfig(clip=float("nan")).validate()
+        JobConfig.from_flat(clip=float("nan")).validate()
 
 
 def test_abbreviated_flags_and_zero_steps_rejected(capsys: pytest.CaptureFixture) -> None:
@@ -221,9 +223,9 @@ def test_cli_is_generated_from_the_dataclass() -> None:
     assert "Max global gradient norm" in help_text  # field docstrings become the help
     config = parse_args(["--steps", "7", "--lr", "0.01", "--min-lr", "0.001", "--no-progress"])
     assert (config.steps, config.lr, config.progress) == (7, 0.01, False)
-    assert parse_args([]) == TrainConfig()
+    assert parse_args([]) == JobConfig()
     assert config.model_config().n_layer == 4
-    default = TrainConfig().model_config()  # the default job is a GPT-MoE
+    default = JobConfig().model_config()  # the default job is a GPT-MoE
     assert (default.n_experts, default.top_k, default.expert_hidden_size) == (4, 2, 256)
     dense = parse_args(["--experts", "0"]).model_config()
     assert dense.n_experts == 0
@@ -237,7 +239,7 @@ def test_cli_is_generated_from_the_dataclass() -> None:
 
 
 def test_lr_schedule() -> None:
-    config = TrainConfig(steps=100, warmup=10, lr=1.0, min_lr=0.1)
+    config = JobConfig.from_flat(steps=100, warmup=10, lr=1.0, min_lr=0.1)
     lrs = [lr_at(config, s) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
@@ -252,14 +254,14 @@ def test_warmup_longer_than_the_run_is_a_usage_error(capsys: pytest.CaptureFixtu
     assert parse_args(["--warmup", "5", "--steps", "5"]).warmup == 5  # ends at --lr on the last step
 
     def warmup(saved=None, **fields) -> int:
-        return resolve(TrainConfig(**fields), device="cpu", world_size=4, saved=saved).warmup
+        return resolve(JobConfig.from_flat(**fields), device="cpu", world_size=4, saved=saved).warmup
 
     # not given: DEFAULT_WARMUP, at most --steps; a resumed run keeps the saved one (at most --steps too)
     assert DEFAULT_WARMUP == 20
     assert (warmup(), warmup(steps=3), warmup(steps=3, warmup=0)) == (20, 3, 0)
     assert (warmup(saved={"warmup": 7}), warmup(saved={"warmup": 7}, steps=5), warmup(saved={"warmup": 7}, warmup=2)) \
         == (7, 5, 2)
-    assert lr_at(TrainConfig(steps=4, lr=1.0), 0) == pytest.approx(0.25)  # unresolved: the same warm-up of 4 steps
+    assert lr_at(JobConfig.from_flat(steps=4, lr=1.0), 0) == pytest.approx(0.25)  # unresolved: the same warm-up of 4 steps
 
 
 def test_nproc_above_the_cores_warns() -> None:
@@ -274,8 +276,8 @@ def test_nproc_above_the_cores_warns() -> None:
 
 
 def test_seq_len_too_long_warns_and_one_the_corpus_cannot_serve_is_an_error(tmp_path: Path) -> None:
-    def config(device: str = "cpu", **fields) -> TrainConfig:
-        return resolve(TrainConfig(**fields), device=device, world_size=4)
+    def config(device: str = "cpu", **fields) -> JobConfig:
+        return resolve(JobConfig.from_flat(**fields), device=device, world_size=4)
 
     long = config(seq_len=100_000)  # small preset: 4 layers of width 128, 16 sequences per rank
     assert attention_flops(long) == pytest.approx(6 * 4 * 100_000 ** 2 * 128 * 16)
@@ -290,11 +292,11 @@ def test_seq_len_too_long_warns_and_one_the_corpus_cannot_serve_is_an_error(tmp_
     # impossible: each split of the corpus must hold one window of seq_len + 1 bytes (check_run, before launch)
     with pytest.raises(ValueError, match=r"^--data-bytes 16000000 is too small: .* each split needs seq_len \+ 1 = "
                                          r"1000001 bytes; use --data-bytes >= 20000020 or a smaller --seq-len$"):
-        check_run(config(seq_len=1_000_000), world_size=4, world="--nproc 4")
+        check_run(config(seq_len=1_000_000), world="--nproc 4")
     (tmp_path / "corpus.txt").write_bytes(b"x" * 1000)
     with pytest.raises(ValueError, match=r"holds only 1000 bytes, which split into 950 train / 50 val bytes, but "
                                          r"each split needs seq_len \+ 1 = 129 bytes"):
-        check_run(config(data=str(tmp_path / "corpus.txt")), world_size=4, world="--nproc 4")
+        check_run(config(data=str(tmp_path / "corpus.txt")), world="--nproc 4")
 
 
 def test_checkpoint_flags_rejected(capsys: pytest.CaptureFixture) -> None:

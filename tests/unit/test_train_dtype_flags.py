@@ -71,7 +71,7 @@ def test_every_documented_value_in_every_mode(mode: str, flag: str, value: str, 
         config, world, _ = job_dry_run.prepare(config)
     else:
         config = resolve(config, device="cpu", world_size=world)
-        check_run(config, world_size=world, world=f"--nproc {world}")
+        check_run(config, world=f"--nproc {world}")
     policy, wire = dtype_flags.mixed_precision(config), dtype_flags.outer_comm_dtype(config)
     param = MEANS[value] if flag == "--param-dtype" else torch.float32  # --param-dtype's default is fp32
     comm = MEANS[value] if flag == "--grad-comm-dtype" else None

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardfusion.models.gpt import GPT, PRESETS, Block
-from shardfusion.train.config import TrainConfig, lr_at, lr_factor, parse_args
+from shardfusion.train.config import JobConfig, lr_at, lr_factor, parse_args
 from shardfusion.train.optim import build_optimizers, muon_matrices, set_learning_rates
 from shardfusion.train.resume import check_optimizer
 
@@ -20,21 +20,21 @@ def test_optimizer_flags() -> None:
     assert (config.optimizer, config.muon_lr) == ("muon", 0.05)
     assert (parse_args([]).optimizer, parse_args([]).muon_lr) == ("adamw", 0.05)
     with pytest.raises(ValueError, match=r"^--optimizer must be one of adamw, muon, got 'sgd'$"):
-        TrainConfig(optimizer="sgd").validate()
+        JobConfig.from_flat(optimizer="sgd").validate()
     with pytest.raises(ValueError, match=r"^--muon-lr must be >= 0, got -0.1$"):
-        TrainConfig(optimizer="muon", muon_lr=-0.1).validate()
+        JobConfig.from_flat(optimizer="muon", muon_lr=-0.1).validate()
     with pytest.raises(ValueError, match=r"^--optimizer muon with --mp 2: .* use --mp 1 or --optimizer adamw$"):
-        TrainConfig(optimizer="muon", mp=2).validate()
-    TrainConfig(optimizer="adamw", mp=2).validate()
+        JobConfig.from_flat(optimizer="muon", mp=2).validate()
+    JobConfig.from_flat(optimizer="adamw", mp=2).validate()
 
 
 def test_lr_factor_is_the_schedule_over_its_peak() -> None:
-    config = TrainConfig(steps=50, warmup=5, lr=2e-3, min_lr=2e-4)
+    config = JobConfig.from_flat(steps=50, warmup=5, lr=2e-3, min_lr=2e-4)
     factors = [lr_factor(config, s) for s in range(50)]
     assert factors == pytest.approx([lr_at(config, s) / 2e-3 for s in range(50)], rel=1e-12)
     assert factors[0] == pytest.approx(0.2) and factors[4] == pytest.approx(1.0)
     assert factors[-1] == pytest.approx(0.1, abs=2e-3)  # min_lr / lr, at the last step of the cosine
-    flat = [lr_factor(dataclasses.replace(config, lr=0.0, min_lr=0.0), s) for s in (0, 4, 49)]
+    flat = [lr_factor(config.replace(lr=0.0, min_lr=0.0), s) for s in (0, 4, 49)]
     assert flat[0] == pytest.approx(0.2) and flat[1] == pytest.approx(1.0) and flat[2] < 1e-2
 
 
@@ -59,7 +59,7 @@ def test_muon_takes_the_matrices_of_hf_decoder_layers() -> None:
     pytest.importorskip("transformers")
     from shardfusion.train import hf_models, job_model
 
-    model = job_model.meta_model(TrainConfig(preset="tiny", hf_model="qwen3_moe"))
+    model = job_model.meta_model(JobConfig.from_flat(preset="tiny", hf_model="qwen3_moe"))
     names = _chosen(model, hf_models.unit_classes(model))
     per_layer = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                  "self_attn.o_proj.weight", "mlp.gate.weight"}  # the fused 3-D experts stay with AdamW
@@ -69,7 +69,7 @@ def test_muon_takes_the_matrices_of_hf_decoder_layers() -> None:
 def test_each_optimizer_gets_its_scaled_lr() -> None:
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(PRESETS["tiny"], n_layer=1))
-    config = TrainConfig(optimizer="muon", steps=10, warmup=2, lr=4e-3, min_lr=4e-4, muon_lr=0.03)
+    config = JobConfig.from_flat(optimizer="muon", steps=10, warmup=2, lr=4e-3, min_lr=4e-4, muon_lr=0.03)
     muon, adamw = build_optimizers(model, config, muon_matrices(model, (Block,)))
     assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
     assert {id(p) for p in muon.param_groups[0]["params"]}.isdisjoint(

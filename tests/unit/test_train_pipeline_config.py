@@ -1,5 +1,5 @@
 """The training job's pipeline section in one process (shardfusion/train/pipeline_config.py): its flags generated
-with the others from `TrainConfig`, the run-time defaults (stages per rank, micro-batches; the data-parallel world,
+with the others from `JobConfig`, the run-time defaults (stages per rank, micro-batches; the data-parallel world,
 ep and outer degree per stage), and the bubble in theory. Whole runs and every usage error are in
 tests/integration/test_train_pp.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardfusion.train.config import TrainConfig, build_parser, data_parallel_size, parse_args, resolve
+from shardfusion.train.config import JobConfig, build_parser, data_parallel_size, parse_args, resolve
 from shardfusion.train.pipeline_config import bubble_fraction, default_microbatches, num_stages
 
 
@@ -17,17 +17,17 @@ def test_pipeline_flags_are_generated_from_their_section() -> None:
                  "--no-tie-embeddings"):
         assert flag in help_text
     assert "Pipeline-parallel degree: the GPT's blocks are cut into consecutive stages" in help_text  # its docstring
-    # the section's flags come after TrainConfig's own
+    # the section's flags come after JobConfig's own
     assert help_text.index("--pp INT Pipeline") > help_text.index("--progress, --no-progress")
     config = parse_args(["--pp", "2", "--no-tie-embeddings", "--pp-schedule", "gpipe", "--microbatches", "4"])
     assert (config.pp, config.pp_schedule, config.microbatches, config.tie_embeddings) == (2, "gpipe", 4, False)
-    assert config.model_config().tie_embeddings is False and TrainConfig().model_config().tie_embeddings is True
-    assert parse_args([]) == TrainConfig() and TrainConfig().pp == 1
+    assert config.model_config().tie_embeddings is False and JobConfig().model_config().tie_embeddings is True
+    assert parse_args([]) == JobConfig() and JobConfig().pp == 1
 
 
 def test_defaults_per_stage() -> None:
-    def resolved(world: int, **fields) -> TrainConfig:
-        return resolve(TrainConfig(preset="tiny", tie_embeddings=False, **fields), device="cpu", world_size=world)
+    def resolved(world: int, **fields) -> JobConfig:
+        return resolve(JobConfig.from_flat(preset="tiny", tie_embeddings=False, **fields), device="cpu", world_size=world)
 
     moe = resolved(4, pp=2)  # the default GPT-MoE: each stage's 2 ranks are its sharding group, ep 2 inside it
     assert (moe.stages_per_rank, moe.microbatches, moe.ep, moe.fsdp_outer_degree) == (1, 2, 2, 1)
@@ -47,7 +47,7 @@ def test_defaults_per_stage() -> None:
     (2, "interleaved", 2, 5, 10),  # 5: Interleaved1F1B's max(1, 5 // 2) = 2 rounds do not divide it
 ])
 def test_default_microbatches(pp: int, schedule: str, per_rank: int, accum: int, want: int) -> None:
-    config = TrainConfig(pp=pp, pp_schedule=schedule, stages_per_rank=per_rank, tie_embeddings=False)
+    config = JobConfig.from_flat(pp=pp, pp_schedule=schedule, stages_per_rank=per_rank, tie_embeddings=False)
     assert default_microbatches(config, accum) == want >= num_stages(config)
     assert want % accum == 0
 
