@@ -28,376 +28,39 @@ usage error with exit status 2.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from tqdm import tqdm
 
 import shardfusion as sf
 from shardfusion.train import resume as train_state
-from shardfusion.comm import call_on_rank0
 from shardfusion.ft import FTError
-from shardfusion.train.data import DATA_ORDER, DATA_ORDER_PER_RANK, BatchSampler, context_parallel_slice
 from shardfusion.train.launch import (cpu_cores, default_nproc, exit_now, init_worker, launch, nproc_warning,
                                       pick_device, restart_problem, threads_per_worker, under_torchrun)
-from shardfusion.train.metrics import (MetricsLog, comm_step_record, expert_balance, format_summary, plot_losses,
-                                 summarize)
-from shardfusion.train import (data_config, dry_run_config, dtype_flags, ft_config, job_dry_run, job_ft, job_model,
-                               job_outer, job_pipeline, outer_config, parallelize, pipeline_config)
-from shardfusion.train.parallelize import comm_layout, plan_outer_degree, saved_outer_degree
-from shardfusion.train import tokenizer as tokenizers
-from shardfusion.train.job_model import JobModel, Losses
-from shardfusion.train.outputs import open_outputs
-from shardfusion.train.config import (PLANNED, JobConfig, ResolvedJob, TokenizerFacts, check_run,
-                                      default_outer_degree, parse_args, resolve, seq_len_warning, usage_error)
-from shardfusion.train.optim import (balance_record, build_optimizers, format_balance, muon_matrices,  # noqa: F401
-                                     no_decay, param_groups, set_learning_rates)
+from shardfusion.train import data_config, dry_run_config, ft_config, job_dry_run, job_ft, job_model
+from shardfusion.train.parallelize import saved_outer_degree
+from shardfusion.train.config import (JobConfig, ResolvedJob, TokenizerFacts, check_run, default_outer_degree,
+                                      parse_args, resolve, seq_len_warning, usage_error)
+from shardfusion.train.trainer import Trainer
 
-SAMPLE_PROMPT_BYTES = 64
-SAMPLE_TEMPERATURE = 0.8
-SAMPLE_TOP_K = 40
 PEER_REPORT_WAIT_S = 10.0
 """Under torchrun, how long a worker other than local rank 0 waits before exiting on a bad flag (see `main`)."""
 FT_ERROR = "ft_error"
 """The key of the one-line error a replica group's worker returns instead of its summary (`worker`)."""
 
 
-def global_mean(values: list[float | torch.Tensor], device: torch.device, group=None) -> list[float]:
-    """Means of each value over the ranks of ``group`` (default: all), in one all-reduce."""
-    t = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).detach() for v in values])
-    dist.all_reduce(t, group=group)
-    return (t / dist.get_world_size(group)).tolist()
-
-
-def expert_load(tokens: torch.Tensor, topo: sf.Topology, replica_only: bool = False) -> torch.Tensor:
-    """(L, E) int64 assignments of tokens to experts, per MoE layer, summed over the data-parallel group: each rank
-    counts its own tokens (`GPT.tokens_per_expert`), so the sum is the global count (with context parallel, also
-    over the context group: each cp rank holds part of each sequence); mp ranks see the same tokens and are not
-    added. ``replica_only`` (DiLoCo's inner steps: nothing crosses the replicas): summed over this replica's
-    data-parallel ranks only (its inner group), this replica's load."""
-    tokens = tokens.clone()
-    dist.all_reduce(tokens, group=topo.get_fsdp_inner_group() if replica_only else topo.get_data_parallel_group())
-    if topo.sep * topo.cp > 1:  # the context ranks count the tokens of their parts of the sequences
-        dist.all_reduce(tokens, group=topo.get_group("context"))
-    return tokens
-
-
-def context_part(batch: tuple[torch.Tensor, torch.Tensor], context: tuple[int, int]) -> tuple[torch.Tensor, ...]:
-    """This context-parallel rank's part (B, T / cp) of a data-parallel rank's batch (B, T); ``context``: (context
-    rank, context size); the batch itself without context parallel."""
-    rank, size = context
-    return batch if size == 1 else context_parallel_slice(*batch, rank, size)
-
-
-def evaluate(model: nn.Module, losses: Losses, sampler: BatchSampler, num_batches: int,
-             device: torch.device, context: tuple[int, int] = (0, 1)) -> float:
-    """Mean validation loss (cross-entropy) over the fixed validation set; every rank evaluates its share, the same
-    count, so every rank runs as many forwards as its ep peers (a MoE forward is collective over ep). ``context``:
-    (context rank, context size): each context-parallel rank evaluates its part of the sequences."""
-    model.eval()
-    total = torch.zeros((), device=device)
-    indices = sampler.val_indices(num_batches)
-    with torch.no_grad():
-        for i in indices:
-            x, y = context_part(sampler.get_batch("val", i), context)
-            loss, _, _ = losses(model, x.to(device), y.to(device))
-            total += loss
-    model.train()
-    return global_mean([total / len(indices)], device)[0]
-
-
-def generate_sample(model: nn.Module, job: JobModel, sampler: BatchSampler, config: ResolvedJob,
-                    rank: int, tokenizer: tokenizers.Tokenizer,
-                    pipe: job_pipeline.PipelineRun | None = None) -> str | None:
-    """Text generated by the trained model from a validation-split prompt, on rank 0 (None elsewhere), decoded
-    with the run's tokenizer.
-
-    `sf.full_state_dict` is collective, so every rank calls this; rank 0 loads the result into a fresh, unsharded
-    copy of the model on the CPU (`job.plain()`: a GPT without an ep group holds every expert, and the experts of
-    all ep ranks arrive under their global names) and samples from it (`job.generate`). With a pipeline (``pipe``)
-    the stages' parameters are gathered on rank 0 (`PipelineRun.full_state_dict`). The prompt: `SAMPLE_PROMPT_BYTES`
-    bytes from the start of a line (bytes), or that many tokens from the start of a document (other tokenizers)."""
-    full = pipe.full_state_dict() if pipe is not None else sf.full_state_dict(model)
-    if rank != 0:
-        return None
-    reference = job.plain()
-    missing, unexpected = reference.load_state_dict({k: v.cpu() for k, v in full.items()}, strict=False)
-    if set(missing) - job.tied or unexpected:
-        raise RuntimeError(f"full_state_dict does not match {type(reference).__name__}: missing {missing}, "
-                           f"unexpected {unexpected}")
-    reference.eval()
-    head = [int(t) for t in sampler.val[: 4 * SAMPLE_PROMPT_BYTES]]
-    if tokenizer.is_bytes:
-        val = bytes(head)
-        start = val.find(b"\n") + 1  # begin the prompt at a line start
-        prompt = list(val[start: start + SAMPLE_PROMPT_BYTES] or val[:SAMPLE_PROMPT_BYTES])
-    else:
-        start = head.index(tokenizer.eot_id) + 1 if tokenizer.eot_id in head[:-1] else 0  # a document's start
-        prompt = head[start: start + SAMPLE_PROMPT_BYTES] or head[:SAMPLE_PROMPT_BYTES]
-    idx = torch.tensor([prompt], dtype=torch.long)  # (1, T)
-    out = job.generate(reference, idx, config.sample_tokens, SAMPLE_TEMPERATURE, SAMPLE_TOP_K,
-                       torch.Generator().manual_seed(config.seed))  # (1, T + new)
-    return tokenizer.decode(prompt) + "⟫" + tokenizer.decode(out[0, len(prompt):].tolist())
-
-
 def train(config: ResolvedJob, device: torch.device) -> dict[str, Any] | None:
-    """One worker's training run; returns the summary on rank 0, None elsewhere."""
-    t_start = time.perf_counter()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    shared = [config.out]
-    dist.broadcast_object_list(shared, src=0)  # under torchrun each rank made its own timestamp: use rank 0's
-    config = config.replace(out=shared[0])
-    is_main = rank == 0
-    out = Path(ft_config.outputs_folder(config, config.out))  # metrics, summary; checkpoints in config.out
-    if config.fsdp_outer_degree == PLANNED:  # the cost model's choice, an int from here on (config.json records it)
-        config = config.with_outer_degree(plan_outer_degree(config, device, world))
-
-    topo = parallelize.topology(config.parallelism, config.pipeline)
-    job = job_model.build(config, topo.get_group("ep"), device, mp_mesh=topo.get_mesh("mp"),
-                          context_group=topo.get_group("context"))
-    moe, num_params, num_active = job.moe, job.num_params, job.num_active
-    mp_policy = dtype_flags.mixed_precision(config)  # the dtype flags as the library takes them (dtype_flags)
-    matrices = muon_matrices(job.module, job.units) if config.optimizer == "muon" else None
-    layout_comm = comm_layout(config, world)
-    pipe = None  # --pp > 1: this rank's pipeline stages (job_pipeline); `model` is then the list of them
-    if config.pp > 1:
-        rpn = layout_comm["ranks_per_node"]
-        pipe = job_pipeline.PipelineRun(config, topo, device, mp_policy,
-                                        node_of=lambda r: r // rpn if rpn else 0)
-        model = pipe.models  # clipping, the optimizers and the checkpoints take the list of stages
-    else:
-        model = parallelize.shard(job.module, topo, config.parallelism, config.precision, units=job.units,
-                                  device=device, init_fn=job.init_fn,  # built on meta: materialized module by module
-                                  whole_params=matrices)
-    balance = balance_record(sf.owner_balance(model)) if matrices is not None else None
-    resume_from = train_state.latest(config.out)
-    if config.init_from is not None and resume_from is None:  # a resumed run takes its weights from the checkpoint
-        job_model.load_pretrained(model, config.init_from)
-    optimizers = build_optimizers(model, config, matrices)
-    # --outer-sync diloco: the replicas step alone, an outer step every --outer-every steps (job_outer)
-    outer = job_outer.OuterRun(config, model, topo, optimizers) if outer_config.enabled(config) else None
-    start, elapsed_before, notes, data_order = 0, 0.0, [], DATA_ORDER
-    if resume_from is not None:  # the saved run's data order: DATA_ORDER_PER_RANK for a checkpoint of an older run
-        flags = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers]
-        outer_state = outer.placeholders() if outer is not None else None
-        start, elapsed_before, notes, data_order = train_state.restore(
-            model, optimizers, resume_from, config=config, model_extra=job.extra, layout=topo.describe(),
-            device=device, rank_extra=outer_state)
-        if outer is not None:
-            note = outer.restored(outer_state, start)
-            notes += [note] if note else []
-        for opt, mine in zip(optimizers, flags):  # this run's hyperparameters, not the saved ones (lr: per step)
-            for group, settings in zip(opt.param_groups, mine):
-                group.update(settings)
-    stop = config.stop_after or config.steps
-    # Save at the last step of this run also without --save-every when the run ends early (--stop-after) or resumed
-    # from a checkpoint: the next run then goes on from there, or knows that nothing is left to train.
-    # With fault tolerance always: every replica group then agrees on it, and a group restarted after the others
-    # finished finds the last step's checkpoint instead of training alone from the start.
-    save_at_stop = (bool(config.save_every) or stop < config.steps or resume_from is not None
-                    or ft_config.enabled(config))
-    if start >= stop:
-        if is_main:
-            limit = f"--stop-after {stop}" if config.stop_after else f"--steps {config.steps}"
-            hint = "; to go on, run again with a larger --stop-after, or without it" if config.stop_after else ""
-            print(f"shardfusion: nothing to train: {resume_from} is at step {start}, and this run stops at {limit}"
-                  f"{hint}; outputs in {out} are kept", flush=True)
+    """One worker's training run (`shardfusion.train.trainer.Trainer`: build, the loop, the end); returns the
+    summary on rank 0, None elsewhere (and None everywhere when nothing is left to train)."""
+    trainer = Trainer(config, device)
+    if not trainer.build():
         return None
-
-    context = (topo.context_rank, topo.sep * topo.cp)  # each context rank takes its part of every sequence
-    tokenizer = tokenizers.load(config.tokenizer or tokenizers.BYTES)  # resolved by data_config.prepare
-    train_data, val_data, data_info = data_config.load_splits(config, tokenizer)
-    # with --ft-lighthouse this replica group's ranks take their slices of each global batch (ft_config)
-    dp_rank, dp_world = ft_config.data_slices(config, topo.data_parallel_rank, topo.dp * topo.sharding)
-    sampler = BatchSampler(train=train_data, val=val_data, batch_size=config.global_batch_size // dp_world,
-                           seq_len=job.seq_len, seed=config.seed, dp_rank=dp_rank, dp_world=dp_world,
-                           data_order=data_order)
-    val_sampler = sampler  # a replica group evaluates the whole validation set (the same one as HSDP)
-    if ft_config.enabled(config):
-        val_sampler = BatchSampler(train=train_data, val=val_data, batch_size=sampler.batch_size, seq_len=job.seq_len,
-                                   seed=config.seed, dp_rank=topo.data_parallel_rank,
-                                   dp_world=topo.dp * topo.sharding, data_order=data_order)
-    tokens_per_step = config.global_batch_size * job.seq_len * config.grad_accum
-
-    record = {**config.flat(), "model": next(iter(job.extra.values())), "world_size": world,
-              "layout": topo.describe(), "data_order": data_order, "num_params": num_params,
-              "num_active_params": num_active, "tokens_per_step": tokens_per_step, "train_tokens": len(train_data),
-              "val_tokens": len(val_data), "corpus": data_info}
-    if balance is not None:
-        record["owner_balance"] = balance
-    resumed = {"checkpoint": resume_from, "step": start, "notes": notes} if resume_from else None
-    opened: list[MetricsLog] = []  # rank 0's log; a failure on rank 0 raises on every rank (no rank left waiting)
-
-    def outputs() -> str | None:
-        moved = open_outputs(out, record, resumed, opened)
-        # OUT/tokenizer: what an export writes beside the weights (shared by fault-tolerant replica groups)
-        data_config.save_run_tokenizer(Path(config.out), tokenizer)
-        return moved
-
-    archived = call_on_rank0(outputs, f"cannot write to --out {out}")
-    bytes_per_token = val_sampler.val_bytes_per_token(tokenizer.token_bytes(), config.eval_batches)
-    log = opened[0] if opened else None
-    if is_main:
-        experts = (f" ({job.n_experts} experts per layer, top-{job.top_k}: {num_active:,} active per token)" if moe
-                   else "")
-        print(f"shardfusion: {job.name}; {topo.describe()}; {num_params:,} parameters{experts}; "
-              f"{len(train_data):,} train / {len(val_data):,} val tokens ({tokenizer.describe()}); output in {out}",
-              flush=True)
-        if archived:
-            print(f"shardfusion: {out} held the outputs of a run without a checkpoint: moved to {archived}",
-                  flush=True)
-        if pipe is not None:
-            print(f"shardfusion: pipeline: {pipeline_config.describe(config)}; "
-                  f"{pipe.microbatch_rows} sequences per micro-batch and data-parallel rank", flush=True)
-        if balance is not None:
-            muon_count = sum(len(g["params"]) for g in optimizers[0].param_groups)
-            print(f"shardfusion: --optimizer muon: Muon (lr {config.muon_lr}) on {muon_count} matrices of the "
-                  f"blocks, each whole on one owner rank; AdamW (lr {config.lr}) on the rest; owners: "
-                  f"{format_balance(balance)}", flush=True)
-        if resume_from:
-            dropped = f"; {log.dropped} later records moved to metrics.dropped.jsonl" if log.dropped else ""
-            print(f"shardfusion: resuming at step {start} from {resume_from}{dropped}", flush=True)
-            for note in notes:
-                print(f"shardfusion: warning: not an exact resume: {note}", flush=True)
-            if data_order == DATA_ORDER_PER_RANK:
-                print(f"shardfusion: {resume_from} was written before the global data order: this run keeps its "
-                      f"per-rank data order (data_order {data_order}; see docs/data-order.md)", flush=True)
-
-    def elapsed() -> float:
-        """Training seconds, those of the runs this one resumed included."""
-        return elapsed_before + time.perf_counter() - t_train
-
-    def run_eval(step: int, elapsed: float) -> None:
-        val_loss = (pipe.evaluate(sampler, config.eval_batches) if pipe is not None
-                    else evaluate(model, job.losses, val_sampler, config.eval_batches, device, context))
-        val_bpb = val_loss / (math.log(2) * bytes_per_token)  # bits per byte: comparable across tokenizers
-        if log is not None:
-            log.log_val(step=step, val_loss=val_loss, val_bpb=val_bpb, elapsed_s=elapsed)
-            tqdm.write(f"step {step:5d}  val loss {val_loss:.4f} nats/token, {val_bpb:.4f} bits/byte")
-
-    t_train = time.perf_counter()
-    if start == 0:
-        run_eval(0, 0.0)
-    max_norm = config.clip if config.clip > 0 else float("inf")
-    bar = tqdm(total=stop, initial=start, disable=not (is_main and config.progress), dynamic_ncols=True,
-               desc="train", file=sys.stderr)
-    ft_run = (job_ft.FTRun(config, model, optimizers, start=start, device=device, is_main=is_main)
-              if ft_config.enabled(config) else None)
-    t_step = time.perf_counter()
-    for step in (ft_run.steps(stop) if ft_run is not None else range(start, stop)):
-        lr = set_learning_rates(optimizers, config, step)
-        loss_sum = torch.zeros((), device=device)
-        aux_sum = torch.zeros((), device=device)
-        tokens = torch.zeros((job.n_moe_layers, job.n_experts), dtype=torch.long, device=device)  # (L, E)
-        with sf.comm.CommCounter(layout_comm["ranks_per_node"]) as step_comm:  # this step's collectives
-            if pipe is not None:  # the step's rows through the schedule: its micro-batches, forward and backward
-                pipe.forward_backward(sampler, step)
-            else:
-                for micro_step in range(config.grad_accum):
-                    x, y = context_part(sampler.get_batch("train", step, micro_step), context)
-                    # aux: 0-dim, a zero constant for a dense model; assigned: (L, E) or None for a dense model
-                    loss, aux, assigned = job.losses(model, x.to(device), y.to(device))
-                    # the last micro-batch is known: its backward overlaps the outer all-reduce
-                    sf.set_is_last_backward(model, micro_step == config.grad_accum - 1)
-                    ((loss + config.aux_loss_coef * aux) / config.grad_accum).backward()
-                    loss_sum += loss.detach()
-                    aux_sum += aux.detach()
-                    if moe:
-                        tokens += assigned
-            if ft_run is not None:  # gradients and figures over the live replica groups, then the vote
-                figures = ft_run.sync(step, loss_sum / config.grad_accum, aux_sum / config.grad_accum,
-                                      device)
-            grad_norm = sf.clip_grad_norm_(model, max_norm)  # over the whole model, before every optimizer
-            if ft_run is not None:
-                if not ft_run.commit(step):
-                    continue  # discarded: the quorum gives this step again
-            else:
-                for optimizer in optimizers:
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-            synced = outer.step(step + 1) if outer is not None else None  # DiLoCo: the fragments due
-        if pipe is not None:
-            loss_value, aux_value, load = pipe.step_figures()  # load: (L, E) or None
-            pipe.record_comm(step_comm.summary())
-        else:  # with fault tolerance the figures are the live groups' means; the expert load this group's
-            loss_value, aux_value = figures if ft_run is not None else global_mean(  # DiLoCo: this replica's
-                [loss_sum / config.grad_accum, aux_sum / config.grad_accum], device,
-                outer.replica_group if outer is not None else None)
-            load = expert_load(tokens, topo, replica_only=outer is not None) if moe else None  # (L, E)
-        moe_record = {}
-        muon_record = {"muon_lr": optimizers[0].param_groups[0]["lr"]} if matrices is not None else {}
-        if moe:
-            moe_record = {"aux_loss": aux_value, **expert_balance(load.tolist())}
-        now = time.perf_counter()
-        tokens_per_s = tokens_per_step / (now - t_step)
-        t_step = now
-        if log is not None:
-            log.log_train(step=step + 1, loss=loss_value, grad_norm=float(grad_norm), lr=lr,
-                          tokens_per_s=tokens_per_s, elapsed_s=elapsed(), **moe_record, **muon_record,
-                          **({"ft_participants": ft_run.participants} if ft_run is not None else {}),
-                          **({"outer_synced": synced} if outer is not None else {}),
-                          comm=comm_step_record(step_comm.summary()))
-            postfix = {"loss": f"{loss_value:.3f}", "gnorm": f"{float(grad_norm):.2f}"}
-            if moe:
-                postfix.update(aux=f"{aux_value:.3f}", bal=f"{moe_record['load_balance']:.2f}")
-            bar.set_postfix(**postfix, tok_s=f"{tokens_per_s:,.0f}")
-        bar.update()
-        done = step + 1
-        if done % config.eval_every == 0 or done == stop:
-            run_eval(done, elapsed())
-            t_step = time.perf_counter()  # keep evaluation time out of the next step's tokens/s
-        if ((config.save_every and done % config.save_every == 0) or (save_at_stop and done == stop)) and (
-                ft_run is None or ft_run.writes_checkpoints()):  # fault tolerance: the quorum's first group saves
-            path = train_state.save(model, optimizers, config.out, step=done, keep=config.keep, config=config,
-                                    model_extra=job.extra, layout=topo.describe(), elapsed_s=elapsed(),
-                                    device=device, data_order=data_order,
-                                    rank_extra=outer.rank_tensors() if outer is not None else None)
-            if is_main:
-                tqdm.write(f"step {done:5d}  saved {path} in {time.perf_counter() - t_step:.1f} s")
-            t_step = time.perf_counter()
-    bar.close()
-    train_s = time.perf_counter() - t_train
-
-    ft_report = None
-    if ft_run is not None:
-        ft_report = ft_run.report()
-        ft_run.shutdown()
-    sample = generate_sample(model, job, sampler, config, rank, tokenizer, pipe) if config.sample_tokens else None
-    pipeline = pipe.report(optimizers) if pipe is not None else None  # collective: before rank 0 goes on alone
-    if log is None:
-        return None
-    layout = topo.describe().replace("; ", "\n")  # one line would be wider than the figure
-    plot_losses(log, out / "loss.png", title=f"{job.name}, {num_params:,} parameters\n{layout}")
-    summary = summarize(log, total_s=time.perf_counter() - t_start, train_s=train_s, steps=stop - start,
-                        num_params=num_params, layout=topo.describe(), sample=sample,
-                        experts={"n_experts": job.n_experts, "top_k": job.top_k, "ep": topo.ep,
-                                 "num_active_params": num_active} if moe else None,
-                        comm=layout_comm)
-    summary["steps_done"], summary["resumed_from_step"] = stop, start if resume_from else None
-    summary["optimizer"] = config.optimizer
-    if pipeline is not None:
-        summary["pipeline"] = pipeline
-    if ft_report is not None:
-        summary["fault_tolerance"] = ft_report
-    if outer is not None:
-        d = outer.diloco
-        summary["outer_sync"] = {"mode": "diloco", "every": d.every, "lr": d.lr, "momentum": d.momentum,
-                                 "fragments": len(d.fragments), "outer_steps": list(d.outer_steps),
-                                 "comm_dtype": config.outer_comm_dtype}
-    if balance is not None:
-        summary["owner_balance"] = balance
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(format_summary(summary), flush=True)
-    print(f"wrote {out}/metrics.jsonl, loss.png, summary.json, config.json", flush=True)
-    return summary
+    trainer.fit()
+    return trainer.finish()
 
 
 def worker(config: ResolvedJob) -> dict[str, Any] | None:

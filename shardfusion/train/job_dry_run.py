@@ -19,7 +19,7 @@ from shardfusion.plan import Bandwidth
 from shardfusion.train import dry_run_config, dtype_flags, job_model, parallelize
 from shardfusion.dry_run import check_world_fits
 from shardfusion.train.config import JobConfig, ResolvedJob, check_run, default_outer_degree, resolve
-from shardfusion.train.data import context_parallel_slice
+from shardfusion.train.plain_mode import context_of, context_part, micro_batch_loss
 from shardfusion.train.dry_run_config import DEFAULT_RANKS_PER_NODE
 from shardfusion.train.launch import default_nproc
 
@@ -53,14 +53,29 @@ def outer_degree_line(given: JobConfig, config: ResolvedJob, world: int, ranks_p
             f"{default_outer_degree(config, world, ranks_per_node)[1]}")
 
 
+class RandomBatches:
+    """The dry run's stand-in for the job's `BatchSampler`: ``get_batch("train", step, micro_step)`` gives random
+    token ids (B, T) int64 inputs and targets of the job's shapes (fake tensors inside `sf.dry_run`), B = ``rows``
+    (this data-parallel rank's sequences per micro-batch)."""
+
+    def __init__(self, rows: int, seq_len: int, vocab: int) -> None:
+        self.rows, self.seq_len, self.vocab = rows, seq_len, vocab
+
+    def get_batch(self, split: str, step: int, micro_step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, self.vocab, (self.rows, self.seq_len + 1))  # (B, T + 1)
+        return tokens[:, :-1], tokens[:, 1:]
+
+
 def job_step(config: ResolvedJob, mp_policy: sf.MixedPrecisionPolicy, ranks_per_node: int):
     """``(build, step)`` of one optimizer step of the job as ``config`` (resolved) describes it, for
-    ``sf.dry_run`` or ``measure_step``: the job's model (GPT or GPT-MoE; with --pp the played rank's stages of
-    `job_pipeline.PipelineRun`, sharded, whose ``step`` runs the schedule and returns None:
-    ``step_runs_backward=config.pp > 1``), and one micro-batch of random token ids of the job's shapes
-    (``(--global-batch-size / data-parallel ranks, seq_len)``, this rank's part of each sequence with --cp; with --pp
-    the step's --grad-accum x --batch-size rows)."""
-    job = job_model.build(config, None, torch.device("cpu"))  # on meta: the sequence length
+    ``sf.dry_run`` or ``measure_step``, playing the `Trainer`'s own forward on random token ids of the job's shapes
+    (`RandomBatches`): the model mode's micro-batch (`plain_mode.micro_batch_loss` on this context rank's part of
+    a ``(--global-batch-size / data-parallel ranks, seq_len)`` batch, as `PlainMode.forward_backward` runs each of
+    the step's micro-batches; the library runs its backward, the clipping and the optimizer step in the order of
+    `Trainer.train_step`), or with --pp the played rank's stages of `job_pipeline.PipelineRun`, sharded, whose
+    `PipelineRun.forward_backward` (the step's --grad-accum x --batch-size rows through the schedule, as
+    `PipelineMode.forward_backward` runs it) returns None: ``step_runs_backward=config.pp > 1``."""
+    job = job_model.build(config, None, torch.device("cpu"))  # on meta: the sequence length and the losses
     vocab = config.model_config().vocab_size
     pipe = []  # --pp > 1: the played rank's PipelineRun (its stages, sharded, and its schedule)
 
@@ -76,19 +91,12 @@ def job_step(config: ResolvedJob, mp_policy: sf.MixedPrecisionPolicy, ranks_per_
 
     def step(model, topo):
         if pipe:  # the schedule runs every micro-batch's forward and backward (the rows of --grad-accum steps)
-            run = pipe[0]
-            tokens = torch.randint(0, vocab, (config.grad_accum * config.batch_size, job.seq_len + 1))
-            args = (tokens[:, :-1],) if run.has_first else ()
-            kwargs = {"target": tokens[:, 1:], "losses": []} if run.has_last else {}
-            run.schedule.step(*args, return_outputs=False, **kwargs)
+            pipe[0].forward_backward(RandomBatches(config.batch_size, job.seq_len, vocab), 0)
             return None
-        batch = config.global_batch_size // (topo.dp * topo.sharding)
-        tokens = torch.randint(0, vocab, (batch, job.seq_len + 1))  # (B, T + 1): fake tensors in a dry run
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        if topo.sep * topo.cp > 1:  # this context rank's part of each sequence, as the job's loop takes it
-            x, y = context_parallel_slice(x, y, topo.context_rank, topo.sep * topo.cp)
-        loss, aux, _ = job.losses(model, x, y)
-        return (loss + config.aux_loss_coef * aux) / config.grad_accum
+        batches = RandomBatches(config.global_batch_size // (topo.dp * topo.sharding), job.seq_len, vocab)
+        x, y = context_part(batches.get_batch("train", 0), context_of(topo))
+        return micro_batch_loss(job, model, x, y, aux_loss_coef=config.aux_loss_coef,
+                                micro_batches=config.grad_accum)[0]
 
     return build, step
 

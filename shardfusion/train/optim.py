@@ -10,7 +10,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from shardfusion.train.config import ResolvedJob, lr_at, lr_factor
+from shardfusion.train.optim_config import OptimizerConfig
+from shardfusion.train.schedule import ScheduleConfig, lr_at, lr_factor
 
 ADAM_BETAS = (0.9, 0.95)
 MUON_MOMENTUM = 0.95
@@ -85,7 +86,7 @@ def muon_matrices(module: nn.Module, units: tuple[type, ...]) -> Callable[[str, 
     return chosen
 
 
-def build_optimizers(model: Models, config: ResolvedJob,
+def build_optimizers(model: Models, optim: OptimizerConfig,
                      matrices: Optional[Callable[[str, nn.Parameter], bool]]) -> list[torch.optim.Optimizer]:
     """The run's optimizers, each parameter in one: ``[AdamW]`` (``matrices`` None: --optimizer adamw), or
     ``[Muon, AdamW]``: torch.optim.Muon on the parameters ``matrices`` chooses (`muon_matrices`; whole on their
@@ -93,21 +94,22 @@ def build_optimizers(model: Models, config: ResolvedJob,
     --weight-decay and `MUON_ADJUST_LR`; AdamW (`param_groups`, lr --lr, betas `ADAM_BETAS`) on the rest. The lr of
     every group is set per step (`set_learning_rates`)."""
     if matrices is None:
-        return [torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=ADAM_BETAS)]
+        return [torch.optim.AdamW(param_groups(model, optim.weight_decay), lr=optim.lr, betas=ADAM_BETAS)]
     muon = [p for name, p in named_parameters(model) if p.requires_grad and matrices(name, p)]
-    return [torch.optim.Muon(muon, lr=config.muon_lr, weight_decay=config.weight_decay, momentum=MUON_MOMENTUM,
+    return [torch.optim.Muon(muon, lr=optim.muon_lr, weight_decay=optim.weight_decay, momentum=MUON_MOMENTUM,
                              nesterov=True, adjust_lr_fn=MUON_ADJUST_LR),
-            torch.optim.AdamW(param_groups(model, config.weight_decay, leave_out=matrices), lr=config.lr,
+            torch.optim.AdamW(param_groups(model, optim.weight_decay, leave_out=matrices), lr=optim.lr,
                               betas=ADAM_BETAS)]
 
 
-def set_learning_rates(optimizers: list[torch.optim.Optimizer], config: ResolvedJob, step: int) -> float:
+def set_learning_rates(optimizers: list[torch.optim.Optimizer], schedule: ScheduleConfig, optim: OptimizerConfig,
+                       step: int) -> float:
     """Set every group's lr for optimizer step ``step`` (0-based): AdamW's groups `lr_at` (warm-up to --lr, cosine
     down to --min-lr), Muon's --muon-lr times the same schedule's fraction of its peak (`lr_factor`). Returns
-    AdamW's lr."""
-    lr = lr_at(config, step)
+    AdamW's lr. ``schedule``: resolved (its warm-up an int)."""
+    lr = lr_at(schedule, optim, step)
     for optimizer in optimizers:
-        value = config.muon_lr * lr_factor(config, step) if isinstance(optimizer, torch.optim.Muon) else lr
+        value = optim.muon_lr * lr_factor(schedule, optim, step) if isinstance(optimizer, torch.optim.Muon) else lr
         for group in optimizer.param_groups:
             group["lr"] = value
     return lr

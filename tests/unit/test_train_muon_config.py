@@ -70,7 +70,7 @@ def test_each_optimizer_gets_its_scaled_lr() -> None:
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(PRESETS["tiny"], n_layer=1))
     config = JobConfig.from_flat(optimizer="muon", steps=10, warmup=2, lr=4e-3, min_lr=4e-4, muon_lr=0.03)
-    muon, adamw = build_optimizers(model, config, muon_matrices(model, (Block,)))
+    muon, adamw = build_optimizers(model, config.optim, muon_matrices(model, (Block,)))
     assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
     assert {id(p) for p in muon.param_groups[0]["params"]}.isdisjoint(
         id(p) for g in adamw.param_groups for p in g["params"])
@@ -80,7 +80,7 @@ def test_each_optimizer_gets_its_scaled_lr() -> None:
     assert (group["momentum"], group["nesterov"], group["weight_decay"], group["adjust_lr_fn"]) == (
         0.95, True, config.weight_decay, "original")
     for step in (0, 1, 5, 9):
-        lr = set_learning_rates([muon, adamw], config, step)
+        lr = set_learning_rates([muon, adamw], config.schedule, config.optim, step)
         assert lr == lr_at(config, step) and all(g["lr"] == lr for g in adamw.param_groups)
         assert group["lr"] == pytest.approx(0.03 * lr / 4e-3, rel=1e-12)
 

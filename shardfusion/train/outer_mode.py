@@ -1,0 +1,43 @@
+"""The DiLoCo plug-in of the `Trainer` (--outer-sync diloco; `job_outer.OuterRun`, the engine
+`shardfusion.diloco`): the replicas step alone and report their own figures, the outer step runs at the step
+boundary, each rank's own state goes into the checkpoints, and the summary adds the ``outer_sync`` record
+(docs/slow-links.md)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from shardfusion.train.job_outer import OuterRun
+from shardfusion.train.mode import Mode, Trainer
+from shardfusion.train.outer_config import OuterConfig
+
+
+class OuterMode(Mode):
+    """This rank's DiLoCo. ``outer``: the outer-sync section; ``comm_dtype``: --outer-comm-dtype's flag value."""
+
+    def __init__(self, outer: OuterConfig, comm_dtype: Optional[str]) -> None:
+        self.outer, self.comm_dtype = outer, comm_dtype
+        self.run: Optional[OuterRun] = None
+
+    def attach(self, trainer: Trainer) -> None:
+        self.run = OuterRun(trainer.config, trainer.model, trainer.topo, trainer.optimizers)
+
+    def figure_group(self) -> Any:
+        return self.run.replica_group  # between outer steps the replicas differ: each reports its own
+
+    def rank_state(self, placeholders: bool) -> dict[str, torch.Tensor]:
+        return self.run.placeholders() if placeholders else self.run.rank_tensors()
+
+    def restored(self, loaded: dict[str, torch.Tensor], start: int) -> Optional[str]:
+        return self.run.restored(loaded, start)
+
+    def boundary(self, done: int) -> dict[str, Any]:
+        return {"outer_synced": self.run.step(done)}  # the fragments due
+
+    def summary(self, trainer: Trainer) -> dict[str, Any]:
+        d = self.run.diloco
+        return {"outer_sync": {"mode": "diloco", "every": d.every, "lr": d.lr, "momentum": d.momentum,
+                               "fragments": len(d.fragments), "outer_steps": list(d.outer_steps),
+                               "comm_dtype": self.comm_dtype}}
