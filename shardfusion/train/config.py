@@ -426,6 +426,15 @@ def check_run(config: ResolvedJob, *, world: str) -> None:
     Raises:
         ValueError: one line that names the flag to change and the numbers involved.
     """
+    _check_layout(config, world)
+    _check_out(config)
+    if config.init_from is not None:
+        check_pretrained(config)
+    _check_corpus(config)
+
+
+def _check_layout(config: ResolvedJob, world: str) -> None:
+    """`check_run`'s layout rules: --mp, --cp, --pp, the outer degree and --ep against the world size."""
     world_size = config.world_size
     outer, ep, mp, cp = config.fsdp_outer_degree, config.ep, config.mp, config.cp
     if outer == PLANNED:
@@ -469,6 +478,9 @@ def check_run(config: ResolvedJob, *, world: str) -> None:
         except ValueError as error:
             raise ValueError(f"--mp {mp}: {error}") from None
 
+
+def _check_out(config: ResolvedJob) -> None:
+    """`check_run`'s rules of --data-bytes against the sequence length, and of --out (a writable folder)."""
     need = min_corpus_bytes(config.model_config().seq_len)
     seq = f"seq_len + 1 = {config.model_config().seq_len + 1}"
     if config.data_bytes < need:
@@ -483,10 +495,13 @@ def check_run(config: ResolvedJob, *, world: str) -> None:
         if not os.access(existing, os.W_OK | os.X_OK):
             raise ValueError(f"--out {config.out}: the folder {existing} is not writable")
 
-    if config.init_from is not None:
-        check_pretrained(config)
+
+def _check_corpus(config: ResolvedJob) -> None:
+    """`check_run`'s rules of a byte corpus (--data, or the standard library): text, and enough of it."""
     if not data_config.plain_bytes(config):
         return  # tokens, not bytes: data_config.prepare tokenizes the corpus and checks it
+    need = min_corpus_bytes(config.model_config().seq_len)
+    seq = f"seq_len + 1 = {config.model_config().seq_len + 1}"
     where = "the standard library" if config.data is None else f"--data {config.data}"
     try:  # every --data file the run reads is checked to be text; the standard library only as far as needed
         size = corpus_size(config.data, config.data_bytes if config.data is not None else min(config.data_bytes, need))
