@@ -56,16 +56,20 @@ class Trainer:
 
     def __init__(self, config: ResolvedJob, device: torch.device) -> None:
         self.t_start = time.perf_counter()
-        self.config, self.device = config, device
+        self.device = device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.is_main = self.rank == 0
         self.modes = modes_for(config)
-        self.schedule, self.optim, self.checkpoint = config.schedule, config.optim, config.checkpoint
-        self.run_settings = config.run
-        self.parallelism, self.precision = config.parallelism, config.precision
+        self._take(config)
         self.start, self.elapsed_before, self.notes, self.data_order = 0, 0.0, [], DATA_ORDER
         self.resume_from: Optional[str] = None
         self.log: Optional[MetricsLog] = None
+
+    def _take(self, config: ResolvedJob) -> None:
+        """Hold ``config`` and the sections the trainer reads (resolved: `ResolvedJob` fills them)."""
+        self.config = config
+        self.schedule, self.optim, self.checkpoint = config.schedule, config.optim, config.checkpoint
+        self.run_settings, self.parallelism, self.precision = config.run, config.parallelism, config.precision
 
     # ---- build ----
 
@@ -98,12 +102,11 @@ class Trainer:
         cost model chooses (--fsdp-outer-degree auto). Collective."""
         shared = [self.config.out]
         dist.broadcast_object_list(shared, src=0)
-        self.config = self.config.replace(out=shared[0])
+        self._take(self.config.replace(out=shared[0]))
         self.out = Path(ft_config.outputs_folder(self.config.ft, self.config.out))  # checkpoints: config.out
         if self.config.fsdp_outer_degree == PLANNED:  # an int from here on (config.json records it)
-            self.config = self.config.with_outer_degree(parallelize.plan_outer_degree(self.config, self.device,
-                                                                                      self.world))
-            self.parallelism = self.config.parallelism
+            self._take(self.config.with_outer_degree(parallelize.plan_outer_degree(self.config, self.device,
+                                                                                   self.world)))
 
     def _build_model(self) -> None:
         """The topology, the model's description (`job_model.build`) and the sharded model, which the model mode
