@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
+from shardfusion.train import run_folder
 from shardfusion.train import tokenizer as tok
 from shardfusion.train.documents import data_files, documents, is_structured
 from shardfusion.train.text_files import text_size
@@ -35,7 +36,7 @@ from shardfusion.train.text_files import text_size
 if TYPE_CHECKING:  # annotations only: config.py imports this module
     from shardfusion.train.config import TrainConfig
 
-RUN_TOKENIZER = "tokenizer"
+RUN_TOKENIZER = run_folder.TOKENIZER
 """OUT/tokenizer: the run's copy of its tokenizer (not for bytes), which an export writes beside the weights."""
 
 DEFAULT_TEXT_FIELD = "text"
