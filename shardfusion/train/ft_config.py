@@ -6,10 +6,12 @@ with the other flag checks; the job calls `resolve` and `check_lighthouse` in it
 `shardfusion.train.job_ft` over `shardfusion.ft`; docs/fault-tolerance.md tells the whole story.
 
 With --ft-lighthouse, each replica group is a job of its own (one per node, or per few nodes), started with the
-same flags but its own --ft-replica-id. Inside it the job is FSDP with outer degree 1; what HSDP's outer
-all-reduce did goes through torchft over the replica groups alive each step. The data slices are those of HSDP
-with --ft-replicas outer groups: data-parallel rank ``replica_id x inner + rank`` of ``ft_replicas x inner``, so
-with every replica alive the run trains on the same global batches as HSDP ft_replicas x inner.
+same flags but its own --ft-replica-id. Inside it the job is FSDP with outer degree 1, with tensor parallel over
+--mp consecutive ranks when given; what HSDP's outer all-reduce did goes through torchft over the replica groups
+alive each step. The data slices are those of HSDP with --ft-replicas outer groups: data-parallel rank
+``replica_id x inner + rank`` of ``ft_replicas x inner`` (inner: the group's data-parallel ranks, its mp ranks
+sharing one), so with every replica alive the run trains on the same global batches as HSDP ft_replicas x inner
+(x mp).
 """
 
 from __future__ import annotations
@@ -114,8 +116,7 @@ def check_flags(config: TrainConfig) -> None:
         raise ValueError("--ft-lighthouse needs --out (a folder every replica group reaches: shared storage on a "
                          "cluster): the groups share its checkpoints, so a timestamped default would differ between "
                          "them")
-    refuse_first([("--pp", config.pp, config.pp != 1), ("--mp", config.mp, config.mp != 1),
-                  ("--cp", config.cp, config.cp != 1),
+    refuse_first([("--pp", config.pp, config.pp != 1), ("--cp", config.cp, config.cp != 1),
                   ("--fsdp-outer-degree", config.fsdp_outer_degree, config.fsdp_outer_degree not in (None, 1)),
                   ("--optimizer", config.optimizer, config.optimizer != "adamw"),
                   ("--max-restarts", config.max_restarts, bool(config.max_restarts)),
@@ -123,7 +124,7 @@ def check_flags(config: TrainConfig) -> None:
                  "--ft-lighthouse",
                  "a fault-tolerant replica group is FSDP with outer degree 1 and AdamW, its replicas joined by "
                  "torchft, which averages the gradients in their own dtype (restart a replica group with its "
-                 "launcher; no --pp, --mp, --cp, --max-restarts or --outer-comm-dtype yet); see "
+                 "launcher; no --pp, --cp, --max-restarts or --outer-comm-dtype yet); see "
                  "docs/fault-tolerance.md")
 
 
@@ -150,10 +151,19 @@ SHARED_SETTINGS = ("ft_replicas", "ft_min_replicas", "tokenizer_fingerprint", "v
 Paths (--out, --data, --init-from) are left out: shared storage may be mounted at other paths on other nodes."""
 
 
+LAYOUT_SETTINGS = {"mp": 1}
+"""Settings of a group's layout that every group must share too (a recovery copies shard for shard, and tensor
+parallel sums the row-wise products in another order), with the value the fingerprint leaves out: a setting at that
+value adds nothing, so the fingerprint of a run from before the setting was allowed with --ft-lighthouse stays the
+same (tests/fixtures/ft-settings-before-trainer.json)."""
+
+
 def settings_fingerprint(config: TrainConfig) -> str:
-    """Hex SHA-256 of the `SHARED_SETTINGS` of a resolved config, compared across the quorum's groups
-    (`shardfusion.ft.agreement`)."""
+    """Hex SHA-256 of the `SHARED_SETTINGS` of a resolved config, and of its `LAYOUT_SETTINGS` away from their
+    defaults, compared across the quorum's groups (`shardfusion.ft.agreement`)."""
     shared = {name: getattr(config, name) for name in SHARED_SETTINGS}
+    shared.update({name: getattr(config, name) for name, default in LAYOUT_SETTINGS.items()
+                   if getattr(config, name) != default})
     return hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -165,9 +175,10 @@ def outputs_folder(config: FTConfig, out: str) -> str:
 
 
 def data_slices(config: FTConfig, inner_rank: int, inner_world: int) -> tuple[int, int]:
-    """(dp_rank, dp_world) of the sampler: this rank's slice of each global batch. Without fault tolerance the
-    replica group is the whole data-parallel world; with it, replica r's ranks take slices r x inner .. of
-    ft_replicas x inner."""
+    """(dp_rank, dp_world) of the sampler: this rank's slice of each global batch. ``inner_rank`` and
+    ``inner_world``: the group's data-parallel rank and world (`Topology.data_parallel_rank`, dp x sharding: the mp
+    ranks of one slice share it). Without fault tolerance the replica group is the whole data-parallel world; with
+    it, replica r's ranks take slices r x inner .. of ft_replicas x inner."""
     if not enabled(config):
         return inner_rank, inner_world
     return config.ft_replica_id * inner_world + inner_rank, config.ft_replicas * inner_world

@@ -5,8 +5,10 @@ recoveries: tests/integration/test_train_ft.py."""
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +30,7 @@ ON = dict(ft_lighthouse="http://127.0.0.1:1", ft_replicas=3, ft_replica_id=1, ou
     ({**ON, "ft_timeout": 0.0}, "--ft-timeout 0.0 must be > 0"),
     ({**ON, "ft_join_wait": -1.0}, "--ft-join-wait -1.0 must be >= 0"),
     ({**ON, "out": None}, "--ft-lighthouse needs --out"),
-    ({**ON, "mp": 2}, "--mp 2 with --ft-lighthouse"),
+    ({**ON, "cp": 2}, "--cp 2 with --ft-lighthouse"),
     ({**ON, "fsdp_outer_degree": 2}, "--fsdp-outer-degree 2 with --ft-lighthouse"),
     ({**ON, "optimizer": "muon"}, "--optimizer muon with --ft-lighthouse"),
     ({**ON, "max_restarts": 1, "save_every": 5}, "--max-restarts 1 with --ft-lighthouse"),
@@ -50,6 +52,7 @@ def test_flags_parse_and_defaults() -> None:
     fc.check_flags(config)
     assert (config.ft_min_replicas, config.ft_timeout, config.ft_join_wait, config.ft_host,
             config.ft_quorum_timeout, config.ft_max_discards) == (1, 10.0, 30.0, None, 120.0, 20)
+    fc.check_flags(TrainConfig(**ON, mp=2))  # tensor parallel inside each replica group
     resolved = fc.resolve(config)
     assert resolved.fsdp_outer_degree == 1 and fc.resolve(TrainConfig()).fsdp_outer_degree is None
     assert resolved.ft_host == "127.0.0.1"  # the lighthouse is on loopback: so is the way to it
@@ -74,8 +77,19 @@ def test_settings_fingerprint_covers_the_arithmetic_not_the_paths() -> None:
     base = fc.settings_fingerprint(TrainConfig(**ON))
     assert fc.settings_fingerprint(TrainConfig(**{**ON, "ft_replica_id": 2, "out": "/mnt/other"})) == base
     assert fc.settings_fingerprint(TrainConfig(**ON, ft_host="10.0.0.7", data="/elsewhere")) == base
-    for change in ({"lr": 1e-3}, {"seed": 7}, {"n_layer": 3}, {"batch_size": 5}, {"ft_replicas": 4}):
+    for change in ({"lr": 1e-3}, {"seed": 7}, {"n_layer": 3}, {"batch_size": 5}, {"ft_replicas": 4}, {"mp": 2}):
         assert fc.settings_fingerprint(TrainConfig(**{**ON, **change})) != base, change
+
+
+def test_settings_fingerprint_of_a_run_before_tensor_parallel_is_kept() -> None:
+    """--mp joined the fingerprint when fault tolerance began to take it (`ft_config.LAYOUT_SETTINGS`): at --mp 1
+    the fingerprint is the one the job computed before, so groups of both versions still agree."""
+    from shardfusion.train.config import resolve
+    saved = json.loads((Path(__file__).parents[1] / "fixtures" / "ft-settings-before-trainer.json").read_text())
+    config = resolve(TrainConfig(**saved["flags"]), device=saved["device"], world_size=saved["world_size"])
+    assert config.mp == 1 and fc.settings_fingerprint(fc.resolve(config)) == saved["settings_fingerprint"]
+    split = resolve(TrainConfig(**saved["flags"], mp=2), device=saved["device"], world_size=saved["world_size"])
+    assert fc.settings_fingerprint(fc.resolve(split)) != saved["settings_fingerprint"]
 
 
 @pytest.mark.parametrize("groups, words", [
