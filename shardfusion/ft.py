@@ -6,7 +6,10 @@ outer degree 1, so its all-gathers and reduce-scatters stay inside it. What HSDP
 the sharded gradients over the replicas, goes through torchft (PyTorch's fault-tolerance engine: a lighthouse that
 forms a quorum of the replica groups alive each step, a `torchft.Manager` per rank, live recovery from a peer) over
 the replica groups of this step's quorum. Rank g of every replica group holds the same shard, so torchft's
-cross-replica group of group rank g is exactly HSDP's replicate group of inner index g.
+cross-replica group of group rank g is exactly HSDP's replicate group of inner index g. With tensor parallel inside
+the groups (a `Topology` with mp > 1), group rank g holds the same mp index's pieces in every group, and its flat
+buffers are plain tensors of those local pieces: the same holds, with HSDP's replicate group of that (inner, mp)
+index.
 
 A step (`ReplicaGroup`):
 
@@ -228,7 +231,7 @@ def check_agreement(mine: torch.Tensor, summed: torch.Tensor, maxed: torch.Tenso
         return (f"the {n} replica groups in the quorum have different numbers of ranks (this one {int(mine[1])}, "
                 f"at most {int(maxed[1])}); start each with the same --nproc")
     if differ(2) or differ(3):
-        return ("the replica groups in the quorum were started with different settings (model, data, batch, "
+        return ("the replica groups in the quorum were started with different settings (model, --mp, data, batch, "
                 "optimizer or schedule); start every group with the same flags but --ft-replica-id")
     if int(mine[0]) <= ID_BITS and bin(int(summed[4])).count("1") != n:  # every id sets a bit
         return (f"two replica groups in the quorum use the same --ft-replica-id (this one "
@@ -246,8 +249,9 @@ class ReplicaGroup:
     """This rank's part of one fault-tolerant replica group (see the module docstring).
 
     models: the sharded model, or a list of sharded models (pipeline stages), of a job whose Topology has
-    fsdp_outer_degree 1. optimizers: the optimizers stepped at each committed step. extra_state: () -> dict and
-    dict -> None, the caller's own state sent with a recovery (plain Python values and tensors).
+    fsdp_outer_degree 1 (any mp: tensor parallel stays inside the group). optimizers: the optimizers stepped at
+    each committed step. extra_state: () -> dict and dict -> None, the caller's own state sent with a recovery
+    (plain Python values and tensors).
 
     lighthouse: ``http://host:port`` of the torchft lighthouse; replica_id: this group's id, an int in
     0 .. replicas - 1, the same on its ranks; replicas: the groups the run is planned for; min_replicas: a step

@@ -17,7 +17,8 @@ The package, one module per concern:
   (Hugging Face's sharded layout too) into a sharded model, each rank reading only its fragments' rows (needs the
   ``safetensors`` package, imported when called).
 - :mod:`~shardfusion.checkpoint.export`: ``python -m shardfusion.export``, a checkpoint as safetensors (needs the
-  ``safetensors`` package, not imported here).
+  ``safetensors`` package, not imported here); :mod:`~shardfusion.checkpoint.export_tokenizer`: the tokenizer it
+  writes beside the weights, as the checkpoint's ``extra`` names it (the program that saved it fills the record).
 
 See ``docs/checkpoints.md``.
 """

@@ -20,10 +20,11 @@ the sharded module, which is the HF module itself), a tied weight once, with the
 HF expects (and ``source``).
 
 The tokenizer goes beside the weights, so ``AutoTokenizer.from_pretrained(OUT)`` loads the one the model was trained
-with: the files of the training run's ``tokenizer/`` folder (``shardfusion.train`` keeps a copy of every tokenizer
-other than bytes there, and the checkpoint lies in that run's ``checkpoints/``), or those of the folder given as
-``tokenizer``. A Hugging Face model trained on bytes gets the byte-level tokenizer whose ids are the byte values
-(``shardfusion.train.tokenizer.hf_byte_tokenizer``; needs transformers, which such a model needs anyway).
+with: the files of the folder given as ``tokenizer``, else those of the tokenizer folder that the checkpoint names in
+its ``extra`` (:mod:`shardfusion.checkpoint.export_tokenizer`; ``shardfusion.train`` names its run's copy of every
+tokenizer other than bytes). A Hugging Face model trained on bytes gets the byte-level tokenizer whose ids are the
+byte values (:func:`shardfusion.checkpoint.export_tokenizer.hf_byte_tokenizer`; needs transformers, which such a
+model needs anyway).
 """
 
 from __future__ import annotations
@@ -38,25 +39,8 @@ from typing import Optional
 from safetensors.torch import save_file
 
 from shardfusion import checkpoint
+from shardfusion.checkpoint import export_tokenizer
 from shardfusion.checkpoint.folder import find_checkpoint
-
-
-TOKENIZER_FOLDER = "tokenizer"
-"""A training run's copy of its tokenizer, beside its ``checkpoints/`` folder."""
-
-
-def _run_tokenizer(path: str) -> Optional[str]:
-    """The tokenizer folder of the run whose checkpoint is ``path``: ``<run>/tokenizer`` with ``path`` =
-    ``<run>/checkpoints/step-N``, or None."""
-    run = os.path.dirname(os.path.dirname(os.path.abspath(path)))
-    folder = os.path.join(run, TOKENIZER_FOLDER)
-    return folder if os.path.isdir(folder) else None
-
-
-def _byte_run(extra: object) -> bool:
-    config = extra.get("config") if isinstance(extra, dict) else None
-    return isinstance(config, dict) and config.get("tokenizer") in (None, "bytes") and not config.get(
-        "train_tokenizer")
 
 
 def _tokenizer_files(folder: str) -> list[str]:
@@ -71,7 +55,8 @@ def export(ckpt: str, out: str, overwrite: bool = False, tokenizer: Optional[str
     of shardfusion.train: the model config under 'model', the step, the schedule settings) and ``shapes`` (the
     parameter shapes); for a checkpoint whose ``extra`` holds ``hf_config`` (a Hugging Face model), it is that HF
     config, and ``model.safetensors`` carries HF's metadata ``{"format": "pt"}``. The tokenizer's files are
-    copied beside them (see the module docstring; ``tokenizer``: a tokenizer folder to take instead of the run's).
+    copied beside them (see the module docstring; ``tokenizer``: a tokenizer folder to take instead of the one the
+    checkpoint names).
     Without ``overwrite``, nothing is written when any of these files exists already.
 
     Raises:
@@ -81,12 +66,17 @@ def export(ckpt: str, out: str, overwrite: bool = False, tokenizer: Optional[str
             naming the path).
     """
     path = find_checkpoint(ckpt)  # a checkpoint folder, a root of step-N folders, or a training run's --out
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, ".metadata")):
+        raise ValueError(f"checkpoint folder {path!r} is not readable: it has no .metadata (not a complete DCP "
+                         f"checkpoint), and no published checkpoint (step-<n>) lies under it or under one "
+                         f"subfolder: nothing was saved there")
     meta = checkpoint.read_meta(path)  # an unreadable checkpoint first: the more basic error
     target, config_path = os.path.join(out, "model.safetensors"), os.path.join(out, "config.json")
     extra = meta.get("extra")
     if tokenizer is not None and not os.path.isdir(tokenizer):
         raise ValueError(f"tokenizer {tokenizer!r} is not a folder")
-    source = tokenizer or _run_tokenizer(path)
+    saved = export_tokenizer.saved_record(extra)
+    source = tokenizer or export_tokenizer.tokenizer_folder(path, saved)
     tokenizer_files = [os.path.join(out, name) for name in _tokenizer_files(source)] if source else []
     if not overwrite:  # before the tensors are read, before anything is written
         for existing in (target, config_path, *tokenizer_files):
@@ -108,9 +98,8 @@ def export(ckpt: str, out: str, overwrite: bool = False, tokenizer: Optional[str
     if source is not None:
         for name in _tokenizer_files(source):
             shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
-    elif hf_config is not None and _byte_run(extra):
-        from shardfusion.train.tokenizer import hf_byte_tokenizer  # transformers: an HF model's export needs it
-        hf_byte_tokenizer().save_pretrained(out)
+    elif hf_config is not None and saved["bytes"]:  # transformers: an HF model's export needs it anyway
+        export_tokenizer.hf_byte_tokenizer().save_pretrained(out)
     return target
 
 
@@ -125,7 +114,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="replace OUT/model.safetensors, OUT/config.json and the tokenizer files if they exist "
                              "(default: refuse)")
     parser.add_argument("--tokenizer", default=None,
-                        help="a tokenizer folder to write beside the weights (default: the training run's tokenizer/)")
+                        help="a tokenizer folder to write beside the weights (default: the one the checkpoint names, "
+                             "e.g. a training run's tokenizer/)")
     args = parser.parse_args(argv)
     try:
         target = export(args.ckpt, args.out, overwrite=args.overwrite, tokenizer=args.tokenizer)

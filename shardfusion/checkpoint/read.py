@@ -96,8 +96,6 @@ def open_checkpoint(path: str) -> tuple[FileSystemReader, dict]:
     """
     if not os.path.isfile(os.path.join(path, ".metadata")):  # checked first: DCP would log tracebacks for it
         what = "does not exist" if not os.path.exists(path) else "has no .metadata (not a complete DCP checkpoint)"
-        if os.path.isfile(os.path.join(path, "metrics.jsonl")):  # a run folder of shardfusion.train
-            what += ", and no checkpoint under it: the run saved none (train with --save-every N)"
         raise ValueError(f"checkpoint folder {path!r} is not readable: it {what}")
     reader = None
     try:

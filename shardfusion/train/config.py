@@ -54,7 +54,7 @@ from shardfusion.train.pipeline_config import PipelineConfig
 from shardfusion.train.run_config import RunConfig
 from shardfusion.train.schedule import (DEFAULT_BATCH_SIZE, DEFAULT_WARMUP, ScheduleConfig,  # noqa: F401
                                         warmup_steps)
-from shardfusion.train.sections import field_docs, fields_marked, meta
+from shardfusion.train.sections import field_docs, fields_marked, marked_values, meta
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -263,7 +263,7 @@ class ResolvedJob:
 
     def marked(self, key: str) -> dict[str, Any]:
         """The values of the fields whose metadata sets ``key`` (`shardfusion.train.sections`), by name."""
-        return {name: getattr(self, name) for name in fields_marked(MARKED_CLASSES, key)}
+        return marked_values(MARKED_CLASSES, key, self)
 
     def replace(self, **fields: Any) -> ResolvedJob:
         """A copy with resolved fields or flags (by name) changed; the shape follows the model flags and the

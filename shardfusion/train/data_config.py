@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from shardfusion.train import run_folder
 from shardfusion.train import tokenizer as tok
 from shardfusion.train.documents import data_files, documents, is_structured
 from shardfusion.train.model_config import ModelConfig
@@ -40,7 +41,7 @@ AnyConfig = Any
 """The annotation of the functions that read a whole config (`JobConfig` or `ResolvedJob`, which this section's
 module does not import: `shardfusion.train.config` imports it)."""
 
-RUN_TOKENIZER = "tokenizer"
+RUN_TOKENIZER = run_folder.TOKENIZER
 """OUT/tokenizer: the run's copy of its tokenizer (not for bytes), which an export writes beside the weights."""
 
 DEFAULT_TEXT_FIELD = "text"

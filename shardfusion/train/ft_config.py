@@ -6,10 +6,12 @@ other sections' checks; the job calls `resolve_host` and `check_lighthouse` in i
 `shardfusion.train.job_ft` over `shardfusion.ft`; docs/fault-tolerance.md tells the whole story.
 
 With --ft-lighthouse, each replica group is a job of its own (one per node, or per few nodes), started with the
-same flags but its own --ft-replica-id. Inside it the job is FSDP with outer degree 1; what HSDP's outer
-all-reduce did goes through torchft over the replica groups alive each step. The data slices are those of HSDP
-with --ft-replicas outer groups: data-parallel rank ``replica_id x inner + rank`` of ``ft_replicas x inner``, so
-with every replica alive the run trains on the same global batches as HSDP ft_replicas x inner.
+same flags but its own --ft-replica-id. Inside it the job is FSDP with outer degree 1, with tensor parallel over
+--mp consecutive ranks when given; what HSDP's outer all-reduce did goes through torchft over the replica groups
+alive each step. The data slices are those of HSDP with --ft-replicas outer groups: data-parallel rank
+``replica_id x inner + rank`` of ``ft_replicas x inner`` (inner: the group's data-parallel ranks, its mp ranks
+sharing one), so with every replica alive the run trains on the same global batches as HSDP ft_replicas x inner
+(x mp).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def check_flags(config: FTConfig, parallelism: ParallelismConfig, pipeline: Pipe
                          "cluster): the groups share its checkpoints, so a timestamped default would differ between "
                          "them")
     p = parallelism
-    refuse_first([("--pp", pipeline.pp, pipeline.pp != 1), ("--mp", p.mp, p.mp != 1), ("--cp", p.cp, p.cp != 1),
+    refuse_first([("--pp", pipeline.pp, pipeline.pp != 1), ("--cp", p.cp, p.cp != 1),
                   ("--fsdp-outer-degree", p.fsdp_outer_degree, p.fsdp_outer_degree not in (None, 1)),
                   ("--optimizer", optim.optimizer, optim.optimizer != "adamw"),
                   ("--max-restarts", checkpoint.max_restarts, bool(checkpoint.max_restarts)),
@@ -127,7 +129,7 @@ def check_flags(config: FTConfig, parallelism: ParallelismConfig, pipeline: Pipe
                  "--ft-lighthouse",
                  "a fault-tolerant replica group is FSDP with outer degree 1 and AdamW, its replicas joined by "
                  "torchft, which averages the gradients in their own dtype (restart a replica group with its "
-                 "launcher; no --pp, --mp, --cp, --max-restarts or --outer-comm-dtype yet); see "
+                 "launcher; no --pp, --cp, --max-restarts or --outer-comm-dtype yet); see "
                  "docs/fault-tolerance.md")
 
 
@@ -160,9 +162,10 @@ def outputs_folder(config: FTConfig, out: str) -> str:
 
 
 def data_slices(config: FTConfig, inner_rank: int, inner_world: int) -> tuple[int, int]:
-    """(dp_rank, dp_world) of the sampler: this rank's slice of each global batch. Without fault tolerance the
-    replica group is the whole data-parallel world; with it, replica r's ranks take slices r x inner .. of
-    ft_replicas x inner."""
+    """(dp_rank, dp_world) of the sampler: this rank's slice of each global batch. ``inner_rank`` and
+    ``inner_world``: the group's data-parallel rank and world (`Topology.data_parallel_rank`, dp x sharding: the mp
+    ranks of one slice share it). Without fault tolerance the replica group is the whole data-parallel world; with
+    it, replica r's ranks take slices r x inner .. of ft_replicas x inner."""
     if not enabled(config):
         return inner_rank, inner_world
     return config.ft_replica_id * inner_world + inner_rank, config.ft_replicas * inner_world

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from shardfusion.accounting import CATEGORIES
+from shardfusion.train import run_folder
 
 TRAIN_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "elapsed_s")
 """Keys of every training record in metrics.jsonl."""
@@ -77,7 +78,7 @@ class MetricsLog:
     """
 
     def __init__(self, out: Path, resume_step: Optional[int] = None) -> None:
-        self.path = out / "metrics.jsonl"
+        self.path = out / run_folder.METRICS
         self.train: list[dict[str, Any]] = []
         self.val: list[dict[str, Any]] = []
         self.dropped = 0
@@ -100,7 +101,7 @@ class MetricsLog:
             else:
                 dropped.append(line)
         if dropped:
-            with (out / "metrics.dropped.jsonl").open("a") as f:
+            with (out / run_folder.METRICS_DROPPED).open("a") as f:
                 f.write("".join(line + "\n" for line in dropped))
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))

@@ -9,12 +9,13 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from shardfusion.train import run_folder
 from shardfusion.train.metrics import MetricsLog
 
 RUN_CONTROL = frozenset({"stop_after", "max_restarts", "progress", "resumed", "out"})
 """config.json fields that only control one run (not how its steps are trained): `write_config` ignores them."""
 
-RUN_FILES = ("config.json", "metrics.jsonl", "metrics.dropped.jsonl", "summary.json", "loss.png", "tokenizer")
+RUN_FILES = run_folder.RUN_FILES
 """Files of a run in its output folder (besides checkpoints/ and config.step-*.json); tokenizer/ is a folder (the
 run's copy of its tokenizer, `shardfusion.train.data_config.save_run_tokenizer`)."""
 
@@ -55,7 +56,7 @@ def write_config(out: Path, config: dict[str, Any], resumed: Optional[dict[str, 
     The config.json of the run it resumed is kept as config.step-N.json (config.step-N.2.json, ... if that exists)
     when its settings differ from this run's (`RUN_CONTROL` fields aside) or it cannot be read, so no record of how
     earlier steps were trained is lost."""
-    path = out / "config.json"
+    path = out / run_folder.CONFIG
     if resumed is not None and path.exists():
         try:
             before = json.loads(path.read_text())

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from shardfusion.plan import parse_bytes
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_POLICIES
 from shardfusion.train.model_config import ModelConfig, is_hf
-from shardfusion.train.sections import meta
+from shardfusion.train.sections import FT_SHARED_UNLESS_DEFAULT, meta
 
 AUTO = "auto"
 """The --fsdp-outer-degree value that asks the cost model (`shardfusion.plan`) for the degree."""
@@ -56,7 +56,7 @@ class ParallelismConfig:
     """How expert buffers use the HSDP outer group: replicate (sharded over moe_sharding / outer ranks, all-reduced
     over the outer group, like dense buffers) or shard (sharded over all moe_sharding ranks, no outer all-reduce)
     (default replicate)."""
-    mp: int = 1
+    mp: int = field(default=1, metadata=meta(ft_shared=FT_SHARED_UNLESS_DEFAULT))
     """Tensor-parallel degree: each block's attention heads and (dense) MLP are split over this many ranks with torch's
     tensor parallel (shardfusion.models.gpt_parallel); they see the same samples, so the data-parallel world is the
     world size / mp. Must divide the world size and n_head (GPT only; default 1)."""

@@ -11,6 +11,8 @@ list `[muon, adamw]`) and:
   its config dict, which `shardfusion.export` writes as the export's config.json) and `config`: the
   `RESUME_FIELDS` of the run's `ResolvedJob`, the settings that decide the learning rate schedule and the data
   order;
+- `tokenizer`: what `python -m shardfusion.export` writes beside the weights (`run_folder.tokenizer_extra`: the
+  run's OUT/tokenizer relative to the checkpoint, or bytes);
 - `data_order`: the sampler's data order (`shardfusion.train.data.DATA_ORDER`); a checkpoint without it was written
   before the order was recorded, by a run that drew each data-parallel rank's batches itself
   (`DATA_ORDER_PER_RANK`), and resumes with that order (`saved_data_order`);
@@ -44,10 +46,11 @@ import torch.nn as nn
 
 from shardfusion import checkpoint as ckpt
 from shardfusion.comm import call_on_rank0
+from shardfusion.train import run_folder
 from shardfusion.train.config import OWNER, RESUME_FIELDS, SAVED_TOKENIZER_FIELDS
 from shardfusion.train.data import DATA_ORDER_PER_RANK, DATA_ORDERS
 
-CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_DIR = run_folder.CHECKPOINTS
 """Folder under --out holding the job's checkpoints (`step-N`, `latest`)."""
 
 # RESUME_FIELDS: the fields that decide the learning rate schedule, the data order, the loss or the arithmetic
@@ -201,7 +204,7 @@ def save(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.opti
     extra = {"step": step, "elapsed_s": elapsed_s, "world_size": dist.get_world_size(), "layout": layout,
              **model_extra,
              "config": {name: getattr(config, name) for name in RESUME_FIELDS + SAVED_TOKENIZER_FIELDS},
-             "data_order": data_order}
+             "data_order": data_order, **run_folder.tokenizer_extra(config.tokenizer)}
     return ckpt.save_checkpoint(model, list(optimizers), os.path.join(out, CHECKPOINT_DIR), step, keep=keep,
                                 extra=extra, rank_state={**rng_state(device), **(rank_extra or {})})
 

@@ -51,6 +51,12 @@ def _own_field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+FT_SHARED_UNLESS_DEFAULT = "unless default"
+"""The ``ft_shared`` metadata of a field that enters the fault-tolerance settings digest only away from its default
+(--mp: allowed with --ft-lighthouse later than the digest was first kept, so a run's digest at the default stays what
+it was: tests/fixtures/ft-settings-before-trainer.json)."""
+
+
 def fields_marked(classes: Iterable[type], key: str) -> tuple[str, ...]:
     """The names of the fields of ``classes`` (dataclasses, in order, each name once) whose metadata sets ``key``
     true: e.g. ``fields_marked(sections, "resume")``."""
@@ -65,3 +71,19 @@ def fields_marked(classes: Iterable[type], key: str) -> tuple[str, ...]:
 def meta(**keys: Any) -> dict[str, Any]:
     """Field metadata, e.g. ``dataclasses.field(default=0.1, metadata=meta(resume=True, ft_shared=True))``."""
     return dict(keys)
+
+
+def marked_values(classes: Iterable[type], key: str, values: Any) -> dict[str, Any]:
+    """``{name: getattr(values, name)}`` for the fields of ``classes`` whose metadata sets ``key`` (`fields_marked`),
+    less those marked `FT_SHARED_UNLESS_DEFAULT` whose value is their default."""
+    out: dict[str, Any] = {}
+    for cls in classes:
+        for field in dataclasses.fields(cls):
+            mark = field.metadata.get(key)
+            if not mark or field.name in out:
+                continue
+            value = getattr(values, field.name)
+            if mark == FT_SHARED_UNLESS_DEFAULT and value == field.default:
+                continue
+            out[field.name] = value
+    return out

@@ -25,6 +25,9 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
+# The byte-level tokenizer is the library's (the export writes it beside the weights); the job re-exports it.
+from shardfusion.checkpoint.export_tokenizer import INSTALL_HINT, byte_alphabet, hf_byte_tokenizer  # noqa: F401
+
 BYTES = "bytes"
 """`--tokenizer bytes`: one token per byte, vocabulary 256."""
 
@@ -42,24 +45,7 @@ EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|
 TRAINED_EOT = "<|endoftext|>"
 """The one special token of a tokenizer trained by `--train-tokenizer`."""
 
-INSTALL_HINT = "pip install 'shardfusion[hf]'"
-
 _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")  # SentencePiece byte fallback: one byte
-
-
-def byte_alphabet() -> dict[int, str]:
-    """The byte-level BPE alphabet (GPT-2's, which `tokenizers.pre_tokenizers.ByteLevel` uses): byte value -> the
-    printable character that stands for it. Printable Latin-1 bytes stand for themselves; the other 68 are mapped,
-    in byte order, to the code points from 256 on."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            table[byte] = chr(byte)
-        else:
-            table[byte] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 def _first_line(error: BaseException) -> str:
@@ -176,20 +162,6 @@ def _byte_level(hf: Any) -> bool:
 def byte_tokenizer() -> Tokenizer:
     """`--tokenizer bytes`: id = byte value."""
     return Tokenizer(name=BYTES, vocab_size=256, eot_id=BYTE_EOT, bos_id=None, fingerprint=BYTES)
-
-
-def hf_byte_tokenizer() -> Any:
-    """A ``transformers`` fast tokenizer whose ids are the byte values (a byte-level BPE with the 256 bytes and no
-    merges): what an export of a byte-level run writes, so ``AutoTokenizer.from_pretrained`` gives the ids the model
-    was trained on."""
-    tokenizers = _import("writing the byte tokenizer", "tokenizers")
-    transformers = _import("writing the byte tokenizer", "transformers")
-    alphabet = byte_alphabet()
-    model = tokenizers.models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[])
-    tok = tokenizers.Tokenizer(model)
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=int(1e30))
 
 
 def _eot(hf: Any, where: str) -> int:

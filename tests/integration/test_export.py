@@ -1,8 +1,10 @@
 """Export: `python -m shardfusion.export CKPT OUT` writes safetensors that a plain single-process model loads (no
 shardfusion needed) with outputs equal to the sharded model's; a full state dict (that export) loads back into a
 sharded model of another layout; a missing key raises on every rank. The command line refuses (exit 2, one line on
-stderr) an unreadable checkpoint, a truncated data file, and an OUT holding model.safetensors or config.json already
-(unless --overwrite).
+stderr) an unreadable checkpoint, a truncated data file, a run folder that saved no checkpoint, and an OUT holding
+model.safetensors or config.json already (unless --overwrite). The tokenizer beside the weights is the one the
+checkpoint's `extra` names (the record the training job fills; a checkpoint saved before records: the run folder's
+copy), found relative to the checkpoint.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import torch
 
 from harness import REPO, run_distributed
 from models import Block, TinyTransformer, make_batch
+
+RUN_BEFORE_TRAINER = REPO / "tests" / "fixtures" / "run-before-trainer"  # a byte-level GPT run, no tokenizer/
 
 def _assert_equal(a: dict, b: dict) -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sorted(a.keys() ^ b.keys())
@@ -123,3 +127,38 @@ def test_export_loads_in_plain_pytorch_and_back_into_sharded(tmp_path, capsys):
     os.truncate(damaged / "__1_0.distcp", 100)
     err = cli_error(str(damaged), str(tmp_path / "export-damaged"))
     assert f"checkpoint {str(damaged)!r} cannot be read: __1_0.distcp has 100 bytes" in err, err
+
+
+def test_export_takes_the_tokenizer_the_checkpoint_names(tmp_path, capsys):
+    from shardfusion.checkpoint import export_tokenizer as et, read_meta
+    from shardfusion.checkpoint.export import export
+    from shardfusion.train import run_folder
+
+    # the record the job writes: a copy in OUT/tokenizer for every tokenizer but bytes, relative to the checkpoint
+    assert run_folder.tokenizer_extra("bytes") == run_folder.tokenizer_extra(None) == {
+        "tokenizer": {"folder": None, "bytes": True}}
+    assert run_folder.tokenizer_extra("/data/bpe") == {
+        "tokenizer": {"folder": os.path.join("..", "..", run_folder.TOKENIZER), "bytes": False}}
+    extra = run_folder.tokenizer_extra("/data/bpe")
+    assert et.saved_record(extra) == extra["tokenizer"] and et.saved_record({"step": 1}) == et.record(None, False)
+    run = tmp_path / "moved-run"  # the folder is found relative to the checkpoint, wherever the run lies now
+    (run / run_folder.CHECKPOINTS / "step-3").mkdir(parents=True)
+    assert et.tokenizer_folder(str(run / run_folder.CHECKPOINTS / "step-3"), extra["tokenizer"]) is None
+    (run / run_folder.TOKENIZER).mkdir()
+    assert et.tokenizer_folder(str(run / run_folder.CHECKPOINTS / "step-3"), extra["tokenizer"]) == str(
+        run / run_folder.TOKENIZER)
+    # a checkpoint saved before records (by the job, on bytes): the run folder's tokenizer/, as before
+    step = RUN_BEFORE_TRAINER / "checkpoints" / "step-4"
+    assert et.saved_record(read_meta(str(step))["extra"]) == et.record(os.path.join("..", "..", "tokenizer"), True)
+    old_run = tmp_path / "old-run"
+    shutil.copytree(RUN_BEFORE_TRAINER, old_run)
+    export(str(old_run), str(tmp_path / "plain"))  # a GPT on bytes without tokenizer/: the weights alone
+    assert sorted(os.listdir(tmp_path / "plain")) == ["config.json", "model.safetensors"]
+    (old_run / "tokenizer").mkdir()
+    (old_run / "tokenizer" / "tokenizer.json").write_text('{"kept": "as saved"}')
+    export(str(old_run), str(tmp_path / "with-tokenizer"))
+    assert (tmp_path / "with-tokenizer" / "tokenizer.json").read_text() == '{"kept": "as saved"}'
+    # a run folder that saved no checkpoint: one line that says so
+    shutil.rmtree(old_run / "checkpoints")
+    with pytest.raises(ValueError, match="no published checkpoint .* lies under it"):
+        export(str(old_run), str(tmp_path / "none"))

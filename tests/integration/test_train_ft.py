@@ -51,6 +51,32 @@ def _model_state(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in read_all(str(path)).items() if not k.startswith("rank/")}  # not the RNG states
 
 
+def _assert_equals_reference(out: Path, ref: Path, steps: int) -> None:
+    """Both replica groups of the run in ``out`` against the synchronous run in ``ref`` (one job, HSDP): bitwise the
+    same parameters and AdamW state in the last step's checkpoint (written by the quorum's first group), the same
+    gradient norms and learning rates every step, the losses to 1e-6 (the mean is taken in another order); every
+    step committed by both groups together, and the groups' state digests equal rank for rank."""
+    ours = _model_state(out / "checkpoints" / f"step-{steps}")
+    theirs = _model_state(ref / "checkpoints" / f"step-{steps}")
+    assert ours.keys() == theirs.keys() and any(k.endswith("/exp_avg_sq") for k in ours)
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+    ref_train = [json.loads(line) for line in (ref / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert len(ref_train) == steps
+    digests = []
+    for group in (0, 1):
+        run_ = read_run(out, group)
+        assert [r["step"] for r in run_["train"]] == list(range(1, steps + 1))
+        assert all(r["ft_participants"] == 2 for r in run_["train"])
+        for mine, theirs_ in zip(run_["train"], ref_train):
+            assert mine["grad_norm"] == theirs_["grad_norm"] and mine["lr"] == theirs_["lr"], mine["step"]
+            assert mine["loss"] == pytest.approx(theirs_["loss"], rel=1e-6)
+        ft = run_["summary"]["fault_tolerance"]
+        assert ft["committed_steps"] == steps and ft["discarded"] == [] and ft["replicas"] == 2
+        digests.append(ft["state_digests"])
+    assert digests[0] == digests[1] and len(set(digests[0])) == len(digests[0]), digests  # each rank its own shard
+
+
 @pytest.mark.timeout(3 * TRAIN_TIMEOUT_S)
 def test_all_alive_equals_hsdp_and_waits_for_min_replicas(tmp_path: Path) -> None:
     ref = tmp_path / "hsdp"
@@ -66,21 +92,8 @@ def test_all_alive_equals_hsdp_and_waits_for_min_replicas(tmp_path: Path) -> Non
         run.start(1, extra=["--ft-min-replicas", "2"])
         codes = run.wait(["replica0", "replica1"], TRAIN_TIMEOUT_S)
         assert codes == {"replica0": 0, "replica1": 0}, run.log("replica0")[-3000:] + run.log("replica1")[-3000:]
-    ours = _model_state(out / "checkpoints" / f"step-{STEPS}")  # written by the quorum's first group
-    theirs = _model_state(ref / "checkpoints" / f"step-{STEPS}")
-    assert ours.keys() == theirs.keys() and any(k.endswith("/exp_avg_sq") for k in ours)
-    for key in ours:
-        assert torch.equal(ours[key], theirs[key]), key
-    ref_train = [json.loads(line) for line in (ref / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    _assert_equals_reference(out, ref, STEPS)
     for group in (0, 1):
-        run_ = read_run(out, group)
-        assert [r["step"] for r in run_["train"]] == list(range(1, STEPS + 1))
-        assert all(r["ft_participants"] == 2 for r in run_["train"])
-        for mine, theirs_ in zip(run_["train"], ref_train):
-            assert mine["grad_norm"] == theirs_["grad_norm"] and mine["lr"] == theirs_["lr"], mine["step"]
-            assert mine["loss"] == pytest.approx(theirs_["loss"], rel=1e-6)  # the mean taken in another order
-        ft = run_["summary"]["fault_tolerance"]
-        assert ft["committed_steps"] == STEPS and ft["discarded"] == [] and ft["replicas"] == 2
         console = run.log(f"replica{group}").splitlines()
         foreign = [line for line in console if ("torchft" in line and "torchft's own log" not in line)
                    or "Traceback" in line or "Warning" in line]
@@ -89,6 +102,31 @@ def test_all_alive_equals_hsdp_and_waits_for_min_replicas(tmp_path: Path) -> Non
     waits = read_run(out, 0)["summary"]["fault_tolerance"]["waits"]
     assert len(waits) == 1 and waits[0]["step"] == 0 and waits[0]["seconds"] >= 2.0, waits
     assert (out / "replica-0" / "config.json").is_file() and not (out / "metrics.jsonl").exists()
+
+
+MP_STEPS = 4
+
+
+@pytest.mark.timeout(3 * TRAIN_TIMEOUT_S)
+def test_tensor_parallel_groups_equal_hsdp_with_mp(tmp_path: Path) -> None:
+    """--mp 2 inside each replica group: 2 groups x 2 ranks (tensor parallel over the group's 2 ranks, FSDP degree
+    1) against HSDP outer 2 x mp 2 in one job of 4 ranks, the same global batch: the mp ranks of a group read the
+    same samples, torchft averages each mp rank's pieces with the same mp rank of the other group, the clipping norm
+    counts every element once; so the same losses and norms and bitwise the same checkpoint."""
+    flags = [*TRAIN, "--steps", str(MP_STEPS), "--warmup", "2", "--save-every", str(MP_STEPS),
+             "--eval-every", str(MP_STEPS), "--mp", "2"]
+    ref = tmp_path / "hsdp"
+    result = run_train([*flags, "--nproc", "4", "--fsdp-outer-degree", "2", "--out", str(ref)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "x mp2;" in result.stdout, result.stdout[-3000:]
+    out = tmp_path / "ft"
+    with Replicas(out, flags) as run:
+        for group in (0, 1):
+            run.start(group, extra=["--ft-min-replicas", "2"])
+        codes = run.wait(["replica0", "replica1"], TRAIN_TIMEOUT_S)
+        assert codes == {"replica0": 0, "replica1": 0}, run.log("replica0")[-3000:] + run.log("replica1")[-3000:]
+        assert "x mp2;" in run.log("replica0"), run.log("replica0")[-3000:]
+    _assert_equals_reference(out, ref, MP_STEPS)
 
 
 @pytest.mark.timeout(300)

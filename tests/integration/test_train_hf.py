@@ -20,7 +20,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from harness import TRAIN_TIMEOUT_S, run_command, run_train, train_usage_error  # noqa: E402
-from shardfusion.checkpoint import read_all  # noqa: E402
+from shardfusion.checkpoint import read_all, read_meta  # noqa: E402
 from shardfusion.checkpoint.export import export  # noqa: E402
 from shardfusion.train.data import BatchSampler, load_corpus, split_corpus  # noqa: E402
 from shardfusion.train.metrics import MOE_KEYS, TRAIN_KEYS, read_metrics  # noqa: E402
@@ -116,6 +116,11 @@ def test_llama_export_loads_with_from_pretrained(llama_run: Path, tmp_path: Path
     _, val = read_metrics(llama_run / "metrics.jsonl")
     assert val[-1]["step"] == STEPS
     assert float(sum(per_rank) / 2) == pytest.approx(val[-1]["val_loss"], rel=1e-5, abs=1e-6)
+    # a run on bytes: the checkpoint names no tokenizer folder, the export writes the byte-level one (id = byte)
+    assert read_meta(str(llama_run / "checkpoints" / f"step-{STEPS}"))["extra"]["tokenizer"] == {
+        "folder": None, "bytes": True}
+    text = "Note 7: caf\u00e9"
+    assert transformers.AutoTokenizer.from_pretrained(str(out))(text)["input_ids"] == list(text.encode())
     # and the export API, into a folder that exists: the same files
     export(str(llama_run), str(tmp_path / "again"))
     assert json.loads((tmp_path / "again" / "config.json").read_text()) == config

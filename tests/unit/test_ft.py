@@ -30,7 +30,7 @@ ON = dict(ft_lighthouse="http://127.0.0.1:1", ft_replicas=3, ft_replica_id=1, ou
     ({**ON, "ft_timeout": 0.0}, "--ft-timeout 0.0 must be > 0"),
     ({**ON, "ft_join_wait": -1.0}, "--ft-join-wait -1.0 must be >= 0"),
     ({**ON, "out": None}, "--ft-lighthouse needs --out"),
-    ({**ON, "mp": 2}, "--mp 2 with --ft-lighthouse"),
+    ({**ON, "cp": 2}, "--cp 2 with --ft-lighthouse"),
     ({**ON, "fsdp_outer_degree": 2}, "--fsdp-outer-degree 2 with --ft-lighthouse"),
     ({**ON, "optimizer": "muon"}, "--optimizer muon with --ft-lighthouse"),
     ({**ON, "max_restarts": 1, "save_every": 5}, "--max-restarts 1 with --ft-lighthouse"),
@@ -52,6 +52,7 @@ def test_flags_parse_and_defaults() -> None:
     (config).check_section("ft")
     assert (config.ft_min_replicas, config.ft_timeout, config.ft_join_wait, config.ft_host,
             config.ft_quorum_timeout, config.ft_max_discards) == (1, 10.0, 30.0, None, 120.0, 20)
+    JobConfig.from_flat(**ON, mp=2).check_section("ft")  # tensor parallel inside each replica group
     resolved = resolve(config, device="cpu", world_size=2, ft_host=fc.resolve_host(config.ft))
     assert resolved.fsdp_outer_degree == 1 and fc.resolve_host(JobConfig().ft) is None
     assert resolved.ft_host == "127.0.0.1"  # the lighthouse is on loopback: so is the way to it
@@ -81,7 +82,8 @@ def test_settings_fingerprint_covers_the_arithmetic_not_the_paths() -> None:
     base = fingerprint(**ON)
     assert fingerprint(**{**ON, "ft_replica_id": 2, "out": "/mnt/other"}) == base
     assert fingerprint(**ON, ft_host="10.0.0.7", data="/elsewhere") == base
-    for change in ({"lr": 1e-3}, {"seed": 7}, {"n_layer": 3}, {"batch_size": 5}, {"ft_replicas": 4}):
+    for change in ({"lr": 1e-3}, {"seed": 7}, {"n_layer": 3}, {"batch_size": 5}, {"ft_replicas": 4},
+                   {"mp": 2}):
         assert fingerprint(**{**ON, **change}) != base, change
 
 
@@ -95,6 +97,21 @@ def test_settings_fingerprint_of_a_run_before_the_sections() -> None:
     job = resolve(config, device=fixture["device"], world_size=fixture["world_size"])
     assert fc.settings_fingerprint(job.marked("ft_shared")) == fixture["settings_fingerprint"]
     assert fc.settings_fingerprint(job.replace(lr=1e-3).marked("ft_shared")) != fixture["settings_fingerprint"]
+
+
+def test_settings_fingerprint_of_a_run_before_tensor_parallel_is_kept() -> None:
+    """--mp joined the fingerprint when fault tolerance began to take it (its ``ft_shared`` metadata is
+    `FT_SHARED_UNLESS_DEFAULT`): at --mp 1 the fingerprint is the one the job computed before, so groups of both
+    versions still agree; at --mp 2 it differs."""
+    saved = json.loads((Path(__file__).parents[1] / "fixtures" / "ft-settings-before-trainer.json").read_text())
+
+    def fingerprint(**more) -> str:
+        job = resolve(JobConfig.from_flat(**saved["flags"], **more), device=saved["device"],
+                      world_size=saved["world_size"])
+        return fc.settings_fingerprint(job.marked("ft_shared"))
+
+    assert fingerprint() == saved["settings_fingerprint"]
+    assert fingerprint(mp=2) != saved["settings_fingerprint"]
 
 
 @pytest.mark.parametrize("groups, words", [

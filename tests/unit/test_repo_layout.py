@@ -15,10 +15,11 @@ REPO = Path(__file__).resolve().parents[2]
 LIBRARY = REPO / "shardfusion"
 # Modules of the package that are not the library: the training job, and the export (needs safetensors).
 NOT_LIBRARY = ("train/", "checkpoint/export.py", "export.py")
-EXTRAS = {"numpy", "tqdm", "matplotlib", "safetensors", "transformers"}
+EXTRAS = {"numpy", "tqdm", "matplotlib", "safetensors", "transformers", "tokenizers"}
 # Library modules that may import an extra inside a function (an optional feature that raises ImportError naming the
 # package when called), never at module level: {module: extras}.
-LAZY_EXTRAS = {"checkpoint/streaming.py": {"safetensors"}}
+LAZY_EXTRAS = {"checkpoint/streaming.py": {"safetensors"},
+               "checkpoint/export_tokenizer.py": {"tokenizers", "transformers"}}
 # Files that were kept outside the repository once; nothing may cite them (the names are split so that this file
 # does not cite them either).
 OUTSIDE = ["DESIGN" + ".md", "STYLE" + ".md", "CASES" + ".md", "shared" + "/cases", "../" + "shared"]
@@ -151,6 +152,89 @@ def _describe_cycle(graph: dict[str, dict[str, int]], cycle: list[str]) -> str:
     return "import cycle: " + "; ".join(steps)
 
 
+def _components(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module (each sorted, the list sorted):
+    Tarjan's algorithm. Every import cycle lies inside one of them."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[list[str]] = []
+
+    def connect(node: str) -> None:  # recursive: the package's import depth is small
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = stack[stack.index(node):]
+            del stack[stack.index(node):]
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for start in sorted(graph):
+        if start not in index:
+            connect(start)
+    return sorted(components)
+
+
+def _shortest_cycle(graph: dict[str, dict[str, int]], members: set[str], start: str) -> list[str]:
+    """The shortest cycle ``[start, ..., start]`` inside ``members`` (a strongly connected component holding
+    ``start``): a breadth-first search from ``start`` back to it."""
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while start not in came_from:
+        reached = []
+        for node in frontier:
+            for nxt in sorted(graph[node]):
+                if nxt in members and nxt not in came_from:
+                    came_from[nxt] = node
+                    reached.append(nxt)
+        frontier = reached
+    path = [start]
+    while len(path) == 1 or path[-1] != start:
+        path.append(came_from[path[-1]])
+    return path[::-1]
+
+
+def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The import cycles of ``graph``, each as ``[a, b, ..., a]``: for every module of every strongly connected
+    component, the shortest cycle through it, each cycle once (whatever module it starts from). ``[]`` when the graph
+    has none."""
+    cycles: list[list[str]] = []
+    seen: set[frozenset[tuple[str, str]]] = set()
+    for component in _components(graph):
+        for start in component:
+            cycle = _shortest_cycle(graph, set(component), start)
+            edges = frozenset(zip(cycle, cycle[1:]))
+            if edges not in seen:
+                seen.add(edges)
+                cycles.append(cycle)
+    return cycles
+
+
+def test_no_module_outside_the_job_imports_the_job() -> None:
+    # Every module of shardfusion/ outside shardfusion/train/ (the export and its command line included), imports
+    # under `if TYPE_CHECKING:` and inside functions included: the job fills what the library needs (issue 34).
+    graph = _import_graph(LIBRARY, annotations=True)
+    found = [f"{module} (line {line}) imports {target}" for module, edges in sorted(graph.items())
+             if not module.startswith("shardfusion.train") for target, line in sorted(edges.items())
+             if target == "shardfusion.train" or target.startswith("shardfusion.train.")]
+    assert not found, found
+
+
+def test_package_has_no_import_cycle_even_through_annotations() -> None:
+    # Every module of shardfusion/, the job included, imports under `if TYPE_CHECKING:` and inside functions included
+    # (issue 34: "no import circle anywhere in shardfusion/"); each cycle is reported as a path of modules.
+    graph = _import_graph(LIBRARY, annotations=True)
+    assert "shardfusion.train.config" in graph and graph["shardfusion.train.job"], graph
+    cycles = _cycles(graph)
+    assert not cycles, "\n".join(_describe_cycle(graph, cycle) for cycle in cycles)
+
+
 def test_library_has_no_import_cycle() -> None:
     # Every module of shardfusion/, imports in functions included (a lazy import does not hide a cycle).
     graph = _import_graph(LIBRARY)
@@ -179,6 +263,13 @@ def test_the_cycle_check_finds_cycles(tmp_path: Path) -> None:
     graph = _import_graph(package, annotations=True)
     assert graph["pkg.b"] == {"pkg.sub.low": 1} and graph["pkg.sub.low"] == {"pkg.a": 3}
     assert _cycle(graph) == ["pkg.a", "pkg.b", "pkg.sub.low", "pkg.a"], _describe_cycle(graph, _cycle(graph))
+    assert _cycles(_import_graph(package)) == []
+    assert _cycles(graph) == [["pkg.a", "pkg.b", "pkg.sub.low", "pkg.a"]]
+    (package / "c.py").write_text("from pkg import d\n")  # a second, separate cycle; and a module in none
+    (package / "d.py").write_text("import pkg.c\nimport pkg.a\n")
+    (package / "e.py").write_text("from pkg import c\n")
+    assert _cycles(_import_graph(package, annotations=True)) == [["pkg.a", "pkg.b", "pkg.sub.low", "pkg.a"],
+                                                                 ["pkg.c", "pkg.d", "pkg.c"]]
 
 
 def test_import_shardfusion_loads_no_job_module() -> None:
