@@ -119,9 +119,11 @@ def run(config: JobConfig) -> int:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's notes on fake tensors' data pointers and deprecated names
-        report = sf.dry_run(build, step, step_runs_backward=config.pp > 1, world_size=world, ranks_per_node=ranks_per_node,
+        report = sf.dry_run(build, step, step_runs_backward=config.pp > 1, world_size=world,
+                            ranks_per_node=ranks_per_node,
                             topology=parallelize.topology_degrees(config.parallelism, config.pipeline),
-                            fully_shard=fully_shard, micro_batches=1 if config.pp > 1 else config.grad_accum, max_norm=config.clip or None,
+                            fully_shard=fully_shard, micro_batches=1 if config.pp > 1 else config.grad_accum,
+                            max_norm=config.clip or None,
                             max_memory_per_rank=config.max_memory_per_rank,
                             bandwidth=Bandwidth(within=within, across=across,
                                                 latency_within=config.latency_within * 1e-6,

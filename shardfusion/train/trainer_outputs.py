@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from shardfusion.comm import call_on_rank0
-from shardfusion.train import data_config
+from shardfusion.train import data_config, run_folder
 from shardfusion.train.data import DATA_ORDER_PER_RANK
 from shardfusion.train.metrics import MetricsLog, comm_step_record, expert_balance, format_summary, plot_losses, \
     summarize
@@ -159,7 +159,7 @@ def write_summary(t: Trainer, sample: Optional[str], modes: dict[str, Any]) -> d
     the summary."""
     job, topo = t.job, t.topo
     layout = topo.describe().replace("; ", "\n")  # one line would be wider than the figure
-    plot_losses(t.log, t.out / "loss.png", title=f"{job.name}, {job.num_params:,} parameters\n{layout}")
+    plot_losses(t.log, t.out / run_folder.PLOT, title=f"{job.name}, {job.num_params:,} parameters\n{layout}")
     summary = summarize(t.log, total_s=time.perf_counter() - t.t_start, train_s=t.train_s, steps=t.stop - t.start,
                         num_params=job.num_params, layout=topo.describe(), sample=sample,
                         experts={"n_experts": job.n_experts, "top_k": job.top_k, "ep": topo.ep,
@@ -170,7 +170,8 @@ def write_summary(t: Trainer, sample: Optional[str], modes: dict[str, Any]) -> d
     summary.update(modes)
     if t.balance is not None:
         summary["owner_balance"] = t.balance
-    (t.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (t.out / run_folder.SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary), flush=True)
-    print(f"wrote {t.out}/metrics.jsonl, loss.png, summary.json, config.json", flush=True)
+    names = (run_folder.METRICS, run_folder.PLOT, run_folder.SUMMARY, run_folder.CONFIG)
+    print(f"wrote {t.out}/{', '.join(names)}", flush=True)
     return summary
