@@ -17,6 +17,8 @@ inside a `sf.comm.CommCounter`: its collectives per accounting category (count, 
 nodes of `--ranks-per-node` ranks, time waited; see `shardfusion.accounting`) go to the step's record and, as means
 per step, to the summary.
 
+Each worker runs a `shardfusion.train.trainer.Trainer` (build, the loop of `Trainer.train_step`, the end), into
+which the modes below plug through `shardfusion.train.mode.Mode` (docs/design.md, "The training job's layout").
 With `--pp > 1` each worker instead holds pipeline stages of the GPT (`job_pipeline.PipelineRun`: the stages of its
 pp index, each sharded over that index's ranks) and a step runs through torch's pipeline schedule; evaluation runs
 forward only through the pipeline, and the summary adds the pipeline's record (docs/train-pipeline.md).
