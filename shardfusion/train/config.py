@@ -25,7 +25,7 @@ from shardfusion.train.data import corpus_size, min_corpus_bytes, split_sizes
 from shardfusion.models.gpt import PRESETS, VOCAB_SIZE, GPTConfig
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_POLICIES
 from shardfusion.train.hf_models import HF_MODELS
-from shardfusion.train import data_config, dry_run_config, dtype_flags, ft_config, outer_config, pipeline_config
+from shardfusion.train import compat, data_config, dry_run_config, dtype_flags, ft_config, outer_config, pipeline_config
 from shardfusion.train.dtype_flags import torch_dtype  # noqa: F401  # the job's modules import it from here
 from shardfusion.train.data_config import DataConfig
 from shardfusion.train.ft_config import FTConfig
@@ -253,16 +253,11 @@ class TrainConfig(PipelineConfig, DataConfig, FTConfig, OuterConfig, DryRunConfi
 
     def _validate_hf(self) -> None:
         """The flags that a Hugging Face model (--hf-model, --init-from) refuses."""
-        what = f"--hf-model {self.hf_model}" if self.init_from is None else f"--init-from {self.init_from}"
-        if self.ep is not None and self.ep != 1:
-            raise ValueError(f"--ep {self.ep} does not apply to {what}: a Hugging Face model's experts run in its "
-                             f"own modules on every rank, so ep must be 1; drop --ep")
-        if self.mp != 1:
-            raise ValueError(f"--mp {self.mp} does not apply to {what}: the tensor-parallel plan is the GPT's "
-                             "(shardfusion.models.gpt_parallel); drop --mp")
-        if self.cp != 1:
-            raise ValueError(f"--cp {self.cp} does not apply to {what}: context-parallel attention is the GPT's "
-                             "(shardfusion.context_parallel); drop --cp")
+        mode, what = ("hf", f"--hf-model {self.hf_model}") if self.init_from is None else (
+            "init_from", f"--init-from {self.init_from}")
+        compat.refuse_first(mode, what, [  # the pairs of modes: shardfusion.train.compat's reasons
+            ("ep", "--ep", self.ep, self.ep is not None and self.ep != 1), ("mp", "--mp", self.mp, self.mp != 1),
+            ("cp", "--cp", self.cp, self.cp != 1)])
         if self.init_from is not None:
             for name in ("n_layer", "n_head", "d_model", "expert_hidden"):
                 if getattr(self, name) is not None:
@@ -323,9 +318,7 @@ class TrainConfig(PipelineConfig, DataConfig, FTConfig, OuterConfig, DryRunConfi
         if self.muon_lr < 0:
             raise ValueError(f"--muon-lr must be >= 0, got {self.muon_lr}")
         if self.optimizer == "muon" and self.mp != 1:
-            raise ValueError(f"--optimizer muon with --mp {self.mp}: Muon needs each matrix whole on one rank, but "
-                             f"tensor parallel splits the blocks' matrices over the mp ranks (DTensors, which "
-                             f"fully_shard(whole_params=) does not take); use --mp 1 or --optimizer adamw")
+            compat.refuse("muon", "mp", "--optimizer muon", f"--mp {self.mp}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"need 0 <= --min-lr({self.min_lr}) <= --lr({self.lr})")
         if self.max_restarts and not self.save_every:

@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from shardfusion.train import compat
 from shardfusion.train.flag_checks import refuse_first
 
 if TYPE_CHECKING:  # annotations only: config.py imports this module
@@ -114,17 +115,17 @@ def check_flags(config: TrainConfig) -> None:
         raise ValueError("--ft-lighthouse needs --out (a folder every replica group reaches: shared storage on a "
                          "cluster): the groups share its checkpoints, so a timestamped default would differ between "
                          "them")
-    refuse_first([("--pp", config.pp, config.pp != 1), ("--mp", config.mp, config.mp != 1),
-                  ("--cp", config.cp, config.cp != 1),
-                  ("--fsdp-outer-degree", config.fsdp_outer_degree, config.fsdp_outer_degree not in (None, 1)),
-                  ("--optimizer", config.optimizer, config.optimizer != "adamw"),
-                  ("--max-restarts", config.max_restarts, bool(config.max_restarts)),
+    compat.refuse_first("ft", "--ft-lighthouse", [  # the pairs of modes: shardfusion.train.compat's reasons
+        ("pp", "--pp", config.pp, config.pp != 1), ("mp", "--mp", config.mp, config.mp != 1),
+        ("cp", "--cp", config.cp, config.cp != 1),
+        ("hsdp", "--fsdp-outer-degree", config.fsdp_outer_degree, config.fsdp_outer_degree not in (None, 1)),
+        ("muon", "--optimizer", config.optimizer, config.optimizer != "adamw")])
+    refuse_first([("--max-restarts", config.max_restarts, bool(config.max_restarts)),
                   ("--outer-comm-dtype", config.outer_comm_dtype, config.outer_comm_dtype is not None)],
                  "--ft-lighthouse",
                  "a fault-tolerant replica group is FSDP with outer degree 1 and AdamW, its replicas joined by "
                  "torchft, which averages the gradients in their own dtype (restart a replica group with its "
-                 "launcher; no --pp, --mp, --cp, --max-restarts or --outer-comm-dtype yet); see "
-                 "docs/fault-tolerance.md")
+                 "launcher; no --max-restarts or --outer-comm-dtype yet); see docs/fault-tolerance.md")
 
 
 def resolve(config: TrainConfig) -> TrainConfig:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from shardfusion.diloco import DEFAULT_EVERY
+from shardfusion.train import compat
 from shardfusion.train.flag_checks import refuse_first
 
 if TYPE_CHECKING:  # annotations only: config.py imports this module
@@ -87,12 +88,13 @@ def check_flags(config: TrainConfig) -> None:
     if not 1 <= config.outer_fragments <= config.outer_every:
         raise ValueError(f"--outer-fragments {config.outer_fragments} must be in 1 .. --outer-every "
                          f"{config.outer_every} (each fragment is synchronised every H steps, at its own step)")
-    refuse_first([("--pp", config.pp, config.pp != 1), ("--cp", config.cp, config.cp != 1),
-                  ("--ft-lighthouse", config.ft_lighthouse, config.ft_lighthouse is not None),
-                  ("--optimizer", config.optimizer, config.optimizer != "adamw"),
-                  ("--expert-policy", config.expert_policy, bool(config.experts) and config.expert_policy == "shard")],
-                 "--outer-sync diloco", "DiLoCo runs on HSDP's replicas with AdamW inside (no --pp, --cp, "
-                 "--ft-lighthouse, --optimizer muon or --expert-policy shard yet); see docs/slow-links.md")
+    compat.refuse_first("diloco", "--outer-sync diloco", [  # the pairs of modes: shardfusion.train.compat's reasons
+        ("pp", "--pp", config.pp, config.pp != 1), ("cp", "--cp", config.cp, config.cp != 1),
+        ("ft", "--ft-lighthouse", config.ft_lighthouse, config.ft_lighthouse is not None),
+        ("muon", "--optimizer", config.optimizer, config.optimizer != "adamw")])
+    refuse_first([("--expert-policy", config.expert_policy, bool(config.experts) and config.expert_policy == "shard")],
+                 "--outer-sync diloco", "DiLoCo runs on HSDP's replicas with AdamW inside, each replica's experts "
+                 "whole on it (no --expert-policy shard yet); see docs/slow-links.md")
 
 
 def check_layout(config: TrainConfig, world: str) -> None:

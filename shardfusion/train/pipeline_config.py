@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from shardfusion.train import compat
+
 if TYPE_CHECKING:  # annotations only: config.py imports this module
     from shardfusion.train.config import TrainConfig
 
@@ -101,17 +103,13 @@ def check_flags(config: TrainConfig) -> None:
                 raise ValueError(f"{flag} {value} applies only to a pipeline: it needs {instead}")
         return
     what = f"--pp {pp}"
-    if config.hf_model is not None or config.init_from is not None:
-        source = f"--hf-model {config.hf_model}" if config.init_from is None else f"--init-from {config.init_from}"
-        raise ValueError(f"{what} does not apply to {source}: the pipeline stages are the GPT's "
-                         f"(shardfusion.models.gpt_pipeline); drop --pp, or train the GPT")
-    for flag, degree in (("--mp", config.mp), ("--cp", config.cp)):
-        if degree != 1:
-            raise ValueError(f"{what} with {flag} {degree} is not supported: the job's pipeline stages are sharded "
-                             f"by fully_shard alone; use --pp or {flag}, not both")
-    if config.optimizer != "adamw":
-        raise ValueError(f"{what} with --optimizer {config.optimizer} is not supported: Muon's whole matrices per "
-                         f"stage are not wired into the job's pipeline yet; use --optimizer adamw")
+    for other, flag, value, on in (  # the pairs of modes: shardfusion.train.compat's reasons
+            ("init_from", "--init-from", config.init_from, config.init_from is not None),
+            ("hf", "--hf-model", config.hf_model, config.hf_model is not None),
+            ("mp", "--mp", config.mp, config.mp != 1), ("cp", "--cp", config.cp, config.cp != 1),
+            ("muon", "--optimizer", config.optimizer, config.optimizer != "adamw")):
+        if on:
+            compat.refuse("pp", other, what, f"{flag} {value}")
     if config.fsdp_outer_degree == "auto":
         raise ValueError(f"--fsdp-outer-degree auto with {what}: the cost model does not plan pipeline stages; give "
                          f"the outer degree as an int")
