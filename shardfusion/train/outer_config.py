@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardfusion.train import compat
 from shardfusion.train.flag_checks import refuse_first
 from shardfusion.train.ft_config import FTConfig
 from shardfusion.train.model_config import ModelConfig
@@ -96,12 +97,13 @@ def check_flags(config: OuterConfig, parallelism: ParallelismConfig, pipeline: P
         raise ValueError(f"--outer-fragments {config.outer_fragments} must be in 1 .. --outer-every "
                          f"{config.outer_every} (each fragment is synchronised every H steps, at its own step)")
     policy = parallelism.expert_policy
-    refuse_first([("--pp", pipeline.pp, pipeline.pp != 1), ("--cp", parallelism.cp, parallelism.cp != 1),
-                  ("--ft-lighthouse", ft.ft_lighthouse, ft.ft_lighthouse is not None),
-                  ("--optimizer", optim.optimizer, optim.optimizer != "adamw"),
-                  ("--expert-policy", policy, bool(model.experts) and policy == "shard")],
-                 "--outer-sync diloco", "DiLoCo runs on HSDP's replicas with AdamW inside (no --pp, --cp, "
-                 "--ft-lighthouse, --optimizer muon or --expert-policy shard yet); see docs/slow-links.md")
+    compat.refuse_first("diloco", "--outer-sync diloco", [  # the pairs of modes: shardfusion.train.compat's reasons
+        ("pp", "--pp", pipeline.pp, pipeline.pp != 1), ("cp", "--cp", parallelism.cp, parallelism.cp != 1),
+        ("ft", "--ft-lighthouse", ft.ft_lighthouse, ft.ft_lighthouse is not None),
+        ("muon", "--optimizer", optim.optimizer, optim.optimizer != "adamw")])
+    refuse_first([("--expert-policy", policy, bool(model.experts) and policy == "shard")],
+                 "--outer-sync diloco", "DiLoCo runs on HSDP's replicas with AdamW inside, each replica's experts "
+                 "whole on it (no --expert-policy shard yet); see docs/slow-links.md")
 
 
 def check_layout(config: OuterConfig, fsdp_outer_degree: object, world: str) -> None:
