@@ -70,7 +70,8 @@ def enabled(config: OuterConfig) -> bool:
 
 def check_flags(config: OuterConfig, parallelism: ParallelismConfig, pipeline: PipelineConfig, ft: FTConfig,
                 optim: OptimizerConfig, model: ModelConfig) -> None:
-    """The section's flags together, and against the flags of the other sections they cannot run with.
+    """The section's flags together, and against the flags of the other sections they cannot run with (``pipeline``:
+    nothing refused since DiLoCo takes one outer step per stage's replicas; kept for the caller's signature).
 
     Raises:
         ValueError: naming the flag and the numbers.
@@ -96,11 +97,11 @@ def check_flags(config: OuterConfig, parallelism: ParallelismConfig, pipeline: P
         raise ValueError(f"--outer-fragments {config.outer_fragments} must be in 1 .. --outer-every "
                          f"{config.outer_every} (each fragment is synchronised every H steps, at its own step)")
     policy = parallelism.expert_policy
-    refuse_first([("--pp", pipeline.pp, pipeline.pp != 1), ("--cp", parallelism.cp, parallelism.cp != 1),
+    refuse_first([("--cp", parallelism.cp, parallelism.cp != 1),
                   ("--ft-lighthouse", ft.ft_lighthouse, ft.ft_lighthouse is not None),
                   ("--optimizer", optim.optimizer, optim.optimizer != "adamw"),
                   ("--expert-policy", policy, bool(model.experts) and policy == "shard")],
-                 "--outer-sync diloco", "DiLoCo runs on HSDP's replicas with AdamW inside (no --pp, --cp, "
+                 "--outer-sync diloco", "DiLoCo runs on HSDP's replicas with AdamW inside (no --cp, "
                  "--ft-lighthouse, --optimizer muon or --expert-policy shard yet); see docs/slow-links.md")
 
 
