@@ -90,7 +90,9 @@ PAIRS: dict[frozenset[str], Works | Refused | Untested] = {frozenset(pair): entr
                          "the GPT-MoE at ep 2 inside each stage equals the --pp 1 run")),
     (("pp", "hsdp"), Works("tests/distributed/test_pipeline.py::test_pipeline_matches_single_process",
                            "case W4-pp2-O2: stages under HSDP outer 2 equal one process")),
-    (("pp", "diloco"), Refused(f"{_DILOCO}, not on pipeline stages (no --pp yet); see docs/slow-links.md")),
+    (("pp", "diloco"), Works("tests/integration/test_train_diloco.py::"
+                               "test_pipeline_stages_match_the_unpipelined_run_and_resume_mid_period",
+                               "--pp 2 DiLoCo equals the --pp 1 DiLoCo run step by step, and resumes mid-period")),
     (("pp", "ft"), Refused(f"{_FT}, with no pipeline stages (no --pp yet); see docs/fault-tolerance.md")),
     (("pp", "muon"), Refused("Muon's whole matrices per stage are not wired into the job's pipeline yet; use "
                              "--optimizer adamw (docs/train-pipeline.md)")),

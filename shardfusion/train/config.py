@@ -161,7 +161,7 @@ SECTION_CHECKS: dict[str, tuple[Any, tuple[str, ...]]] = {
     "pipeline": (pipeline_config.check_flags, ("model", "parallelism", "optim")),
     "corpus": (data_config.check_flags, ("model",)),
     "ft": (ft_config.check_flags, ("parallelism", "pipeline", "optim", "checkpoint", "precision", "run")),
-    "outer": (outer_config.check_flags, ("parallelism", "pipeline", "ft", "optim", "model")),
+    "outer": (outer_config.check_flags, ("parallelism", "ft", "optim", "model")),
     "dry": (dry_run_config.check_flags, ("parallelism", "optim", "outer", "ft", "model")),
 }
 """Each section's checks in the order `JobConfig.validate` runs them: its module's ``check_flags(section, *needs)``

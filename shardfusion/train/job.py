@@ -19,7 +19,8 @@ per step, to the summary.
 
 With `--pp > 1` each worker instead holds pipeline stages of the GPT (`job_pipeline.PipelineRun`: the stages of its
 pp index, each sharded over that index's ranks) and a step runs through torch's pipeline schedule; evaluation runs
-forward only through the pipeline, and the summary adds the pipeline's record (docs/train-pipeline.md).
+forward only through the pipeline, and the summary adds the pipeline's record (docs/train-pipeline.md). With
+`--outer-sync diloco` too, each stage's replicas take their own outer steps, all at the same steps (`job_outer`).
 
 Flags that need the world size or the file system (the batch sizes, the HSDP, expert-parallel and pipeline layout,
 --data, --data-bytes, --device, --out) are checked before any worker starts (`preflight`): a bad one is a one-line
@@ -325,7 +326,8 @@ def train(config: ResolvedJob, device: torch.device) -> dict[str, Any] | None:
                     optimizer.zero_grad(set_to_none=True)
             synced = outer.step(step + 1) if outer is not None else None  # DiLoCo: the fragments due
         if pipe is not None:
-            loss_value, aux_value, load = pipe.step_figures()  # load: (L, E) or None
+            # load: (L, E) or None; DiLoCo: this replica's (its ranks of every stage), as at --pp 1
+            loss_value, aux_value, load = pipe.step_figures(outer.replica_group if outer is not None else None)
             pipe.record_comm(step_comm.summary())
         else:  # with fault tolerance the figures are the live groups' means; the expert load this group's
             loss_value, aux_value = figures if ft_run is not None else global_mean(  # DiLoCo: this replica's

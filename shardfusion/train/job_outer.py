@@ -9,6 +9,10 @@ checkpoint stores a replicated shard once (replica 0's). So each rank also saves
 its own shards, the outer snapshot and momentum, and its AdamW state. A resume loads them back over replica 0's
 copy: the continuation is the run that was saved, mid-period too. That needs the saved layout and world size; a
 checkpoint without DiLoCo state (an every-step run) starts a new period from the loaded parameters.
+
+With pipeline stages (--pp > 1) ``model`` is this rank's list of stages: one `DiLoCo` over them, so each stage's
+buffers have their own snapshot and momentum and are averaged over that stage's replicas, at the same steps on every
+rank; the per-rank state above is then this rank's stages' (the buffers numbered over them in stage order).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ ADAMW_KEYS = ("step", "exp_avg", "exp_avg_sq")
 class OuterRun:
     """This rank's DiLoCo (see the module docstring)."""
 
-    def __init__(self, config: Any, model: nn.Module, topo: sf.Topology,
+    def __init__(self, config: Any, model: nn.Module | Sequence[nn.Module], topo: sf.Topology,
                  optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self.config = config
         self.optimizers = list(optimizers)

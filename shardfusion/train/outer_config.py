@@ -27,7 +27,6 @@ from shardfusion.train.ft_config import FTConfig
 from shardfusion.train.model_config import ModelConfig
 from shardfusion.train.optim_config import OptimizerConfig
 from shardfusion.train.parallel_config import ParallelismConfig
-from shardfusion.train.pipeline_config import PipelineConfig
 from shardfusion.train.sections import meta
 
 OUTER_SYNCS = ("every-step", "diloco")
@@ -69,9 +68,10 @@ def enabled(config: OuterConfig) -> bool:
     return config.outer_sync == "diloco"
 
 
-def check_flags(config: OuterConfig, parallelism: ParallelismConfig, pipeline: PipelineConfig, ft: FTConfig,
-                optim: OptimizerConfig, model: ModelConfig) -> None:
-    """The section's flags together, and against the flags of the other sections they cannot run with.
+def check_flags(config: OuterConfig, parallelism: ParallelismConfig, ft: FTConfig, optim: OptimizerConfig,
+                model: ModelConfig) -> None:
+    """The section's flags together, and against the flags of the other sections they cannot run with (pipeline
+    stages are not among them: DiLoCo takes one outer step per stage's replicas).
 
     Raises:
         ValueError: naming the flag and the numbers.
@@ -98,7 +98,7 @@ def check_flags(config: OuterConfig, parallelism: ParallelismConfig, pipeline: P
                          f"{config.outer_every} (each fragment is synchronised every H steps, at its own step)")
     policy = parallelism.expert_policy
     compat.refuse_first("diloco", "--outer-sync diloco", [  # the pairs of modes: shardfusion.train.compat's reasons
-        ("pp", "--pp", pipeline.pp, pipeline.pp != 1), ("cp", "--cp", parallelism.cp, parallelism.cp != 1),
+        ("cp", "--cp", parallelism.cp, parallelism.cp != 1),
         ("ft", "--ft-lighthouse", ft.ft_lighthouse, ft.ft_lighthouse is not None),
         ("muon", "--optimizer", optim.optimizer, optim.optimizer != "adamw")])
     refuse_first([("--expert-policy", policy, bool(model.experts) and policy == "shard")],

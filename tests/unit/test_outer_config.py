@@ -23,7 +23,6 @@ LOSS_RESULT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "
     ({**ON, "outer_lr": 0.0}, "--outer-lr 0.0 must be > 0"),
     ({**ON, "outer_momentum": 1.0}, "--outer-momentum 1.0 must be in [0, 1)"),
     ({**ON, "outer_every": 4, "outer_fragments": 5}, "--outer-fragments 5 must be in 1 .. --outer-every 4"),
-    ({**ON, "pp": 2}, "--pp 2 with --outer-sync diloco"),
     ({**ON, "cp": 2}, "--cp 2 with --outer-sync diloco"),
     ({**ON, "optimizer": "muon"}, "--optimizer muon with --outer-sync diloco"),
     ({**ON, "experts": 4, "expert_policy": "shard"}, "--expert-policy shard with --outer-sync diloco"),
@@ -37,6 +36,7 @@ def test_check_flags_refusals(fields: dict, words: str) -> None:
 def test_defaults_pass_and_layout_needs_replicas() -> None:
     (JobConfig()).check_section("outer")
     (JobConfig.from_flat(**ON, outer_every=32, outer_fragments=4)).check_section("outer")
+    (JobConfig.from_flat(**ON, pp=2, outer_fragments=2)).check_section("outer")  # one outer step per stage
     assert not oc.enabled(JobConfig()) and oc.enabled(JobConfig.from_flat(**ON))
     def check_layout(**fields) -> None:
         config = JobConfig.from_flat(**fields)
