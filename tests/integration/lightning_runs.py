@@ -83,15 +83,28 @@ class LitGPT(pl.LightningModule):
 
 
 class Record(pl.Callback):
-    """The global mean loss of each micro-batch, the global gradient norm before each optimizer step; optionally a
-    checkpoint at the end of epoch ``save_epoch`` (an epoch boundary) with ``trainer.save_checkpoint``."""
+    """The global mean loss of each micro-batch, the global gradient norm before each optimizer step, shardfusion's
+    gradient reductions in each micro-batch (``{"reduce_scatter": n, "outer_all_reduce": n}``: reduce-scatters,
+    and all-reduces over groups smaller than the world, i.e. HSDP's replicas); optionally a checkpoint at the end of
+    epoch ``save_epoch`` (an epoch boundary) with ``trainer.save_checkpoint``."""
 
     def __init__(self, save_at: str | None = None, save_epoch: int = 0) -> None:
         self.losses: list[float] = []
         self.norms: list[float] = []
+        self.reductions: list[dict[str, int]] = []
         self.save_at, self.save_epoch = save_at, save_epoch
+        self._counter: sf.comm.CommCounter | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._counter = sf.comm.CommCounter().__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._counter.__exit__(None, None, None)
+        records = self._counter.records
+        self.reductions.append({
+            "reduce_scatter": sum(r.op == "reduce_scatter" for r in records),
+            "outer_all_reduce": sum(r.op == "all_reduce" and len(r.group_ranks) < trainer.world_size
+                                    for r in records)})
         self.losses.append(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item())
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
@@ -126,7 +139,7 @@ def fit(name: str, out: Path, strategy, *, epochs: int = 2, precision: str = "32
     trainer.fit(module, ckpt_path=ckpt_path)
     params = full_parameters(trainer, module)
     if trainer.global_rank == 0:
-        torch.save({"losses": record.losses, "norms": record.norms, "params": params,
+        torch.save({"losses": record.losses, "norms": record.norms, "params": params, "reductions": record.reductions,
                     "val_loss": float(trainer.callback_metrics["val_loss"]), "global_step": trainer.global_step,
                     "compute_dtypes": sorted({str(d) for d in module.compute_dtypes})}, out / f"{name}.pt")
 
