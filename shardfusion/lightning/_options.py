@@ -58,7 +58,8 @@ class ShardOptions:
         unknown = sorted(set(options) - set(FULLY_SHARD_OPTIONS))
         if unknown:
             raise ValueError(f"{strategy}: unknown keyword(s) {', '.join(unknown)}; it takes the topology degrees "
-                             f"{', '.join(TOPOLOGY_DEGREES)} and the fully_shard options {', '.join(FULLY_SHARD_OPTIONS)}")
+                             f"{', '.join(TOPOLOGY_DEGREES)} and the fully_shard options "
+                             f"{', '.join(FULLY_SHARD_OPTIONS)}")
         return cls(dict(degrees), dict(options), timeout, arrival_timeout)
 
     def topology(self) -> sf.Topology:

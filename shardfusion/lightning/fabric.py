@@ -173,7 +173,8 @@ class ShardfusionFabricStrategy(ParallelStrategy):
         """Nothing: :func:`shardfusion.fully_shard` places the shards on the root device."""
 
     # -- collectives -----------------------------------------------------------------------------------------------
-    def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
+    def all_reduce(self, tensor: Any, group: Optional[Any] = None,
+                   reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
         if isinstance(tensor, torch.Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
