@@ -39,6 +39,12 @@ synchronised at the same steps); the count must fit the rank with the fewest buf
 pipeline's ends (kept whole on both, its gradients summed over the ends group, inside one replica) stays equal on
 both ends: both copies move by the same mean pseudo-gradient.
 
+Replicas in other jobs (``external=True``): fault-tolerant replica groups (`shardfusion.ft`), each a job of its own
+whose Topology has outer degree 1. The caller then runs the outer step of each due fragment in three parts: this
+replica's `pseudo_gradients`, their mean over the replica groups alive at that moment (torchft's quorum:
+``shardfusion.ft.ReplicaGroup.average_over_quorum``), and `apply`; the semi-synchronous setting of torchft's own
+DiLoCo, the outer state (snapshot, momentum) the part each group must not lose (docs/fault-tolerance.md).
+
 What still crosses the replicas in an inner step, outside the flat buffers: a model's module buffers (BatchNorm
 statistics, rotary caches), which every training forward broadcasts from the first data-parallel rank over the
 parameter-replica group (``Topology.get_param_replica_group``), and a ``torch.amp.GradScaler``'s found-inf flag
@@ -85,10 +91,11 @@ def replica_groups(topology: Topology) -> list[list[int]]:
     return [by_replica[i] for i in sorted(by_replica)]
 
 
-def check_layout(topology: Topology) -> None:
-    """Raise ValueError (naming the degrees) when the layout has no replicas or axes DiLoCo cannot skip."""
+def check_layout(topology: Topology, external: bool = False) -> None:
+    """Raise ValueError (naming the degrees) when the layout has no replicas (unless ``external``: the replicas
+    are other jobs, `DiLoCo`'s argument) or axes DiLoCo cannot skip."""
     replicas = topology.dp * topology.fsdp_outer_degree
-    if replicas < 2:
+    if replicas < 2 and not external:
         raise ValueError(f"DiLoCo needs replicas to synchronise: dp x fsdp_outer_degree is {topology.dp} x "
                          f"{topology.fsdp_outer_degree} = {replicas}; use fsdp_outer_degree > 1 (HSDP)")
     bad = [(name, value) for name, value in (("sep", topology.sep), ("cp", topology.cp)) if value != 1]
@@ -144,6 +151,10 @@ class DiLoCo:
             bitwise).
         fragments: streaming: the flat buffers cut into this many fragments, synchronised at staggered steps
             (1 <= fragments <= min(every, trainable buffers of the rank with the fewest)).
+        external: the replicas are other jobs, not in ``topology`` (fault-tolerant replica groups joined by torchft,
+            ``shardfusion.ft.ReplicaGroup.average_over_quorum``; the training job's ``job_outer_ft``): the layout
+            needs no replicas of its own, and the caller runs each due fragment's outer step itself
+            (`pseudo_gradients`, their mean over the replicas, `apply`) instead of `step` / `finish`.
 
     Raises:
         ValueError: a bad argument (naming it and its value), a layout without replicas or with sep or cp > 1,
@@ -153,14 +164,14 @@ class DiLoCo:
 
     def __init__(self, models: nn.Module | Sequence[nn.Module], topology: Topology, *, every: int = DEFAULT_EVERY,
                  lr: float = DEFAULT_LR, momentum: float = DEFAULT_MOMENTUM, nesterov: bool = True,
-                 comm_dtype: object = None, fragments: int = 1) -> None:
+                 comm_dtype: object = None, fragments: int = 1, external: bool = False) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every (H, inner steps per outer step) must be an int >= 1, got {every!r}")
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
             raise ValueError(f"lr (the outer learning rate) must be > 0, got {lr!r}")
         if not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
             raise ValueError(f"momentum (the outer momentum) must be in [0, 1), got {momentum!r}")
-        check_layout(topology)
+        check_layout(topology, external)
         self.models = [models] if isinstance(models, nn.Module) else list(models)
         # a buffer of zero-element parameters only has nothing to synchronise (and no replicate group)
         self.buffers = [b for m in self.models for b in flat_buffers(m, trainable_only=True)
@@ -235,8 +246,8 @@ class DiLoCo:
         """The outer step of one fragment (module docstring): all-reduce the pseudo-gradients over the replicas,
         the Nesterov update of the snapshot, every replica's shard set to it."""
         indices = self.fragments[fragment]
+        deltas = self.pseudo_gradients(fragment)
         with torch.no_grad():
-            deltas = [self.snapshot[i] - self.buffers[i].shard for i in indices]  # (S,) this replica's change
             groups = [self.buffers[i].replicate_group for i in indices]  # a buffer kept whole: all its holders
             if self.comm_dtype is None:
                 works = [comm.all_reduce(d, g, async_op=True) for d, g in zip(deltas, groups)]
@@ -246,8 +257,23 @@ class DiLoCo:
             else:
                 for d, g in zip(deltas, groups):
                     compress.compressed_all_reduce(d, g, self.comm_dtype)
-            for i, delta, g in zip(indices, deltas, groups):
+            for delta, g in zip(deltas, groups):
                 delta.div_(comm.group_size(g))
+        self.apply(fragment, deltas)
+
+    def pseudo_gradients(self, fragment: int) -> list[torch.Tensor]:
+        """This replica's change since the fragment's last outer step: snapshot - shard, a new (S,) tensor per
+        trainable flat buffer of the fragment, in the shard's dtype. Local."""
+        with torch.no_grad():
+            return [self.snapshot[i] - self.buffers[i].shard for i in self.fragments[fragment]]
+
+    def apply(self, fragment: int, deltas: Sequence[torch.Tensor]) -> None:
+        """The outer Nesterov step of one fragment from ``deltas``, the mean over the replicas of their
+        `pseudo_gradients` (consumed: changed in place): momentum, snapshot and every shard of the fragment set to
+        the new snapshot; counts the fragment's outer step. Local: every replica that applies the same mean to the
+        same snapshot and momentum ends bitwise the same."""
+        with torch.no_grad():
+            for i, delta in zip(self.fragments[fragment], deltas):
                 m = self.momentum_buffers[i]
                 m.mul_(self.momentum).add_(delta)
                 update = delta.add_(m, alpha=self.momentum) if self.nesterov else m

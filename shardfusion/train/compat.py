@@ -150,8 +150,9 @@ PAIRS: dict[frozenset[str], Works | Refused | Untested] = {frozenset(pair): entr
     (("hsdp", "init_from"), Works("tests/integration/test_train_finetune.py::"
                                   "test_finetune_matches_transformers_and_learns",
                                   "HSDP 2 x 2 from a pretrained folder equals transformers in one process")),
-    (("diloco", "ft"), Refused(f"{_DILOCO}, not across torchft's replica groups (no --ft-lighthouse yet); see "
-                               f"docs/slow-links.md")),
+    (("diloco", "ft"), Works("tests/integration/test_train_ft.py::test_diloco_across_replica_groups_equals_diloco_on_hsdp",
+                             "2 replica groups with DiLoCo equal one HSDP 2 x 2 DiLoCo job step by step; a group killed "
+                             "between outer steps: test_diloco_a_group_killed_between_outer_steps")),
     (("diloco", "muon"), Refused(f"{_DILOCO} (no --optimizer muon yet); see docs/slow-links.md")),
     (("diloco", "hf"), Untested("no DiLoCo run of a Hugging Face model")),
     (("diloco", "init_from"), Untested("no DiLoCo run from a pretrained folder")),

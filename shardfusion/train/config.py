@@ -448,7 +448,7 @@ def check_run(config: ResolvedJob, *, world: str) -> None:
                              "from one process's")
     pipeline_config.check_world(config.pipeline, config.grad_accum, config.batch_size, world_size=world_size,
                                 world=world)  # --pp divides the world, and more
-    outer_config.check_layout(config.outer, config.fsdp_outer_degree, world)  # diloco has replicas
+    outer_config.check_layout(config.outer, config.fsdp_outer_degree, world, config.ft)  # diloco has replicas
     pp = config.pp
     with_mp = "".join(f" with {flag} {degree}" for flag, degree in (("--pp", pp), ("--mp", mp), ("--cp", cp))
                       if degree > 1)

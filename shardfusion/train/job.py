@@ -52,7 +52,7 @@ from shardfusion.train.launch import (cpu_cores, default_nproc, exit_now, init_w
 from shardfusion.train.metrics import (MetricsLog, comm_step_record, expert_balance, format_summary, plot_losses,
                                  summarize)
 from shardfusion.train import (data_config, dry_run_config, dtype_flags, ft_config, job_dry_run, job_ft, job_model,
-                               job_outer, job_pipeline, outer_config, parallelize, pipeline_config)
+                               job_outer, job_outer_ft, job_pipeline, outer_config, parallelize, pipeline_config)
 from shardfusion.train.parallelize import comm_layout, plan_outer_degree, saved_outer_degree
 from shardfusion.train import tokenizer as tokenizers
 from shardfusion.train.job_model import JobModel, Losses
@@ -290,8 +290,12 @@ def train(config: ResolvedJob, device: torch.device) -> dict[str, Any] | None:
     max_norm = config.clip if config.clip > 0 else float("inf")
     bar = tqdm(total=stop, initial=start, disable=not (is_main and config.progress), dynamic_ncols=True,
                desc="train", file=sys.stderr)
-    ft_run = (job_ft.FTRun(config, model, optimizers, start=start, device=device, is_main=is_main)
-              if ft_config.enabled(config) else None)
+    ft_run = None  # fault tolerance: per step (job_ft), or under DiLoCo at the outer steps only (job_outer_ft)
+    if ft_config.enabled(config) and outer is not None:
+        ft_run = job_outer_ft.OuterFTRun(config, model, optimizers, outer, start=start, device=device,
+                                         is_main=is_main)
+    elif ft_config.enabled(config):
+        ft_run = job_ft.FTRun(config, model, optimizers, start=start, device=device, is_main=is_main)
     t_step = time.perf_counter()
     for step in (ft_run.steps(stop) if ft_run is not None else range(start, stop)):
         lr = set_learning_rates(optimizers, config, step)
@@ -324,7 +328,9 @@ def train(config: ResolvedJob, device: torch.device) -> dict[str, Any] | None:
                 for optimizer in optimizers:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-            synced = outer.step(step + 1) if outer is not None else None  # DiLoCo: the fragments due
+            synced = None  # DiLoCo: the fragments due (with fault tolerance, their outer step through the quorum)
+            if outer is not None:
+                synced = ft_run.outer_step(step + 1) if ft_run is not None else outer.step(step + 1)
         if pipe is not None:
             # load: (L, E) or None; DiLoCo: this replica's (its ranks of every stage), as at --pp 1
             loss_value, aux_value, load = pipe.step_figures(outer.replica_group if outer is not None else None)

@@ -50,6 +50,21 @@ def test_defaults_pass_and_layout_needs_replicas() -> None:
             check_layout(outer_sync="diloco", fsdp_outer_degree=outer)
 
 
+FT = dict(ft_lighthouse="http://127.0.0.1:1", ft_replica_id=0, out="runs/x")
+
+
+def test_diloco_runs_across_fault_tolerant_replica_groups() -> None:
+    """--ft-lighthouse with --outer-sync diloco: the replicas are the replica groups (each of outer degree 1, as
+    resolve makes it), so the layout needs --ft-replicas >= 2 instead of an outer degree; the runs themselves:
+    tests/integration/test_train_ft.py (parity with HSDP and a group killed between outer steps)."""
+    config = JobConfig.from_flat(outer_sync="diloco", ft_replicas=2, **FT)
+    config.check_section("outer")
+    oc.check_layout(config.outer, 1, "--nproc 2", config.ft)
+    one = JobConfig.from_flat(outer_sync="diloco", ft_replicas=1, **FT)
+    with pytest.raises(ValueError, match=r"^--outer-sync diloco needs replicas: --ft-replicas 1 \(under fault "):
+        oc.check_layout(one.outer, 1, "--nproc 2", one.ft)
+
+
 def test_the_default_outer_optimizer_is_the_measured_one() -> None:
     """The job's default outer optimizer and H are those of the stored measurement (`python -m
     benchmarks.diloco_loss`: the default run, seeds 42, 43, 44, synchronous and DiLoCo interleaved), and its final
