@@ -77,7 +77,7 @@ class Replicas:
     node g, the lighthouse on node 0). Every process is killed on leaving the ``with`` block."""
 
     def __init__(self, out: Path, train: Sequence[str], *, replicas: int = 2, nproc: int = 2, cluster: Any = None,
-                 heartbeat_ms: int = HEARTBEAT_MS, lighthouse_min: int = 1) -> None:
+                 heartbeat_ms: int = HEARTBEAT_MS, lighthouse_min: int = 1, join_ms: int = JOIN_MS) -> None:
         self.out, self.train, self.replicas, self.nproc, self.cluster = Path(out), list(train), replicas, nproc, cluster
         shutil.rmtree(self.out, ignore_errors=True)  # a fresh run: no checkpoint of an earlier one to resume
         self.host = [cluster.addr(g) if cluster else "127.0.0.1" for g in range(replicas)]
@@ -85,7 +85,7 @@ class Replicas:
         self.lighthouse = f"http://{self.host[0]}:{port}"
         self.out.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
-        self._start("lighthouse", 0, lighthouse_argv(f"{self.host[0]}:{port}", heartbeat_ms,
+        self._start("lighthouse", 0, lighthouse_argv(f"{self.host[0]}:{port}", heartbeat_ms, join_ms,
                                                      min_replicas=lighthouse_min))
         time.sleep(0.5)
 

@@ -30,6 +30,10 @@ weights, in place), each optimizer's local state (`local_optimizer_state`: no co
 ``optimizer.state_dict()``) and the caller's own state (`extra_state`). A replica that joins (a restart, a new node) gets it from the peer of the same group rank over the
 cross-replica process group (torchft's ``PGTransport``) and then runs the same arithmetic as its peers: bitwise in
 step from its first step. See docs/fault-tolerance.md for the guarantees and the limits.
+
+DiLoCo across replica groups (semi-synchronous: a quorum only at the outer steps): `average_over_quorum` averages
+the pseudo-gradients of ``shardfusion.diloco.DiLoCo(external=True)`` over the groups of the quorum that trained the
+period (a group healed at that quorum sends zeros and is not counted), then votes.
 """
 
 from __future__ import annotations
@@ -430,16 +434,50 @@ class ReplicaGroup:
                 buffer.grad_shard = grad
                 buffer._attach_fragment_grads()
 
-    def commit(self) -> bool:
-        """Step the optimizers if every rank of every participating replica voted yes (torchft's
-        ``should_commit``, which also needs min_replicas participants); returns whether the step committed. A
-        discarded step leaves parameters and optimizer state as they were. Gradients are dropped either way."""
-        participants = self._participants
+    def average_over_quorum(self, tensors: Sequence[torch.Tensor], contributes: bool) -> Optional[int]:
+        """The mean of each tensor over this quorum's contributing replica groups, in place (float tensors of any
+        shape, the same list on every group), then the vote and torchft's ``should_commit``: DiLoCo's outer step
+        across replica groups (``shardfusion.diloco.DiLoCo(external=True)``; call `start_step` first). A group
+        that does not contribute (``contributes`` False: it joined at this quorum, its state copied from a peer,
+        and has no change of its own) sends zeros and is not counted, so the mean is that of the groups that
+        trained: SUM over the quorum, divided by their number (a division by one is skipped: a lone group's mean
+        is its own tensor, bitwise).
+
+        Returns the number of contributing groups when every rank of every participating group voted yes (0: no
+        group contributed, the tensors are zeros); None when the quorum did not commit (a collective failed, a
+        group left during it, fewer than min_replicas): the tensors are then undefined, nothing is recorded as
+        done; join a new quorum (`start_step`) and run it again.
+
+        Raises:
+            FTError: more than max_discards quorums in a row did not commit with enough replicas.
+        """
+        works = []
+        for tensor in tensors:
+            if not contributes:
+                tensor.zero_()
+            works.append(self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM))
+        vote = torch.tensor([1, int(contributes)], dtype=torch.long)  # groups voting, groups contributing
+        works.append(self.manager.allreduce(vote, reduce_op=dist.ReduceOp.SUM))
+        for work in works:
+            work.wait()
+        participants = self._participants = self.participants()
+        if self.manager.errored() is None and int(vote[0]) != participants:
+            self.manager.report_error(RuntimeError(f"vote {int(vote[0])} of {participants} replicas"))
+        if not self._decide(participants):
+            return None
+        contributing = int(vote[1])
+        if contributing > 1:
+            for tensor in tensors:
+                tensor.div_(contributing)
+        return contributing
+
+    def _decide(self, participants: int, step: Callable[[], None] = lambda: None) -> bool:
+        """torchft's ``should_commit``; on yes run ``step``; record either way (`FTRecord`); raise `FTError` after
+        more than max_discards noes in a row with at least min_replicas participants."""
         started = time.perf_counter()
         ok = self.manager.should_commit()
         if ok:
-            for optimizer in self.optimizers:
-                optimizer.step()
+            step()
             self.record.committed += 1
             self.record.participants.append(participants)
             self._discards_in_a_row = 0
@@ -447,18 +485,31 @@ class ReplicaGroup:
             self.record.discarded.append({"step": self.step, "participants": participants, "at_s": started})
             if participants >= self.min_replicas:
                 self._discards_in_a_row += 1
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
         if self.max_discards is not None and self._discards_in_a_row > self.max_discards:
             raise FTError(f"{self._discards_in_a_row} steps in a row discarded with {participants} replica groups "
                           f"in the quorum (--ft-max-discards {self.max_discards}): the collectives between the "
                           f"groups fail; can every group reach this one at --ft-host {self.host}?")
         return ok
 
-    def state_digest(self) -> str:
+    def commit(self) -> bool:
+        """Step the optimizers if every rank of every participating replica voted yes (torchft's
+        ``should_commit``, which also needs min_replicas participants); returns whether the step committed. A
+        discarded step leaves parameters and optimizer state as they were. Gradients are dropped either way."""
+        def step() -> None:
+            for optimizer in self.optimizers:
+                optimizer.step()
+
+        try:
+            return self._decide(self._participants, step)
+        finally:
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+
+    def state_digest(self, optimizers: bool = True) -> str:
         """Hex SHA-256 of this rank's training state as a recovery sends it (every flat buffer's shard, each
-        optimizer's state tensors, in order): equal on the same group rank of two replica groups exactly when their
-        states are bitwise equal. No collective."""
+        optimizer's state tensors, in order; ``optimizers`` False: the shards only, the parameters, which DiLoCo's
+        outer step makes equal while each group keeps its own AdamW state): equal on the same group rank of two
+        replica groups exactly when their states are bitwise equal. No collective."""
         digest = hashlib.sha256()
 
         def add(tree: Any) -> None:
@@ -474,7 +525,7 @@ class ReplicaGroup:
             else:
                 digest.update(repr(tree).encode())
         state = self._state()
-        add([state["shards"], state["optimizers"]])
+        add([state["shards"], state["optimizers"]] if optimizers else [state["shards"]])
         return digest.hexdigest()
 
     def shutdown(self) -> None:

@@ -168,6 +168,10 @@ class FlatBuffer:
         self.replica_group: Optional[ProcessGroup] = None
         """The ranks of this replica (one index of the replicate group), set while replicate sync is off: clipping
         then takes the norm over them (``shardfusion.diloco``)."""
+        self.replica_sync_group: Optional[ProcessGroup] = None
+        """While replicate sync is off: the ranks of this replica that hold the same elements, over which the step's
+        gradient is still all-reduced (a buffer kept whole: the replica's inner ranks; ``shardfusion.diloco`` sets
+        it). None for a sharded buffer, whose reduce-scatter already sums over the replica's ranks."""
         self.unit_name = unit_name
         self.originals = [weakref.ref(p) for p in params]
         self.param_attrs = [dict(vars(p)) for p in params]
@@ -231,8 +235,8 @@ class FlatBuffer:
     # ---- replicas that step alone (DiLoCo's inner steps, shardfusion.diloco) --------------------------------------
     def set_replicate_sync(self, on: bool) -> None:
         """Whether this buffer's gradient is all-reduced over its replicate group each step (True, the default) or
-        stays this replica's own (False: no collective on ``replicate_group``; the gradient is the mean over this
-        replica's ranks only, ``grad_divisor`` = ``synced_grad_divisor`` / replicate group size). Switch only
+        stays this replica's own (False: no collective on ``replicate_group``, only on ``replica_sync_group`` if
+        set; the gradient is the mean over this replica's ranks only, see ``grad_divisor``). Switch only
         between steps (no gradient pending). The layout, ``replicate_group`` and ``is_primary`` stay as they are:
         the shard is still described as replicated (checkpoints, state dicts)."""
         if self.step_grad is not None or self._sync_started or self._reduce_out is not None:
@@ -242,17 +246,18 @@ class FlatBuffer:
 
     @property
     def sync_group(self) -> Optional[ProcessGroup]:
-        """The group the step's gradient is all-reduced over: ``replicate_group``, or None (no collective) while
-        replicate sync is off."""
-        return self.replicate_group if self.replicate_sync else None
+        """The group the step's gradient is all-reduced over: ``replicate_group``, or while replicate sync is off
+        ``replica_sync_group`` (None: no collective)."""
+        return self.replicate_group if self.replicate_sync else self.replica_sync_group
 
     @property
     def grad_divisor(self) -> int:
         """What the reduced gradient is divided by: the ranks whose losses average into it (all data-parallel
-        ranks; this replica's while replicate sync is off)."""
+        ranks; this replica's while replicate sync is off: those of ``replicate_group`` in ``replica_sync_group``)."""
         if self.replicate_sync:
             return self.synced_grad_divisor
-        return self.synced_grad_divisor // comm.group_size(self.replicate_group)
+        return (self.synced_grad_divisor // comm.group_size(self.replicate_group)
+                * comm.group_size(self.replica_sync_group))
 
     @property
     def overlap_replicate(self) -> bool:
@@ -552,8 +557,8 @@ class FlatBuffer:
         self._sync_started = True
 
     @property
-    def _compressed(self) -> bool:
-        return self.outer_comm_dtype is not None and comm.group_size(self.sync_group) > 1
+    def _compressed(self) -> bool:  # the outer wire format is the replicate all-reduce's, never a replica's own
+        return self.replicate_sync and self.outer_comm_dtype is not None and comm.group_size(self.sync_group) > 1
 
     def _replicate_comm_buffer(self, grad: torch.Tensor) -> torch.Tensor:
         """``grad`` ((S,), the shard's dtype) itself, or a copy in the communication dtype."""

@@ -450,7 +450,9 @@ def _flat_buffer(unit: Unit, kind: tuple, members: list, plan: _GroupPlan) -> Fl
         overlap_replicate=replicate_group is topology.get_replicate_group(),
         outer_comm_dtype=None if placement == "replicate" or not cast else plan.outer_comm_dtype,
         tp_specs=[tp.spec_of(p) for _, p, _ in members], owner_layout=placement == "owner",
-        is_replica_primary=tensor_parallel or topology.mp_rank == 0)
+        # within a replica a buffer kept whole is held by each of its inner ranks: the first of them counts it
+        is_replica_primary=(tensor_parallel or topology.mp_rank == 0) and (
+            placement != "replicate" or comm.group_rank(topology.get_fsdp_inner_group(is_expert=expert)) == 0))
     for name, p, _ in members:
         REPLACED_PARAMS[p] = name
     return buffer

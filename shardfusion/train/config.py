@@ -161,7 +161,7 @@ SECTION_CHECKS: dict[str, tuple[Any, tuple[str, ...]]] = {
     "pipeline": (pipeline_config.check_flags, ("model", "parallelism", "optim")),
     "corpus": (data_config.check_flags, ("model",)),
     "ft": (ft_config.check_flags, ("parallelism", "pipeline", "optim", "checkpoint", "precision", "run")),
-    "outer": (outer_config.check_flags, ("parallelism", "pipeline", "ft", "optim", "model")),
+    "outer": (outer_config.check_flags, ("parallelism", "ft", "optim", "model")),
     "dry": (dry_run_config.check_flags, ("parallelism", "optim", "outer", "ft", "model")),
 }
 """Each section's checks in the order `JobConfig.validate` runs them: its module's ``check_flags(section, *needs)``
@@ -457,7 +457,7 @@ def _check_layout(config: ResolvedJob, world: str) -> None:
                              "from one process's")
     pipeline_config.check_world(config.pipeline, config.grad_accum, config.batch_size, world_size=world_size,
                                 world=world)  # --pp divides the world, and more
-    outer_config.check_layout(config.outer, config.fsdp_outer_degree, world)  # diloco has replicas
+    outer_config.check_layout(config.outer, config.fsdp_outer_degree, world, config.ft)  # diloco has replicas
     pp = config.pp
     with_mp = "".join(f" with {flag} {degree}" for flag, degree in (("--pp", pp), ("--mp", mp), ("--cp", cp))
                       if degree > 1)

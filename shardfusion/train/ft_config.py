@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from shardfusion.train import compat
 from shardfusion.train.checkpoint_config import CheckpointConfig
 from shardfusion.train.dtype_flags import PrecisionConfig
 from shardfusion.train.flag_checks import refuse_first
@@ -121,16 +122,16 @@ def check_flags(config: FTConfig, parallelism: ParallelismConfig, pipeline: Pipe
                          "cluster): the groups share its checkpoints, so a timestamped default would differ between "
                          "them")
     p = parallelism
-    refuse_first([("--pp", pipeline.pp, pipeline.pp != 1), ("--cp", p.cp, p.cp != 1),
-                  ("--fsdp-outer-degree", p.fsdp_outer_degree, p.fsdp_outer_degree not in (None, 1)),
-                  ("--optimizer", optim.optimizer, optim.optimizer != "adamw"),
-                  ("--max-restarts", checkpoint.max_restarts, bool(checkpoint.max_restarts)),
+    compat.refuse_first("ft", "--ft-lighthouse", [  # the pairs of modes: shardfusion.train.compat's reasons
+        ("pp", "--pp", pipeline.pp, pipeline.pp != 1), ("cp", "--cp", p.cp, p.cp != 1),
+        ("hsdp", "--fsdp-outer-degree", p.fsdp_outer_degree, p.fsdp_outer_degree not in (None, 1)),
+        ("muon", "--optimizer", optim.optimizer, optim.optimizer != "adamw")])
+    refuse_first([("--max-restarts", checkpoint.max_restarts, bool(checkpoint.max_restarts)),
                   ("--outer-comm-dtype", precision.outer_comm_dtype, precision.outer_comm_dtype is not None)],
                  "--ft-lighthouse",
                  "a fault-tolerant replica group is FSDP with outer degree 1 and AdamW, its replicas joined by "
                  "torchft, which averages the gradients in their own dtype (restart a replica group with its "
-                 "launcher; no --pp, --cp, --max-restarts or --outer-comm-dtype yet); see "
-                 "docs/fault-tolerance.md")
+                 "launcher; no --max-restarts or --outer-comm-dtype yet); see docs/fault-tolerance.md")
 
 
 def resolve_host(config: FTConfig) -> str | None:

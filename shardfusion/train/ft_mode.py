@@ -1,7 +1,11 @@
 """The fault-tolerant replica group plug-in of the `Trainer` (--ft-lighthouse; `job_ft.FTRun`, the engine
 `shardfusion.ft.ReplicaGroup`): the steps come from the quorum, the gradients and figures are averaged over the live
 replica groups after the backward, the commit is the vote (a discarded step comes again), the quorum's first group
-writes the checkpoints, and the summary adds the ``fault_tolerance`` record (docs/fault-tolerance.md)."""
+writes the checkpoints, and the summary adds the ``fault_tolerance`` record (docs/fault-tolerance.md).
+
+Under DiLoCo (``outer``: the run's `OuterMode`) the engine is `job_outer_ft.OuterFTRun` instead: the inner steps
+are this group's alone (its `sync` gives this group's figures, its `commit` steps the optimizers), and DiLoCo's outer
+step at the step boundary goes through the quorum (`OuterMode.step_through`)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,9 @@ from typing import Any, Iterable, Optional
 from shardfusion.train import ft_config
 from shardfusion.train.ft_config import FTConfig
 from shardfusion.train.job_ft import FTRun
+from shardfusion.train.job_outer_ft import OuterFTRun
 from shardfusion.train.mode import Mode, StepFigures, StepSums, Trainer
+from shardfusion.train.outer_mode import OuterMode
 from shardfusion.train.plain_mode import make_sampler, step_figures
 
 
@@ -19,8 +25,8 @@ class FTMode(Mode):
 
     saves_at_stop = True  # every group agrees on the last step's checkpoint: a late restart finds it
 
-    def __init__(self, ft: FTConfig) -> None:
-        self.ft = ft
+    def __init__(self, ft: FTConfig, outer: Optional[OuterMode] = None) -> None:
+        self.ft, self.outer = ft, outer
         self.run: Optional[FTRun] = None
         self._figures: tuple[float, float] = (0.0, 0.0)
         self._report: Optional[dict[str, Any]] = None
@@ -35,8 +41,12 @@ class FTMode(Mode):
         return sampler, val_sampler
 
     def steps(self, trainer: Trainer, start: int, stop: int) -> Iterable[int]:
-        self.run = FTRun(trainer.config, trainer.model, trainer.optimizers, start=start, device=trainer.device,
-                         is_main=trainer.is_main)
+        args = (trainer.config, trainer.model, trainer.optimizers)
+        if self.outer is None:
+            self.run = FTRun(*args, start=start, device=trainer.device, is_main=trainer.is_main)
+        else:  # DiLoCo: the inner steps alone, the quorum at the outer steps only
+            self.run = OuterFTRun(*args, self.outer.run, start=start, device=trainer.device, is_main=trainer.is_main)
+            self.outer.step_through(self.run.outer_step)
         return self.run.steps(stop)
 
     def sync(self, step: int, sums: StepSums) -> None:

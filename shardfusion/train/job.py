@@ -21,7 +21,8 @@ Each worker runs a `shardfusion.train.trainer.Trainer` (build, the loop of `Trai
 which the modes below plug through `shardfusion.train.mode.Mode` (docs/design.md, "The training job's layout").
 With `--pp > 1` each worker instead holds pipeline stages of the GPT (`job_pipeline.PipelineRun`: the stages of its
 pp index, each sharded over that index's ranks) and a step runs through torch's pipeline schedule; evaluation runs
-forward only through the pipeline, and the summary adds the pipeline's record (docs/train-pipeline.md).
+forward only through the pipeline, and the summary adds the pipeline's record (docs/train-pipeline.md). With
+`--outer-sync diloco` too, each stage's replicas take their own outer steps, all at the same steps (`job_outer`).
 
 Flags that need the world size or the file system (the batch sizes, the HSDP, expert-parallel and pipeline layout,
 --data, --data-bytes, --device, --out) are checked before any worker starts (`preflight`): a bad one is a one-line

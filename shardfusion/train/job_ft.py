@@ -4,24 +4,27 @@ backward (gradients and the step's figures averaged over the live replica groups
 `FTRun.commit` instead of stepping the optimizers. A discarded step is yielded again, with the same batch: its
 samples were never applied. `FTRun.report` is the summary's `fault_tolerance` record. The engine is
 `shardfusion.ft.ReplicaGroup`; the flags `shardfusion.train.ft_config`; docs/fault-tolerance.md the whole story.
+With --outer-sync diloco the job builds `shardfusion.train.job_outer_ft.OuterFTRun` instead (a quorum at the outer
+steps only), which shares `FTRun.quorum`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from shardfusion.ft import FTError, ReplicaGroup
-from shardfusion.train import ft_config
+from shardfusion.train import ft_config, outer_config
 
 WAIT_POLL_S = 1.0
 """Seconds between two quorums while fewer than --ft-min-replicas replica groups are up."""
@@ -43,6 +46,17 @@ TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_err
 RUST_LOG_LEVEL = "warn"
 """RUST_LOG for torchft's Rust side, whose log lines go to stderr (about 9 INFO lines per step at its default
 level): warnings and errors only, unless RUST_LOG is set already (`quiet_torchft_rust`)."""
+
+
+def shared_settings(config: Any) -> dict[str, Any]:
+    """The settings every replica group of the run must share (`shardfusion.ft.agreement` compares their digest):
+    the fields marked ``ft_shared``, and with --outer-sync diloco the outer section too (every group runs the same
+    outer steps). Without DiLoCo exactly the marked fields, so the digest of a run saved before DiLoCo could run
+    under fault tolerance is unchanged."""
+    shared = config.marked("ft_shared")
+    if outer_config.enabled(config.outer):
+        shared["outer"] = dataclasses.asdict(config.outer)
+    return shared
 
 
 def quiet_torchft_rust() -> None:
@@ -89,7 +103,8 @@ class FTRun:
     resumed at from its own checkpoint (0 for a new one); a peer further on is copied at the first quorum."""
 
     def __init__(self, config: Any, model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-                 *, start: int, device: torch.device, is_main: bool) -> None:
+                 *, start: int, device: torch.device, is_main: bool,
+                 extra_state: tuple[Callable[[], dict], Callable[[dict], None]] | None = None) -> None:
         self.config, self.is_main, self.device = config, is_main, device
         self.t0 = time.perf_counter()
         self.log = route_torchft_output(ft_config.outputs_folder(config, config.out), dist.get_rank())
@@ -100,7 +115,8 @@ class FTRun:
                                       timeout=timedelta(seconds=config.ft_timeout),
                                       quorum_timeout=timedelta(seconds=config.ft_quorum_timeout),
                                       max_discards=config.ft_max_discards, host=config.ft_host,
-                                      fingerprint=ft_config.settings_fingerprint(config.marked("ft_shared")), device=device)
+                                      fingerprint=ft_config.settings_fingerprint(shared_settings(config)),
+                                      extra_state=extra_state, device=device)
         except ValueError as error:  # e.g. the lighthouse refused this group: one line, as the other FT errors
             raise FTError(str(error)) from None
         self.start = start
@@ -117,6 +133,8 @@ class FTRun:
         self.waits: list[dict[str, Any]] = []  # quorums below --ft-min-replicas
         self._open_failure: dict[str, Any] | None = None
         self._step_started = 0.0
+        self._first_quorum: float | None = None
+        self.poll_s = WAIT_POLL_S
 
     def _say(self, text: str) -> None:
         if self.is_main:
@@ -126,16 +144,31 @@ class FTRun:
         return round(time.perf_counter() - self.t0, 3)
 
     def steps(self, stop: int) -> Iterator[int]:
-        """The steps to train, from the quorum: before each, join it (a replica behind the others receives the
-        live state here, `shardfusion.ft.ReplicaGroup.start_step`); a committed step moves on, a discarded one comes
-        again. Fewer than --ft-min-replicas groups up, or a run (re)starting without all --ft-replicas (for at
-        most --ft-join-wait seconds, `_agree_to_wait`): wait, saying so. Ends at ``stop``.
+        """The steps to train, from the quorum: before each, join it (`quorum`); a committed step moves on, a
+        discarded one comes again. Ends at ``stop``.
 
         Raises:
-            FTError: what `ReplicaGroup.start_step` raises, or more than --ft-max-discards waits in a row whose
-                collectives failed (the groups cannot reach each other).
+            FTError: what `quorum` raises.
         """
-        waiting_since, first_quorum, failed_waits = None, time.perf_counter(), 0
+        while True:
+            step = self.quorum()
+            if step >= stop:
+                return
+            yield step
+
+    def quorum(self) -> int:
+        """Join the next quorum and return its step (a replica behind the others receives the live state here,
+        `shardfusion.ft.ReplicaGroup.start_step`). Fewer than --ft-min-replicas groups up, or a run (re)starting
+        without all --ft-replicas (for at most --ft-join-wait seconds, `_agree_to_wait`): wait, saying so, and join
+        again every `poll_s` seconds.
+
+        Raises:
+            FTError: what `shardfusion.ft.ReplicaGroup.start_step` raises, or more than --ft-max-discards waits in
+                a row whose collectives failed (the groups cannot reach each other).
+        """
+        waiting_since, failed_waits = None, 0
+        if self._first_quorum is None:
+            self._first_quorum = time.perf_counter()
         while True:
             self._step_started = time.perf_counter()
             recoveries = len(self.group.record.recoveries)
@@ -152,7 +185,7 @@ class FTRun:
                 self.participants = n
             joining = failed = False
             if self.config.ft_min_replicas <= n < self.config.ft_replicas:  # n is the quorum's: all groups ask
-                wish = (step == self.start and time.perf_counter() - first_quorum < self.config.ft_join_wait)
+                wish = (step == self.start and time.perf_counter() - self._first_quorum < self.config.ft_join_wait)
                 joining, failed = self._agree_to_wait(wish)
             failed_waits = failed_waits + 1 if failed else 0
             if failed_waits > self.config.ft_max_discards:
@@ -172,16 +205,13 @@ class FTRun:
                 # close this quorum's step without committing it: nothing was trained
                 self.group.manager.report_error(RuntimeError("waiting for replica groups"))
                 self.group.manager.should_commit()
-                time.sleep(WAIT_POLL_S)
+                time.sleep(self.poll_s)
                 continue
             if waiting_since is not None:
                 self.waits.append({"step": step, "participants": n, "for": waiting_for,
                                    "seconds": round(time.perf_counter() - waiting_since, 3)})
                 self._say(f"{n} replica group(s) in the quorum after {self.waits[-1]['seconds']:.1f} s: training")
-                waiting_since = None
-            if step >= stop:
-                return
-            yield step
+            return step
 
     def _agree_to_wait(self, mine: bool) -> tuple[bool, bool]:
         """(wait, failed): whether the quorum's groups wait for the missing ones, asked at every quorum with
@@ -204,14 +234,21 @@ class FTRun:
     def sync(self, step: int, loss: torch.Tensor, aux: torch.Tensor, device: torch.device) -> tuple[float, float]:
         """Average the gradients over the live replica groups and vote (`ReplicaGroup.sync_gradients`); returns
         the step's (loss, aux loss), each the mean over this group's ranks and then over the live groups."""
+        figures = self._group_figures(step, loss, aux, device)
+        self.group.sync_gradients(figures)
+        return float(figures[0]), float(figures[1])
+
+    def _group_figures(self, step: int, loss: torch.Tensor, aux: torch.Tensor, device: torch.device
+                       ) -> torch.Tensor:
+        """(2,) float32: the step's loss and aux loss, each the mean over this group's ranks; then the pause of
+        `PAUSE_ENV`, if this step is one. Collective over the group."""
         figures = torch.stack([loss.detach().float(), aux.detach().float()]).to(device)
         dist.all_reduce(figures)
         figures /= dist.get_world_size()
         if self._pause_at and step >= self._pause_at[0]:
             self._pause_at = [s for s in self._pause_at if s > step]  # once each
             self._pause(step)
-        self.group.sync_gradients(figures)
-        return float(figures[0]), float(figures[1])
+        return figures
 
     def _pause(self, step: int) -> None:
         """`PAUSE_ENV`: say so, write the marker, sleep until killed or until the marker is removed. Collective

@@ -9,6 +9,10 @@ checkpoint stores a replicated shard once (replica 0's). So each rank also saves
 its own shards, the outer snapshot and momentum, and its AdamW state. A resume loads them back over replica 0's
 copy: the continuation is the run that was saved, mid-period too. That needs the saved layout and world size; a
 checkpoint without DiLoCo state (an every-step run) starts a new period from the loaded parameters.
+
+With pipeline stages (--pp > 1) ``model`` is this rank's list of stages: one `DiLoCo` over them, so each stage's
+buffers have their own snapshot and momentum and are averaged over that stage's replicas, at the same steps on every
+rank; the per-rank state above is then this rank's stages' (the buffers numbered over them in stage order).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch.nn as nn
 
 import shardfusion as sf
 from shardfusion.diloco import DiLoCo
-from shardfusion.train import dtype_flags
+from shardfusion.train import dtype_flags, ft_config
 
 PREFIX = "diloco/"
 ADAMW_KEYS = ("step", "exp_avg", "exp_avg_sq")
@@ -30,13 +34,14 @@ ADAMW_KEYS = ("step", "exp_avg", "exp_avg_sq")
 class OuterRun:
     """This rank's DiLoCo (see the module docstring)."""
 
-    def __init__(self, config: Any, model: nn.Module, topo: sf.Topology,
+    def __init__(self, config: Any, model: nn.Module | Sequence[nn.Module], topo: sf.Topology,
                  optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self.config = config
         self.optimizers = list(optimizers)
         self.diloco = DiLoCo(model, topo, every=config.outer_every, lr=config.outer_lr,
                              momentum=config.outer_momentum, comm_dtype=dtype_flags.outer_comm_dtype(config),
-                             fragments=config.outer_fragments)
+                             fragments=config.outer_fragments,
+                             external=ft_config.enabled(config))  # fault tolerance: the replicas are the groups
         self.replica_group = self.diloco.replica_group
 
     def _params(self) -> list[tuple[str, torch.Tensor]]:
@@ -123,6 +128,29 @@ class OuterRun:
                         raise ValueError(f"DiLoCo state: AdamW {key} of parameter {name} was saved with another "
                                          f"layout; resume with the saved layout")
                     mine.copy_(saved)
+
+    def due_at(self, done: int) -> list[int]:
+        """The fragments whose outer step follows inner step ``done`` (1-based): those due then
+        (`shardfusion.diloco.DiLoCo.due`), and every fragment at the run's last step (--steps). What `step` runs;
+        for the outer steps a caller runs itself (fault tolerance: `job_outer_ft`)."""
+        if done == self.config.steps:
+            return list(range(len(self.diloco.fragments)))
+        return self.diloco.due(done)
+
+    def recovery_state(self) -> dict[str, Any]:
+        """The outer state a replica group that joins receives from a live peer (fault tolerance,
+        `shardfusion.ft.ReplicaGroup`'s ``extra_state``): the snapshot and momentum of every trainable flat buffer
+        ((S,) each, the live tensors) and the outer step counts. No collective."""
+        d = self.diloco
+        return {"snapshot": d.snapshot, "momentum": d.momentum_buffers, "outer_steps": list(d.outer_steps)}
+
+    def load_recovery_state(self, state: dict[str, Any]) -> None:
+        """Put a peer's `recovery_state` in (its shapes are this group's: the shards were checked first)."""
+        d = self.diloco
+        with torch.no_grad():
+            for mine, theirs in zip(d.snapshot + d.momentum_buffers, state["snapshot"] + state["momentum"]):
+                mine.copy_(theirs)
+        d.outer_steps = [int(x) for x in state["outer_steps"]]
 
     def step(self, done: int) -> list[int]:
         """After inner optimizer step ``done`` (1-based): the outer step of each fragment now due (`DiLoCo.step`);

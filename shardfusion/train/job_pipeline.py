@@ -210,21 +210,25 @@ class PipelineRun:
         self.schedule.step(*args, return_outputs=False, **kwargs)
         self._steps.append((time.perf_counter() - t0, sum(stage.busy_s for stage in self.stages) - busy))
 
-    def step_figures(self) -> tuple[float, float, Optional[torch.Tensor]]:
+    def step_figures(self, group: Optional[dist.ProcessGroup] = None) -> tuple[float, float, Optional[torch.Tensor]]:
         """(loss, aux loss, (n_layer, E) tokens per expert or None) of the last `forward_backward`, the same on every
-        rank: the mean cross-entropy over the step's rows (the last stage's micro-batch losses, averaged over its
-        data-parallel ranks), the mean over the layers, micro-batches and data-parallel ranks of the MoE aux losses,
-        and the step's token assignments summed over all ranks. Collective (all-reduces over the world)."""
+        rank of ``group``: the mean cross-entropy over the step's rows (the last stage's micro-batch losses, averaged
+        over its data-parallel ranks), the mean over the layers, micro-batches and data-parallel ranks of the MoE aux
+        losses, and the step's token assignments summed over the ranks. ``group``: the world (default), or a group
+        spanning every stage, e.g. DiLoCo's replica (`shardfusion.diloco.replica_groups`: the figures of that
+        replica's rows, as a --pp 1 replica logs them). Collective (all-reduces over ``group``)."""
         m = self.config.microbatches
+        # the data-parallel ranks of each stage in the group (it holds the same share of every stage's ranks)
+        dp_ranks = self.dp_world * dist.get_world_size(group) // dist.get_world_size()
         loss = torch.stack(self._losses).detach().mean() if self.has_last else torch.zeros((), device=self.device)
         sums = torch.stack([loss.float(), self._aux_sum.float() / m])
-        dist.all_reduce(sums)
-        loss_value = float(sums[0]) / self.dp_world
-        aux_value = float(sums[1]) / (self.dp_world * self.n_layer) if self.moe else 0.0
+        dist.all_reduce(sums, group=group)
+        loss_value = float(sums[0]) / dp_ranks
+        aux_value = float(sums[1]) / (dp_ranks * self.n_layer) if self.moe else 0.0
         tokens = None
         if self.moe:
             tokens = self._tokens.clone()  # every rank has MoE layers: each stage holds blocks
-            dist.all_reduce(tokens)  # the data-parallel ranks' tokens, the other stages' rows
+            dist.all_reduce(tokens, group=group)  # the data-parallel ranks' tokens, the other stages' rows
         return loss_value, aux_value, tokens
 
     def record_comm(self, summary: dict[str, dict[str, float]]) -> None:

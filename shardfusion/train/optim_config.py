@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardfusion.train import compat
 from shardfusion.train.parallel_config import ParallelismConfig
 from shardfusion.train.sections import meta
 
@@ -54,8 +55,6 @@ def check_flags(optim: OptimizerConfig, parallelism: ParallelismConfig) -> None:
     if optim.muon_lr < 0:
         raise ValueError(f"--muon-lr must be >= 0, got {optim.muon_lr}")
     if optim.optimizer == "muon" and parallelism.mp != 1:
-        raise ValueError(f"--optimizer muon with --mp {parallelism.mp}: Muon needs each matrix whole on one rank, "
-                         f"but tensor parallel splits the blocks' matrices over the mp ranks (DTensors, which "
-                         f"fully_shard(whole_params=) does not take); use --mp 1 or --optimizer adamw")
+        compat.refuse("muon", "mp", "--optimizer muon", f"--mp {parallelism.mp}")
     if not 0 <= optim.min_lr <= optim.lr:
         raise ValueError(f"need 0 <= --min-lr({optim.min_lr}) <= --lr({optim.lr})")

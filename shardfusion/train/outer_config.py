@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardfusion.train import compat
 from shardfusion.train.flag_checks import refuse_first
 from shardfusion.train.ft_config import FTConfig
 from shardfusion.train.model_config import ModelConfig
 from shardfusion.train.optim_config import OptimizerConfig
 from shardfusion.train.parallel_config import ParallelismConfig
-from shardfusion.train.pipeline_config import PipelineConfig
 from shardfusion.train.sections import meta
 
 OUTER_SYNCS = ("every-step", "diloco")
@@ -48,7 +48,8 @@ class OuterConfig:
     outer_sync: str = field(default="every-step", metadata=meta(resume=True))
     """every-step (HSDP: one gradient all-reduce across the replicas per step, exact) or diloco (each replica steps
     alone for --outer-every steps, then an outer Nesterov step on the change of the parameters; Douillard et al.,
-    2023; needs --fsdp-outer-degree > 1; docs/slow-links.md) (default every-step)."""
+    2023; needs --fsdp-outer-degree > 1, or fault-tolerant replica groups: --ft-lighthouse with --ft-replicas > 1;
+    docs/slow-links.md) (default every-step)."""
     outer_every: int = field(default=JOB_EVERY, metadata=meta(resume=True))
     """With --outer-sync diloco: H, the inner steps between two outer steps (default 4, for runs of a few hundred steps;
     the paper used 500 with its outer optimizer, docs/slow-links.md)."""
@@ -68,9 +69,10 @@ def enabled(config: OuterConfig) -> bool:
     return config.outer_sync == "diloco"
 
 
-def check_flags(config: OuterConfig, parallelism: ParallelismConfig, pipeline: PipelineConfig, ft: FTConfig,
-                optim: OptimizerConfig, model: ModelConfig) -> None:
-    """The section's flags together, and against the flags of the other sections they cannot run with.
+def check_flags(config: OuterConfig, parallelism: ParallelismConfig, ft: FTConfig, optim: OptimizerConfig,
+                model: ModelConfig) -> None:
+    """The section's flags together, and against the flags of the other sections they cannot run with (pipeline
+    stages are not among them: DiLoCo takes one outer step per stage's replicas).
 
     Raises:
         ValueError: naming the flag and the numbers.
@@ -96,21 +98,28 @@ def check_flags(config: OuterConfig, parallelism: ParallelismConfig, pipeline: P
         raise ValueError(f"--outer-fragments {config.outer_fragments} must be in 1 .. --outer-every "
                          f"{config.outer_every} (each fragment is synchronised every H steps, at its own step)")
     policy = parallelism.expert_policy
-    refuse_first([("--pp", pipeline.pp, pipeline.pp != 1), ("--cp", parallelism.cp, parallelism.cp != 1),
-                  ("--ft-lighthouse", ft.ft_lighthouse, ft.ft_lighthouse is not None),
-                  ("--optimizer", optim.optimizer, optim.optimizer != "adamw"),
-                  ("--expert-policy", policy, bool(model.experts) and policy == "shard")],
-                 "--outer-sync diloco", "DiLoCo runs on HSDP's replicas with AdamW inside (no --pp, --cp, "
-                 "--ft-lighthouse, --optimizer muon or --expert-policy shard yet); see docs/slow-links.md")
+    compat.refuse_first("diloco", "--outer-sync diloco", [  # the pairs of modes: shardfusion.train.compat's reasons
+        ("cp", "--cp", parallelism.cp, parallelism.cp != 1),
+        ("muon", "--optimizer", optim.optimizer, optim.optimizer != "adamw")])
+    refuse_first([("--expert-policy", policy, bool(model.experts) and policy == "shard")],
+                 "--outer-sync diloco", "DiLoCo runs on replicas (HSDP's, or fault-tolerant replica groups) with AdamW "
+                 "inside, each replica's experts "
+                 "whole on it (no --expert-policy shard yet); see docs/slow-links.md")
 
 
-def check_layout(config: OuterConfig, fsdp_outer_degree: object, world: str) -> None:
+def check_layout(config: OuterConfig, fsdp_outer_degree: object, world: str, ft: FTConfig | None = None) -> None:
     """With diloco, the resolved layout must have replicas: ``fsdp_outer_degree``, the resolved outer degree (an
-    int, or the marker of auto, which DiLoCo does not take).
+    int, or the marker of auto, which DiLoCo does not take); with fault tolerance (``ft`` with --ft-lighthouse) the
+    replicas are the replica groups, each of outer degree 1: --ft-replicas >= 2.
 
     Raises:
-        ValueError: --fsdp-outer-degree 1 (or auto) with --outer-sync diloco.
+        ValueError: --fsdp-outer-degree 1 (or auto) with --outer-sync diloco, or --ft-replicas 1 with it.
     """
+    if enabled(config) and ft is not None and ft.ft_lighthouse is not None:
+        if ft.ft_replicas is not None and ft.ft_replicas < 2:
+            raise ValueError(f"--outer-sync diloco needs replicas: --ft-replicas {ft.ft_replicas} (under fault "
+                             f"tolerance the replicas are the replica groups); plan the run for 2 groups or more")
+        return
     if enabled(config) and (not isinstance(fsdp_outer_degree, int) or fsdp_outer_degree < 2):
         raise ValueError(f"--outer-sync diloco needs replicas: --fsdp-outer-degree {fsdp_outer_degree} "
                          f"({world}); give an outer degree >= 2 (one replica per node)")

@@ -5,7 +5,7 @@ boundary, each rank's own state goes into the checkpoints, and the summary adds 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -20,6 +20,12 @@ class OuterMode(Mode):
     def __init__(self, outer: OuterConfig, comm_dtype: Optional[str]) -> None:
         self.outer, self.comm_dtype = outer, comm_dtype
         self.run: Optional[OuterRun] = None
+        self._outer_step: Optional[Callable[[int], list[int]]] = None
+
+    def step_through(self, outer_step: Callable[[int], list[int]]) -> None:
+        """Run the outer steps through ``outer_step(done) -> fragments`` instead of `OuterRun.step` (fault
+        tolerance: through the quorum of the live replica groups, `job_outer_ft.OuterFTRun.outer_step`)."""
+        self._outer_step = outer_step
 
     def attach(self, trainer: Trainer) -> None:
         self.run = OuterRun(trainer.config, trainer.model, trainer.topo, trainer.optimizers)
@@ -34,7 +40,7 @@ class OuterMode(Mode):
         return self.run.restored(loaded, start)
 
     def boundary(self, done: int) -> dict[str, Any]:
-        return {"outer_synced": self.run.step(done)}  # the fragments due
+        return {"outer_synced": (self._outer_step or self.run.step)(done)}  # the fragments due
 
     def summary(self, trainer: Trainer) -> dict[str, Any]:
         d = self.run.diloco

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from shardfusion.plan import parse_bytes
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_POLICIES
+from shardfusion.train import compat
 from shardfusion.train.model_config import ModelConfig, is_hf
 from shardfusion.train.sections import FT_SHARED_UNLESS_DEFAULT, meta
 
@@ -93,16 +94,11 @@ def check_flags(parallelism: ParallelismConfig, model: ModelConfig) -> None:
     """
     p = parallelism
     if is_hf(model):
-        what = f"--hf-model {model.hf_model}" if model.init_from is None else f"--init-from {model.init_from}"
-        if p.ep is not None and p.ep != 1:
-            raise ValueError(f"--ep {p.ep} does not apply to {what}: a Hugging Face model's experts run in its "
-                             f"own modules on every rank, so ep must be 1; drop --ep")
-        if p.mp != 1:
-            raise ValueError(f"--mp {p.mp} does not apply to {what}: the tensor-parallel plan is the GPT's "
-                             "(shardfusion.models.gpt_parallel); drop --mp")
-        if p.cp != 1:
-            raise ValueError(f"--cp {p.cp} does not apply to {what}: context-parallel attention is the GPT's "
-                             "(shardfusion.context_parallel); drop --cp")
+        mode, what = ("hf", f"--hf-model {model.hf_model}") if model.init_from is None else (
+            "init_from", f"--init-from {model.init_from}")
+        compat.refuse_first(mode, what, [  # the pairs of modes: shardfusion.train.compat's reasons
+            ("ep", "--ep", p.ep, p.ep is not None and p.ep != 1), ("mp", "--mp", p.mp, p.mp != 1),
+            ("cp", "--cp", p.cp, p.cp != 1)])
     if p.ep is not None:
         if p.ep < 1:
             raise ValueError(f"--ep must be >= 1, got {p.ep}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardfusion.train import compat
 from shardfusion.train.model_config import ModelConfig, shape
 from shardfusion.train.optim_config import OptimizerConfig
 from shardfusion.train.parallel_config import ParallelismConfig
@@ -102,17 +103,13 @@ def check_flags(config: PipelineConfig, model: ModelConfig, parallelism: Paralle
                 raise ValueError(f"{flag} {value} applies only to a pipeline: it needs {instead}")
         return
     what = f"--pp {pp}"
-    if model.hf_model is not None or model.init_from is not None:
-        source = f"--hf-model {model.hf_model}" if model.init_from is None else f"--init-from {model.init_from}"
-        raise ValueError(f"{what} does not apply to {source}: the pipeline stages are the GPT's "
-                         f"(shardfusion.models.gpt_pipeline); drop --pp, or train the GPT")
-    for flag, degree in (("--mp", parallelism.mp), ("--cp", parallelism.cp)):
-        if degree != 1:
-            raise ValueError(f"{what} with {flag} {degree} is not supported: the job's pipeline stages are sharded "
-                             f"by fully_shard alone; use --pp or {flag}, not both")
-    if optim.optimizer != "adamw":
-        raise ValueError(f"{what} with --optimizer {optim.optimizer} is not supported: Muon's whole matrices per "
-                         f"stage are not wired into the job's pipeline yet; use --optimizer adamw")
+    for other, flag, value, on in (  # the pairs of modes: shardfusion.train.compat's reasons
+            ("init_from", "--init-from", model.init_from, model.init_from is not None),
+            ("hf", "--hf-model", model.hf_model, model.hf_model is not None),
+            ("mp", "--mp", parallelism.mp, parallelism.mp != 1), ("cp", "--cp", parallelism.cp, parallelism.cp != 1),
+            ("muon", "--optimizer", optim.optimizer, optim.optimizer != "adamw")):
+        if on:
+            compat.refuse("pp", other, what, f"{flag} {value}")
     if parallelism.fsdp_outer_degree == "auto":
         raise ValueError(f"--fsdp-outer-degree auto with {what}: the cost model does not plan pipeline stages; give "
                          f"the outer degree as an int")

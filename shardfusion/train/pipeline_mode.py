@@ -35,7 +35,8 @@ class PipelineMode(Mode):
         return StepSums(zero, zero.clone(), torch.zeros((0, 0), dtype=torch.long), 1)
 
     def figures(self, trainer: Trainer, sums: StepSums) -> StepFigures:
-        return StepFigures(*self.run.step_figures())  # load: (L, E) or None
+        # load: (L, E) or None; DiLoCo: this replica's (its ranks of every stage), as at --pp 1
+        return StepFigures(*self.run.step_figures(trainer.figure_group))
 
     def record(self, comm: dict[str, dict[str, float]]) -> dict[str, Any]:
         self.run.record_comm(comm)

@@ -33,14 +33,16 @@ from shardfusion.train import trainer_outputs as outputs
 
 def modes_for(config: ResolvedJob) -> Modes:
     """The run's modes in their fixed order: the pipeline (--pp > 1), fault tolerance (--ft-lighthouse), DiLoCo
-    (--outer-sync diloco), the plain model (--pp 1). Each takes its own section."""
+    (--outer-sync diloco), the plain model (--pp 1). Each takes its own section (fault tolerance under DiLoCo also
+    the DiLoCo mode, whose outer steps then go through the quorum)."""
     modes: list[Mode] = []
     if config.pp > 1:
         modes.append(PipelineMode(config.pipeline))
+    outer = OuterMode(config.outer, config.outer_comm_dtype) if outer_config.enabled(config.outer) else None
     if ft_config.enabled(config.ft):
-        modes.append(FTMode(config.ft))
-    if outer_config.enabled(config.outer):
-        modes.append(OuterMode(config.outer, config.outer_comm_dtype))
+        modes.append(FTMode(config.ft, outer))  # under DiLoCo: the quorum at its outer steps
+    if outer is not None:
+        modes.append(outer)
     if config.pp == 1:
         modes.append(PlainMode(config.model))
     return Modes(modes)

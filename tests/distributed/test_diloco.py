@@ -27,16 +27,20 @@ def _optimizer(name: str, params):
 
 
 def sharded_run(steps: int, every: int | None, *, inner: str = "adamw", lr: float = 0.7, momentum: float = 0.9,
-                comm_dtype=None, fragments: int = 1, clip: float | None = None, finish: bool = False) -> dict:
+                comm_dtype=None, fragments: int = 1, clip: float | None = None, finish: bool = False,
+                whole: tuple[str, ...] = ()) -> dict:
     """HSDP 2 x 2 with DiLoCo (every=None: synchronous HSDP). Returns per step the full parameters (this rank's
     replica), this rank's loss, the replicate all-reduce bytes of the step, the fragments synchronised and the clip
-    norm. finish: `DiLoCo.finish` after the last step (its parameters replace the last step's)."""
+    norm. finish: `DiLoCo.finish` after the last step (its parameters replace the last step's). whole: name
+    prefixes of the parameters kept whole (``replicate_filter``, as a pipeline keeps a weight tied across its
+    ends)."""
     import torch.distributed as dist
     import shardfusion as sf
 
     topo = sf.Topology(sharding=4, fsdp_outer_degree=2)
     model = build_model(KIND)
-    sf.fully_shard(model, topo, units=UNIT_CLASSES[KIND])
+    sf.fully_shard(model, topo, units=UNIT_CLASSES[KIND],
+                   replicate_filter=(lambda n, p: n.startswith(whole)) if whole else None)
     opt = _optimizer(inner, model.parameters())
     diloco = (sf.DiLoCo(model, topo, every=every, lr=lr, momentum=momentum, comm_dtype=comm_dtype,
                         fragments=fragments) if every is not None else None)
@@ -139,6 +143,22 @@ def test_diloco_matches_the_single_process_reference_and_replicas_agree_after_ea
         assert (ranks[0]["outer_bytes"][step] > 0) == synced, ranks[0]["outer_bytes"]
     assert ranks[0]["norms"] != ranks[2]["norms"]  # each replica clips by its own norm
     assert "snapshot/0" in ranks[0]["state_keys"] and "momentum/0" in ranks[0]["state_keys"]
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S)
+def test_a_parameter_kept_whole_matches_the_reference() -> None:
+    """The token embedding kept whole on every rank (as pipeline stages keep a weight tied across their ends): in
+    an inner step its gradient is averaged over the replica's two ranks only, counted once per replica in its clip
+    norm, and the outer step averages it over the replicas: the same reference as the sharded parameters'."""
+    steps, every = 5, 2
+    ranks = run_distributed(sharded_run, W, steps, every, clip=0.5, whole=("tok.",), timeout=JOB_TIMEOUT_S)
+    ref = reference_run(steps, every, clip=0.5)
+    for rank in range(W):
+        for step in range(steps):
+            _close(ranks[rank]["params"][step], ref["params"][ranks[rank]["outer_rank"]][step], 2e-5)
+    a, b = ranks[0]["params"][0], ranks[2]["params"][0]  # after step 1: the replicas differ, the embedding too
+    assert not torch.equal(a["tok.weight"], b["tok.weight"])
+    assert ranks[0]["norms"] == ranks[1]["norms"] != ranks[2]["norms"]  # one norm per replica
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S)

@@ -78,9 +78,10 @@ def test_layouts_and_a_resume_at_another_world_size_see_one_data_order(tmp_path:
 
 @pytest.mark.timeout(2 * TRAIN_TIMEOUT_S + 60)
 def test_tensor_and_context_parallel_runs_see_the_same_first_step(tmp_path: Path) -> None:
-    """`--mp 2` and `--cp 2` at 4 ranks (data-parallel world 2: 4 sequences per rank, cp ranks half of each) train
-    the same global batch from the same weights as the default layout: step 1's loss and gradient norm agree to
-    fp32 rounding (the row-wise all-reduces and the context ranks' sums add in another order)."""
+    """`--mp 2` and `--cp 2` at 4 ranks (data-parallel world 2: 4 sequences per rank, cp ranks half of each; HSDP
+    outer 2 by default, so each is also its mode's pair with HSDP in the compatibility table) train the same global
+    batch from the same weights as the default layout: step 1's loss and gradient norm agree to fp32 rounding (the
+    row-wise all-reduces and the context ranks' sums add in another order)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(b"".join(p.read_bytes() for p in sorted((REPO / "shardfusion").rglob("*.py")))[:CORPUS_BYTES])
     common = [*COMMON, "--data", str(corpus), "--nproc", "4", "--global-batch-size", "8", "--steps", "1"]
@@ -92,6 +93,7 @@ def test_tensor_and_context_parallel_runs_see_the_same_first_step(tmp_path: Path
         firsts[name] = (train[0]["loss"], train[0]["grad_norm"])
         layout = json.loads((out / "config.json").read_text())["layout"]
         assert (name == "default") or f"{name[:2]}2" in layout, layout
+        assert "outer2 x inner" in layout, layout  # HSDP at 4 ranks by default, under --mp 2 and --cp 2 too
     for name in ("mp2", "cp2"):
         assert firsts[name][0] == pytest.approx(firsts["default"][0], rel=FIRST_STEP_RTOL, abs=0), firsts
         assert firsts[name][1] == pytest.approx(firsts["default"][1], rel=1e-5, abs=0), firsts

@@ -33,6 +33,7 @@ from harness import REPO, TRAIN_TIMEOUT_S, run_train, train_usage_error  # noqa:
 
 sys.path.insert(0, str(REPO))
 from benchmarks.ft import TRAIN, Replicas, free_port, read_run, run_scenario  # noqa: E402
+from shardfusion.train.job_ft import PAUSE_ENV, PAUSED_FILE  # noqa: E402
 from benchmarks.netcluster import EmulatedCluster, netns_available  # noqa: E402
 from shardfusion.checkpoint import read_all  # noqa: E402
 
@@ -251,3 +252,132 @@ def test_usage_errors_before_launch(tmp_path: Path, extra: list[str], words: str
     extra = [lighthouse if a == "LH" else a for a in extra]
     line = train_usage_error([*FLAGS, "--nproc", "2", "--out", str(tmp_path / "run"), *extra], capsys)
     assert words in line and not (tmp_path / "run").exists()
+
+
+# ---- DiLoCo across replica groups (--outer-sync diloco with --ft-lighthouse: shardfusion.train.job_outer_ft) ----
+
+DILOCO_STEPS, DILOCO_H = 12, 2
+DILOCO = [*TRAIN, "--steps", str(DILOCO_STEPS), "--save-every", str(DILOCO_H), "--keep", "20", "--eval-every",
+          str(DILOCO_STEPS), "--outer-sync", "diloco", "--outer-every", str(DILOCO_H), "--outer-lr", "0.7",
+          "--outer-momentum", "0.9"]
+"""The paper's outer optimizer (momentum: the outer state a group must not lose), an outer step every 2 steps, a
+checkpoint at each."""
+DILOCO_JOIN_MS = 10000
+"""The lighthouse's join timeout for DiLoCo: a group waits this long in a quorum for a live group still in its inner
+steps (above the skew of two groups' arrival at an outer step on a loaded machine; docs/fault-tolerance.md)."""
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
+@pytest.fixture(scope="module")
+def diloco_hsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The synchronous-layout reference: one job, HSDP 2 x 2, --outer-sync diloco with the same flags."""
+    ref = tmp_path_factory.mktemp("diloco-hsdp")
+    result = run_train([*DILOCO, "--nproc", "4", "--fsdp-outer-degree", "2", "--out", str(ref)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return ref
+
+
+@pytest.mark.timeout(3 * TRAIN_TIMEOUT_S)
+def test_diloco_across_replica_groups_equals_diloco_on_hsdp(tmp_path: Path, diloco_hsdp: Path) -> None:
+    """Two replica groups, each of 2 ranks, DiLoCo between them through torchft, against HSDP 2 x 2 with DiLoCo
+    between its replicas: the same outer-step schedule, replica 0's losses and gradient norms step by step, and
+    after the last outer step bitwise the same parameters (every group's) and outer state."""
+    out = tmp_path / "ft"
+    with Replicas(out, DILOCO, join_ms=DILOCO_JOIN_MS) as run:
+        for group in (0, 1):
+            run.start(group, extra=["--ft-min-replicas", "2"])
+        codes = run.wait(["replica0", "replica1"], TRAIN_TIMEOUT_S)
+        assert codes == {"replica0": 0, "replica1": 0}, run.log("replica0")[-3000:] + run.log("replica1")[-3000:]
+    ref = _records(diloco_hsdp)
+    assert [r["step"] for r in ref if r["outer_synced"]] == list(range(DILOCO_H, DILOCO_STEPS + 1, DILOCO_H))
+    runs = [read_run(out, group) for group in (0, 1)]
+    for run_ in runs:
+        assert [r["step"] for r in run_["train"]] == list(range(1, DILOCO_STEPS + 1))
+        assert [r["outer_synced"] for r in run_["train"]] == [r["outer_synced"] for r in ref]
+        assert all(r["ft_participants"] == 2 for r in run_["train"])
+        assert run_["summary"]["outer_sync"]["outer_steps"] == [DILOCO_STEPS // DILOCO_H]
+        assert run_["summary"]["fault_tolerance"]["discarded"] == []
+    for mine, theirs in zip(runs[0]["train"], ref):  # group 0 is HSDP's replica 0 (the one the reference logs)
+        assert mine["grad_norm"] == theirs["grad_norm"] and mine["lr"] == theirs["lr"], mine["step"]
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6)
+    assert [r["loss"] for r in runs[1]["train"]] != [r["loss"] for r in runs[0]["train"]]  # its own data slices
+    ft = [run_["summary"]["fault_tolerance"] for run_ in runs]
+    assert ft[0]["shard_digests"] == ft[1]["shard_digests"]  # one model after the last outer step
+    ours = read_all(str(out / "checkpoints" / f"step-{DILOCO_STEPS}"))
+    theirs = read_all(str(diloco_hsdp / "checkpoints" / f"step-{DILOCO_STEPS}"))
+    model = [k for k in theirs if not k.startswith("rank/")]
+    assert model and all(torch.equal(ours[k], theirs[k]) for k in model), [k for k in model
+                                                                          if not torch.equal(ours[k], theirs[k])]
+    outer = [k for k in theirs if k.startswith(("rank/0/diloco/snapshot/", "rank/0/diloco/momentum/"))]
+    assert outer and all(torch.equal(ours[k], theirs[k]) for k in outer)
+
+
+def _copy_checkpoint(src: Path, dst: Path, step: int) -> None:
+    import shutil
+    shutil.copytree(src / "checkpoints" / f"step-{step}", dst / "checkpoints" / f"step-{step}")
+
+
+@pytest.mark.timeout(400)
+def test_diloco_a_group_killed_between_outer_steps(tmp_path: Path, diloco_hsdp: Path) -> None:
+    """Group 1 killed inside step 6 (between the outer steps after steps 4 and 6) and restarted at once; group 0
+    holds inside step 8 until the restarted group has resumed and joins the quorum, where it waits (alone it is
+    not a majority of the live groups), so that they meet at the outer step after step 8.
+
+    - the survivor trains every step without a restart; up to the kill its losses are HSDP's replica 0's (nothing
+      of the committed state lost); its outer step after step 6 is a quorum of one, and equals that of group 0
+      resumed alone from the step-4 checkpoint (a reference run: what the live quorum computes from the committed
+      state), bitwise;
+    - the restarted group resumes from the checkpoint, is healed from the survivor at the outer step after step 8
+      (taking part without a pseudo-gradient of its own), trains beside it from then on, and both end with bitwise
+      the same parameters."""
+    out = tmp_path / "ft"
+    kill_in, hold_in = 5, 7  # 0-based loop steps: inside steps 6 and 8 (job_ft.PAUSE_ENV)
+    train = [*DILOCO[:DILOCO.index("--ft-timeout")], "--ft-timeout", str(FT_TIMEOUT_S), *DILOCO[DILOCO.index(
+        "--ft-timeout") + 2:]]
+    with Replicas(out, train, heartbeat_ms=int(HEARTBEAT_S * 1000), join_ms=DILOCO_JOIN_MS) as run:
+        run.start(0, env={PAUSE_ENV: str(hold_in)})
+        run.start(1, env={PAUSE_ENV: str(kill_in)})
+        victim, survivor = out / "replica-1" / PAUSED_FILE, out / "replica-0" / PAUSED_FILE
+        run.until(victim.exists, TRAIN_TIMEOUT_S, "replica group 1 inside step 6")
+        run.kill("replica1")
+        run.start(1, "b")
+        # its manager up (heartbeats: the survivor alone is no longer a majority of the live groups), it joins
+        run.until(lambda: survivor.exists() and "torchft's own log" in run.log("replica1b"), TRAIN_TIMEOUT_S,
+                  "the survivor inside step 8 and the restarted group joining")
+        survivor.unlink()
+        codes = run.wait(["replica0", "replica1b"], TRAIN_TIMEOUT_S)
+        assert codes == {"replica0": 0, "replica1b": 0}, run.log("replica0")[-3000:] + run.log("replica1b")[-3000:]
+    ref = _records(diloco_hsdp)
+    alive, back = read_run(out, 0), read_run(out, 1)
+    steps = alive["train"]
+    assert [r["step"] for r in steps] == list(range(1, DILOCO_STEPS + 1))  # every step, no restart
+    assert [r["outer_synced"] for r in steps] == [r["outer_synced"] for r in ref]
+    for mine, theirs in zip(steps[:kill_in], ref):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6) and mine["grad_norm"] == theirs["grad_norm"]
+    assert steps[kill_in]["ft_participants"] == 1  # the outer step after step 6: the survivor alone
+    assert all(r["ft_participants"] == 2 for r in steps[hold_in:])  # with the restarted group from step 8 on
+    # the restarted group: resumed from the run's checkpoint, healed at the outer step after step 8, then trained on
+    resumed = int(run.log("replica1b").split("resuming at step ")[1].split()[0])
+    healed = [int(line.split("recovered step ")[1].split()[0]) for line in run.log("replica1b").splitlines()
+              if "ft replica 1: recovered step" in line]
+    assert resumed in (4, 6) and healed == [hold_in + 1], (resumed, healed)
+    assert [r["step"] for r in back["train"] if r["step"] > healed[0]] == list(range(healed[0] + 1,
+                                                                                    DILOCO_STEPS + 1))
+    ft = [alive["summary"]["fault_tolerance"], back["summary"]["fault_tolerance"]]
+    assert ft[0]["shard_digests"] == ft[1]["shard_digests"]
+    assert alive["summary"]["outer_sync"]["outer_steps"] == back["summary"]["outer_sync"]["outer_steps"]
+    # the survivor's lone outer step is what a quorum of group 0 alone computes from the committed step-4 state
+    lone = tmp_path / "lone"
+    with Replicas(lone, train, join_ms=1000) as run:
+        _copy_checkpoint(out, lone, 4)
+        run.start(0, extra=["--ft-join-wait", "0", "--stop-after", "6"])
+        codes = run.wait(["replica0"], TRAIN_TIMEOUT_S)
+        assert codes == {"replica0": 0}, run.log("replica0")[-3000:]
+    assert "resuming at step 4" in run.log("replica0")
+    ours, theirs = (read_all(str(path / "checkpoints" / "step-6")) for path in (out, lone))
+    keys = [k for k in theirs if not k.startswith("rank/") or "/diloco/" in k]
+    assert keys and all(torch.equal(ours[k], theirs[k]) for k in keys), [k for k in keys
+                                                                         if not torch.equal(ours[k], theirs[k])]

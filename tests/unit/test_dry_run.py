@@ -6,6 +6,7 @@ with measured runs of real processes: tests/distributed/test_dry_run.py and benc
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -208,3 +209,22 @@ def test_refused_beside_a_process_group() -> None:
             sf.dry_run(_build, _step, world_size=16, ranks_per_node=8)
     finally:
         dist.destroy_process_group()
+
+
+def test_context_and_expert_parallel_step(tmp_path, capsys) -> None:
+    """--cp 2 with the GPT-MoE at --ep 2, as the job plays one step of it at 4 ranks (sharding 2 = ep 2): each
+    MoE layer's all-to-alls run over the ep group of 2, and the attention's key/value all-gathers over the cp group
+    of 2 (named with the expert buffers' group of the same ranks). The pair's proof in the compatibility table (shardfusion/train/compat.py)."""
+    from shardfusion.train import job_dry_run
+    from shardfusion.train.config import parse_args
+
+    out = tmp_path / "plan"
+    job_dry_run.run(parse_args(["--dry-run", "--world", "4", "--preset", "tiny", "--experts", "4", "--ep", "2",
+                                "--cp", "2", "--batch-size", "2", "--out", str(out)]))
+    assert "world 4 = dp1 x pp1 x sharding2 (outer1 x inner2) x sep1 x cp2 x mp1; ep2" in capsys.readouterr().out
+    (rank,) = json.loads((out / "dry-run.json").read_text())["report"]["ranks"]
+    calls = {(c["op"], c["label"]): (c["group_size"], c["count"]) for c in rank["collectives"]}
+    # 2 MoE layers x (3 all-to-alls in forward + 2 in backward)
+    assert calls[("all_to_all", "ep")] == (2, 2 * (3 + 2))
+    context = [k for k in calls if k[0] == "all_gather" and "cp" in k[1].split("+")]
+    assert len(context) == 1 and calls[context[0]][0] == 2 and calls[context[0]][1] >= 2  # k/v of 2 layers

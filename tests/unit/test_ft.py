@@ -15,6 +15,7 @@ import torch
 
 from shardfusion import ft
 from shardfusion.train import ft_config as fc
+from shardfusion.train.job_ft import shared_settings
 from shardfusion.train.config import JobConfig, resolve
 
 ON = dict(ft_lighthouse="http://127.0.0.1:1", ft_replicas=3, ft_replica_id=1, out="runs/x")
@@ -97,6 +98,21 @@ def test_settings_fingerprint_of_a_run_before_the_sections() -> None:
     job = resolve(config, device=fixture["device"], world_size=fixture["world_size"])
     assert fc.settings_fingerprint(job.marked("ft_shared")) == fixture["settings_fingerprint"]
     assert fc.settings_fingerprint(job.replace(lr=1e-3).marked("ft_shared")) != fixture["settings_fingerprint"]
+    assert fc.settings_fingerprint(shared_settings(job)) == fixture["settings_fingerprint"]  # what the job sends
+
+
+def test_settings_fingerprint_with_diloco_covers_the_outer_section() -> None:
+    """Under --outer-sync diloco every replica group must run the same outer steps: the outer flags join the
+    digest (without DiLoCo they are not in it: the digest of the runs before is unchanged, test above)."""
+    def fingerprint(**fields) -> str:
+        config = JobConfig.from_flat(**ON, outer_sync="diloco", **fields)
+        job = resolve(config, device="cpu", world_size=2, ft_host=fc.resolve_host(config.ft))
+        return fc.settings_fingerprint(shared_settings(job))
+
+    base = fingerprint()
+    assert fingerprint(ft_join_wait=5.0) == base
+    for change in ({"outer_every": 8}, {"outer_lr": 0.7}, {"outer_momentum": 0.9}, {"outer_fragments": 2}):
+        assert fingerprint(**change) != base, change
 
 
 def test_settings_fingerprint_of_a_run_before_tensor_parallel_is_kept() -> None:

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from shardfusion.train import hf_models  # noqa: E402
 from shardfusion.train.config import JobConfig, check_pretrained, parse_args, resolve  # noqa: E402
-from shardfusion.train.job_model import build, hf_config  # noqa: E402
+from shardfusion.train.job_model import build, checked_meta_model, hf_config  # noqa: E402
 from test_train_config import flag_error  # noqa: E402  (the one error line of a bad flag)
 
 SHAPE = dict(n_layer=2, n_head=4, d_model=64, seq_len=32, n_experts=4, top_k=2, expert_hidden=None, dropout=0.0,
@@ -125,7 +125,7 @@ def test_job_model_of_an_hf_run() -> None:
 
 def test_hf_flags(capsys: pytest.CaptureFixture) -> None:
     assert flag_error(capsys, ["--ep", "2", "--hf-model", "qwen3_moe"]).startswith(
-        "--ep 2 does not apply to --hf-model qwen3_moe: a Hugging Face model's experts run in its own modules")
+        "--ep 2 with --hf-model qwen3_moe: a Hugging Face model's experts run in its own modules")
     assert flag_error(capsys, ["--hf-model", "gpt2"]) == (
         "--hf-model must be one of llama, qwen3_moe, mixtral, got 'gpt2'")
     assert flag_error(capsys, ["--hf-model", "qwen3_moe", "--experts", "0"]).startswith(
@@ -170,3 +170,26 @@ def test_init_from_folder_checks(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 256}))
     with pytest.raises(ValueError, match="its config.json names no model_type"):
         check(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_hf_model_and_init_from_together(tmp_path: Path) -> None:
+    """--hf-model with --init-from: the folder decides the model, and --hf-model must name its model type (the
+    pair's proof in the compatibility table, shardfusion/train/compat.py). The job builds the folder's model, of
+    the folder's shape (not the preset's, which --hf-model alone would build), as --init-from alone does."""
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path))
+    both = JobConfig.from_flat(hf_model="llama", init_from=str(tmp_path), preset="tiny", seq_len=32)
+    both.validate()
+    check_pretrained(both)
+    alone = JobConfig.from_flat(init_from=str(tmp_path), preset="tiny", seq_len=32)
+    shapes = {n: p.shape for n, p in checked_meta_model(resolve(both, device="cpu", world_size=1)).named_parameters()}
+    assert shapes == {n: p.shape for n, p in checked_meta_model(resolve(alone, device="cpu", world_size=1)).named_parameters()}
+    assert shapes["model.embed_tokens.weight"] == (256, 48) and len([n for n in shapes if n.endswith(
+        "input_layernorm.weight")]) == 3
+    preset = {n: p.shape for n, p in checked_meta_model(resolve(JobConfig.from_flat(
+        hf_model="llama", preset="tiny", seq_len=32), device="cpu", world_size=1)).named_parameters()}
+    assert preset != shapes  # --hf-model alone: the preset's shape
+    with pytest.raises(ValueError, match=r"holds a llama model, not --hf-model mixtral; drop --hf-model"):
+        check_pretrained(JobConfig.from_flat(hf_model="mixtral", init_from=str(tmp_path), preset="tiny", seq_len=32))

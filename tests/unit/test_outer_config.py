@@ -23,7 +23,6 @@ LOSS_RESULT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "
     ({**ON, "outer_lr": 0.0}, "--outer-lr 0.0 must be > 0"),
     ({**ON, "outer_momentum": 1.0}, "--outer-momentum 1.0 must be in [0, 1)"),
     ({**ON, "outer_every": 4, "outer_fragments": 5}, "--outer-fragments 5 must be in 1 .. --outer-every 4"),
-    ({**ON, "pp": 2}, "--pp 2 with --outer-sync diloco"),
     ({**ON, "cp": 2}, "--cp 2 with --outer-sync diloco"),
     ({**ON, "optimizer": "muon"}, "--optimizer muon with --outer-sync diloco"),
     ({**ON, "experts": 4, "expert_policy": "shard"}, "--expert-policy shard with --outer-sync diloco"),
@@ -37,6 +36,7 @@ def test_check_flags_refusals(fields: dict, words: str) -> None:
 def test_defaults_pass_and_layout_needs_replicas() -> None:
     (JobConfig()).check_section("outer")
     (JobConfig.from_flat(**ON, outer_every=32, outer_fragments=4)).check_section("outer")
+    (JobConfig.from_flat(**ON, pp=2, outer_fragments=2)).check_section("outer")  # one outer step per stage
     assert not oc.enabled(JobConfig()) and oc.enabled(JobConfig.from_flat(**ON))
     def check_layout(**fields) -> None:
         config = JobConfig.from_flat(**fields)
@@ -48,6 +48,21 @@ def test_defaults_pass_and_layout_needs_replicas() -> None:
         with pytest.raises(ValueError, match=rf"^--outer-sync diloco needs replicas: --fsdp-outer-degree {outer} "
                                              r"\(--nproc 4\)"):
             check_layout(outer_sync="diloco", fsdp_outer_degree=outer)
+
+
+FT = dict(ft_lighthouse="http://127.0.0.1:1", ft_replica_id=0, out="runs/x")
+
+
+def test_diloco_runs_across_fault_tolerant_replica_groups() -> None:
+    """--ft-lighthouse with --outer-sync diloco: the replicas are the replica groups (each of outer degree 1, as
+    resolve makes it), so the layout needs --ft-replicas >= 2 instead of an outer degree; the runs themselves:
+    tests/integration/test_train_ft.py (parity with HSDP and a group killed between outer steps)."""
+    config = JobConfig.from_flat(outer_sync="diloco", ft_replicas=2, **FT)
+    config.check_section("outer")
+    oc.check_layout(config.outer, 1, "--nproc 2", config.ft)
+    one = JobConfig.from_flat(outer_sync="diloco", ft_replicas=1, **FT)
+    with pytest.raises(ValueError, match=r"^--outer-sync diloco needs replicas: --ft-replicas 1 \(under fault "):
+        oc.check_layout(one.outer, 1, "--nproc 2", one.ft)
 
 
 def test_the_default_outer_optimizer_is_the_measured_one() -> None:

@@ -15,7 +15,11 @@ REPO = Path(__file__).resolve().parents[2]
 LIBRARY = REPO / "shardfusion"
 # Modules of the package that are not the library: the training job, and the export (needs safetensors).
 NOT_LIBRARY = ("train/", "checkpoint/export.py", "export.py")
-EXTRAS = {"numpy", "tqdm", "matplotlib", "safetensors", "transformers", "tokenizers"}
+EXTRAS = {"numpy", "tqdm", "matplotlib", "safetensors", "transformers", "tokenizers", "pytorch_lightning",
+          "lightning_fabric", "lightning", "lightning_utilities"}
+# Optional subpackages of the library, each needing its extra (imported by `import shardfusion.<name>` only, never
+# by `import shardfusion`): {folder: extras its modules may import at module level}.
+OPTIONAL_PACKAGES = {"lightning/": {"pytorch_lightning", "lightning_fabric", "lightning_utilities"}}
 # Library modules that may import an extra inside a function (an optional feature that raises ImportError naming the
 # package when called), never at module level: {module: extras}.
 LAZY_EXTRAS = {"checkpoint/streaming.py": {"safetensors"},
@@ -52,9 +56,11 @@ def _imports(path: Path, in_functions: bool = True) -> set[str]:
 def test_library_imports_torch_alone() -> None:
     for path in _library_modules():
         lazy = LAZY_EXTRAS.get(str(path.relative_to(LIBRARY)), set())
+        optional = set().union(*(v for k, v in OPTIONAL_PACKAGES.items()
+                                 if str(path.relative_to(LIBRARY)).startswith(k)))
         for name in _imports(path):
-            if name.split(".")[0] in lazy:
-                continue  # checked below: inside a function only
+            if name.split(".")[0] in lazy | optional:
+                continue  # lazy: checked below, inside a function only; optional: the subpackage's own extra
             assert name.split(".")[0] not in EXTRAS, f"{path.relative_to(REPO)} imports {name}"
             assert not name.startswith("shardfusion.train"), f"{path.relative_to(REPO)} imports the job ({name})"
         for name in _imports(path, in_functions=False):
@@ -274,7 +280,7 @@ def test_the_cycle_check_finds_cycles(tmp_path: Path) -> None:
 
 def test_import_shardfusion_loads_no_job_module() -> None:
     # torch itself may import numpy or tqdm when they are installed; the lazily imported extras must stay unloaded
-    lazy = sorted(set().union(*LAZY_EXTRAS.values()))
+    lazy = sorted(set().union(*LAZY_EXTRAS.values(), *OPTIONAL_PACKAGES.values()))
     code = ("import sys, shardfusion, shardfusion.checkpoint; "
             f"print([m for m in sys.modules if m.startswith(('shardfusion.train', 'transformers')) "
             f"or m.split('.')[0] in {lazy!r}])")

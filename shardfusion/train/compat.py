@@ -1,0 +1,267 @@
+"""Which of the training job's modes combine: one table, data only, of every unordered pair of modes.
+
+Each pair is either `Works` (with the pytest node id of the test that runs the pair and shows it right) or `Refused`
+(with the reason); `Untested` marks a pair the job accepts that no test runs yet (to become one of the two). The
+job's refusal messages come from here: a flag check that refuses a pair calls `refuse` (or `refuse_first`), which
+raises ``"<flag> <value> with <flag> <value>: <reason>"``. tests/unit/test_compat.py checks that the table covers
+every pair once, that every named test exists, and that every refused pair is refused by the job's own flag checks
+with the table's reason; docs/compatibility.md is rendered from it (``python -m shardfusion.train.compat
+--markdown``).
+
+The modes are the job's switches, not its sub-options: --ep > 1 is expert parallel, while --expert-policy shard (which
+DiLoCo refuses) is a choice inside it; --fsdp-outer-degree auto is no degree yet, and the checks that refuse it
+(with --pp, --mp, --cp) are about the cost model, not about a pair of modes. The topology's sep axis (sequence
+parallel of the library, `shardfusion.topology`) has no flag in the job: context parallel is --cp alone.
+
+To change a pair (say a refusal is lifted): replace its entry in `PAIRS` with ``Works("tests/...::test_name")`` and
+delete the check that refused it; the unit test then fails until the check is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from dataclasses import dataclass
+from typing import NoReturn
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One switch of the job."""
+
+    flag: str
+    """How the mode is switched on, e.g. ``--pp > 1``."""
+    what: str
+    """What it does, a few words."""
+    doc: str
+    """The docs page that tells its story (docs/...)."""
+
+
+MODES: dict[str, Mode] = {
+    "pp": Mode("--pp > 1", "pipeline stages", "docs/train-pipeline.md"),
+    "mp": Mode("--mp > 1", "tensor parallel", "docs/tensor-parallel.md"),
+    "cp": Mode("--cp > 1", "context parallel", "docs/context-parallel.md"),
+    "ep": Mode("--ep > 1", "expert parallel (GPT-MoE)", "docs/design.md"),
+    "hsdp": Mode("--fsdp-outer-degree > 1", "HSDP replicas", "docs/design.md"),
+    "diloco": Mode("--outer-sync diloco", "DiLoCo outer steps", "docs/slow-links.md"),
+    "ft": Mode("--ft-lighthouse", "fault-tolerant replica groups (torchft)", "docs/fault-tolerance.md"),
+    "muon": Mode("--optimizer muon", "Muon on whole matrices", "docs/train-muon.md"),
+    "hf": Mode("--hf-model", "a Hugging Face transformers model", "docs/hf-models.md"),
+    "init_from": Mode("--init-from", "start from a pretrained Hugging Face folder", "docs/hf-models.md"),
+}
+"""The modes, in the order of the table's rows and columns."""
+
+
+@dataclass(frozen=True)
+class Works:
+    """The pair runs, and `test` (a pytest node id, ``tests/...py::test_name``) runs it and shows it right."""
+
+    test: str
+    how: str = ""
+    """What the test compares, when its name does not say."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The job refuses the pair before any worker starts, with this reason (it ends with what to do instead)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Untested:
+    """The job accepts the pair, but no test runs it yet: `missing` says what a proof would be. Not a third kind of
+    answer to keep: each such pair is to become `Works` (with its test) or `Refused` (with the check that refuses
+    it); tests/unit/test_compat.py checks that the job does accept it meanwhile."""
+
+    missing: str
+
+
+_FT = "a fault-tolerant replica group is FSDP with outer degree 1 and AdamW, its replicas joined by torchft"
+_DILOCO = "DiLoCo runs on HSDP's replicas with AdamW inside"
+_HF = "a Hugging Face model is sharded by fully_shard alone"
+
+PAIRS: dict[frozenset[str], Works | Refused | Untested] = {frozenset(pair): entry for pair, entry in [
+    (("pp", "mp"), Refused("the job's pipeline stages are sharded by fully_shard alone, without the tensor-parallel "
+                           "plan; use --pp or --mp, not both (docs/train-pipeline.md)")),
+    (("pp", "cp"), Refused("the job's pipeline stages are sharded by fully_shard alone, without context-parallel "
+                           "attention; use --pp or --cp, not both (docs/train-pipeline.md)")),
+    (("pp", "ep"), Works("tests/integration/test_train_pp.py::test_pp2_learns_and_equals_pp1",
+                         "the GPT-MoE at ep 2 inside each stage equals the --pp 1 run")),
+    (("pp", "hsdp"), Works("tests/distributed/test_pipeline.py::test_pipeline_matches_single_process",
+                           "case W4-pp2-O2: stages under HSDP outer 2 equal one process")),
+    (("pp", "diloco"), Works("tests/integration/test_train_diloco.py::"
+                               "test_pipeline_stages_match_the_unpipelined_run_and_resume_mid_period",
+                               "--pp 2 DiLoCo equals the --pp 1 DiLoCo run step by step, and resumes mid-period")),
+    (("pp", "ft"), Refused(f"{_FT}, with no pipeline stages (no --pp yet); see docs/fault-tolerance.md")),
+    (("pp", "muon"), Refused("Muon's whole matrices per stage are not wired into the job's pipeline yet; use "
+                             "--optimizer adamw (docs/train-pipeline.md)")),
+    (("pp", "hf"), Refused("the pipeline stages are the GPT's (shardfusion.models.gpt_pipeline); drop --pp, or train "
+                           "the GPT")),
+    (("pp", "init_from"), Refused("the pipeline stages are the GPT's (shardfusion.models.gpt_pipeline); drop --pp, "
+                                  "or train the GPT")),
+    (("mp", "cp"), Works("tests/distributed/test_context_parallel.py::test_context_parallel_parity_world4",
+                         "layout cp 2 x mp 2 equals one process")),
+    (("mp", "ep"), Works("tests/distributed/test_tensor_parallel.py::test_tensor_parallel_parity_world8",
+                         "layout mp 2 x sharding 4 x ep 2 equals one process")),
+    (("mp", "hsdp"), Works("tests/integration/test_train_data_order.py::"
+                           "test_tensor_and_context_parallel_runs_see_the_same_first_step",
+                           "--mp 2 at 4 ranks is HSDP outer 2: its first step equals the default layout's")),
+    (("mp", "diloco"), Untested("no run of DiLoCo over tensor-parallel replicas against DiLoCo at --mp 1")),
+    (("mp", "ft"), Works("tests/integration/test_train_ft.py::test_tensor_parallel_groups_equal_hsdp_with_mp",
+                         "2 replica groups x 2 ranks at --mp 2 equal one job with --mp 2 and outer degree 2")),
+    (("mp", "muon"), Refused("Muon needs each matrix whole on one rank, but tensor parallel splits the blocks' "
+                             "matrices over the mp ranks (DTensors, which fully_shard(whole_params=) does not take); "
+                             "use --mp 1 or --optimizer adamw")),
+    (("mp", "hf"), Refused("the tensor-parallel plan is the GPT's (shardfusion.models.gpt_parallel); drop --mp")),
+    (("mp", "init_from"), Refused("the tensor-parallel plan is the GPT's (shardfusion.models.gpt_parallel); drop "
+                                  "--mp")),
+    (("cp", "ep"), Works("tests/unit/test_dry_run.py::test_context_and_expert_parallel_step",
+                         "a dry run plays the step: cp all-gathers and ep all-to-alls on their groups")),
+    (("cp", "hsdp"), Works("tests/integration/test_train_data_order.py::"
+                           "test_tensor_and_context_parallel_runs_see_the_same_first_step",
+                           "--cp 2 at 4 ranks is HSDP outer 2: its first step equals the default layout's")),
+    (("cp", "diloco"), Refused(f"{_DILOCO}, without context-parallel attention (no --cp yet); see "
+                               f"docs/slow-links.md")),
+    (("cp", "ft"), Refused(f"{_FT}, without context-parallel attention (no --cp yet); see docs/fault-tolerance.md")),
+    (("cp", "muon"), Untested("no run of Muon at --cp 2 against Muon at --cp 1")),
+    (("cp", "hf"), Refused("context-parallel attention is the GPT's (shardfusion.context_parallel); drop --cp")),
+    (("cp", "init_from"), Refused("context-parallel attention is the GPT's (shardfusion.context_parallel); drop "
+                                  "--cp")),
+    (("ep", "hsdp"), Works("tests/integration/test_train.py::test_end_to_end_moe_hsdp_4_workers")),
+    (("ep", "diloco"), Works("tests/integration/test_train_resume.py::"
+                             "test_every_step_checkpoint_resumed_with_diloco_starts_a_new_period",
+                             "the GPT-MoE at ep 2, HSDP outer 2, with DiLoCo outer steps")),
+    (("ep", "ft"), Untested("the fault-tolerance runs train the dense GPT; none averages expert buffers across "
+                              "replica groups")),
+    (("ep", "muon"), Works("tests/integration/test_train_muon.py::test_muon_learns_from_the_adamw_start",
+                           "the GPT-MoE at ep 2 with Muon")),
+    (("ep", "hf"), Refused("a Hugging Face model's experts run in its own modules on every rank, so ep must be 1; "
+                           "drop --ep")),
+    (("ep", "init_from"), Refused("a Hugging Face model's experts run in its own modules on every rank, so ep must "
+                                  "be 1; drop --ep")),
+    (("hsdp", "diloco"), Works("tests/integration/test_train_diloco.py::test_resume_mid_period_is_exact",
+                               "DiLoCo needs the replicas of HSDP (--fsdp-outer-degree >= 2)")),
+    (("hsdp", "ft"), Refused(f"{_FT} (the other replica groups are the outer replicas; no --fsdp-outer-degree "
+                             f"yet); see docs/fault-tolerance.md")),
+    (("hsdp", "muon"), Works("tests/distributed/test_whole_params.py::test_muon_matches_single_process",
+                             "layout hsdp-outer2-inner2 equals one process")),
+    (("hsdp", "hf"), Works("tests/integration/test_train_hf.py::test_qwen3_moe_trains_under_hsdp")),
+    (("hsdp", "init_from"), Works("tests/integration/test_train_finetune.py::"
+                                  "test_finetune_matches_transformers_and_learns",
+                                  "HSDP 2 x 2 from a pretrained folder equals transformers in one process")),
+    (("diloco", "ft"), Works("tests/integration/test_train_ft.py::test_diloco_across_replica_groups_equals_diloco_on_hsdp",
+                             "2 replica groups with DiLoCo equal one HSDP 2 x 2 DiLoCo job step by step; a group killed "
+                             "between outer steps: test_diloco_a_group_killed_between_outer_steps")),
+    (("diloco", "muon"), Refused(f"{_DILOCO} (no --optimizer muon yet); see docs/slow-links.md")),
+    (("diloco", "hf"), Untested("no DiLoCo run of a Hugging Face model")),
+    (("diloco", "init_from"), Untested("no DiLoCo run from a pretrained folder")),
+    (("ft", "muon"), Refused(f"{_FT}, which averages the gradients of AdamW's parameters (no --optimizer muon yet); "
+                             f"see docs/fault-tolerance.md")),
+    (("ft", "hf"), Untested("no fault-tolerant run of a Hugging Face model")),
+    (("ft", "init_from"), Untested("no fault-tolerant run from a pretrained folder (the settings digest leaves the "
+                                    "path out)")),
+    (("muon", "hf"), Works("tests/unit/test_train_muon_config.py::test_muon_takes_the_matrices_of_hf_decoder_layers",
+                           "Muon takes the decoder layers' 2-D matrices, AdamW the rest")),
+    (("muon", "init_from"), Untested("no Muon run from a pretrained folder")),
+    (("hf", "init_from"), Works("tests/unit/test_hf_models.py::test_hf_model_and_init_from_together",
+                                "--hf-model must name the folder's model type; the folder decides the model")),
+]}
+"""Every unordered pair of `MODES`, exactly once (tests/unit/test_compat.py)."""
+
+
+def entry(a: str, b: str) -> Works | Refused | Untested:
+    """The table's entry of modes ``a`` and ``b`` (either order).
+
+    Raises:
+        KeyError: a mode that is not in `MODES`, or ``a == b``.
+    """
+    for mode in (a, b):
+        if mode not in MODES:
+            raise KeyError(f"{mode!r} is not a mode of the compatibility table ({', '.join(MODES)})")
+    return PAIRS[frozenset((a, b))]
+
+
+def refusal(a: str, b: str) -> str:
+    """The reason the job refuses modes ``a`` and ``b`` together.
+
+    Raises:
+        KeyError: the pair is not refused in the table (the check that calls this and the table disagree).
+    """
+    found = entry(a, b)
+    if not isinstance(found, Refused):
+        raise KeyError(f"the compatibility table does not refuse {a} with {b} ({found}); no refusal to give")
+    return found.reason
+
+
+def refuse(a: str, b: str, given_a: str, given_b: str) -> NoReturn:
+    """Raise the job's one-line refusal of modes ``a`` and ``b``: ``"<given_a> with <given_b>: <reason>"``, where
+    the givens are the flags as the user wrote them, e.g. ``--pp 2`` and ``--ft-lighthouse``.
+
+    Raises:
+        ValueError: always (KeyError when the table does not refuse the pair).
+    """
+    raise ValueError(f"{given_a} with {given_b}: {refusal(a, b)}")
+
+
+def refuse_first(mode: str, given: str, candidates: list[tuple[str, str, object, bool]]) -> None:
+    """`refuse` ``mode`` (switched on by the flag ``given``) with the first ``(other mode, flag, value, on)`` whose
+    ``on`` is true, as ``"<flag> <value> with <given>: <reason>"``; nothing when none is.
+
+    Raises:
+        ValueError: the first candidate that is on.
+    """
+    for other, flag, value, on in candidates:
+        if on:
+            refuse(mode, other, f"{flag} {value}", given)
+
+
+def pairs() -> list[tuple[str, str]]:
+    """Every unordered pair of modes, in table order."""
+    return list(itertools.combinations(MODES, 2))
+
+
+_LETTER = {Works: "W", Refused: "R", Untested: "U"}
+
+
+def markdown() -> str:
+    """docs/compatibility.md: the matrix of every pair, then each pair with its test or its reason."""
+    names = list(MODES)
+    lines = ["# Which modes combine", "",
+             "Generated from `shardfusion/train/compat.py` by `python -m shardfusion.train.compat --markdown`; do not "
+             "edit by hand (tests/unit/test_compat.py checks that this page matches the table). Each pair of the "
+             "training job's modes either works, and names the test that runs it and shows it right, or is refused "
+             "before any worker starts, with the reason the job prints.", "",
+             "## Modes", "", "| mode | switched on by | what | docs |", "|---|---|---|---|"]
+    lines += [f"| {name} | `{m.flag}` | {m.what} | {m.doc} |" for name, m in MODES.items()]
+    lines += ["", "## Matrix", "", "W: works (tested), R: refused, U: accepted by the job but not tested yet.", "",
+              "| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for a in names:
+        cells = ["-" if a == b else _LETTER[type(entry(a, b))] for b in names]
+        lines.append(f"| **{a}** | " + " | ".join(cells) + " |")
+    lines += ["", "## Pairs", ""]
+    for a, b in pairs():
+        found = entry(a, b)
+        if isinstance(found, Works):
+            how = f": {found.how}" if found.how else ""
+            lines.append(f"- **{a} + {b}**: works; `{found.test}`{how}.")
+        elif isinstance(found, Refused):
+            lines.append(f"- **{a} + {b}**: refused; {found.reason}.")
+        else:
+            lines.append(f"- **{a} + {b}**: accepted, not tested yet; {found.missing}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m shardfusion.train.compat --markdown``: print docs/compatibility.md."""
+    parser = argparse.ArgumentParser(prog="python -m shardfusion.train.compat", description=main.__doc__)
+    parser.add_argument("--markdown", action="store_true", help="print the table as docs/compatibility.md")
+    args = parser.parse_args(argv)
+    if not args.markdown:
+        parser.error("nothing to do: give --markdown")
+    print(markdown(), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
