@@ -73,8 +73,8 @@ def job_step(config: ResolvedJob, mp_policy: sf.MixedPrecisionPolicy, ranks_per_
     a ``(--global-batch-size / data-parallel ranks, seq_len)`` batch, as `PlainMode.forward_backward` runs each of
     the step's micro-batches; the library runs its backward, the clipping and the optimizer step in the order of
     `Trainer.train_step`), or with --pp the played rank's stages of `job_pipeline.PipelineRun`, sharded, whose
-    `PipelineRun.forward_backward` (the step's --grad-accum x --batch-size rows through the schedule, as
-    `PipelineMode.forward_backward` runs it) returns None: ``step_runs_backward=config.pp > 1``."""
+    `PipelineRun.run_rows` (the step's --grad-accum x --batch-size rows through the schedule, as
+    `PipelineMode.forward_backward` runs them) returns None: ``step_runs_backward=config.pp > 1``."""
     job = job_model.build(config, None, torch.device("cpu"))  # on meta: the sequence length and the losses
     vocab = config.model_config().vocab_size
     pipe = []  # --pp > 1: the played rank's PipelineRun (its stages, sharded, and its schedule)
@@ -91,7 +91,8 @@ def job_step(config: ResolvedJob, mp_policy: sf.MixedPrecisionPolicy, ranks_per_
 
     def step(model, topo):
         if pipe:  # the schedule runs every micro-batch's forward and backward (the rows of --grad-accum steps)
-            pipe[0].forward_backward(RandomBatches(config.batch_size, job.seq_len, vocab), 0)
+            pipe[0].run_rows(*RandomBatches(config.grad_accum * config.batch_size, job.seq_len, vocab).get_batch(
+                "train", 0))
             return None
         batches = RandomBatches(config.global_batch_size // (topo.dp * topo.sharding), job.seq_len, vocab)
         x, y = context_part(batches.get_batch("train", 0), context_of(topo))

@@ -198,7 +198,11 @@ class PipelineRun:
     def forward_backward(self, sampler: BatchSampler, step: int) -> None:
         """Forward and backward of optimizer step ``step`` through the schedule (collective over the pipeline and
         the stages' groups); the gradients are final when it returns. The figures: `step_figures`."""
-        x, y = step_rows(sampler, step, self.config.grad_accum)
+        self.run_rows(*step_rows(sampler, step, self.config.grad_accum))
+
+    def run_rows(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Forward and backward of one step's rows through the schedule: inputs and targets (grad_accum x B, T)
+        int64 (`step_rows`; the dry run's are random, `job_dry_run.job_step`). Collective, as `forward_backward`."""
         self._losses = []
         self._aux_sum.zero_()
         if self._tokens is not None:
