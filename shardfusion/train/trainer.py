@@ -135,6 +135,7 @@ class Trainer:
         self.tokens_per_step = self.schedule.global_batch_size * self.job.seq_len * self.schedule.grad_accum
 
     def _samplers(self, trainer: Trainer, train: Any, val: Any, data_order: int) -> tuple[Any, Any]:
+        """The default samplers: this rank's data-parallel slice of each global batch, for training and evaluation."""
         sampler = make_sampler(self, train, val, data_order, dp_rank=self.topo.data_parallel_rank,
                                dp_world=self.topo.dp * self.topo.sharding)
         return sampler, sampler
@@ -197,6 +198,7 @@ class Trainer:
         return StepResult(figures, float(grad_norm), lr, {**self.modes.merged("record", comm), **boundary}, comm)
 
     def _commit(self, step: int) -> bool:
+        """The default commit: every optimizer steps on the step's gradients, which are then dropped."""
         for optimizer in self.optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
