@@ -11,8 +11,9 @@ Two paths, chosen by the tokenizer and the files (`plain_bytes`):
 
 - `--tokenizer bytes` (the default) on text files: the corpus is the files' raw bytes, concatenated, as before
   tokenizers existed (`shardfusion.train.data.load_corpus`): nothing is cached, the data of older runs are unchanged.
-- any other tokenizer, or JSON Lines / Parquet files / a Hugging Face `datasets` folder: the documents (`shardfusion.train.documents`) are tokenized
-  once into the token cache (`shardfusion.train.token_cache`), each closed by the end-of-text id, and memory-mapped.
+- any other tokenizer, or JSON Lines / Parquet files / a Hugging Face `datasets` folder: the documents
+  (`shardfusion.train.documents`) are tokenized once into the token cache (`shardfusion.train.token_cache`), each
+  closed by the end-of-text id, and memory-mapped.
 
 Either way the stream is split as before (the last `VAL_FRACTION` is validation) and the batches are the same pure
 function of (seed, step, micro-step) (`shardfusion.train.data.BatchSampler`), in tokens instead of bytes.

@@ -2,10 +2,10 @@
 in a fixed order.
 
 `--data` is a file, a folder written by `datasets`' ``save_to_disk`` (`shardfusion.train.hf_datasets`: a Dataset, or
-a DatasetDict with `--split`), or a folder of files; a folder's files are taken recursively, sorted by relative path, hidden files and
-folders (a name starting with ".", such as the token cache `.shardfusion-tokens`) left out. A file compressed
-with gzip, bzip2, xz or Zstandard (``.gz``, ``.bz2``, ``.xz``, ``.zst``) is decompressed, and the suffix before that
-one tells its format (`shardfusion.train.text_files`). Each file is read by its suffix:
+a DatasetDict with `--split`), or a folder of files; a folder's files are taken recursively, sorted by relative
+path, hidden files and folders (a name starting with ".", such as the token cache `.shardfusion-tokens`) left out.
+A file compressed with gzip, bzip2, xz or Zstandard (``.gz``, ``.bz2``, ``.xz``, ``.zst``) is decompressed, and
+the suffix before that one tells its format (`shardfusion.train.text_files`). Each file is read by its suffix:
 
 - ``.jsonl`` / ``.ndjson``: JSON Lines, one object per line, its `--text-field` (default "text") a document; blank
   lines are skipped.

@@ -120,10 +120,10 @@ def dataset_folder(root: Path, split: str | None) -> Path | None:
     return folder
 
 
-def _data_files(folder: Path) -> list[Path]:
+def _data_files(folder: Path, state: Any = None) -> list[Path]:
     """The files of the Dataset folder that decide its rows: `STATE_FILE`, `INFO_FILE` and the Arrow files the
-    state names."""
-    state = _read_json(folder / STATE_FILE, "state")
+    state (read if not given) names."""
+    state = _read_json(folder / STATE_FILE, "state") if state is None else state
     entries = state.get("_data_files") if isinstance(state, dict) else None
     if not isinstance(entries, list) or not all(isinstance(e, dict) and "filename" in e for e in entries):
         raise ValueError(f"--data {folder}: its {STATE_FILE} names no data files; save the dataset again with "
@@ -136,13 +136,16 @@ def identity(folder: Path) -> dict[str, Any]:
     path, size, mtime_ns], ...]}`` of `_data_files`.
 
     Raises:
-        ValueError: the state cannot be read (one line naming --data).
-        OSError: a file it names is missing.
+        ValueError: one line naming --data: the state cannot be read, or a file it names cannot be.
     """
     state = _read_json(folder / STATE_FILE, "state")
     stats = []
-    for path in _data_files(folder):
-        st = path.stat()
+    for path in _data_files(folder, state):
+        try:
+            st = path.stat()
+        except OSError as error:
+            raise ValueError(f"--data {folder}: cannot read {path.name}, which its {STATE_FILE} names: "
+                             f"{error.strerror or error}; save the dataset again with save_to_disk") from None
         stats.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
     return {"fingerprint": state.get("_fingerprint"), "files": stats}
 

@@ -297,7 +297,8 @@ def test_tokenizer_override_flag() -> None:
 def test_prepare_a_datasets_folder_as_its_json_lines(tmp_path: Path, bpe_folder: Path) -> None:
     """--data a `Dataset.save_to_disk` folder, and a `DatasetDict` folder with --split: prepare and load_splits give
     the train and val tokens of the same texts written as JSON Lines, with a BPE and with bytes (the default, which
-    packs the documents through the cache as for JSON Lines); another --split reads another split; a DatasetDict
+    packs the documents through the cache as for JSON Lines); --train-tokenizer trains on its documents; another
+    --split reads another split; a DatasetDict
     without --split, an unknown split and a missing column are one-line errors naming the flag."""
     hf = pytest.importorskip("datasets")
     folder = tmp_path / "ds"
@@ -318,6 +319,8 @@ def test_prepare_a_datasets_folder_as_its_json_lines(tmp_path: Path, bpe_folder:
             got = splits(data, tokenizer, **flags)
             assert got[:2] == want[:2] and got[2]["documents"] == len(DOCS), (data, tokenizer)
             assert Path(got[2]["cache"]).parent == tmp_path / ".shardfusion-tokens"
+    trained = prepare(JobConfig.from_flat(data=str(folder), train_tokenizer=290, seq_len=16))
+    assert 257 <= trained.vocab_size <= 290 and Path(trained.tokenizer).name.startswith("bpe290-")
     reverse = splits(root, str(bpe_folder), split="test")
     assert reverse[:2] == splits(jsonl(tmp_path / "rev.jsonl", DOCS[::-1]), str(bpe_folder))[:2]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shardfusion.train.documents import data_files, documents, file_documents, is_structured
+from shardfusion.train.documents import data_files, documents, file_documents, is_structured, text_bytes
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -235,6 +235,8 @@ def test_datasets_folder_reads_as_the_same_json_lines(tmp_path: Path, monkeypatc
         ours = [t for _, t in documents(data_files(folder), "text", cap)]
         assert ours == [t for _, t in documents([lines], "text", cap)], cap
     assert [t for _, t in documents([folder], "text", 10**6)] == rows
+    size = sum(len(r.encode()) for r in rows)
+    assert (text_bytes(folder, "text", 10**6), text_bytes(folder, "text", 50)) == (size, 50)
     assert read(folder, "alt") == [str(i) for i in range(12)]
 
 
@@ -281,11 +283,13 @@ def test_datasets_folder_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     gone = save_dataset(tmp_path / "gone", {"text": ["a"]})
     next(gone.glob("*.arrow")).unlink()
     assert "load_from_disk cannot read it" in error_of(gone)
+    from shardfusion.train.token_cache import cache_key
+    from shardfusion.train.tokenizer import byte_tokenizer
+    with pytest.raises(ValueError, match=f"^--data {gone}: cannot read data-00000-of-00001.arrow, which its "):
+        cache_key([gone], byte_tokenizer(), "text", 10)
     broken = save_dataset(tmp_path / "broken", {"text": ["a"]})
     (broken / "state.json").write_text("{not json")
     with pytest.raises(ValueError) as caught:
-        from shardfusion.train.token_cache import cache_key
-        from shardfusion.train.tokenizer import byte_tokenizer
         cache_key([broken], byte_tokenizer(), "text", 10)
     assert str(caught.value).startswith(f"--data {broken}: cannot read its state state.json"), caught.value
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets raises ImportError
