@@ -104,7 +104,27 @@ def test_all_alive_equals_hsdp_and_waits_for_min_replicas(tmp_path: Path) -> Non
     assert (out / "replica-0" / "config.json").is_file() and not (out / "metrics.jsonl").exists()
 
 
-MP_STEPS = 4
+PARITY_STEPS = 4
+
+
+def _groups_equal_hsdp(tmp_path: Path, extra: list[str], shows: str, train: list[str] = TRAIN) -> None:
+    """2 replica groups x 2 ranks with the flags ``train`` + ``extra`` against HSDP outer 2 in one job of 4 ranks
+    with the same flags (the same global batch), `_assert_equals_reference` after `PARITY_STEPS` steps; ``shows``:
+    a piece of the console's layout line both runs must print (the mode is on)."""
+    flags = [*train, "--steps", str(PARITY_STEPS), "--warmup", "2", "--save-every", str(PARITY_STEPS),
+             "--eval-every", str(PARITY_STEPS), *extra]
+    ref = tmp_path / "hsdp"
+    result = run_train([*flags, "--nproc", "4", "--fsdp-outer-degree", "2", "--out", str(ref)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert shows in result.stdout, result.stdout[-3000:]
+    out = tmp_path / "ft"
+    with Replicas(out, flags) as run:
+        for group in (0, 1):
+            run.start(group, extra=["--ft-min-replicas", "2"])
+        codes = run.wait(["replica0", "replica1"], TRAIN_TIMEOUT_S)
+        assert codes == {"replica0": 0, "replica1": 0}, run.log("replica0")[-3000:] + run.log("replica1")[-3000:]
+        assert shows in run.log("replica0"), run.log("replica0")[-3000:]
+    _assert_equals_reference(out, ref, PARITY_STEPS)
 
 
 @pytest.mark.timeout(3 * TRAIN_TIMEOUT_S)
@@ -113,20 +133,42 @@ def test_tensor_parallel_groups_equal_hsdp_with_mp(tmp_path: Path) -> None:
     1) against HSDP outer 2 x mp 2 in one job of 4 ranks, the same global batch: the mp ranks of a group read the
     same samples, torchft averages each mp rank's pieces with the same mp rank of the other group, the clipping norm
     counts every element once; so the same losses and norms and bitwise the same checkpoint."""
-    flags = [*TRAIN, "--steps", str(MP_STEPS), "--warmup", "2", "--save-every", str(MP_STEPS),
-             "--eval-every", str(MP_STEPS), "--mp", "2"]
-    ref = tmp_path / "hsdp"
-    result = run_train([*flags, "--nproc", "4", "--fsdp-outer-degree", "2", "--out", str(ref)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "x mp2;" in result.stdout, result.stdout[-3000:]
-    out = tmp_path / "ft"
-    with Replicas(out, flags) as run:
-        for group in (0, 1):
-            run.start(group, extra=["--ft-min-replicas", "2"])
-        codes = run.wait(["replica0", "replica1"], TRAIN_TIMEOUT_S)
-        assert codes == {"replica0": 0, "replica1": 0}, run.log("replica0")[-3000:] + run.log("replica1")[-3000:]
-        assert "x mp2;" in run.log("replica0"), run.log("replica0")[-3000:]
-    _assert_equals_reference(out, ref, MP_STEPS)
+    _groups_equal_hsdp(tmp_path, ["--mp", "2"], "x mp2;")
+
+
+@pytest.mark.timeout(3 * TRAIN_TIMEOUT_S)
+def test_expert_parallel_groups_equal_hsdp_with_ep(tmp_path: Path) -> None:
+    """The GPT-MoE (4 experts, top 2) at --ep 2 inside each replica group: each group rank holds 2 experts, the
+    same 2 as the same rank of the other group, so torchft's average of the expert buffers' gradients over the
+    group ranks is HSDP's replicate all-reduce of them; against HSDP outer 2 x inner 2 at ep 2 in one job: the same
+    losses and norms and bitwise the same checkpoint (experts and router included)."""
+    _groups_equal_hsdp(tmp_path, ["--experts", "4", "--top-k", "2", "--ep", "2"], "; ep2")
+
+
+@pytest.mark.timeout(3 * TRAIN_TIMEOUT_S)
+def test_groups_from_a_pretrained_folder_equal_hsdp(tmp_path: Path) -> None:
+    """--init-from a Hugging Face folder (a tiny Llama written by save_pretrained: a Hugging Face model) in each
+    replica group against HSDP outer 2 x inner 2 from the same folder in one job: both start from the folder's
+    weights (the HSDP run's first loss is a single-process transformers forward of them on the 4 ranks' batches),
+    and the groups end with the same losses and norms and bitwise the same checkpoint."""
+    transformers = pytest.importorskip("transformers")
+    from pretrained import loss_of, save_tiny_llama
+    from shardfusion.train.data import BatchSampler, load_corpus, split_corpus
+
+    folder = tmp_path / "pretrained"
+    save_tiny_llama(folder)
+    at = TRAIN.index("--experts")
+    train = TRAIN[:at] + TRAIN[at + 2:]  # the folder decides the model
+    _groups_equal_hsdp(tmp_path, ["--init-from", str(folder)], f"LlamaForCausalLM (from {folder})", train=train)
+    first = json.loads((tmp_path / "hsdp" / "metrics.jsonl").read_text().splitlines()[1])
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    splits = split_corpus(load_corpus(None, int(train[train.index("--data-bytes") + 1])))
+    batch, seq_len = (int(train[train.index(flag) + 1]) for flag in ("--batch-size", "--seq-len"))
+    samplers = [BatchSampler(train=splits[0], val=splits[1], batch_size=batch, seq_len=seq_len, seed=42,
+                             dp_rank=r, dp_world=4) for r in range(4)]
+    reference = sum(loss_of(model, *s.get_batch("train", 0, 0)) for s in samplers) / 4
+    assert first["step"] == 1 and first["loss"] == pytest.approx(float(reference), rel=1e-5)
+    assert json.loads((tmp_path / "ft" / "replica-0" / "config.json").read_text())["model"]["hidden_size"] == 48
 
 
 @pytest.mark.timeout(300)
