@@ -33,3 +33,20 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         logits = model(input_ids=x).logits  # (B, T, V)
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def first_loss(folder: Path, *, world: int, batch_size: int, seq_len: int, data_bytes: int,
+               ranks: int | None = None) -> float:
+    """The first step's loss of a run started from ``folder`` on the default data: the folder's model loaded by
+    transformers in this process, on the first micro-batch of each of the ``world`` data-parallel ranks (the job's
+    samplers, seed 42), the mean over the ranks; ``ranks``: over data-parallel ranks 0 .. ranks - 1 only (DiLoCo
+    logs its first replica's loss)."""
+    import transformers
+
+    from shardfusion.train.data import BatchSampler, load_corpus, split_corpus
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    train, val = split_corpus(load_corpus(None, data_bytes))
+    samplers = [BatchSampler(train=train, val=val, batch_size=batch_size, seq_len=seq_len, seed=42, dp_rank=r,
+                             dp_world=world) for r in range(ranks or world)]
+    return float(sum(loss_of(model, *s.get_batch("train", 0, 0)) for s in samplers) / len(samplers))

@@ -151,9 +151,8 @@ def test_groups_from_a_pretrained_folder_equal_hsdp(tmp_path: Path) -> None:
     replica group against HSDP outer 2 x inner 2 from the same folder in one job: both start from the folder's
     weights (the HSDP run's first loss is a single-process transformers forward of them on the 4 ranks' batches),
     and the groups end with the same losses and norms and bitwise the same checkpoint."""
-    transformers = pytest.importorskip("transformers")
-    from pretrained import loss_of, save_tiny_llama
-    from shardfusion.train.data import BatchSampler, load_corpus, split_corpus
+    pytest.importorskip("transformers")
+    from pretrained import first_loss, save_tiny_llama
 
     folder = tmp_path / "pretrained"
     save_tiny_llama(folder)
@@ -161,13 +160,10 @@ def test_groups_from_a_pretrained_folder_equal_hsdp(tmp_path: Path) -> None:
     train = TRAIN[:at] + TRAIN[at + 2:]  # the folder decides the model
     _groups_equal_hsdp(tmp_path, ["--init-from", str(folder)], f"LlamaForCausalLM (from {folder})", train=train)
     first = json.loads((tmp_path / "hsdp" / "metrics.jsonl").read_text().splitlines()[1])
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
-    splits = split_corpus(load_corpus(None, int(train[train.index("--data-bytes") + 1])))
-    batch, seq_len = (int(train[train.index(flag) + 1]) for flag in ("--batch-size", "--seq-len"))
-    samplers = [BatchSampler(train=splits[0], val=splits[1], batch_size=batch, seq_len=seq_len, seed=42,
-                             dp_rank=r, dp_world=4) for r in range(4)]
-    reference = sum(loss_of(model, *s.get_batch("train", 0, 0)) for s in samplers) / 4
-    assert first["step"] == 1 and first["loss"] == pytest.approx(float(reference), rel=1e-5)
+    batch, seq_len, data_bytes = (int(train[train.index(flag) + 1])
+                                  for flag in ("--batch-size", "--seq-len", "--data-bytes"))
+    reference = first_loss(folder, world=4, batch_size=batch, seq_len=seq_len, data_bytes=data_bytes)
+    assert first["step"] == 1 and first["loss"] == pytest.approx(reference, rel=1e-5)
     assert json.loads((tmp_path / "ft" / "replica-0" / "config.json").read_text())["model"]["hidden_size"] == 48
 
 
