@@ -161,8 +161,8 @@ def test_init_from_pretrained_folder(tmp_path: Path) -> None:
     assert (folder / "model.safetensors.index.json").is_file() and len(list(folder.glob("*.safetensors"))) > 1
     out = tmp_path / "run"
     stdout = _ok(run_train([*COMMON, "--init-from", str(folder), "--optimizer", "muon", "--nproc", "2", "--steps",
-                            "1", "--warmup", "0", "--eval-every", "1", "--save-every", "1", "--sample-tokens", "0", "--out",
-                            str(out)]))
+                            "1", "--warmup", "0", "--eval-every", "1", "--save-every", "1", "--sample-tokens", "0",
+                            "--out", str(out)]))
     assert "--optimizer muon: Muon (lr 0.05) on 21 matrices of the blocks" in stdout, stdout[-3000:]
     train, val = read_metrics(out / "metrics.jsonl")
     # the reference: the pretrained model in this process, on the batches of both data-parallel ranks

@@ -165,9 +165,10 @@ def test_context_parallel_equals_cp1(tmp_path: Path) -> None:
     their owners over the inner group) against Muon at --cp 1 (2 ranks, inner 2), the dense tiny GPT, the same
     batches: the gradients are the whole sequences' (summed over cp before Muon orthogonalizes them), so the first
     loss is the --cp 1 run's to fp32 rounding, the later ones and the last validation loss within what the bf16
-    Newton-Schulz makes of gradients that differ in rounding (`CP_RTOL`). Not the parameters: the Newton-Schulz iteration lifts
-    the gradients' smallest singular directions, rounding noise, so its matrices differ by ~3% of their norm after
-    4 steps between any two layouts (--nproc 2 against --nproc 1 alike), while the loss does not see it."""
+    Newton-Schulz makes of gradients that differ in rounding (`CP_RTOL`). Not the parameters: the Newton-Schulz
+    iteration lifts the gradients' smallest singular directions, rounding noise, so its matrices differ by ~3% of
+    their norm after 4 steps between any two layouts (--nproc 2 against --nproc 1 alike), while the loss does not
+    see it."""
     flags = [*FLAGS[:FLAGS.index("--experts")], "--experts", "0", "--optimizer", "muon", "--muon-lr", "0.02",
              "--steps", "4", "--eval-every", "4", "--save-every", "4", "--fsdp-outer-degree", "1"]
     cp, plain = tmp_path / "cp2", tmp_path / "cp1"
