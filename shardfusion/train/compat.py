@@ -123,7 +123,7 @@ PAIRS: dict[frozenset[str], Works | Refused] = {frozenset(pair): entry for pair,
     (("ep", "diloco"), Works("tests/integration/test_train_resume.py::"
                              "test_every_step_checkpoint_resumed_with_diloco_starts_a_new_period",
                              "the GPT-MoE at ep 2, HSDP outer 2, with DiLoCo outer steps")),
-    (("ep", "ft"), Works("tests/integration/test_train_ft.py::test_expert_parallel_groups_equal_hsdp_with_ep",
+    (("ep", "ft"), Works("tests/integration/test_train_ft.py::test_all_alive_equals_hsdp_and_waits_for_min_replicas",
                          "2 replica groups x 2 ranks of the GPT-MoE at ep 2 equal one HSDP job at ep 2, bitwise")),
     (("ep", "muon"), Works("tests/integration/test_train_muon.py::test_muon_learns_from_the_adamw_start",
                            "the GPT-MoE at ep 2 with Muon")),

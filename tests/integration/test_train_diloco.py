@@ -9,6 +9,9 @@ tests/unit/test_train_dtype_flags.py).
 - Resumed at another world size (W=2), the per-rank state does not fit: every rank refuses.
 - The inner steps send nothing across the replicas: the summary's per-step replicate all-reduce is the outer steps'
   bytes / steps.
+- DiLoCo over tensor-parallel replicas (--mp 2) equals DiLoCo at --mp 1 to fp32 rounding.
+- DiLoCo of a Hugging Face model from --init-from: the first loss is transformers', the outer snapshot holds the
+  folder's weights, the replicas are equal after the last outer step.
 - The flag refusals: tests/unit/test_outer_config.py (each is a usage error before launch, as every section's).
 """
 

@@ -7,7 +7,8 @@ loss goes down; Muon holds the blocks' matrices (momentum_buffer in the checkpoi
 --stop-after 3 and a second run resume exactly (the step-6 checkpoint equal bitwise); a resume of the step-3
 checkpoint on 4 workers with inner degree 4 (other owners for every matrix) continues the run: its first step's
 loss is the reference's to fp32 rounding and its last within the bf16 Newton-Schulz tolerance; a resume with
-another --optimizer is refused before any worker starts, both ways.
+another --optimizer is refused before any worker starts, both ways. Muon at --cp 2 (the dense GPT) equals Muon at
+--cp 1 loss for loss.
 """
 
 from __future__ import annotations
