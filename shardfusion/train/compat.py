@@ -1,7 +1,7 @@
 """Which of the training job's modes combine: one table, data only, of every unordered pair of modes.
 
 Each pair is either `Works` (with the pytest node id of the test that runs the pair and shows it right) or `Refused`
-(with the reason); `Untested` marks a pair the job accepts that no test runs yet (to become one of the two). The
+(with the reason): no third kind; a new mode comes with an entry of one of the two for each of its pairs. The
 job's refusal messages come from here: a flag check that refuses a pair calls `refuse` (or `refuse_first`), which
 raises ``"<flag> <value> with <flag> <value>: <reason>"``. tests/unit/test_compat.py checks that the table covers
 every pair once, that every named test exists, and that every refused pair is refused by the job's own flag checks
@@ -68,20 +68,11 @@ class Refused:
     reason: str
 
 
-@dataclass(frozen=True)
-class Untested:
-    """The job accepts the pair, but no test runs it yet: `missing` says what a proof would be. Not a third kind of
-    answer to keep: each such pair is to become `Works` (with its test) or `Refused` (with the check that refuses
-    it); tests/unit/test_compat.py checks that the job does accept it meanwhile."""
-
-    missing: str
-
-
 _FT = "a fault-tolerant replica group is FSDP with outer degree 1 and AdamW, its replicas joined by torchft"
 _DILOCO = "DiLoCo runs on HSDP's replicas with AdamW inside"
 _HF = "a Hugging Face model is sharded by fully_shard alone"
 
-PAIRS: dict[frozenset[str], Works | Refused | Untested] = {frozenset(pair): entry for pair, entry in [
+PAIRS: dict[frozenset[str], Works | Refused] = {frozenset(pair): entry for pair, entry in [
     (("pp", "mp"), Refused("the job's pipeline stages are sharded by fully_shard alone, without the tensor-parallel "
                            "plan; use --pp or --mp, not both (docs/train-pipeline.md)")),
     (("pp", "cp"), Refused("the job's pipeline stages are sharded by fully_shard alone, without context-parallel "
@@ -107,7 +98,8 @@ PAIRS: dict[frozenset[str], Works | Refused | Untested] = {frozenset(pair): entr
     (("mp", "hsdp"), Works("tests/integration/test_train_data_order.py::"
                            "test_tensor_and_context_parallel_runs_see_the_same_first_step",
                            "--mp 2 at 4 ranks is HSDP outer 2: its first step equals the default layout's")),
-    (("mp", "diloco"), Untested("no run of DiLoCo over tensor-parallel replicas against DiLoCo at --mp 1")),
+    (("mp", "diloco"), Works("tests/integration/test_train_diloco.py::test_tensor_parallel_replicas_equal_mp1",
+                             "DiLoCo at --mp 2 (outer 2 x mp 2) equals DiLoCo at --mp 1: losses, norms, parameters")),
     (("mp", "ft"), Works("tests/integration/test_train_ft.py::test_tensor_parallel_groups_equal_hsdp_with_mp",
                          "2 replica groups x 2 ranks at --mp 2 equal one job with --mp 2 and outer degree 2")),
     (("mp", "muon"), Refused("Muon needs each matrix whole on one rank, but tensor parallel splits the blocks' "
@@ -124,7 +116,8 @@ PAIRS: dict[frozenset[str], Works | Refused | Untested] = {frozenset(pair): entr
     (("cp", "diloco"), Refused(f"{_DILOCO}, without context-parallel attention (no --cp yet); see "
                                f"docs/slow-links.md")),
     (("cp", "ft"), Refused(f"{_FT}, without context-parallel attention (no --cp yet); see docs/fault-tolerance.md")),
-    (("cp", "muon"), Untested("no run of Muon at --cp 2 against Muon at --cp 1")),
+    (("cp", "muon"), Works("tests/integration/test_train_muon.py::test_context_parallel_equals_cp1",
+                           "Muon at --cp 2 (inner 2 x cp 2) equals Muon at --cp 1: every step's loss")),
     (("cp", "hf"), Refused("context-parallel attention is the GPT's (shardfusion.context_parallel); drop --cp")),
     (("cp", "init_from"), Refused("context-parallel attention is the GPT's (shardfusion.context_parallel); drop "
                                   "--cp")),
@@ -132,8 +125,8 @@ PAIRS: dict[frozenset[str], Works | Refused | Untested] = {frozenset(pair): entr
     (("ep", "diloco"), Works("tests/integration/test_train_resume.py::"
                              "test_every_step_checkpoint_resumed_with_diloco_starts_a_new_period",
                              "the GPT-MoE at ep 2, HSDP outer 2, with DiLoCo outer steps")),
-    (("ep", "ft"), Untested("the fault-tolerance runs train the dense GPT; none averages expert buffers across "
-                              "replica groups")),
+    (("ep", "ft"), Works("tests/integration/test_train_ft.py::test_all_alive_equals_hsdp_and_waits_for_min_replicas",
+                         "2 replica groups x 2 ranks of the GPT-MoE at ep 2 equal one HSDP job at ep 2, bitwise")),
     (("ep", "muon"), Works("tests/integration/test_train_muon.py::test_muon_learns_from_the_adamw_start",
                            "the GPT-MoE at ep 2 with Muon")),
     (("ep", "hf"), Refused("a Hugging Face model's experts run in its own modules on every rank, so ep must be 1; "
@@ -154,23 +147,31 @@ PAIRS: dict[frozenset[str], Works | Refused | Untested] = {frozenset(pair): entr
                              "2 replica groups with DiLoCo equal one HSDP 2 x 2 DiLoCo job step by step; a group killed "
                              "between outer steps: test_diloco_a_group_killed_between_outer_steps")),
     (("diloco", "muon"), Refused(f"{_DILOCO} (no --optimizer muon yet); see docs/slow-links.md")),
-    (("diloco", "hf"), Untested("no DiLoCo run of a Hugging Face model")),
-    (("diloco", "init_from"), Untested("no DiLoCo run from a pretrained folder")),
+    (("diloco", "hf"), Works("tests/integration/test_train_diloco.py::test_from_a_pretrained_folder",
+                             "a Llama from a pretrained folder under DiLoCo: first loss from transformers, the "
+                             "replicas equal after the outer step")),
+    (("diloco", "init_from"), Works("tests/integration/test_train_diloco.py::test_from_a_pretrained_folder",
+                                    "the first loss is transformers' on the folder's model, the outer snapshot "
+                                    "the folder's weights")),
     (("ft", "muon"), Refused(f"{_FT}, which averages the gradients of AdamW's parameters (no --optimizer muon yet); "
                              f"see docs/fault-tolerance.md")),
-    (("ft", "hf"), Untested("no fault-tolerant run of a Hugging Face model")),
-    (("ft", "init_from"), Untested("no fault-tolerant run from a pretrained folder (the settings digest leaves the "
-                                    "path out)")),
+    (("ft", "hf"), Works("tests/integration/test_train_ft.py::test_groups_from_a_pretrained_folder_equal_hsdp",
+                         "2 replica groups x 2 ranks of a Llama equal one HSDP job, bitwise")),
+    (("ft", "init_from"), Works("tests/integration/test_train_ft.py::test_groups_from_a_pretrained_folder_equal_hsdp",
+                                "replica groups from a pretrained folder equal one HSDP job from it, bitwise; its "
+                                "first loss is transformers'")),
     (("muon", "hf"), Works("tests/unit/test_train_muon_config.py::test_muon_takes_the_matrices_of_hf_decoder_layers",
                            "Muon takes the decoder layers' 2-D matrices, AdamW the rest")),
-    (("muon", "init_from"), Untested("no Muon run from a pretrained folder")),
+    (("muon", "init_from"), Works("tests/integration/test_train_hf.py::test_init_from_pretrained_folder",
+                                  "the folder's weights load into Muon's owner layout: the first losses are "
+                                  "transformers'")),
     (("hf", "init_from"), Works("tests/unit/test_hf_models.py::test_hf_model_and_init_from_together",
                                 "--hf-model must name the folder's model type; the folder decides the model")),
 ]}
 """Every unordered pair of `MODES`, exactly once (tests/unit/test_compat.py)."""
 
 
-def entry(a: str, b: str) -> Works | Refused | Untested:
+def entry(a: str, b: str) -> Works | Refused:
     """The table's entry of modes ``a`` and ``b`` (either order).
 
     Raises:
@@ -221,7 +222,7 @@ def pairs() -> list[tuple[str, str]]:
     return list(itertools.combinations(MODES, 2))
 
 
-_LETTER = {Works: "W", Refused: "R", Untested: "U"}
+_LETTER = {Works: "W", Refused: "R"}
 
 
 def markdown() -> str:
@@ -234,7 +235,7 @@ def markdown() -> str:
              "before any worker starts, with the reason the job prints.", "",
              "## Modes", "", "| mode | switched on by | what | docs |", "|---|---|---|---|"]
     lines += [f"| {name} | `{m.flag}` | {m.what} | {m.doc} |" for name, m in MODES.items()]
-    lines += ["", "## Matrix", "", "W: works (tested), R: refused, U: accepted by the job but not tested yet.", "",
+    lines += ["", "## Matrix", "", "W: works (tested), R: refused.", "",
               "| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for a in names:
         cells = ["-" if a == b else _LETTER[type(entry(a, b))] for b in names]
@@ -245,10 +246,8 @@ def markdown() -> str:
         if isinstance(found, Works):
             how = f": {found.how}" if found.how else ""
             lines.append(f"- **{a} + {b}**: works; `{found.test}`{how}.")
-        elif isinstance(found, Refused):
-            lines.append(f"- **{a} + {b}**: refused; {found.reason}.")
         else:
-            lines.append(f"- **{a} + {b}**: accepted, not tested yet; {found.missing}.")
+            lines.append(f"- **{a} + {b}**: refused; {found.reason}.")
     return "\n".join(lines) + "\n"
 
 

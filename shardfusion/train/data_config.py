@@ -1,5 +1,5 @@
 """The data section of the training job's settings (`--data`, `--data-bytes`, `--tokenizer`, `--train-tokenizer`,
-`--tokenizer-override`, `--text-field`, `--data-cache`) and its checks: this module owns them,
+`--tokenizer-override`, `--text-field`, `--split`, `--data-cache`) and its checks: this module owns them,
 `shardfusion.train.config.JobConfig` composes the section (``config.corpus``) and calls `check_flags` with the other
 sections' checks; the job calls `prepare_tokenizer` once before any worker starts (it trains a tokenizer if asked
 and checks it against an --init-from folder's and the resumed checkpoint's), whose facts `config.resolve` takes,
@@ -11,8 +11,9 @@ Two paths, chosen by the tokenizer and the files (`plain_bytes`):
 
 - `--tokenizer bytes` (the default) on text files: the corpus is the files' raw bytes, concatenated, as before
   tokenizers existed (`shardfusion.train.data.load_corpus`): nothing is cached, the data of older runs are unchanged.
-- any other tokenizer, or JSON Lines / Parquet files: the documents (`shardfusion.train.documents`) are tokenized
-  once into the token cache (`shardfusion.train.token_cache`), each closed by the end-of-text id, and memory-mapped.
+- any other tokenizer, or JSON Lines / Parquet files / a Hugging Face `datasets` folder: the documents
+  (`shardfusion.train.documents`) are tokenized once into the token cache (`shardfusion.train.token_cache`), each
+  closed by the end-of-text id, and memory-mapped.
 
 Either way the stream is split as before (the last `VAL_FRACTION` is validation) and the batches are the same pure
 function of (seed, step, micro-step) (`shardfusion.train.data.BatchSampler`), in tokens instead of bytes.
@@ -32,10 +33,9 @@ import numpy as np
 
 from shardfusion.train import run_folder
 from shardfusion.train import tokenizer as tok
-from shardfusion.train.documents import data_files, documents, is_structured
+from shardfusion.train.documents import data_files, documents, is_structured, text_bytes
 from shardfusion.train.model_config import ModelConfig
-from shardfusion.train.sections import meta
-from shardfusion.train.text_files import text_size
+from shardfusion.train.sections import FT_SHARED_UNLESS_DEFAULT, meta
 
 AnyConfig = Any
 """The annotation of the functions that read a whole config (`JobConfig` or `ResolvedJob`, which this section's
@@ -53,8 +53,8 @@ class DataConfig:
 
     data: str | None = field(default=None, metadata=meta(resume=True))
     """A text file, a JSON Lines file (.jsonl, one JSON object per line), a Parquet file (.parquet, needs pyarrow),
-    or a folder of such files (recursively, sorted by path) to train on (default: the Python standard library's
-    source)."""
+    a folder written by Hugging Face datasets' save_to_disk (needs datasets; a DatasetDict with --split), or a folder
+    of such files (recursively, sorted by path) to train on (default: the Python standard library's source)."""
     data_bytes: int = field(default=16_000_000, metadata=meta(resume=True, ft_shared=True))
     """Read at most this many bytes of text of the corpus (JSON Lines and Parquet: whole documents until the text
     reaches it) (default 16000000)."""
@@ -69,7 +69,10 @@ class DataConfig:
     """Train with --tokenizer even when it maps text to other ids than the tokenizer of the --init-from folder
     (another ids fingerprint): a warning instead of the error (default off)."""
     text_field: str = field(default=DEFAULT_TEXT_FIELD, metadata=meta(resume=True, ft_shared=True))
-    """The field (JSON Lines) or column (Parquet) that holds each document's text (default text)."""
+    """The field (JSON Lines) or column (Parquet, datasets) that holds each document's text (default text)."""
+    split: str | None = field(default=None, metadata=meta(resume=True, ft_shared=FT_SHARED_UNLESS_DEFAULT))
+    """The split to train on when --data is a folder written by DatasetDict.save_to_disk, e.g. train (default: none;
+    such a folder needs one)."""
     data_cache: str | None = None
     """Folder of the token cache: each corpus is tokenized once per tokenizer and memory-mapped from here
     (default: .shardfusion-tokens beside --data, or ~/.cache/shardfusion/tokens when that is not writable)."""
@@ -95,17 +98,26 @@ def check_flags(config: DataConfig, model: ModelConfig) -> None:
                              f"vocabulary it was trained with; drop --train-tokenizer")
     if not config.text_field:
         raise ValueError("--text-field must not be empty")
+    if config.split is not None:
+        if not config.split:
+            raise ValueError("--split must not be empty")
+        if config.data is None:
+            raise ValueError(f"--split {config.split} needs --data: a folder written by DatasetDict.save_to_disk "
+                             f"(the default corpus has no splits)")
 
 
 def _files(config: AnyConfig) -> list[Path]:
     if config.data is None:
         from shardfusion.train.data import stdlib_files
         return stdlib_files()
-    return data_files(Path(config.data))
+    return data_files(Path(config.data), config.split)
 
 
 def where(config: AnyConfig) -> str:
-    return "the standard library" if config.data is None else f"--data {config.data}"
+    """The corpus in messages: ``--data PATH`` (and ``--split NAME``), or the standard library."""
+    if config.data is None:
+        return "the standard library"
+    return f"--data {config.data}" + (f" --split {config.split}" if config.split is not None else "")
 
 
 def _check_text(config: AnyConfig) -> bool:
@@ -167,7 +179,7 @@ def _train_texts(config: AnyConfig):
     for path in files:  # bytes of text, decompressed, up to the cap
         if size >= config.data_bytes:
             break
-        size += text_size(path, config.data_bytes - size)
+        size += text_bytes(path, config.text_field, config.data_bytes - size)
     limit = (1 - VAL_FRACTION) * min(config.data_bytes, size)
 
     def texts():
@@ -285,8 +297,8 @@ def check_stream(config: AnyConfig, n_tokens: int, meta: dict) -> None:
     seq_len = config.model_config().seq_len
     need = min_corpus_bytes(seq_len)
     if meta.get("documents", 1) == 0:
-        raise ValueError(f"{where(config)} holds no documents; pass --data with a non-empty text, JSON Lines or "
-                         f"Parquet file or folder")
+        raise ValueError(f"{where(config)} holds no documents; pass --data with a non-empty text, JSON Lines, "
+                         f"Parquet or datasets file or folder")
     if n_tokens < need:
         n_train, n_val = split_sizes(n_tokens) if n_tokens > 1 else (n_tokens, 0)
         raise ValueError(f"{where(config)} holds only {n_tokens} tokens ({meta.get('documents')} documents), which "

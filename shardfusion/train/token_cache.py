@@ -1,7 +1,8 @@
 """Tokenize a corpus once into a memory-mapped token file, reused by every later run with the same inputs.
 
 The cache entry of a corpus is keyed by everything that decides its tokens: the tokenizer's fingerprint, each
-file's resolved path, size and modification time, the text field, the byte cap and `CACHE_VERSION`. Change any of
+file's resolved path, size and modification time (for a Hugging Face `datasets` folder: its fingerprint and its
+files', `shardfusion.train.hf_datasets.identity`), the text field, the byte cap and `CACHE_VERSION`. Change any of
 them (another tokenizer, an edited file) and the key changes, so the corpus is tokenized again; an entry that exists
 is only opened. An entry is two files in the cache folder, written to temporary names and renamed when complete (a
 run killed while tokenizing leaves no half entry):
@@ -30,7 +31,8 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from shardfusion.train.documents import documents
+from shardfusion.train import hf_datasets
+from shardfusion.train.documents import documents, source_bytes
 from shardfusion.train.tokenizer import Tokenizer
 
 CACHE_VERSION = 2
@@ -64,8 +66,11 @@ def cache_folder(data: Optional[str], data_cache: Optional[str]) -> Path:
 
 def cache_key(files: list[Path], tokenizer: Tokenizer, text_field: str, max_bytes: int) -> str:
     """The entry's name: a digest of everything that decides the tokens."""
-    stats = []
+    stats: list = []
     for path in files:
+        if hf_datasets.is_dataset(path):  # a folder: its fingerprint and files (the keys of files are unchanged)
+            stats.append(hf_datasets.identity(path))
+            continue
         st = path.stat()
         stats.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
     text = json.dumps({"version": CACHE_VERSION, "tokenizer": tokenizer.fingerprint, "files": stats,
@@ -99,7 +104,7 @@ def _build(files: list[Path], tokenizer: Tokenizer, text_field: str, max_bytes: 
            progress: bool, where: str, check_text: bool = True) -> dict:
     from tqdm import tqdm  # the job's extra; the library never gets here
 
-    total = min(max_bytes, sum(p.stat().st_size for p in files))
+    total = min(max_bytes, sum(source_bytes(p) for p in files))
     tmp = stem.with_name(stem.name + f".tokens.tmp{os.getpid()}")
     counts = {"tokens": 0, "documents": 0, "text_bytes": 0}
     print(f"shardfusion: tokenizing {where} ({len(files)} files, {total:,} bytes) with {tokenizer.describe()} "

@@ -1,9 +1,11 @@
 """Fault-tolerant replica groups (--ft-lighthouse), as whole runs of the training job: each replica group is a job
 of its own (2 gloo ranks), joined by a torchft lighthouse (benchmarks/ft.py starts both).
 
-- Every group alive: the run equals HSDP 2 x 2 of the same flags in one job (the reference): the same losses and
-  gradient norms, and bitwise the same parameters and optimizer state in the step-8 checkpoint. The first group,
-  started alone with --ft-min-replicas 2, waits and says so until the second joins.
+- Every group alive (the GPT-MoE at --ep 2 inside each group): the run equals HSDP 2 x 2 of the same flags in one
+  job (the reference): the same losses and gradient norms, and bitwise the same parameters (experts included) and
+  optimizer state in the step-8 checkpoint. The first group, started alone with --ft-min-replicas 2, waits and says
+  so until the second joins. The same parity, 4 steps, with a mode inside each group (the dense GPT): --mp 2, and
+  --init-from a Hugging Face folder (whose first loss is also a single-process transformers forward).
 - One group hung without dying (SIGSTOP inside step 10), then killed with SIGKILL inside step 60 and restarted at
   once, in one run (on two emulated nodes when network namespaces are available, else on loopback). The hang: the
   survivor's average runs into --ft-timeout, it discards that step and goes on alone; continued (SIGCONT), the hung
@@ -78,13 +80,20 @@ def _assert_equals_reference(out: Path, ref: Path, steps: int) -> None:
     assert digests[0] == digests[1] and len(set(digests[0])) == len(digests[0]), digests  # each rank its own shard
 
 
+MOE = ["--experts", "4", "--top-k", "2", "--ep", "2"]
+"""The all-alive run's model: the GPT-MoE at ep 2 inside each group, each group rank holding 2 of the 4 experts, the
+same 2 as the same rank of the other group (so torchft's average of the expert buffers' gradients over the group
+ranks is HSDP's replicate all-reduce of them). The other runs train the dense GPT."""
+
+
 @pytest.mark.timeout(3 * TRAIN_TIMEOUT_S)
 def test_all_alive_equals_hsdp_and_waits_for_min_replicas(tmp_path: Path) -> None:
     ref = tmp_path / "hsdp"
-    result = run_train([*FLAGS, "--nproc", "4", "--fsdp-outer-degree", "2", "--out", str(ref)])
+    result = run_train([*FLAGS, *MOE, "--nproc", "4", "--fsdp-outer-degree", "2", "--out", str(ref)])
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "; ep2" in result.stdout, result.stdout[-3000:]
     out = tmp_path / "ft"
-    with Replicas(out, FLAGS) as run:
+    with Replicas(out, [*FLAGS, *MOE]) as run:
         run.start(0, extra=["--ft-min-replicas", "2"])
         run.until(lambda: "waiting at step 0" in run.log("replica0"), TRAIN_TIMEOUT_S, "replica group 0 waiting")
         time.sleep(2.0)
@@ -93,6 +102,7 @@ def test_all_alive_equals_hsdp_and_waits_for_min_replicas(tmp_path: Path) -> Non
         run.start(1, extra=["--ft-min-replicas", "2"])
         codes = run.wait(["replica0", "replica1"], TRAIN_TIMEOUT_S)
         assert codes == {"replica0": 0, "replica1": 0}, run.log("replica0")[-3000:] + run.log("replica1")[-3000:]
+        assert "; ep2" in run.log("replica0"), run.log("replica0")[-3000:]
     _assert_equals_reference(out, ref, STEPS)
     for group in (0, 1):
         console = run.log(f"replica{group}").splitlines()
@@ -105,7 +115,27 @@ def test_all_alive_equals_hsdp_and_waits_for_min_replicas(tmp_path: Path) -> Non
     assert (out / "replica-0" / "config.json").is_file() and not (out / "metrics.jsonl").exists()
 
 
-MP_STEPS = 4
+PARITY_STEPS = 4
+
+
+def _groups_equal_hsdp(tmp_path: Path, extra: list[str], shows: str, train: list[str] = TRAIN) -> None:
+    """2 replica groups x 2 ranks with the flags ``train`` + ``extra`` against HSDP outer 2 in one job of 4 ranks
+    with the same flags (the same global batch), `_assert_equals_reference` after `PARITY_STEPS` steps; ``shows``:
+    a piece of the console's layout line both runs must print (the mode is on)."""
+    flags = [*train, "--steps", str(PARITY_STEPS), "--warmup", "2", "--save-every", str(PARITY_STEPS),
+             "--eval-every", str(PARITY_STEPS), *extra]
+    ref = tmp_path / "hsdp"
+    result = run_train([*flags, "--nproc", "4", "--fsdp-outer-degree", "2", "--out", str(ref)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert shows in result.stdout, result.stdout[-3000:]
+    out = tmp_path / "ft"
+    with Replicas(out, flags) as run:
+        for group in (0, 1):
+            run.start(group, extra=["--ft-min-replicas", "2"])
+        codes = run.wait(["replica0", "replica1"], TRAIN_TIMEOUT_S)
+        assert codes == {"replica0": 0, "replica1": 0}, run.log("replica0")[-3000:] + run.log("replica1")[-3000:]
+        assert shows in run.log("replica0"), run.log("replica0")[-3000:]
+    _assert_equals_reference(out, ref, PARITY_STEPS)
 
 
 @pytest.mark.timeout(3 * TRAIN_TIMEOUT_S)
@@ -114,20 +144,29 @@ def test_tensor_parallel_groups_equal_hsdp_with_mp(tmp_path: Path) -> None:
     1) against HSDP outer 2 x mp 2 in one job of 4 ranks, the same global batch: the mp ranks of a group read the
     same samples, torchft averages each mp rank's pieces with the same mp rank of the other group, the clipping norm
     counts every element once; so the same losses and norms and bitwise the same checkpoint."""
-    flags = [*TRAIN, "--steps", str(MP_STEPS), "--warmup", "2", "--save-every", str(MP_STEPS),
-             "--eval-every", str(MP_STEPS), "--mp", "2"]
-    ref = tmp_path / "hsdp"
-    result = run_train([*flags, "--nproc", "4", "--fsdp-outer-degree", "2", "--out", str(ref)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "x mp2;" in result.stdout, result.stdout[-3000:]
-    out = tmp_path / "ft"
-    with Replicas(out, flags) as run:
-        for group in (0, 1):
-            run.start(group, extra=["--ft-min-replicas", "2"])
-        codes = run.wait(["replica0", "replica1"], TRAIN_TIMEOUT_S)
-        assert codes == {"replica0": 0, "replica1": 0}, run.log("replica0")[-3000:] + run.log("replica1")[-3000:]
-        assert "x mp2;" in run.log("replica0"), run.log("replica0")[-3000:]
-    _assert_equals_reference(out, ref, MP_STEPS)
+    _groups_equal_hsdp(tmp_path, ["--mp", "2"], "x mp2;")
+
+
+@pytest.mark.timeout(3 * TRAIN_TIMEOUT_S)
+def test_groups_from_a_pretrained_folder_equal_hsdp(tmp_path: Path) -> None:
+    """--init-from a Hugging Face folder (a tiny Llama written by save_pretrained: a Hugging Face model) in each
+    replica group against HSDP outer 2 x inner 2 from the same folder in one job: both start from the folder's
+    weights (the HSDP run's first loss is a single-process transformers forward of them on the 4 ranks' batches),
+    and the groups end with the same losses and norms and bitwise the same checkpoint."""
+    pytest.importorskip("transformers")
+    from pretrained import first_loss, save_tiny_llama
+
+    folder = tmp_path / "pretrained"
+    save_tiny_llama(folder)
+    at = TRAIN.index("--experts")
+    train = TRAIN[:at] + TRAIN[at + 2:]  # the folder decides the model
+    _groups_equal_hsdp(tmp_path, ["--init-from", str(folder)], f"LlamaForCausalLM (from {folder})", train=train)
+    first = json.loads((tmp_path / "hsdp" / "metrics.jsonl").read_text().splitlines()[1])
+    batch, seq_len, data_bytes = (int(train[train.index(flag) + 1])
+                                  for flag in ("--batch-size", "--seq-len", "--data-bytes"))
+    reference = first_loss(folder, world=4, batch_size=batch, seq_len=seq_len, data_bytes=data_bytes)
+    assert first["step"] == 1 and first["loss"] == pytest.approx(reference, rel=1e-5)
+    assert json.loads((tmp_path / "ft" / "replica-0" / "config.json").read_text())["model"]["hidden_size"] == 48
 
 
 @pytest.mark.timeout(300)

@@ -2,9 +2,9 @@
 tiny `--hf-model llama` trains on the default data (the standard library), resumes exactly after a stop and
 exports to a folder that `transformers.AutoModelForCausalLM.from_pretrained` loads, with the run's final validation
 loss; `--hf-model qwen3_moe` trains under HSDP with its expert figures; `--init-from` a folder written by
-`save_pretrained` starts from those weights (the first loss equals a single-process forward of that model on the
-same batches); `--ep 2` with an HF model, and an HF model without transformers, are usage errors before any worker
-starts. The presets and the loss in one process: tests/unit/test_hf_models.py."""
+`save_pretrained` starts from those weights, with Muon too (the first loss equals a single-process forward of that
+model on the same batches); `--ep 2` with an HF model, and an HF model without transformers, are usage errors
+before any worker starts. The presets and the loss in one process: tests/unit/test_hf_models.py."""
 
 from __future__ import annotations
 
@@ -149,20 +149,21 @@ def test_qwen3_moe_trains_under_hsdp(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(TRAIN_TIMEOUT_S + 60)
 def test_init_from_pretrained_folder(tmp_path: Path) -> None:
-    # a pretrained folder as save_pretrained writes it: a model of another shape than the preset's, untied, eager,
-    # its weights in several files under model.safetensors.index.json
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      initializer_range=0.2, tie_word_embeddings=False)
-    torch.manual_seed(7)  # not the job's seed: the job's own initialisation would give other weights
-    pretrained = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    """A pretrained folder as save_pretrained writes it (a model of another shape than the preset's, untied, eager,
+    its weights in several files under model.safetensors.index.json), trained with --optimizer muon: the weights
+    load into Muon's owner layout (each decoder matrix whole on one rank), so the first loss and the first
+    validation loss equal a single-process forward of the folder's model on the same batches; Muon holds the
+    decoder layers' matrices, AdamW the rest. (AdamW from a folder: tests/integration/test_train_finetune.py.)"""
+    from pretrained import save_tiny_llama
+
     folder = tmp_path / "pretrained"
-    pretrained.save_pretrained(str(folder), max_shard_size="100KB")
+    pretrained = save_tiny_llama(folder, max_shard_size="100KB")
     assert (folder / "model.safetensors.index.json").is_file() and len(list(folder.glob("*.safetensors"))) > 1
     out = tmp_path / "run"
-    result = run_train([*COMMON, "--init-from", str(folder), "--nproc", "2", "--steps", "1", "--warmup", "0",
-                        "--eval-every", "1", "--sample-tokens", "0", "--out", str(out)])
-    _ok(result)
+    stdout = _ok(run_train([*COMMON, "--init-from", str(folder), "--optimizer", "muon", "--nproc", "2", "--steps",
+                            "1", "--warmup", "0", "--eval-every", "1", "--save-every", "1", "--sample-tokens", "0",
+                            "--out", str(out)]))
+    assert "--optimizer muon: Muon (lr 0.05) on 21 matrices of the blocks" in stdout, stdout[-3000:]
     train, val = read_metrics(out / "metrics.jsonl")
     # the reference: the pretrained model in this process, on the batches of both data-parallel ranks
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
@@ -173,9 +174,15 @@ def test_init_from_pretrained_folder(tmp_path: Path) -> None:
     before = sum(sum(_loss(model, *s.get_batch("val", i)) for i in s.val_indices(EVAL_BATCHES))
                  / len(s.val_indices(EVAL_BATCHES)) for s in samplers) / 2
     assert float(before) == pytest.approx(val[0]["val_loss"], rel=1e-5, abs=1e-6)
+    assert val[-1]["val_loss"] < val[0]["val_loss"]
     run_config = json.loads((out / "config.json").read_text())
     assert run_config["model"]["hidden_size"] == 48 and run_config["model"]["num_hidden_layers"] == 3
     assert run_config["num_params"] == sum(p.numel() for p in pretrained.parameters())
+    state = read_all(str(out / "checkpoints" / "step-1"))
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight"):
+        assert f"optim/{name}/momentum_buffer" in state and f"optim/{name}/exp_avg" not in state, name
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+        assert f"optim/{name}/exp_avg" in state and f"optim/{name}/momentum_buffer" not in state, name
 
 
 @pytest.mark.timeout(TRAIN_TIMEOUT_S)

@@ -7,7 +7,8 @@ loss goes down; Muon holds the blocks' matrices (momentum_buffer in the checkpoi
 --stop-after 3 and a second run resume exactly (the step-6 checkpoint equal bitwise); a resume of the step-3
 checkpoint on 4 workers with inner degree 4 (other owners for every matrix) continues the run: its first step's
 loss is the reference's to fp32 rounding and its last within the bf16 Newton-Schulz tolerance; a resume with
-another --optimizer is refused before any worker starts, both ways.
+another --optimizer is refused before any worker starts, both ways. Muon at --cp 2 (the dense GPT) equals Muon at
+--cp 1 loss for loss.
 """
 
 from __future__ import annotations
@@ -153,3 +154,32 @@ def test_outer_degree_auto_counts_the_owner_layouts(tmp_path: Path) -> None:
         predicted, measured = chosen.traffic[op], comm[category]
         assert predicted.count == measured["count"], (outer, op, predicted, measured)
         assert predicted.within_bytes + predicted.across_bytes == pytest.approx(measured["wire_bytes"], rel=1e-9)
+
+
+CP_RTOL = 5e-5
+"""The losses of Muon at --cp 2 against --cp 1 after the first step: measured 5e-6 relative at most (4 steps)."""
+
+
+@pytest.mark.timeout(2 * TRAIN_TIMEOUT_S + 30)
+def test_context_parallel_equals_cp1(tmp_path: Path) -> None:
+    """Muon at --cp 2 (4 ranks as inner 2 x cp 2: each rank a half of every sequence, Muon's matrices whole on
+    their owners over the inner group) against Muon at --cp 1 (2 ranks, inner 2), the dense tiny GPT, the same
+    batches: the gradients are the whole sequences' (summed over cp before Muon orthogonalizes them), so the first
+    loss is the --cp 1 run's to fp32 rounding, the later ones and the last validation loss within what the bf16
+    Newton-Schulz makes of gradients that differ in rounding (`CP_RTOL`). Not the parameters: the Newton-Schulz
+    iteration lifts the gradients' smallest singular directions, rounding noise, so its matrices differ by ~3% of
+    their norm after 4 steps between any two layouts (--nproc 2 against --nproc 1 alike), while the loss does not
+    see it."""
+    flags = [*FLAGS[:FLAGS.index("--experts")], "--experts", "0", "--optimizer", "muon", "--muon-lr", "0.02",
+             "--steps", "4", "--eval-every", "4", "--save-every", "4", "--fsdp-outer-degree", "1"]
+    cp, plain = tmp_path / "cp2", tmp_path / "cp1"
+    assert "x cp2 x" in _ok(run_train([*flags, "--nproc", "4", "--cp", "2", "--out", str(cp)]))
+    _ok(run_train([*flags, "--nproc", "2", "--out", str(plain)]))
+    (train, val), (ref_train, ref_val) = read_metrics(cp / "metrics.jsonl"), read_metrics(plain / "metrics.jsonl")
+    assert [r["step"] for r in train] == [r["step"] for r in ref_train] == [1, 2, 3, 4]
+    assert train[0]["loss"] == pytest.approx(ref_train[0]["loss"], rel=FIRST_RTOL)
+    for mine, ref in zip(train[1:], ref_train[1:]):
+        assert mine["loss"] == pytest.approx(ref["loss"], rel=CP_RTOL), mine["step"]
+    assert val[-1]["val_loss"] == pytest.approx(ref_val[-1]["val_loss"], rel=CP_RTOL)
+    state = read_all(str(cp / "checkpoints" / "step-4"))
+    assert "optim/blocks.0.attn.q.weight/momentum_buffer" in state and "optim/wte.weight/exp_avg" in state

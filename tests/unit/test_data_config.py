@@ -57,6 +57,8 @@ def pretrained(folder: Path, vocab_size: int, tokenizer_from: Path | None = None
     ({"train_tokenizer": 300, "init_from": "m"}, ["--train-tokenizer with --init-from m"]),
     ({"text_field": ""}, ["--text-field"]),
     ({"data_bytes": 0}, ["--data-bytes must be >= 1"]),
+    ({"split": "", "data": "d"}, ["--split must not be empty"]),
+    ({"split": "train"}, ["--split train needs --data", "DatasetDict.save_to_disk"]),
 ])
 def test_check_flags_refusals(fields: dict, words: list[str]) -> None:
     """check_flags refuses a BPE of < 257 ids, --train-tokenizer with --tokenizer or with --init-from, an empty
@@ -290,3 +292,52 @@ def test_tokenizer_override_flag() -> None:
     assert parse_args([]).tokenizer_override is False
     assert parse_args(["--tokenizer-override"]).tokenizer_override is True
     assert "--init-from folder" in " ".join(build_parser().format_help().split())
+
+
+def test_prepare_a_datasets_folder_as_its_json_lines(tmp_path: Path, bpe_folder: Path) -> None:
+    """--data a `Dataset.save_to_disk` folder, and a `DatasetDict` folder with --split: prepare and load_splits give
+    the train and val tokens of the same texts written as JSON Lines, with a BPE and with bytes (the default, which
+    packs the documents through the cache as for JSON Lines); --train-tokenizer trains on its documents; another
+    --split reads another split; a DatasetDict
+    without --split, an unknown split and a missing column are one-line errors naming the flag."""
+    hf = pytest.importorskip("datasets")
+    folder = tmp_path / "ds"
+    hf.Dataset.from_dict({"text": DOCS, "n": list(range(len(DOCS)))}).save_to_disk(str(folder))
+    root = tmp_path / "dict"
+    hf.DatasetDict({"train": hf.Dataset.from_dict({"text": DOCS}),
+                    "test": hf.Dataset.from_dict({"text": DOCS[::-1]})}).save_to_disk(str(root))
+    lines = jsonl(tmp_path / "docs.jsonl", DOCS)
+
+    def splits(data: Path, tokenizer: str | None = None, **flags) -> tuple[list, list, dict]:
+        job = prepare(JobConfig.from_flat(data=str(data), tokenizer=tokenizer, seq_len=16, **flags))
+        train, val, info = dc.load_splits(job, tk.load(job.tokenizer))
+        return np.asarray(train).tolist(), np.asarray(val).tolist(), info
+
+    for tokenizer in (str(bpe_folder), None):
+        want = splits(lines, tokenizer)
+        for data, flags in ((folder, {}), (root, {"split": "train"})):
+            got = splits(data, tokenizer, **flags)
+            assert got[:2] == want[:2] and got[2]["documents"] == len(DOCS), (data, tokenizer)
+            assert Path(got[2]["cache"]).parent == tmp_path / ".shardfusion-tokens"
+    trained = prepare(JobConfig.from_flat(data=str(folder), train_tokenizer=290, seq_len=16))
+    assert 257 <= trained.vocab_size <= 290 and Path(trained.tokenizer).name.startswith("bpe290-")
+    reverse = splits(root, str(bpe_folder), split="test")
+    assert reverse[:2] == splits(jsonl(tmp_path / "rev.jsonl", DOCS[::-1]), str(bpe_folder))[:2]
+
+    for flags, words in (({"data": str(root)}, f"--data {root} is a DatasetDict with the splits train, test"),
+                         ({"data": str(root), "split": "dev"}, "--split dev: "),
+                         ({"data": str(folder), "text_field": "body"}, "no 'body' column (it has: text, n)")):
+        with pytest.raises(ValueError) as caught:
+            prepare(JobConfig.from_flat(seq_len=16, **flags))
+        assert "\n" not in str(caught.value) and words in str(caught.value), caught.value
+
+
+def test_split_is_a_resume_and_ft_shared_setting(tmp_path: Path) -> None:
+    """--split decides the tokens, like --text-field: saved and compared on resume, and shared by fault-tolerant
+    replica groups, though only when given (a run without it keeps the settings digest of runs before it)."""
+    from shardfusion.train.config import FT_SHARED, RESUME_FIELDS
+    assert "split" in RESUME_FIELDS and "split" in FT_SHARED and "text_field" in RESUME_FIELDS
+    job = resolve(JobConfig.from_flat(data="d", split="train"), device="cpu", world_size=1)
+    assert job.marked("ft_shared")["split"] == "train" and job.marked("resume")["split"] == "train"
+    assert "split" not in resolve(JobConfig(), device="cpu", world_size=1).marked("ft_shared")
+    assert dc.where(job) == "--data d --split train"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shardfusion.train.documents import data_files, documents, file_documents, is_structured
+from shardfusion.train.documents import data_files, documents, file_documents, is_structured, text_bytes
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -210,3 +210,91 @@ def test_zst_without_zstandard_names_the_extra(tmp_path: Path, monkeypatch: pyte
     (tmp_path / "a.jsonl.zst").write_bytes(b"(\xb5/\xfd")
     message = error_of(tmp_path / "a.jsonl.zst")
     assert "needs the zstandard package (pip install 'shardfusion[data]')" in message, message
+
+
+def save_dataset(path: Path, columns: dict) -> Path:
+    """`columns` saved as a Hugging Face Dataset with `Dataset.save_to_disk` (built locally, nothing downloaded)."""
+    hf = pytest.importorskip("datasets")
+    hf.Dataset.from_dict(columns).save_to_disk(str(path))
+    return path
+
+
+def test_datasets_folder_reads_as_the_same_json_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder written by `Dataset.save_to_disk` is one source whose documents are those of the same texts written
+    as JSON Lines: the text column in row order across several read batches (3 rows each here), a null row skipped
+    (as in Parquet), an empty one dropped by `documents`, other columns ignored; the byte cap ends at the same
+    document; --text-field reads another column."""
+    from shardfusion.train import hf_datasets
+    monkeypatch.setattr(hf_datasets, "BATCH_ROWS", 3)
+    rows = [f"row {i}: é ☃ {'x' * i}\n" for i in range(10)]
+    values = rows[:4] + [None, ""] + rows[4:]
+    folder = save_dataset(tmp_path / "ds", {"id": list(range(12)), "text": values, "alt": [str(i) for i in range(12)]})
+    lines = write_jsonl(tmp_path / "same.jsonl", [{"text": v} for v in values if v is not None])
+    assert data_files(folder) == [folder] and is_structured(folder) and not is_structured(tmp_path)
+    for cap in (1, 30, 100, 10**6):
+        ours = [t for _, t in documents(data_files(folder), "text", cap)]
+        assert ours == [t for _, t in documents([lines], "text", cap)], cap
+    assert [t for _, t in documents([folder], "text", 10**6)] == rows
+    size = sum(len(r.encode()) for r in rows)
+    assert (text_bytes(folder, "text", 10**6), text_bytes(folder, "text", 50)) == (size, 50)
+    assert read(folder, "alt") == [str(i) for i in range(12)]
+
+
+def test_datasets_dict_needs_a_split(tmp_path: Path) -> None:
+    """A folder written by `DatasetDict.save_to_disk`: --split names the split folder read; without --split, with an
+    unknown split, --split on a Dataset or on other data, and a save_to_disk folder inside a folder of files are
+    one-line errors naming the flag and (for a DatasetDict) its splits; a missing path stays FileNotFoundError."""
+    hf = pytest.importorskip("datasets")
+    root = tmp_path / "dict"
+    hf.DatasetDict({"train": hf.Dataset.from_dict({"text": ["a", "b"]}),
+                    "test": hf.Dataset.from_dict({"text": ["c"]})}).save_to_disk(str(root))
+    assert data_files(root, "test") == [root / "test"]
+    assert [t for _, t in documents(data_files(root, "train"), "text", 10**6)] == ["a", "b"]
+
+    def refusal(root: Path, split: str | None) -> str:
+        with pytest.raises(ValueError) as caught:
+            data_files(root, split)
+        assert "\n" not in str(caught.value), caught.value
+        return str(caught.value)
+
+    message = refusal(root, None)
+    assert message.startswith(f"--data {root} is a DatasetDict") and "train, test" in message and "--split" in message
+    message = refusal(root, "validation")
+    assert message.startswith("--split validation") and "(it has: train, test)" in message, message
+    one = save_dataset(tmp_path / "one", {"text": ["x"]})
+    assert refusal(one, "train").startswith("--split train") and "drop --split" in refusal(one, "train")
+    lines = write_jsonl(tmp_path / "a.jsonl", [{"text": "x"}])
+    assert refusal(lines, "train").startswith("--split train") and "drop --split" in refusal(lines, "train")
+    assert refusal(tmp_path, None) == (f"--data {tmp_path}: {one} is a folder written by save_to_disk; pass it as "
+                                       f"--data itself (one dataset per run)")
+    with pytest.raises(FileNotFoundError, match="--data"):
+        data_files(tmp_path / "nowhere", "train")
+
+
+def test_datasets_folder_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A missing column names the columns there are and --text-field; a column that is not text, a folder whose
+    Arrow file is gone and one whose state.json is broken are one-line errors naming the folder; without the
+    datasets package a save_to_disk folder is refused when listed (before any reading), naming the extra."""
+    import sys
+    folder = save_dataset(tmp_path / "ds", {"title": ["a"], "n": [1]})
+    message = error_of(folder)
+    assert "'text' column" in message and "title, n" in message and "--text-field" in message, message
+    assert "holds Value('int64')" in error_of(folder, "n") and "not strings" in error_of(folder, "n")
+    gone = save_dataset(tmp_path / "gone", {"text": ["a"]})
+    next(gone.glob("*.arrow")).unlink()
+    assert "load_from_disk cannot read it" in error_of(gone)
+    from shardfusion.train.token_cache import cache_key
+    from shardfusion.train.tokenizer import byte_tokenizer
+    with pytest.raises(ValueError, match=f"^--data {gone}: cannot read data-00000-of-00001.arrow, which its "):
+        cache_key([gone], byte_tokenizer(), "text", 10)
+    broken = save_dataset(tmp_path / "broken", {"text": ["a"]})
+    (broken / "state.json").write_text("{not json")
+    with pytest.raises(ValueError) as caught:
+        cache_key([broken], byte_tokenizer(), "text", 10)
+    assert str(caught.value).startswith(f"--data {broken}: cannot read its state state.json"), caught.value
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets raises ImportError
+    with pytest.raises(ValueError) as caught:
+        data_files(folder)
+    assert str(caught.value) == (f"--data {folder}: a folder written by Hugging Face datasets' save_to_disk; reading "
+                                 f"it needs the datasets package (pip install 'shardfusion[data]')")
+    assert "needs the datasets package (pip install 'shardfusion[data]')" in error_of(folder)

@@ -1,6 +1,7 @@
 """The token cache (shardfusion.train.token_cache): the packed stream of a corpus, tokenized once, reused while the
 tokenizer and the files stay the same, rebuilt when either changes, in the folder beside the data or --data-cache."""
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -169,3 +170,48 @@ def test_read_only_cache_folder_names_data_cache(tmp_path: Path, corpus: Path) -
             tokens(corpus, tk.byte_tokenizer(), cache, max_bytes=5)
     finally:
         cache.chmod(0o755)
+
+
+def test_datasets_folder_tokens_and_key(tmp_path: Path, bpe: tk.Tokenizer, builds: list) -> None:
+    """A folder written by `Dataset.save_to_disk` gives the stream of the same texts as JSON Lines (the HF
+    tokenizer's ids, eot after each), built once and reused; its key changes with the dataset: another dataset
+    saved to the same folder, the fingerprint in state.json alone (files' sizes and mtimes kept), another split of
+    a DatasetDict. The key of a corpus of files is what it was before (its entries are reused)."""
+    hf = pytest.importorskip("datasets")
+    folder, cache = tmp_path / "ds", tmp_path / "cache"
+    hf.Dataset.from_dict({"text": DOCS, "n": list(range(len(DOCS)))}).save_to_disk(str(folder))
+    lines = tmp_path / "same.jsonl"
+    lines.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS), encoding="utf-8")
+    stream, meta = tokens(folder, bpe, cache)
+    assert stream.tolist() == tokens(lines, bpe, cache)[0].tolist()
+    assert stream.tolist() == expected_stream(bpe.hf, DOCS, bpe.hf.convert_tokens_to_ids("<|endoftext|>"))
+    assert meta["documents"] == len(DOCS) and len(builds) == 2
+    assert tokens(folder, bpe, cache)[1]["path"] == meta["path"] and len(builds) == 2  # reused
+
+    state = folder / "state.json"
+    st = state.stat()
+    fingerprint = json.loads(state.read_text())["_fingerprint"]
+    state.write_text(state.read_text().replace(fingerprint, fingerprint[::-1]))  # same size
+    os.utime(state, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert state.stat().st_size == st.st_size and state.stat().st_mtime_ns == st.st_mtime_ns
+    paths = [meta["path"], tokens(folder, bpe, cache)[1]["path"]]
+
+    hf.Dataset.from_dict({"text": DOCS[::-1]}).save_to_disk(str(tmp_path / "other"))
+    (tmp_path / "other").replace(tmp_path / "old")
+    folder.replace(tmp_path / "older")
+    (tmp_path / "old").replace(folder)  # another dataset at the same path
+    stream, meta = tokens(folder, bpe, cache)
+    paths.append(meta["path"])
+    assert bpe.decode(stream.tolist()).startswith(DOCS[-1])
+    root = tmp_path / "dict"
+    hf.DatasetDict({"a": hf.Dataset.from_dict({"text": DOCS}),
+                    "b": hf.Dataset.from_dict({"text": DOCS})}).save_to_disk(str(root))
+    paths += [token_cache.cached_tokens(data_files(root, split), bpe, text_field="text", max_bytes=10**6,
+                                        folder=cache, progress=False)[1]["path"] for split in ("a", "b")]
+    assert len(set(paths)) == len(paths) == 5 and len(builds) == 6
+
+    st = lines.stat()  # the key of files is the one entries were written under before datasets folders
+    keyed = {"version": token_cache.CACHE_VERSION, "tokenizer": bpe.fingerprint, "text_field": "text",
+             "max_bytes": 10**6, "files": [[str(lines.resolve()), st.st_size, st.st_mtime_ns]]}
+    digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:24]
+    assert token_cache.cache_key([lines], bpe, "text", 10**6) == digest
