@@ -245,7 +245,7 @@ class PipelineRun:
     # ---- evaluation ----
 
     def evaluate(self, sampler: BatchSampler, num_batches: int) -> float:
-        """Mean validation loss over the fixed validation set, the same on every rank, as `job.evaluate` gives it
+        """Mean validation loss over the fixed validation set, the same on every rank, as `plain_mode.evaluate` gives it
         at --pp 1: each data-parallel rank's validation batches (`BatchSampler.val_indices`) are the micro-batches
         of one forward-only pass through the pipeline (`schedule.eval`). Collective."""
         indices = sampler.val_indices(num_batches)
