@@ -96,9 +96,16 @@ def wandb_runs(out: Path) -> list[dict[str, Any]]:
 
 
 def trackio_logs(out: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
-    """(OUT/trackers.json's trackio entry, the run's logged rows in order, its config) from trackio's own store."""
-    from trackio.sqlite_storage import SQLiteStorage
+    """(OUT/trackers.json's trackio entry, the run's logged rows in order, its config) from trackio's own store, in
+    the folder the entry names (trackio fixes its folder at import: pointed there for the reading)."""
+    from trackio import sqlite_storage
 
     entry = json.loads((out / "trackers.json").read_text())["trackio"]
-    rows = SQLiteStorage.get_logs(entry["project"], entry["name"])
-    return entry, rows, SQLiteStorage.get_run_config(entry["project"], entry["name"])
+    folder = sqlite_storage.TRACKIO_DIR
+    sqlite_storage.TRACKIO_DIR = Path(entry["dir"])
+    try:
+        storage = sqlite_storage.SQLiteStorage
+        rows = storage.get_logs(entry["project"], entry["name"])
+        return entry, rows, storage.get_run_config(entry["project"], entry["name"])
+    finally:
+        sqlite_storage.TRACKIO_DIR = folder

@@ -6,7 +6,10 @@ metrics.jsonl holds one JSON object per line. Training records (one per optimize
 `comm`: the step's collectives on rank 0 per accounting category (`comm_step_record`). Evaluation records carry
 `step, val_loss, val_bpb, elapsed_s`, where `step` counts the optimizer steps done (0: before training: the
 pretrained model's figures with --init-from), `val_loss` is the mean cross-entropy in nats per token and `val_bpb`
-the same loss in bits per byte of text (comparable across tokenizers; docs/data.md). Only rank 0 writes.
+the same loss in bits per byte of text (comparable across tokenizers; docs/data.md). The first training record
+after a resume also carries `resumed_from_step`. Only rank 0 writes (each replica group's under fault tolerance);
+`MetricsLog` also sends each record to the experiment trackers of --log (`shardfusion.train.trackers`,
+docs/trackers.md). loss.png marks the run's events on the loss curves (`run_events`).
 """
 
 from __future__ import annotations

@@ -127,7 +127,8 @@ def test_tensorboard_resume_continues_the_step_axis(tmp_path: Path) -> None:
     _run(tmp_path, ("tensorboard",), steps=range(6, 11), resume_step=5, scale=2.0)  # 6..10 again, other values
     losses = tensorboard_scalars(tmp_path / "tensorboard")["loss"]
     assert sorted(losses) == list(range(1, 11))  # each step once: the interrupted run's 6..8 purged
-    assert losses == {r["step"]: pytest.approx(r["loss"], rel=1e-6) for r in read_metrics(tmp_path / "metrics.jsonl")[0]}
+    train = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert losses == {r["step"]: pytest.approx(r["loss"], rel=1e-6) for r in train}
     assert losses[6] == pytest.approx(2 * 5.0 / 6, rel=1e-6)
     assert tensorboard_scalars(tmp_path / "tensorboard")["resumed_from_step"] == {6: 5.0}
 
