@@ -1,7 +1,7 @@
 """Read back what the experiment trackers of `shardfusion.train.trackers` wrote, each with its own package's reader:
 TensorBoard's `EventAccumulator`, W&B's protobuf records (`wandb.proto.wandb_internal_pb2.Record`) of an offline
 run's .wandb file, trackio's `SQLiteStorage`. Shared by the unit tests (tests/unit/test_train_trackers.py) and the
-job's test (tests/integration/test_train_trackers.py)."""
+job's test (tests/integration/test_train_trackers_job.py)."""
 
 from __future__ import annotations
 
