@@ -383,7 +383,8 @@ def train(config: ResolvedJob, device: torch.device) -> dict[str, Any] | None:
     if log is None:
         return None
     layout = topo.describe().replace("; ", "\n")  # one line would be wider than the figure
-    plot_losses(log, out / "loss.png", title=f"{job.name}, {num_params:,} parameters\n{layout}")
+    plot_losses(log, out / "loss.png", title=f"{job.name}, {num_params:,} parameters\n{layout}", ft=ft_report)
+    log.close()  # the experiment trackers of --log (the plot is their last record)
     summary = summarize(log, total_s=time.perf_counter() - t_start, train_s=train_s, steps=stop - start,
                         num_params=num_params, layout=topo.describe(), sample=sample,
                         experts={"n_experts": job.n_experts, "top_k": job.top_k, "ep": topo.ep,
