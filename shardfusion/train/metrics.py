@@ -6,7 +6,10 @@ metrics.jsonl holds one JSON object per line. Training records (one per optimize
 `comm`: the step's collectives on rank 0 per accounting category (`comm_step_record`). Evaluation records carry
 `step, val_loss, val_bpb, elapsed_s`, where `step` counts the optimizer steps done (0: before training: the
 pretrained model's figures with --init-from), `val_loss` is the mean cross-entropy in nats per token and `val_bpb`
-the same loss in bits per byte of text (comparable across tokenizers; docs/data.md). Only rank 0 writes.
+the same loss in bits per byte of text (comparable across tokenizers; docs/data.md). The first training record
+after a resume also carries `resumed_from_step`. Only rank 0 writes (each replica group's under fault tolerance);
+`MetricsLog` also sends each record to the experiment trackers of --log (`shardfusion.train.trackers`,
+docs/trackers.md). loss.png marks the run's events on the loss curves (`run_events`).
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from shardfusion.accounting import CATEGORIES
 from shardfusion.train import run_folder
+from shardfusion.train.trackers import open_trackers, scalars
 
 TRAIN_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_s", "elapsed_s")
 """Keys of every training record in metrics.jsonl."""
@@ -70,22 +74,39 @@ def expert_balance(load: list[list[int]]) -> dict[str, Any]:
 
 
 class MetricsLog:
-    """Appends records to OUT/metrics.jsonl and keeps them in memory for the plot and the summary.
+    """Appends records to OUT/metrics.jsonl and keeps them in memory for the plot and the summary; with ``log``
+    (``--log``'s tracker names, `shardfusion.train.trackers`) also writes each record to those experiment trackers,
+    with ``config`` (the run's config.json) as their hyperparameters. Only the process that writes metrics.jsonl
+    makes one (rank 0; each replica group's rank 0 under fault tolerance).
 
     A new log starts the file empty. `resume_step` continues a run resumed from the checkpoint of that step: the
     file's records up to that step are kept (and loaded); the later ones, which the resumed run computes again, and
-    lines a crash left unreadable move to OUT/metrics.dropped.jsonl (appended, never deleted).
+    lines a crash left unreadable move to OUT/metrics.dropped.jsonl (appended, never deleted). The first training
+    record after a resume carries ``resumed_from_step`` (the checkpoint's step), so the run's resume points stay in
+    metrics.jsonl (the loss plot marks them). A tracker that held nothing of this run first receives the kept
+    records. `close` closes the trackers.
     """
 
-    def __init__(self, out: Path, resume_step: Optional[int] = None) -> None:
+    def __init__(self, out: Path, resume_step: Optional[int] = None, *, log: Sequence[str] = (),
+                 config: Optional[dict[str, Any]] = None) -> None:
         self.path = out / run_folder.METRICS
         self.train: list[dict[str, Any]] = []
         self.val: list[dict[str, Any]] = []
         self.dropped = 0
         """Records moved to metrics.dropped.jsonl by a resume."""
+        self._resumed_from = resume_step
         if resume_step is None or not self.path.exists():
             self.path.write_text("")
-            return
+        else:
+            self._resume(out, resume_step)
+        self.trackers = open_trackers(log, out, config or {}, resume_step)
+        """The experiment trackers each record also goes to (`shardfusion.train.trackers.Tracker`)."""
+        for tracker in self.trackers:
+            if tracker.fresh:
+                for record in sorted(self.train + self.val, key=lambda r: r["step"]):
+                    tracker.log(scalars(record), record["step"])
+
+    def _resume(self, out: Path, resume_step: int) -> None:
         kept, dropped = [], []
         for line in self.path.read_text().splitlines():
             if not line.strip():
@@ -115,22 +136,41 @@ class MetricsLog:
         store.append(record)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        for tracker in self.trackers:
+            tracker.log(scalars(record), record["step"])
 
     def log_train(self, **record: Any) -> None:
-        """Append one training-step record (keys ``TRAIN_KEYS`` at least) to memory and ``metrics.jsonl``.
+        """Append one training-step record (keys ``TRAIN_KEYS`` at least) to memory and ``metrics.jsonl`` (the
+        first after a resume adds ``resumed_from_step``) and write it to the trackers.
 
         Raises:
             ValueError: a required key is missing (the message lists them).
         """
+        if self._resumed_from is not None:
+            record = {**record, "resumed_from_step": self._resumed_from}
         self._append(record, TRAIN_KEYS, self.train, "training")
+        self._resumed_from = None
 
     def log_val(self, **record: Any) -> None:
-        """Append one evaluation record (keys ``VAL_KEYS`` at least) to memory and ``metrics.jsonl``.
+        """Append one evaluation record (keys ``VAL_KEYS`` at least) to memory and ``metrics.jsonl`` and write it
+        to the trackers.
 
         Raises:
             ValueError: a required key is missing (the message lists them).
         """
         self._append(record, VAL_KEYS, self.val, "evaluation")
+
+    def log_image(self, path: Path) -> None:
+        """Write the PNG at ``path`` (the loss plot) to the trackers, at the last step logged."""
+        step = max((r["step"] for r in self.train + self.val), default=0)
+        for tracker in self.trackers:
+            tracker.image(path, step)
+
+    def close(self) -> None:
+        """Close the trackers (metrics.jsonl is closed after every record); the log takes no records after."""
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
 
 def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -143,9 +183,68 @@ def read_metrics(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str,
     return train, val
 
 
-def plot_losses(log: MetricsLog, path: Path, title: str = "") -> None:
-    """Training loss per step and validation loss per evaluation, in one PNG; for a GPT-MoE run a second panel
-    below shows the auxiliary (load-balancing) loss and the load balance per step."""
+EVENTS = {
+    "outer_sync": ("outer sync (DiLoCo)", dict(marker="^", color="tab:purple")),
+    "group_lost": ("replica group lost", dict(ls="--", color="tab:red")),
+    "group_joined": ("replica group joined", dict(ls="--", color="tab:green")),
+    "discarded": ("step discarded", dict(marker="x", color="tab:red")),
+    "recovered": ("recovered from a peer", dict(ls="-.", color="tab:olive")),
+    "resumed": ("resumed from checkpoint", dict(ls=":", color="black")),
+}
+"""The events `plot_losses` marks, by `run_events` key: their legend label and style. Those with a marker are
+drawn on the training-loss curve; the others are vertical lines across the panel."""
+
+
+def run_events(train: list[dict[str, Any]], ft: Optional[dict[str, Any]] = None) -> dict[str, list[int]]:
+    """The steps of a run's events (keys of `EVENTS`) from its training records and, under fault tolerance, the
+    summary's ``fault_tolerance`` record ``ft`` (`shardfusion.train.job_ft.FTRun.report`, this process's):
+
+    - ``outer_sync``: the steps after which DiLoCo ran an outer step (``outer_synced`` not empty);
+    - ``group_lost`` / ``group_joined``: the first step with fewer / more replica groups in the quorum than the
+      step before (``ft_participants``);
+    - ``discarded``: the steps the quorum discarded (and trained again), from ``ft``;
+    - ``recovered``: the steps at which this group received a live peer's state, from ``ft``;
+    - ``resumed``: the checkpoint steps the run resumed from (``resumed_from_step``, `MetricsLog`).
+    """
+    events: dict[str, list[int]] = {key: [] for key in EVENTS}
+    before = None
+    for r in train:
+        if r.get("outer_synced"):
+            events["outer_sync"].append(r["step"])
+        if "resumed_from_step" in r:
+            events["resumed"].append(r["resumed_from_step"])
+        now = r.get("ft_participants")
+        if before is not None and now is not None and now != before:
+            events["group_lost" if now < before else "group_joined"].append(r["step"])
+        before = now if now is not None else before
+    if ft is not None:
+        events["discarded"] = sorted({d["step"] for d in ft.get("discarded", [])})
+        events["recovered"] = sorted({r["step"] for r in ft.get("recoveries", [])})
+    return events
+
+
+def _draw_events(ax: Any, train: list[dict[str, Any]], events: dict[str, list[int]]) -> None:
+    """Mark ``events`` (`run_events`) on ``ax``: markers on the training-loss curve, or vertical lines."""
+    loss_at = {r["step"]: r["loss"] for r in train}
+    for key, steps in events.items():
+        if not steps:
+            continue
+        label, style = EVENTS[key]
+        if "marker" in style:
+            # a discarded step has no record (it was trained again): mark it at the step before's loss
+            ys = [loss_at.get(s, loss_at.get(s - 1, math.nan)) for s in steps]
+            ax.plot(steps, ys, ls="none", ms=6, label=label, **style)
+        else:
+            for i, step in enumerate(steps):
+                ax.axvline(step, lw=1, alpha=0.7, label=label if i == 0 else None, **style)
+
+
+def plot_losses(log: MetricsLog, path: Path, title: str = "", ft: Optional[dict[str, Any]] = None) -> Any:
+    """Training loss per step and validation loss per evaluation, in one PNG at ``path``, with the run's events
+    on the same step axis (`run_events`: DiLoCo's outer syncs, replica groups lost and joined, discarded steps and
+    recoveries under fault tolerance (``ft``: the summary's ``fault_tolerance`` record), resume points); for a
+    GPT-MoE run a second panel below shows the auxiliary (load-balancing) loss and the load balance per step. The
+    plot also goes to the log's experiment trackers (`MetricsLog.log_image`). Returns the (closed) figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -169,13 +268,16 @@ def plot_losses(log: MetricsLog, path: Path, title: str = "") -> None:
         ax.plot([r["step"] for r in log.train], [r["loss"] for r in log.train], lw=1, alpha=0.8, label="train")
     if log.val:
         ax.plot([r["step"] for r in log.val], [r["val_loss"] for r in log.val], "o-", lw=2, label="val")
+    _draw_events(ax, log.train, run_events(log.train, ft))
     ax.set_ylabel("cross-entropy (nats / byte)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    log.log_image(path)
+    return fig
 
 
 def summarize(log: MetricsLog, *, total_s: float, train_s: float, steps: int, num_params: int, layout: str,

@@ -11,8 +11,9 @@ from typing import Any, Optional
 
 from shardfusion.train import run_folder
 from shardfusion.train.metrics import MetricsLog
+from shardfusion.train.trackers import parse_log
 
-RUN_CONTROL = frozenset({"stop_after", "max_restarts", "progress", "resumed", "out"})
+RUN_CONTROL = frozenset({"stop_after", "max_restarts", "progress", "resumed", "out", "log"})
 """config.json fields that only control one run (not how its steps are trained): `write_config` ignores them."""
 
 RUN_FILES = run_folder.RUN_FILES
@@ -23,13 +24,15 @@ run's copy of its tokenizer, `shardfusion.train.data_config.save_run_tokenizer`)
 def open_outputs(out: Path, config: dict[str, Any], resumed: Optional[dict[str, Any]],
                  opened: list[MetricsLog]) -> Optional[str]:
     """On rank 0, before the first step: create `out`, write config.json (`write_config`) and append the run's
-    `MetricsLog` to `opened` (resuming the file at `resumed["step"]`). A run that does not resume, in a folder that
-    holds the files of an earlier run (one that stopped before its first checkpoint), first moves them to
-    out/earlier-<n>/ (`archive_run`). Returns that folder, or None."""
+    `MetricsLog` to `opened` (resuming the file at `resumed["step"]`; writing also to the trackers of
+    ``config["log"]``, `shardfusion.train.trackers`, with ``config`` as their hyperparameters). A run that does not
+    resume, in a folder that holds the files of an earlier run (one that stopped before its first checkpoint),
+    first moves them to out/earlier-<n>/ (`archive_run`). Returns that folder, or None."""
     out.mkdir(parents=True, exist_ok=True)
     archived = archive_run(out) if resumed is None else None
     write_config(out, config, resumed)
-    opened.append(MetricsLog(out, resume_step=resumed["step"] if resumed else None))
+    opened.append(MetricsLog(out, resume_step=resumed["step"] if resumed else None,
+                             log=parse_log(config.get("log") or ""), config=config))
     return archived
 
 

@@ -1,5 +1,5 @@
 """The run section of the training job's settings (`--nproc`, `--ranks-per-node`, `--out`, `--sample-tokens`,
-`--device`, `--progress`): where the run happens and what it shows, nothing that changes a step's arithmetic
+`--device`, `--progress`, `--log`): where the run happens and what it shows, nothing that changes a step's arithmetic
 except the device. This module owns them; `shardfusion.train.config.JobConfig` composes the section.
 """
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardfusion.train import trackers
 from shardfusion.train.sections import meta
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -32,6 +33,11 @@ class RunConfig:
     """cpu, cuda or auto: cuda when available (default auto)."""
     progress: bool = True
     """Show a tqdm progress bar on rank 0 (default on)."""
+    log: str = ""
+    """Experiment trackers that also get every metrics.jsonl record, the config and the loss plot: any of
+    tensorboard, wandb, trackio, comma-separated (each needs its package: the extra of the same name). TensorBoard
+    writes OUT/tensorboard, W&B an offline run in OUT/wandb unless WANDB_MODE says otherwise, trackio a local
+    project in OUT/trackio; a resumed run continues the same runs (docs/trackers.md; default: none)."""
 
 
 def check_flags(run: RunConfig) -> None:
@@ -48,3 +54,4 @@ def check_flags(run: RunConfig) -> None:
         raise ValueError(f"--ranks-per-node must be >= 1, got {run.ranks_per_node}")
     if run.device not in DEVICES:
         raise ValueError(f"--device must be auto, cpu or cuda, got {run.device!r}")
+    trackers.check_installed(trackers.parse_log(run.log))  # a missing package: before any worker starts

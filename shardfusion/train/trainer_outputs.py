@@ -159,7 +159,9 @@ def write_summary(t: Trainer, sample: Optional[str], modes: dict[str, Any]) -> d
     the summary."""
     job, topo = t.job, t.topo
     layout = topo.describe().replace("; ", "\n")  # one line would be wider than the figure
-    plot_losses(t.log, t.out / run_folder.PLOT, title=f"{job.name}, {job.num_params:,} parameters\n{layout}")
+    plot_losses(t.log, t.out / run_folder.PLOT, title=f"{job.name}, {job.num_params:,} parameters\n{layout}",
+                ft=modes.get("fault_tolerance"))  # the plot marks the replica groups' events
+    t.log.close()  # the experiment trackers of --log (the plot is their last record)
     summary = summarize(t.log, total_s=time.perf_counter() - t.t_start, train_s=t.train_s, steps=t.stop - t.start,
                         num_params=job.num_params, layout=topo.describe(), sample=sample,
                         experts={"n_experts": job.n_experts, "top_k": job.top_k, "ep": topo.ep,

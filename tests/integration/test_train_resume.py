@@ -31,6 +31,7 @@ from harness import REPO, TRAIN_TIMEOUT_S, clean_env, run_train, train_usage_err
 from shardfusion.checkpoint import latest_checkpoint, read_all, read_meta
 from shardfusion.checkpoint.export import export
 from shardfusion.models.gpt import GPT, GPTConfig
+from shardfusion.train.config import JobConfig
 from shardfusion.train.metrics import read_metrics
 
 STEPS, SAVE_EVERY, KEEP, EVAL_EVERY = 30, 5, 2, 10
@@ -239,7 +240,8 @@ def test_a_run_saved_before_the_sections_resumes(tmp_path: Path) -> None:
     """Runs saved before the redesign still resume: a copy of FIXTURE_RUN, resumed with its own flags and --steps 6,
     goes on at step 4 from its checkpoint with no note but the changed --steps (a setting saved in the checkpoint
     read under another name, or a derived value resolved otherwise, would add one), trains steps 5 and 6, and its
-    config.json records the same fields as the old one (which is kept as config.step-4.json: --steps differs)."""
+    config.json records the same fields as the old one, and flags added since at their defaults (the old one is kept
+    as config.step-4.json: --steps differs)."""
     out = tmp_path / "run"
     shutil.copytree(FIXTURE_RUN, out)
     before = json.loads((out / "config.json").read_text())
@@ -253,6 +255,8 @@ def test_a_run_saved_before_the_sections_resumes(tmp_path: Path) -> None:
     steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")[0]]
     assert steps == [1, 2, 3, 4, 5, 6]
     after = json.loads((out / "config.json").read_text())
-    assert set(after) - {"resumed"} == set(before) and after["resumed"]["step"] == 4
+    added = set(after) - {"resumed"} - set(before)  # flags added since the fixture was saved: at their defaults
+    assert set(before) <= set(after) and after["resumed"]["step"] == 4
+    assert {k: after[k] for k in added} == {k: v for k, v in JobConfig().flat().items() if k in added}
     assert json.loads((out / "config.step-4.json").read_text()) == before
     assert latest_checkpoint(str(out / "checkpoints")).endswith("step-6")
