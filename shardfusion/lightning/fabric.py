@@ -28,17 +28,13 @@ from lightning_fabric.plugins.precision import DoublePrecision, HalfPrecision, M
 from lightning_fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning_fabric.strategies.parallel import ParallelStrategy
 from lightning_fabric.strategies.strategy import _BackwardSyncControl, _validate_keys_for_strict_loading
-from lightning_fabric.utilities.distributed import _get_default_process_group_backend_for_device
-from lightning_fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
+from lightning_fabric.utilities.distributed import _sync_ddp_if_available
 from lightning_fabric.utilities.distributed import group as _group
-from lightning_fabric.utilities.rank_zero import rank_zero_only
-from lightning_fabric.utilities.seed import reset_seed
 from lightning_fabric.utilities.types import _Stateful
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 import shardfusion as sf
 from shardfusion._runtime.state import is_sharded
-from shardfusion.lightning import _checkpoint, _options
+from shardfusion.lightning import _checkpoint, _launch, _options
 
 __all__ = ["ShardfusionFabricStrategy"]
 
@@ -132,21 +128,12 @@ class ShardfusionFabricStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self._set_world_ranks()
-        self._process_group_backend = self._process_group_backend or \
-            _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                              device_id=device_id)
+        self._process_group_backend = _launch.connect(self)
         self._topology = self._options.topology()
 
     def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        _launch.set_world_ranks(self)
 
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """``fabric.init_module(empty_init=True)``: the meta device (materialized by :meth:`setup_module`)."""

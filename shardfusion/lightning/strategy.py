@@ -29,22 +29,18 @@ from typing import Any, Generator, Mapping, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning_fabric.utilities.distributed import _get_default_process_group_backend_for_device
-from lightning_fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
+from lightning_fabric.utilities.distributed import _sync_ddp_if_available
 from lightning_fabric.utilities.distributed import group as _group
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
-from lightning_fabric.utilities.seed import reset_seed
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from pytorch_lightning.core.optimizer import LightningOptimizer
 from pytorch_lightning.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 from pytorch_lightning.strategies.parallel import ParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 import shardfusion as sf
 from shardfusion._runtime.state import is_sharded, sharded_state
-from shardfusion.lightning import _checkpoint, _options
+from shardfusion.lightning import _checkpoint, _launch, _options
 
 __all__ = ["ShardedRoot", "ShardfusionStrategy"]
 
@@ -188,21 +184,12 @@ class ShardfusionStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or \
-            _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                              device_id=device_id)
+        self._process_group_backend = _launch.connect(self)
         self._topology = self._options.topology()
 
     def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        _launch.set_world_ranks(self)
 
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
