@@ -25,9 +25,10 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from harness import TRAIN_TIMEOUT_S, run_command, run_train, train_usage_error  # noqa: E402
+from job_data import prepare  # noqa: E402
 from shardfusion.train import data_config as dc  # noqa: E402
 from shardfusion.train import tokenizer as tk  # noqa: E402
-from shardfusion.train.config import JobConfig, ResolvedJob, TokenizerFacts, resolve  # noqa: E402
+from shardfusion.train.config import JobConfig  # noqa: E402
 from shardfusion.train.data import BatchSampler  # noqa: E402
 from shardfusion.train.metrics import read_metrics  # noqa: E402
 
@@ -36,13 +37,6 @@ TOPICS = ("cats", "hats", "boats", "trees", "rivers", "clocks", "lamps", "roads"
 
 
 
-def prepare(config: JobConfig, saved: dict | None = None, progress: bool = False) -> ResolvedJob:
-    """What the job's preflight does with the data flags: the tokenizer, the config resolved with it (one rank on
-    cpu), the corpus tokenized and checked."""
-    tokenizer = dc.prepare_tokenizer(config, saved, progress=progress)
-    job = resolve(config, device="cpu", world_size=1, saved=saved, tokenizer=TokenizerFacts.of(tokenizer))
-    dc.prepare_corpus(job, tokenizer, progress=progress)
-    return job
 
 def _documents() -> list[str]:
     """~190 kB of varied, deterministic text: enough tokens for both splits at seq_len 32."""

@@ -12,22 +12,16 @@ import torch
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
+from job_data import prepare  # noqa: E402
 from shardfusion.train import data_config as dc  # noqa: E402
 from shardfusion.train import tokenizer as tk  # noqa: E402
-from shardfusion.train.config import JobConfig, ResolvedJob, TokenizerFacts, resolve  # noqa: E402
+from shardfusion.train.config import JobConfig, resolve  # noqa: E402
 from shardfusion.train.data import BatchSampler, min_corpus_bytes, split_corpus  # noqa: E402
 
 DOCS = [f"record {i}: a small document about cats and hats, ☃\n" for i in range(80)]  # ~4 kB of text
 
 
 
-def prepare(config: JobConfig, saved: dict | None = None, progress: bool = False) -> ResolvedJob:
-    """What the job's preflight does with the data flags: the tokenizer, the config resolved with it (one rank on
-    cpu), the corpus tokenized and checked."""
-    tokenizer = dc.prepare_tokenizer(config, saved, progress=progress)
-    job = resolve(config, device="cpu", world_size=1, saved=saved, tokenizer=TokenizerFacts.of(tokenizer))
-    dc.prepare_corpus(job, tokenizer, progress=progress)
-    return job
 
 @pytest.fixture(scope="module")
 def bpe_folder(tmp_path_factory) -> Path:
