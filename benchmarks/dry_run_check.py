@@ -83,7 +83,7 @@ def _pipeline(world: int, shape: dict, ranks_per_node: int):
              str(SEQ), "--n-layer", str(shape["n_layer"]), "--n-head", str(shape["n_head"]), "--d-model",
              str(shape["d_model"])]
     config = resolve(parse_args(flags), device="cpu", world_size=world)
-    return job_step(config, sf.MixedPrecisionPolicy(), ranks_per_node)
+    return job_step(config, ranks_per_node)
 
 
 def _model(world: int, topo_kwargs: dict, shape: dict, ranks_per_node: int):

@@ -53,6 +53,32 @@ MODES: dict[str, Mode] = {
 
 
 @dataclass(frozen=True)
+class Orthogonal:
+    """A switch that is no mode: it changes neither the model, nor the step, nor what a rank holds, so it meets every
+    mode the same way; `test` shows the property that makes it so."""
+
+    flag: str
+    why: str
+    test: str
+
+
+ORTHOGONAL: dict[str, Orthogonal] = {
+    "log": Orthogonal("--log tensorboard,wandb,trackio",
+                      "each tracker is one more writer of the records metrics.jsonl gets (the same fan-out in every "
+                      "mode; under fault tolerance each replica group writes its own run in its replica folder, as "
+                      "its metrics.jsonl), and a resumed run continues the same step axis",
+                      "tests/integration/test_train_trackers_job.py::"
+                      "test_trackers_hold_the_jobs_losses_across_a_resume"),
+    "datasets": Orthogonal("--data <datasets save_to_disk folder> [--split]",
+                           "a corpus format: the documents become the same token stream as the same text in JSON "
+                           "Lines, before any mode sees it",
+                           "tests/integration/test_train_hf_datasets.py::"
+                           "test_a_saved_dataset_trains_as_its_json_lines"),
+}
+"""Switches that are not modes (no pairs in the table), each with why and the test that shows it."""
+
+
+@dataclass(frozen=True)
 class Works:
     """The pair runs, and `test` (a pytest node id, ``tests/...py::test_name``) runs it and shows it right."""
 
@@ -240,6 +266,9 @@ def markdown() -> str:
     for a in names:
         cells = ["-" if a == b else _LETTER[type(entry(a, b))] for b in names]
         lines.append(f"| **{a}** | " + " | ".join(cells) + " |")
+    lines += ["", "## Not modes", "", "These switches change neither the model, nor the step, nor what a rank holds, "
+              "so they meet every mode alike:", ""]
+    lines += [f"- **{name}** (`{o.flag}`): {o.why}; `{o.test}`." for name, o in ORTHOGONAL.items()]
     lines += ["", "## Pairs", ""]
     for a, b in pairs():
         found = entry(a, b)

@@ -49,13 +49,13 @@ def torch_dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else dtype_named(name)
 
 
-def mixed_precision(config: Any) -> MixedPrecisionPolicy:
+def mixed_precision(config: PrecisionConfig) -> MixedPrecisionPolicy:
     """The `MixedPrecisionPolicy` of --param-dtype and --grad-comm-dtype, as every mode's `fully_shard` takes it."""
     return MixedPrecisionPolicy(param_dtype=torch_dtype(config.param_dtype),
                                 grad_comm_dtype=torch_dtype(config.grad_comm_dtype))
 
 
-def outer_comm_dtype(config: Any) -> OuterCommDtype:
+def outer_comm_dtype(config: PrecisionConfig) -> OuterCommDtype:
     """--outer-comm-dtype as the library's wire format: ``fully_shard(outer_comm_dtype=)`` of HSDP and the
     pipeline, ``DiLoCo(comm_dtype=)``: None (the default), ``torch.float32``, ``torch.bfloat16``,
     ``torch.float16`` or ``"int8"``."""

@@ -67,7 +67,7 @@ def shard(module: nn.Module, topo: sf.Topology, parallelism: ParallelismConfig, 
 def comm_layout(config: ResolvedJob, world: int) -> dict[str, Any]:
     """The node layout the communication accounting assumes: `ranks_per_node` (None: one node), `nodes`, and
     `ranks_per_node_from`, where the figure came from (`--ranks-per-node`, `LOCAL_WORLD_SIZE` or neither)."""
-    rpn, source = config.ranks_per_node, "--ranks-per-node"
+    rpn, source = config.run.ranks_per_node, "--ranks-per-node"
     if rpn is None:
         rpn, source = ranks_per_node_from_env(), "LOCAL_WORLD_SIZE"
     if rpn is None:
@@ -100,12 +100,12 @@ def plan_outer_degree(config: ResolvedJob, device: torch.device, world: int) -> 
     bandwidth = sf.measure_bandwidth(local, device=device)
     t_probe = time.perf_counter() - t_probe
     meta = job_model.build(config, None, device)  # on meta, every expert
-    whole = muon_matrices(meta.module, meta.units) if config.optimizer == "muon" else None
+    whole = muon_matrices(meta.module, meta.units) if config.optim.optimizer == "muon" else None
     sizes = [dataclasses.replace(u, expert_numel=u.expert_numel // config.ep,  # one ep rank's experts (alike)
                                  expert_whole_shapes=u.expert_whole_shapes[:len(u.expert_whole_shapes) // config.ep])
              for u in sf.unit_sizes(meta.module, units=meta.units, reshard_policy=config.reshard_policy,
                                     whole_params=whole)]
-    budget = config.max_memory_per_rank
+    budget = config.parallelism.max_memory_per_rank
     if budget is None:
         least = torch.tensor([default_memory_budget(device, local)], dtype=torch.float64,
                              device=device)
@@ -113,13 +113,14 @@ def plan_outer_degree(config: ResolvedJob, device: torch.device, world: int) -> 
         budget = int(least.item())
     saved = _resumed_outer_degree(config.out)
     prefer = saved if saved is not None and (world // config.ep) % saved == 0 else None
-    mp_policy = dtype_flags.mixed_precision(config)
+    mp_policy = dtype_flags.mixed_precision(config.precision)
     try:
         choice = sf.plan(sizes, world_size=world, local_world_size=local, bandwidth=bandwidth,
-                         max_memory_per_rank=budget, micro_batches=config.grad_accum, ep=config.ep,
-                         prefetch=config.prefetch, expert_policy=config.expert_policy, shard_dtype=torch.float32,
+                         max_memory_per_rank=budget, micro_batches=config.schedule.grad_accum, ep=config.ep,
+                         prefetch=config.parallelism.prefetch, expert_policy=config.parallelism.expert_policy,
+                         shard_dtype=torch.float32,
                          param_dtype=mp_policy.param_dtype, grad_comm_dtype=mp_policy.grad_comm_dtype,
-                         outer_comm_dtype=dtype_flags.outer_comm_dtype(config),
+                         outer_comm_dtype=dtype_flags.outer_comm_dtype(config.precision),
                          backend="nccl" if "nccl" in str(dist.get_backend()) else "gloo", prefer=prefer)
     except ValueError as error:
         raise ValueError(f"--fsdp-outer-degree auto with --max-memory-per-rank {budget}: {error}") from None

@@ -22,6 +22,7 @@ from shardfusion.train import tokenizer as tokenizers
 from shardfusion.train.config import PLANNED, ResolvedJob
 from shardfusion.train.data import DATA_ORDER
 from shardfusion.train.ft_mode import FTMode
+from shardfusion.train.job_ft import shared_settings
 from shardfusion.train.metrics import MetricsLog
 from shardfusion.train.mode import Mode, Modes, StepResult
 from shardfusion.train.optim import balance_record, build_optimizers, muon_matrices, set_learning_rates
@@ -33,17 +34,19 @@ from shardfusion.train import trainer_outputs as outputs
 
 def modes_for(config: ResolvedJob) -> Modes:
     """The run's modes in their fixed order: the pipeline (--pp > 1), fault tolerance (--ft-lighthouse), DiLoCo
-    (--outer-sync diloco), the plain model (--pp 1). Each takes its own section (fault tolerance under DiLoCo also
-    the DiLoCo mode, whose outer steps then go through the quorum)."""
+    (--outer-sync diloco), the plain model (--pp 1). Each takes its own section (fault tolerance also the digest of
+    the settings every replica group must share, and under DiLoCo the DiLoCo mode, whose outer steps then go through
+    the quorum; DiLoCo its wire format)."""
     modes: list[Mode] = []
-    if config.pp > 1:
+    if config.pipeline.pp > 1:
         modes.append(PipelineMode(config.pipeline))
-    outer = OuterMode(config.outer, config.outer_comm_dtype) if outer_config.enabled(config.outer) else None
-    if ft_config.enabled(config.ft):
-        modes.append(FTMode(config.ft, outer))  # under DiLoCo: the quorum at its outer steps
+    ft = ft_config.enabled(config.ft)
+    outer = OuterMode(config.outer, config.precision, external=ft) if outer_config.enabled(config.outer) else None
+    if ft:  # under DiLoCo: the quorum at its outer steps
+        modes.append(FTMode(config.ft, ft_config.settings_fingerprint(shared_settings(config)), outer))
     if outer is not None:
         modes.append(outer)
-    if config.pp == 1:
+    if config.pipeline.pp == 1:
         modes.append(PlainMode(config.model))
     return Modes(modes)
 
@@ -129,7 +132,8 @@ class Trainer:
         """The tokenizer, the splits and this rank's samplers (`Mode.samplers`; default: this rank's
         data-parallel slice of each global batch, evaluating on the same one)."""
         self.tokenizer = tokenizers.load(self.config.tokenizer or tokenizers.BYTES)  # resolved by preflight
-        self.train_data, self.val_data, self.data_info = data_config.load_splits(self.config, self.tokenizer)
+        self.train_data, self.val_data, self.data_info = data_config.load_splits(self.config.corpus, self.config.model,
+                                                                                 self.tokenizer)
         self.sampler, self.val_sampler = self.modes.first("samplers", self._samplers)(
             self, self.train_data, self.val_data, self.data_order)
         self.tokens_per_step = self.schedule.global_batch_size * self.job.seq_len * self.schedule.grad_accum
@@ -150,7 +154,7 @@ class Trainer:
         flags = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in self.optimizers]
         rank_state = self.modes.merged("rank_state", True) if self.modes.has("rank_state") else None
         self.start, self.elapsed_before, self.notes, self.data_order = train_state.restore(
-            self.model, self.optimizers, self.resume_from, config=self.config, model_extra=self.job.extra,
+            self.model, self.optimizers, self.resume_from, settings=self.config.flat(), model_extra=self.job.extra,
             layout=self.topo.describe(), device=self.device, rank_extra=rank_state)
         for restored in self.modes.each("restored"):
             note = restored(rank_state, self.start)
@@ -166,7 +170,7 @@ class Trainer:
             return None
         rank_state = self.modes.merged("rank_state", False) if self.modes.has("rank_state") else None
         return train_state.save(self.model, self.optimizers, self.config.out, step=done, keep=self.checkpoint.keep,
-                                config=self.config, model_extra=self.job.extra, layout=self.topo.describe(),
+                                settings=self.config.flat(), model_extra=self.job.extra, layout=self.topo.describe(),
                                 elapsed_s=self.elapsed(), device=self.device, data_order=self.data_order,
                                 rank_extra=rank_state)
 

@@ -41,7 +41,7 @@ def _model(case: str, world: int):
         from shardfusion.train.job_dry_run import job_step
 
         config = resolve(parse_args(_flags()), device="cpu", world_size=world)
-        build, step = job_step(config, sf.MixedPrecisionPolicy(), RANKS_PER_NODE)
+        build, step = job_step(config, RANKS_PER_NODE)
         return build, step, {}
     shape = GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=SEQ)
 

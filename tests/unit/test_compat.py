@@ -81,7 +81,16 @@ def _test_functions(path: str) -> frozenset[str]:
 
 @pytest.mark.parametrize("pair", [p for p in compat.pairs() if isinstance(compat.entry(*p), Works)], ids="+".join)
 def test_works_names_a_test_that_exists(pair: tuple[str, str]) -> None:
-    test = compat.entry(*pair).test
+    _assert_test_exists(compat.entry(*pair).test)
+
+
+@pytest.mark.parametrize("name", list(compat.ORTHOGONAL))
+def test_each_switch_that_is_no_mode_names_a_test_that_exists(name: str) -> None:
+    assert name not in compat.MODES
+    _assert_test_exists(compat.ORTHOGONAL[name].test)
+
+
+def _assert_test_exists(test: str) -> None:
     path, _, name = test.partition("::")
     assert path.startswith("tests/") and path.endswith(".py") and name, test
     assert (REPO / path).is_file(), test

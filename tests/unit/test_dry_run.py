@@ -135,7 +135,7 @@ def test_the_job_passes_its_memory_budget(monkeypatch, capsys) -> None:
     with pytest.raises(ValueError, match="stop here"):
         job_dry_run.run(parse_args(["--dry-run", "--world", "64", "--preset", "tiny", "--max-memory-per-rank", "80GB"]))
     assert seen["max_memory_per_rank"] == 80 * 10**9
-    assert parse_args(["--max-memory-per-rank", "74.5GiB"]).max_memory_per_rank == int(74.5 * 2**30)
+    assert parse_args(["--max-memory-per-rank", "74.5GiB"]).parallelism.max_memory_per_rank == int(74.5 * 2**30)
 
 
 def test_pipeline_stages_are_the_kinds() -> None:

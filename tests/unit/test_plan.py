@@ -214,8 +214,8 @@ def test_parse_bytes() -> None:
 
 def test_job_flags(capsys: pytest.CaptureFixture) -> None:
     config = parse_args(["--fsdp-outer-degree", "auto", "--max-memory-per-rank", "512MiB"])
-    assert (config.fsdp_outer_degree, config.max_memory_per_rank) == ("auto", 512 * 2**20)
-    assert parse_args(["--fsdp-outer-degree", "2"]).fsdp_outer_degree == 2
+    assert (config.parallelism.fsdp_outer_degree, config.parallelism.max_memory_per_rank) == ("auto", 512 * 2**20)
+    assert parse_args(["--fsdp-outer-degree", "2"]).parallelism.fsdp_outer_degree == 2
     for args, flag in ((["--fsdp-outer-degree", "two"], "--fsdp-outer-degree"),
                        (["--max-memory-per-rank", "8XB"], "--max-memory-per-rank")):
         with pytest.raises(SystemExit):

@@ -72,7 +72,7 @@ def test_every_documented_value_in_every_mode(mode: str, flag: str, value: str, 
     else:
         config = resolve(config, device="cpu", world_size=world)
         check_run(config, world=f"--nproc {world}")
-    policy, wire = dtype_flags.mixed_precision(config), dtype_flags.outer_comm_dtype(config)
+    policy, wire = dtype_flags.mixed_precision(config.precision), dtype_flags.outer_comm_dtype(config.precision)
     param = MEANS[value] if flag == "--param-dtype" else torch.float32  # --param-dtype's default is fp32
     comm = MEANS[value] if flag == "--grad-comm-dtype" else None
     assert (policy.param_dtype, policy.grad_comm_dtype) == (param, comm), (flag, value)
@@ -88,8 +88,8 @@ def test_every_documented_value_in_every_mode(mode: str, flag: str, value: str, 
                 self.replica_group = None
 
         monkeypatch.setattr(job_outer, "DiLoCo", Recorder)
-        job_outer.OuterRun(config, model=None, topo=None, optimizers=[])
-        assert seen["comm_dtype"] == wire and seen["fragments"] == config.outer_fragments
+        job_outer.OuterRun(config.outer, config.precision, config.schedule.steps, model=None, topo=None, optimizers=[])
+        assert seen["comm_dtype"] == wire and seen["fragments"] == config.outer.outer_fragments
     if mode == "dry-run":  # what the dry run hands sf.dry_run, which is stubbed: nothing is played
         def record(build, step, **kwargs):
             seen.update(kwargs["fully_shard"])
