@@ -126,6 +126,7 @@ def run(config: JobConfig) -> int:
                             fully_shard=fully_shard, micro_batches=1 if config.pp > 1 else config.grad_accum,
                             max_norm=config.clip or None,
                             max_memory_per_rank=config.max_memory_per_rank,
+                            async_save=config.checkpoint.async_save,
                             bandwidth=Bandwidth(within=within, across=across,
                                                 latency_within=config.latency_within * 1e-6,
                                                 latency_across=config.latency_across * 1e-6))
