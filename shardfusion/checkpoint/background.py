@@ -13,18 +13,21 @@ What a save holds, per rank (each alive from ``save_checkpoint`` to the end of t
 - the *write*: ``torch.distributed.checkpoint.async_save`` runs DCP's save of the staging copy on one background
   thread, with its collectives (the plan's gather and scatter, the commit's gather) on a process group of its own
   (gloo, every rank of the default group, created by the first asynchronous save), so that they never interleave
-  with the step's collectives on the default group. Rank 0 publishes the checkpoint on that thread once DCP's save
-  has returned there, i.e. after DCP's commit gathered every rank's write results and wrote ``.metadata``: a
+  with the step's collectives on the default group. Rank 0 prepares ``tmp-step-<n>`` in DCP's global plan (after
+  every rank's local plan, before any rank writes a file), and publishes the checkpoint on that thread once DCP's
+  save has returned there, i.e. after DCP's commit gathered every rank's write results and wrote ``.metadata``: a
   checkpoint is published (``step-<n>`` renamed, ``latest`` replaced, older ones pruned, as
   :func:`shardfusion.checkpoint.folder.publish`) only when every rank's files are complete. A process killed before
   that leaves a ``tmp-step-<n>`` folder, which :func:`shardfusion.checkpoint.latest_checkpoint` never returns.
-- the *agreement*: at :meth:`AsyncSave.wait`, and at the start of the next ``save_checkpoint`` (which waits for the
-  one in flight: one save at a time per process), each rank waits for its own write, then the ranks exchange their
-  outcomes (one ``all_gather_object`` on the default group), so that a write that failed on any rank, or a publish
-  that failed on rank 0, raises the same ``ValueError`` on every rank and no rank is left waiting in a collective.
+- the *agreement*: at :meth:`AsyncSave.wait` (an arrival check, one ``all_gather_object``), and at the start of the
+  next ``save_checkpoint`` (inside the gather of its arguments' check: no collective more), each rank waits for its
+  own part of the save in flight, then the ranks exchange their outcomes, so that a write that failed on any rank,
+  or a publish that failed on rank 0, raises the same ``ValueError`` on every rank and no rank is left waiting in a
+  collective. One save is in flight at a time per process.
 
-The stall of the step loop is therefore the arrival check and argument checks of any save, the wait for the previous
-save and the agreement on it, rank 0's preparation of the folder, and the staging copy; the write runs behind.
+The stall of the step loop is therefore what any save begins with (the arrival check and the gather of the
+arguments' check, which also agrees on the previous save, after waiting for it if its write has not ended), the
+gather of what every rank holds (``meta``), and the staging copy; the folder, the write and the publish run behind.
 ``SHARDFUSION_TEST_SAVE_DELAY_S`` (tests only) delays each background write by that many seconds before its first
 byte, so that a test can kill a job while a write is in flight.
 
@@ -47,7 +50,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from shardfusion import arrival, comm
-from shardfusion.checkpoint.folder import publish
+from shardfusion.checkpoint.folder import prepare, publish
 from shardfusion.checkpoint.inventory import by_ranks
 from shardfusion.checkpoint.planners import FragmentSavePlanner
 from shardfusion.checkpoint.read import failure_text
@@ -85,28 +88,46 @@ class AsyncSave:
         """Wait until the checkpoint is written by every rank and published; return its folder (``path``).
 
         Collective over the default process group (an arrival check, then one ``all_gather_object``): every rank
-        calls it. Later calls return at once (or raise the same error again).
+        calls it; unless the ranks have agreed on this save already (an earlier ``wait()``, or the next
+        ``save_checkpoint``, which agrees on the save in flight): then it returns at once, or raises the same error
+        again, with no collective.
 
         Raises:
             RuntimeError: on the ranks that called it, within the arrival deadline: some rank did not.
-            ValueError: on every rank: a rank could not stage or write its part (``checkpoint <tmp> cannot be
-                written: rank r: ...``) or rank 0 could not publish it (``cannot publish ...``); the checkpoint is
-                then not published (the previous one stays the latest).
+            ValueError: on every rank: a rank could not stage or write its part, or rank 0 could not prepare the
+                folder (``asynchronous save of <path> failed: ranks 0-3: checkpoint <tmp> cannot be written: rank
+                r: ...``), or rank 0 could not publish it (``... failed: rank 0: cannot publish ...``); the
+                checkpoint is then not published (the previous one stays the latest).
         """
         if self._outcome is None:
             arrival.check("sf.checkpoint.AsyncSave.wait", None, self._deadline)
         return self._agree()
 
     def _agree(self) -> str:
-        """:meth:`wait` without the arrival check (the next ``save_checkpoint`` made one already)."""
+        """:meth:`wait` without the arrival check: this rank's outcome, every rank's gathered, then :meth:`settle`."""
+        if self._outcome is not None:
+            return self.settle([])
+        mine = self.local_outcome()
+        every = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every = comm.all_gather_object(mine, None, f"the outcome of the asynchronous save of {self.path}")
+        return self.settle(every)
+
+    def local_outcome(self) -> Optional[str]:
+        """Wait for this rank's part of the save (no collective); its failure, or None."""
+        self._finished.wait()
+        return self._error
+
+    def settle(self, outcomes: list[Optional[str]]) -> str:
+        """Agree on the save from every rank's :meth:`local_outcome` (in rank order; ignored once agreed): it is no
+        longer in flight; returns ``path``.
+
+        Raises:
+            ValueError: a rank's outcome is a failure (every rank raises it: each has the same outcomes).
+        """
         if self._outcome is None:
-            self._finished.wait()
-            mine = [self._error] if self._error else []
-            every = [mine]
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                every = comm.all_gather_object(mine, None, f"the outcome of the asynchronous save of {self.path}")
-            found = by_ranks(every)
-            self._outcome = ("asynchronous save of " + self.path + " failed: " + "; ".join(found) if found else None,)
+            found = by_ranks([[error] if error else [] for error in outcomes])
+            self._outcome = (f"asynchronous save of {self.path} failed: " + "; ".join(found) if found else None,)
             if _in_flight[0] is self:
                 _in_flight[0] = None
         if self._outcome[0] is not None:
@@ -133,17 +154,6 @@ class AsyncSave:
 def in_flight() -> Optional[AsyncSave]:
     """The asynchronous save of this process not yet agreed on (its write may have ended), or None."""
     return _in_flight[0]
-
-
-def finish_in_flight() -> Optional[str]:
-    """Wait for the save in flight, if any, and agree on its outcome (every rank calls this, as the next save does);
-    returns its folder, or None when there was none.
-
-    Raises:
-        ValueError: on every rank: as :meth:`AsyncSave.wait`.
-    """
-    pending = _in_flight[0]
-    return None if pending is None else pending._agree()
 
 
 def staged(value: Any) -> Any:
@@ -177,18 +187,25 @@ class _Stager(AsyncStager):
 
 
 class _Writer(FileSystemWriter):
-    """DCP's file system writer, which raises this rank's staging failure in its local plan (DCP gathers the local
-    planning errors of every rank and raises them on every rank, before anything is written) and waits ``delay``
-    seconds before writing (``SHARDFUSION_TEST_SAVE_DELAY_S``)."""
+    """DCP's file system writer of ``root/tmp-step-<step>``, which raises this rank's staging failure in its local
+    plan (DCP gathers the local planning errors of every rank and raises them on every rank, before anything is
+    written), on the coordinator (rank 0) prepares the folder in the global plan (``folder.prepare``: what a crashed
+    save of this step left is removed; every rank has made its local plan then, and none has written yet), and waits
+    ``delay`` seconds before writing (``SHARDFUSION_TEST_SAVE_DELAY_S``)."""
 
-    def __init__(self, path: str, stager: _Stager, delay: float) -> None:
-        super().__init__(path)
-        self._stager, self._delay = stager, delay
+    def __init__(self, root: str, step: int, stager: _Stager, delay: float) -> None:
+        super().__init__(os.path.join(root, f"tmp-step-{step}"))
+        self._root, self._step, self._stager, self._delay = root, step, stager, delay
 
     def prepare_local_plan(self, plan):
         if self._stager.error is not None:
             raise self._stager.error
         return super().prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans):
+        prepare(self._root, self._step)
+        self.fs.mkdir(self.path)
+        return super().prepare_global_plan(plans)
 
     def write_data(self, plan, planner):
         if self._delay > 0:
@@ -237,8 +254,8 @@ def _checkpoint_group(timeout) -> Optional[dist.ProcessGroup]:
 
 
 def start(sd: dict[str, Any], fragments: dict, root: str, step: int, keep: int, topology=None) -> AsyncSave:
-    """Stage ``sd`` (the state dict of ``save_load._state_dict``, written to ``root/tmp-step-<step>``, which rank 0
-    has prepared) and start its write behind; returns the handle, which is also the save in flight. Every rank
+    """Stage ``sd`` (the state dict of ``save_load._state_dict``, written to ``root/tmp-step-<step>``) and start its
+    write behind; returns the handle, which is also the save in flight. Every rank
     calls it; a failure to start on this rank is agreed on at the next agreement. ``topology``: the model's
     (``shardfusion.Topology``): its ``timeout`` for the writes' process group (created at the first call; None:
     torch's default) and its arrival deadline for ``wait()``."""
@@ -250,7 +267,7 @@ def start(sd: dict[str, Any], fragments: dict, root: str, step: int, keep: int, 
         numpy_free = comm.torch_object_collectives_without_numpy()  # DCP's object collectives on the thread
         numpy_free.__enter__()
         handle._release = _once(lambda: numpy_free.__exit__(None, None, None))
-        future = dcp.async_save(sd, storage_writer=_Writer(os.path.join(root, f"tmp-step-{step}"), stager, delay),
+        future = dcp.async_save(sd, storage_writer=_Writer(root, step, stager, delay),
                                 planner=FragmentSavePlanner(fragments), process_group=group, async_stager=stager,
                                 no_dist=not dist.is_initialized())
         future.add_done_callback(handle._written)

@@ -158,17 +158,21 @@ def save(model: _Model, optimizer: _Optimizer, path: str, extra: Optional[dict] 
     _save(models, optimizers, path, extra, rank_state)
 
 
-def _meet(model: _Model, optimizer: _Optimizer, call: str) -> tuple[list[nn.Module], list]:
+def _meet(model: _Model, optimizer: _Optimizer, call: str,
+          in_flight: Optional[AsyncSave] = None) -> tuple[list[nn.Module], list]:
     """The start of every checkpoint call: the arrival check of every rank of the default group (a call made on some
     ranks only fails here, within the arrival deadline, naming the call and the absent ranks, before anything is
     written or read: ``arrival.check``), then
     the arguments checked (:func:`model_list`, :func:`optimizer_list`, :func:`optimizer_problems`) on every rank
     and the problems of every rank gathered (one ``all_gather_object``), so that a bad argument on one rank raises
-    on every rank. Returns ``(models, optimizers)`` as lists.
+    on every rank. With ``in_flight`` (the asynchronous save in flight, every rank's) each rank first waits for its
+    own part of that save and the same gather carries its outcome, on which the ranks agree (no collective more).
+    Returns ``(models, optimizers)`` as lists.
 
     Raises:
-        ValueError: on every rank: ``sf.checkpoint.<call>: rank r: ...`` for each rank's problems (the ranks that
-            found the same one named together: ``ranks 0-3: ...``).
+        ValueError: on every rank: the save ``in_flight`` failed (as ``AsyncSave.wait``); ``sf.checkpoint.<call>:
+            rank r: ...`` for each rank's problems (the ranks that found the same one named together: ``ranks 0-3:
+            ...``).
     """
     models, problems = model_list(model)
     given = model if isinstance(model, (list, tuple)) else [model]
@@ -181,9 +185,13 @@ def _meet(model: _Model, optimizer: _Optimizer, call: str) -> tuple[list[nn.Modu
         problems.append(str(error))
     if models and not problems:
         problems += optimizer_problems(models, optimizers)
-    every = [problems]
+    mine = problems if in_flight is None else (problems, in_flight.local_outcome())
+    every = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        every = comm.all_gather_object(problems, None, f"the arguments of sf.checkpoint.{call}")
+        every = comm.all_gather_object(mine, None, f"the arguments of sf.checkpoint.{call}")
+    if in_flight is not None:
+        in_flight.settle([outcome for _, outcome in every])
+        every = [found for found, _ in every]
     found = by_ranks(every)
     if found:
         raise ValueError(f"sf.checkpoint.{call}: " + "; ".join(found))
@@ -480,13 +488,13 @@ def save_checkpoint(model: _Model, optimizer: _Optimizer, root: str, step: int,
     folder, which :func:`latest_checkpoint` ignores: the previous checkpoint stays the latest.
 
     ``async_save=True`` (see [Note: asynchronous saves] in :mod:`shardfusion.checkpoint.background`): the call
-    returns once this rank's tensors are copied off to host memory (the staging copy: pinned for CUDA tensors); the
-    write, the commit and rank 0's publish run on a background thread, with their collectives on a process group of
-    their own (created by the first asynchronous save). The checkpoint is published only after every rank's write
-    has ended, as above. Every save first waits for the asynchronous save in flight, if any, and every rank learns
-    its outcome (one ``all_gather_object``): one save at a time. Call ``wait()`` on the last handle before the process
-    group is destroyed or a checkpoint of ``root`` is loaded. The test-only ``SHARDFUSION_TEST_SAVE_DELAY_S`` delays
-    each background write.
+    returns once this rank's tensors are copied off to host memory (the staging copy: pinned for CUDA tensors); rank
+    0's preparation of the folder, the write, the commit and rank 0's publish run on a background thread, with
+    their collectives on a process group of their own (created by the first asynchronous save). The checkpoint is
+    published only after every rank's write has ended, as above. Every save first waits for the asynchronous save in
+    flight, if any, and every rank learns its outcome (in the gather of the arguments' check): one save at a time.
+    Call ``wait()`` on the last handle before the process group is destroyed or a checkpoint of ``root`` is loaded.
+    The test-only ``SHARDFUSION_TEST_SAVE_DELAY_S`` delays each background write.
 
     Pruning (rank 0, after the publish): the checkpoint just published is never deleted; among the published
     checkpoints with a lower step, the ``keep - 1`` highest are kept and the others deleted. Checkpoints with a
@@ -502,20 +510,19 @@ def save_checkpoint(model: _Model, optimizer: _Optimizer, root: str, step: int,
             r: ...``; nothing of this save is started then); rank 0 cannot create ``root`` or publish the checkpoint
             (e.g. not writable; the error names the path); anything :func:`save` raises (a bad ``model`` or
             ``optimizer`` before rank 0 touches ``root``); ``SHARDFUSION_TEST_SAVE_DELAY_S`` not a number >= 0.
-            With ``async_save``, a failure of this save's write or publish is raised later, on every rank, by the
-            next save or ``wait()``.
+            With ``async_save``, a failure of this save's folder, write or publish is raised later, on every rank,
+            by the next save or ``wait()`` (``asynchronous save of ... failed: ...``).
     """
     if keep < 1 or step < 0:
         raise ValueError(f"save_checkpoint: keep must be >= 1 and step >= 0, got keep={keep}, step={step}")
     if async_save:
         background.write_delay()  # a bad value is refused before anything is written
     final, tmp = os.path.join(root, f"step-{step}"), os.path.join(root, f"tmp-step-{step}")
-    models, optimizers = _meet(model, optimizer, "save_checkpoint")
-    background.finish_in_flight()
-    call_on_rank0(lambda: prepare(root, step), f"cannot prepare {tmp!r}")
-    if async_save:
+    models, optimizers = _meet(model, optimizer, "save_checkpoint", background.in_flight())
+    if async_save:  # rank 0 prepares the folder in the write's plan, between every rank's plan and any file
         sd, fragments = _state_dict(models, optimizers, tmp, extra, rank_state)
         return background.start(sd, fragments, root, step, keep, sharded_state(models[0]).topology)
+    call_on_rank0(lambda: prepare(root, step), f"cannot prepare {tmp!r}")
     _save(models, optimizers, tmp, extra, rank_state)
     call_on_rank0(lambda: publish(root, step, keep), f"cannot publish {tmp!r} as {final!r}")
     return final

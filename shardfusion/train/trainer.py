@@ -162,21 +162,23 @@ class Trainer:
 
     def save(self, done: int) -> Optional[str]:
         """Publish the checkpoint of step ``done`` in --out (with the modes' per-rank state), unless a mode keeps
-        this group from writing it (`Mode.may_save`); returns its path (None then). With --async-save it first waits
-        for the previous save (`finish_saving`), then returns once this rank's shards are copied off: the write runs
-        behind, in `saving`. Collective.
+        this group from writing it (`Mode.may_save`); returns its path (None then). With --async-save the save first
+        waits for the previous one (`shardfusion.checkpoint.save_checkpoint` does), then returns once this rank's
+        shards are copied off: the write runs behind, in `saving`. Collective.
 
         Raises:
             ValueError: on every rank: the save, or the previous asynchronous one, failed (`train_state.save`).
         """
         if not all(may_save() for may_save in self.modes.each("may_save")):
             return None
-        self.finish_saving()
         rank_state = self.modes.merged("rank_state", False) if self.modes.has("rank_state") else None
+        previous, self.saving = self.saving, None
         saved = train_state.save(self.model, self.optimizers, self.config.out, step=done, keep=self.checkpoint.keep,
                                  config=self.config, model_extra=self.job.extra, layout=self.topo.describe(),
                                  elapsed_s=self.elapsed(), device=self.device, data_order=self.data_order,
                                  rank_extra=rank_state, async_save=self.checkpoint.async_save)
+        if previous is not None:
+            self._published(previous)  # agreed on by the save above: no collective
         if isinstance(saved, str):
             return saved
         self.saving = saved
@@ -189,14 +191,17 @@ class Trainer:
         Raises:
             ValueError: on every rank: its write or publish failed on some rank (`AsyncSave.wait`).
         """
-        if self.saving is None:
-            return
+        if self.saving is not None:
+            saving, self.saving = self.saving, None
+            self._published(saving)
+
+    def _published(self, saving: sf.checkpoint.AsyncSave) -> None:
+        """Wait for ``saving`` (`AsyncSave.wait`: collective unless agreed on already) and say so on rank 0."""
         t = time.perf_counter()
-        saving, self.saving = self.saving, None
         path = saving.wait()
         if self.is_main:
             tqdm.write(f"step {saving.step:5d}  published {path} (written in the background; waited "
-                       f"{time.perf_counter() - t:.2f} s for it)")
+                       f"{time.perf_counter() - t:.2f} s for it here)")
 
     # ---- the loop ----
 
@@ -261,7 +266,6 @@ class Trainer:
                 self.t_step = time.perf_counter()  # keep evaluation time out of the next step's tokens/s
             save_every = self.checkpoint.save_every
             if (save_every and done % save_every == 0) or (self.save_at_stop and done == self.stop):
-                self.finish_saving()  # the previous one, so that the line below times this save's stall alone
                 t_save = time.perf_counter()
                 path = self.save(done)
                 if path is not None:

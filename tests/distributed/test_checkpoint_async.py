@@ -13,8 +13,8 @@ the published folders and ``latest`` the same; loading either checkpoint gives t
 
 Failures, a ValueError on every rank with no rank left waiting: a write that fails on rank 1 (raised by the next
 save, and by ``wait()``, naming rank 1; not published, the previous checkpoint stays the latest), a staging copy
-that fails on rank 2 (the others' writes are not left waiting for it), a publish that fails on rank 0, a bad
-``SHARDFUSION_TEST_SAVE_DELAY_S``.
+that fails on rank 2 (the others' writes are not left waiting for it), a publish that fails on rank 0, a root
+folder that cannot be made (a file is in the way), a bad ``SHARDFUSION_TEST_SAVE_DELAY_S``.
 """
 
 from __future__ import annotations
@@ -170,6 +170,11 @@ def _failure_cases(root: str) -> dict:
     out["publish_failed"] = _error(ckpt.save_checkpoint(models, opts, where, 5, async_save=True).wait)
     background.publish = publish
     out["latest_after"] = ckpt.latest_checkpoint(where)
+    blocked = f"{root}/blocked"
+    if rank == 0:
+        open(blocked, "w").close()  # a file where the root folder must go: no rank can make tmp-step-1 there
+    dist.barrier()
+    out["unwritable"] = _error(ckpt.save_checkpoint(models, opts, blocked, 1, async_save=True).wait)
     os.environ["SHARDFUSION_TEST_SAVE_DELAY_S"] = "soon"
     out["bad_delay"] = _error(lambda: ckpt.save_checkpoint(models, opts, where, 6, async_save=True))
     os.environ.pop("SHARDFUSION_TEST_SAVE_DELAY_S")
@@ -240,6 +245,9 @@ def test_a_failed_background_write_raises_on_every_rank(runs) -> None:
                                        f"publish '{where}/tmp-step-5' as '{where}/step-5': PermissionError: [Errno "
                                        f"13] Permission denied (injected): '{where}'"), r["publish_failed"]
         assert r["latest_after"] == f"{where}/step-1"
+        assert r["unwritable"].startswith(f"ValueError: asynchronous save of {root}/blocked/step-1 failed: ranks 0-3: "
+                                          f"checkpoint '{root}/blocked/tmp-step-1' cannot be written: ranks 0, 1, "
+                                          "2, 3: NotADirectoryError"), r["unwritable"]
         assert r["bad_delay"] == ("ValueError: SHARDFUSION_TEST_SAVE_DELAY_S must be a number of seconds >= 0, got "
                                   "'soon'"), r["bad_delay"]
         assert r["after_failures"] == f"{where}/step-7"
