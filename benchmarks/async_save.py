@@ -2,21 +2,25 @@
 
     python -m benchmarks.async_save            # 4 gloo workers, GPT "medium" under HSDP 2 x 2; results/async-save.*
     python -m benchmarks.async_save --preset tiny --pairs 2 --every 2 --name x   # a smoke run
+    python -m benchmarks.async_save --device cuda --nproc 1 --outer 1 --name async-save-cuda   # one GPU
 
 One job of ``--nproc`` workers trains a dense GPT (``--preset``) under HSDP (``--outer`` x the rest) with AdamW and
 saves a checkpoint every ``--every`` steps, alternately with ``save_checkpoint`` and ``save_checkpoint(...,
 async_save=True)``: pairs of saves of the same run, on the same disk, under the same load; the order within a pair
 alternates from pair to pair. As the training job does, each save first waits for the asynchronous save in flight
-(``AsyncSave.wait``). Figures per save, each the slowest rank's (the step loop goes on when the last rank does),
-ranks aligned by a barrier before each save:
+(inside ``save_checkpoint``). Figures per save, each the slowest rank's (the step loop goes on when the last rank
+does), ranks aligned by a barrier before each save:
 
 - ``sync_s``: the seconds ``save_checkpoint`` takes (the step loop stops for all of it);
 - ``stall_s``: what an asynchronous save stops the loop for: its ``save_checkpoint`` call (``call_s``; of it the
-  staging copy, ``staging_s``) plus the wait for it before the next save (``wait_s``; 0 when the write had ended);
+  staging copy, ``staging_s``) plus the wait for its write in the next save (``wait_s``; about 0 when the write
+  had ended; the last save's: the wait at the end of the run);
 - ``write_s``: from the call to the end of the background write and DCP's commit on that rank.
 
-Also the step seconds while a background write runs and otherwise (the write shares the CPU with the steps). The
-result: the ratio of the medians, stall over synchronous save (the goal: <= 0.10), and each pair's ratio.
+Also the step seconds of steps that began while a background write ran and of the others (the write shares the CPU
+with the steps). The result: the ratio of the medians, stall over synchronous save (the goal: <= 0.10), and each
+pair's ratio; and a check that a synchronous and an asynchronous save of the same state are equal, bitwise, while
+the model trains on during the write.
 """
 
 from __future__ import annotations
@@ -65,68 +69,133 @@ def _timed_writes() -> None:
     background.AsyncSave._written = timed
 
 
+def _timed_waits(waits: list[float]) -> None:
+    """Record in ``waits`` the seconds each wait for a save's own part takes (``AsyncSave.local_outcome``: inside
+    the next save, or in ``wait()``)."""
+    from shardfusion.checkpoint import background
+    local = background.AsyncSave.local_outcome
+
+    def timed(self):
+        t = time.perf_counter()
+        try:
+            return local(self)
+        finally:
+            waits.append(time.perf_counter() - t)
+    background.AsyncSave.local_outcome = timed
+
+
+class _Run:
+    """One rank's model, optimizer and timers; ``train`` runs ``--every`` steps, ``save`` one timed save."""
+
+    def __init__(self, args: argparse.Namespace, folder: str) -> None:
+        import torch
+        import torch.distributed as dist
+        import shardfusion as sf
+        from benchmarks.spawn import join
+        from shardfusion.models.gpt import GPT, PRESETS, Block
+
+        self.args, self.folder, self.device = args, folder, join(args.device)
+        topo = sf.Topology(sharding=dist.get_world_size(), fsdp_outer_degree=args.outer)
+        torch.manual_seed(0)
+        self.model = sf.fully_shard(GPT(PRESETS[args.preset]).to(self.device), topo, units=(Block,))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.seq, self.step = PRESETS[args.preset].seq_len, 0
+        self.staging: list[float] = []
+        self.waits: list[float] = []
+        _timed_staging(self.staging)
+        _timed_writes()
+        _timed_waits(self.waits)
+        self.saves: list[dict[str, Any]] = []
+        self.steps: dict[str, list[float]] = {"writing": [], "idle": []}
+        self.pending: Optional[tuple] = None  # (record, handle) of the asynchronous save in flight
+
+    def sync(self) -> None:
+        import torch
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def train(self) -> None:
+        """--every steps, each timed and filed by whether a background write ran at its start."""
+        import torch
+        for _ in range(self.args.every):
+            writing = self.pending is not None and not self.pending[1].done()
+            t = time.perf_counter()
+            x = torch.randint(0, 256, (self.args.batch, self.seq), generator=torch.Generator().manual_seed(self.step))
+            self.model(x.to(self.device), x.to(self.device))[1].backward()
+            self.opt.step()
+            self.opt.zero_grad()
+            self.sync()
+            self.step += 1
+            self.steps["writing" if writing else "idle"].append(time.perf_counter() - t)
+
+    def save(self, kind: str, root: str, record: Optional[dict] = None):
+        """One save of ``kind`` into ``root``, the ranks aligned first; as the job does, it first waits for the
+        asynchronous save in flight (inside ``save_checkpoint``), whose record takes that wait. Returns the
+        handle of an asynchronous save."""
+        import torch.distributed as dist
+        import shardfusion as sf
+        self.sync()
+        dist.barrier()
+        count, self.waits[:] = len(self.staging), []
+        t = time.perf_counter()
+        saved = sf.checkpoint.save_checkpoint(self.model, self.opt, root, self.step, keep=2,
+                                              async_save=kind == "async")
+        self.sync()
+        total, waited = time.perf_counter() - t, sum(self.waits)
+        self._settle(waited)
+        if record is not None:
+            key = "sync_s" if kind == "sync" else "call_s"
+            record.update({key: total - waited, "step": self.step, "t0": t, "staging_s": sum(self.staging[count:])})
+            self.saves.append(record)
+            if kind == "async":
+                self.pending = (record, saved)
+        return saved
+
+    def finish(self) -> None:
+        """Wait for the save in flight (as the job does at its end), its record taking the wait."""
+        if self.pending is not None:
+            self.waits[:] = []
+            self.pending[1].wait()
+            self._settle(sum(self.waits))
+
+    def _settle(self, waited: float) -> None:
+        if self.pending is not None:
+            record, handle = self.pending
+            record["wait_s"], record["write_s"] = waited, handle.written_at - record["t0"]
+            self.pending = None
+
+
 def worker(args: argparse.Namespace, folder: str) -> dict[str, Any]:
-    """One rank: train and save ``2 * pairs`` times; returns this rank's seconds per save and per step."""
+    """One rank: train and save ``2 * pairs`` times, then check one pair of saves of the same state; returns this
+    rank's seconds per save and per step."""
     import torch
     import torch.distributed as dist
     import shardfusion as sf
-    from benchmarks.spawn import join
-    from shardfusion.models.gpt import GPT, PRESETS, Block
+    from shardfusion.models.gpt import GPT, PRESETS
 
-    join("cpu")
-    topo = sf.Topology(sharding=dist.get_world_size(), fsdp_outer_degree=args.outer)
-    torch.manual_seed(0)
-    model = sf.fully_shard(GPT(PRESETS[args.preset]), topo, units=(Block,))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    seq = PRESETS[args.preset].seq_len
-    staging: list[float] = []
-    _timed_staging(staging)
-    _timed_writes()
-    saves: list[dict[str, Any]] = []
-    steps = {"writing": [], "idle": []}
-    pending: Optional[tuple] = None  # (record, handle) of the asynchronous save in flight
-    step = 0
+    run = _Run(args, folder)
     for pair in range(args.pairs):
         for kind in (("sync", "async") if pair % 2 == 0 else ("async", "sync")):
-            for _ in range(args.every):
-                t = time.perf_counter()
-                x = torch.randint(0, 256, (args.batch, seq), generator=torch.Generator().manual_seed(step))
-                model(x, x)[1].backward()
-                opt.step()
-                opt.zero_grad()
-                step += 1
-                writing = pending is not None and not pending[1].done()
-                steps["writing" if writing else "idle"].append(time.perf_counter() - t)
-            dist.barrier()
-            if pending is not None:  # as the job: the next save waits for the one in flight
-                record, handle = pending
-                t = time.perf_counter()
-                handle.wait()
-                record["wait_s"], record["write_s"] = time.perf_counter() - t, handle.written_at - record["t0"]
-                pending = None
-                dist.barrier()
-            t = time.perf_counter()
-            if kind == "sync":
-                sf.checkpoint.save_checkpoint(model, opt, f"{folder}/sync", step, keep=2)
-                saves.append({"kind": "sync", "pair": pair, "step": step, "sync_s": time.perf_counter() - t})
-                continue
-            count = len(staging)
-            handle = sf.checkpoint.save_checkpoint(model, opt, f"{folder}/async", step, keep=2, async_save=True)
-            record = {"kind": "async", "pair": pair, "step": step, "call_s": time.perf_counter() - t, "t0": t,
-                      "staging_s": sum(staging[count:])}
-            saves.append(record)
-            pending = (record, handle)
-    if pending is not None:
-        record, handle = pending
-        t = time.perf_counter()
-        handle.wait()
-        record["wait_s"], record["write_s"] = time.perf_counter() - t, handle.written_at - record["t0"]
+            run.train()
+            run.save(kind, f"{folder}/{kind}", {"kind": kind, "pair": pair})
+    run.train()  # the last save's write runs behind these steps too, as in a run that goes on
+    run.finish()
+    # the check: a synchronous and an asynchronous save of the same state, steps taken while the write runs
+    run.save("sync", f"{folder}/check-sync")
+    handle = run.save("async", f"{folder}/check-async")
+    run.train()
+    handle.wait()
+    equal = None
+    if dist.get_rank() == 0:
+        mine, theirs = (sf.checkpoint.read_all(f"{folder}/check-{kind}/step-{handle.step}")
+                        for kind in ("async", "sync"))
+        equal = mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     dist.barrier()
     with torch.device("meta"):
         params = sum(p.numel() for p in GPT(PRESETS[args.preset]).parameters())
-    return {"saves": saves, "steps": steps, "staging_bytes": sf.checkpoint.staging_bytes(model, opt),
-            "params": params, "checkpoint_bytes": sf.checkpoint.checkpoint_bytes(f"{folder}/{saves[-1]['kind']}/"
-                                                                                 f"step-{step}")}
+    return {"saves": run.saves, "steps": run.steps, "params": params, "equal": equal,
+            "staging_bytes": sf.checkpoint.staging_bytes(run.model, run.opt),
+            "checkpoint_bytes": sf.checkpoint.checkpoint_bytes(f"{folder}/check-sync/step-{handle.step}")}
 
 
 def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -152,7 +221,8 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return {"saves": saves, "pairs": pairs, "median": median, "ratio": median["stall_s"] / median["sync_s"],
             "pair_ratios": [p["ratio"] for p in pairs], "step_s": steps, "goal": GOAL,
             "staging_bytes_max": max(r["staging_bytes"] for r in per_rank),
-            "checkpoint_bytes": per_rank[0]["checkpoint_bytes"], "params": per_rank[0]["params"]}
+            "checkpoint_bytes": per_rank[0]["checkpoint_bytes"], "params": per_rank[0]["params"],
+            "async_equals_sync": per_rank[0]["equal"]}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -160,7 +230,8 @@ def markdown(result: dict[str, Any]) -> str:
     m = s["median"]
     lines = [f"# Asynchronous checkpoint saves: {result['name']}", "",
              f"`{result['command']}`: a dense GPT \"{a['preset']}\" ({s['params']:,} parameters, AdamW) on "
-             f"{a['nproc']} gloo workers, HSDP outer {a['outer']}; a save every {a['every']} steps, synchronous and "
+             f"{a['nproc']} {'gloo workers (CPU)' if a['device'] == 'cpu' else 'NCCL workers (CUDA)'}, HSDP "
+             f"outer {a['outer']}; a save every {a['every']} steps, synchronous and "
              f"asynchronous alternately, {a['pairs']} pairs. Checkpoint {s['checkpoint_bytes'] / 2**20:.1f} MiB; "
              f"staging copy {s['staging_bytes_max'] / 2**20:.1f} MiB on the rank that writes most.", "",
              describe(result["env"]), "",
@@ -168,21 +239,27 @@ def markdown(result: dict[str, Any]) -> str:
              "| figure | seconds |", "|---|---|",
              f"| synchronous save (the loop stops for all of it) | {m['sync_s']:.3f} |",
              f"| asynchronous save: the loop's stall (call + wait) | {m['stall_s']:.3f} |",
-             f"| of it the call (arrival check, agreement, folder, staging copy) | {m['call_s']:.3f} |",
+             f"| of it the call (checks and gathers, staging copy, the write started) | {m['call_s']:.3f} |",
              f"| of the call the staging copy | {m['staging_s']:.3f} |",
              f"| of it the wait at the next save | {m['wait_s']:.3f} |",
              f"| the background write (from the call to the end of DCP's commit) | {m['write_s']:.3f} |", "",
              f"Stall over synchronous save: {s['ratio']:.3f} (goal <= {s['goal']:.2f}); per pair: "
-             + ", ".join(f"{r:.3f}" for r in s["pair_ratios"]) + ".", ""]
+             + ", ".join(f"{r:.3f}" for r in s["pair_ratios"]) + ".", "",
+             "Check: a synchronous and an asynchronous save of the same state, steps taken while the write ran: "
+             + ("equal key by key, bitwise." if s["async_equals_sync"] else "NOT EQUAL."), ""]
     if s["step_s"]["writing"] is not None:
-        lines += [f"Step seconds (median over ranks and steps): {s['step_s']['idle']:.3f} without a background "
-                  f"write, {s['step_s']['writing']:.3f} while one runs (it shares the CPU with the step).", ""]
+        lines += [f"Step seconds (median over ranks and steps): {s['step_s']['idle']:.3f} for a step begun without "
+                  f"a background write, {s['step_s']['writing']:.3f} for one begun while a write ran (it shares the "
+                  f"CPU with the step).", ""]
     return "\n".join(lines)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="medium", help="the GPT's preset (shardfusion.models.gpt.PRESETS)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo workers; cuda: one worker per GPU, NCCL (the staging copy goes to pinned "
+                             "host memory)")
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--outer", type=int, default=2, help="HSDP outer degree")
     parser.add_argument("--pairs", type=int, default=6, help="pairs of saves (synchronous, asynchronous)")

@@ -216,7 +216,7 @@ class DryRun:
             if "staging" in m:
                 out.append(f"  async save: staging copy {_size(m['staging'])} of host memory per rank (pinned on "
                            f"CUDA), {_size(m['staging'] * self.ranks_per_node)} for a node of {self.ranks_per_node} "
-                           f"such ranks, from each save to the end of its write; not in the peak above")
+                           f"such ranks, held from the first save on (each save reuses it); not in the peak above")
             out.append(f"  {'collective':<15} {'group':<44} {'size':>6} {'count':>6} {'MB':>11} {'within MB':>11} "
                        f"{'across MB':>11}")
             for c in r.collectives:
@@ -413,7 +413,7 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
     manager factory entered around the step only (e.g. another recorder of its collectives); ``async_save``: also
     ``memory["staging"]``, the bytes of an asynchronous checkpoint save's staging copy after the step
     (:func:`shardfusion.checkpoint.staging_bytes`: this rank's written fragments, their optimizer state, the
-    scalars and buffers; host memory, held from a save to the end of its write, so not part of ``peak``).
+    scalars and buffers; host memory, held from the first save on, so not part of ``peak``).
     """
     from shardfusion._runtime.state import is_sharded
 

@@ -2,14 +2,16 @@
 optimizer, starts the write behind the step loop and returns an :class:`AsyncSave` handle.
 
 [Note: asynchronous saves]
-What a save holds, per rank (each alive from ``save_checkpoint`` to the end of the write):
+What a save holds, per rank:
 
 - the *staging copy*: a copy of every tensor this rank writes (its primary fragments of the parameters, their
   per-element optimizer state, the scalar state, the persistent buffers and its ``rank_state``), made on the calling
   thread before ``save_checkpoint`` returns, so that the next optimizer step may change the originals. Host memory:
   pinned for tensors on a CUDA device (copies at the link's speed), plain for CPU tensors; the same bytes as the
-  rank's data file (``shardfusion.checkpoint.staging_bytes`` counts them, the dry run reports them). Non-tensor values
-  (``meta``, the caller's ``extra``) are deep-copied.
+  rank's data file (``shardfusion.checkpoint.staging_bytes`` counts them, the dry run reports them). It is kept
+  after the write and reused by the next save (a copy into memory already faulted in is about 3 x faster on the
+  CPU than into new memory), so it stays allocated from the first asynchronous save to the end of the process.
+  Non-tensor values (``meta``, the caller's ``extra``) are deep-copied.
 - the *write*: ``torch.distributed.checkpoint.async_save`` runs DCP's save of the staging copy on one background
   thread, with its collectives (the plan's gather and scatter, the commit's gather) on a process group of its own
   (gloo, every rank of the default group, created by the first asynchronous save), so that they never interleave
@@ -60,6 +62,7 @@ DELAY_ENV = "SHARDFUSION_TEST_SAVE_DELAY_S"
 
 _in_flight: list[Optional["AsyncSave"]] = [None]  # the save not yet agreed on (one per process)
 _group: dict[str, Any] = {"world": None, "group": None}  # the write's process group, per default group
+_staged: dict[str, torch.Tensor] = {}  # the last staging copy, by key: reused by the next save
 
 
 class AsyncSave:
@@ -156,19 +159,26 @@ def in_flight() -> Optional[AsyncSave]:
     return _in_flight[0]
 
 
-def staged(value: Any) -> Any:
+def staged(value: Any, into: Optional[torch.Tensor] = None) -> Any:
     """A copy of ``value`` that later changes of the original do not reach: a tensor copied to host memory (pinned
-    when it is on a CUDA device), anything else deep-copied. (The state dict of a save holds plain tensors only:
-    a tensor-parallel parameter's fragment is a plain tensor too.)"""
-    if torch.is_tensor(value):
-        copied = torch.empty_like(value, device="cpu", pin_memory=value.is_cuda)
-        return copied.copy_(value.detach())
-    return copy.deepcopy(value)
+    when it is on a CUDA device), into ``into`` when that is a tensor of the same shape, strides, dtype and pinning
+    (the previous save's copy: no new memory to allocate and fault in), else into new memory; anything else
+    deep-copied. (The state dict of a save holds plain tensors only: a tensor-parallel parameter's fragment is a
+    plain tensor too.)"""
+    if not torch.is_tensor(value):
+        return copy.deepcopy(value)
+    pinned = value.is_cuda
+    if not (torch.is_tensor(into) and into.shape == value.shape and into.stride() == value.stride()
+            and into.dtype == value.dtype and into.is_pinned() == pinned):
+        into = torch.empty_like(value, device="cpu", pin_memory=pinned)
+    return into.copy_(value.detach())
 
 
 class _Stager(AsyncStager):
-    """Stages on the calling thread (``staged``); a failure is kept for the writer to raise (see :class:`_Writer`),
-    so that DCP reports it on every rank instead of leaving the other ranks' writes waiting for this one."""
+    """Stages on the calling thread (``staged``), into the previous save's copies where they fit (``_staged``: the
+    staging copy is kept from one save to the next, the previous write having ended before the next save stages);
+    a failure is kept for the writer to raise (see :class:`_Writer`), so that DCP reports it on every rank instead
+    of leaving the other ranks' writes waiting for this one."""
 
     _synchronize_after_execute = False
 
@@ -177,10 +187,14 @@ class _Stager(AsyncStager):
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         try:
-            return {key: staged(value) for key, value in state_dict.items()}
+            copies = {key: staged(value, _staged.get(key)) for key, value in state_dict.items()}
         except Exception as error:  # noqa: BLE001 - raised in this rank's write, gathered by DCP's commit
             self.error = error
+            _staged.clear()
             return {}
+        _staged.clear()
+        _staged.update((key, copy) for key, copy in copies.items() if torch.is_tensor(copy))
+        return copies
 
     def close(self) -> None:
         pass

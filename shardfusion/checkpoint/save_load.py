@@ -488,7 +488,8 @@ def save_checkpoint(model: _Model, optimizer: _Optimizer, root: str, step: int,
     folder, which :func:`latest_checkpoint` ignores: the previous checkpoint stays the latest.
 
     ``async_save=True`` (see [Note: asynchronous saves] in :mod:`shardfusion.checkpoint.background`): the call
-    returns once this rank's tensors are copied off to host memory (the staging copy: pinned for CUDA tensors); rank
+    returns once this rank's tensors are copied off to host memory (the staging copy: pinned for CUDA tensors, kept
+    and reused by the next save, so held from the first asynchronous save on: :func:`staging_bytes`); rank
     0's preparation of the folder, the write, the commit and rank 0's publish run on a background thread, with
     their collectives on a process group of their own (created by the first asynchronous save). The checkpoint is
     published only after every rank's write has ended, as above. Every save first waits for the asynchronous save in

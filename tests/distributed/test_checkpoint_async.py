@@ -106,7 +106,7 @@ def _layout_case(name: str, root: str) -> dict:
         extra = {"step": step, "layout": name}
         out["paths"].append(ckpt.save_checkpoint(models, opts, f"{root}/{name}/sync", step, keep=2, extra=extra))
         copies: list = []
-        background.staged = lambda value: _counted(staged(value), copies)
+        background.staged = lambda value, into=None: _counted(staged(value, into), copies)
         handle = ckpt.save_checkpoint(models, opts, f"{root}/{name}/async", step, keep=2, extra=extra,
                                       async_save=True)
         background.staged = staged
@@ -157,7 +157,7 @@ def _failure_cases(root: str) -> dict:
     out["listing"] = sorted(os.listdir(where))
     background._Writer.write_data = writer
 
-    def out_of_memory(value):
+    def out_of_memory(value, into=None):
         raise MemoryError("staging copy (injected)")
     if rank == 2:
         background.staged = out_of_memory
