@@ -193,15 +193,16 @@ class Trainer:
         """
         if self.saving is not None:
             saving, self.saving = self.saving, None
-            self._published(saving)
+            self._published(saving, at_end=True)
 
-    def _published(self, saving: sf.checkpoint.AsyncSave) -> None:
-        """Wait for ``saving`` (`AsyncSave.wait`: collective unless agreed on already) and say so on rank 0."""
+    def _published(self, saving: sf.checkpoint.AsyncSave, at_end: bool = False) -> None:
+        """Wait for ``saving`` (`AsyncSave.wait`: collective unless the next save agreed on it already) and say so
+        on rank 0 (``at_end``: with the seconds the run waited for it)."""
         t = time.perf_counter()
         path = saving.wait()
         if self.is_main:
-            tqdm.write(f"step {saving.step:5d}  published {path} (written in the background; waited "
-                       f"{time.perf_counter() - t:.2f} s for it here)")
+            waited = f"; the run waited {time.perf_counter() - t:.2f} s for it" if at_end else ""
+            tqdm.write(f"step {saving.step:5d}  published {path} (written in the background{waited})")
 
     # ---- the loop ----
 
