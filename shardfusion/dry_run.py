@@ -46,6 +46,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardfusion import accounting, comm
+from shardfusion.checkpoint import staging_bytes
 from shardfusion.clip import clip_grad_norm_
 from shardfusion.fully_shard import fully_shard as fully_shard_model
 from shardfusion.fully_shard import get_units, set_is_last_backward
@@ -212,6 +213,10 @@ class DryRun:
             persistent = m["params"] + m["grads"] + m["optimizer"]
             out.append(f"  persistent (params + grads + optimizer) {_size(persistent)}; largest unit gathered "
                        f"{_size(m['largest_full_unit'])}")
+            if "staging" in m:
+                out.append(f"  async save: staging copy {_size(m['staging'])} of host memory per rank (pinned on "
+                           f"CUDA), {_size(m['staging'] * self.ranks_per_node)} for a node of {self.ranks_per_node} "
+                           f"such ranks, held from the first save on (each save reuses it); not in the peak above")
             out.append(f"  {'collective':<15} {'group':<44} {'size':>6} {'count':>6} {'MB':>11} {'within MB':>11} "
                        f"{'across MB':>11}")
             for c in r.collectives:
@@ -257,7 +262,8 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
             fully_shard: Optional[dict] = None, optimizer: Callable = None, micro_batches: int = 1,
             max_norm: Optional[float] = 1.0, ranks: Optional[Sequence[int]] = None, backend: str = "nccl",
             bandwidth: Optional[Bandwidth] = None, plan_model: bool = True, bounds: bool = True,
-            step_runs_backward: bool = False, max_memory_per_rank: Optional[int] = None) -> DryRun:
+            step_runs_backward: bool = False, max_memory_per_rank: Optional[int] = None,
+            async_save: bool = False) -> DryRun:
     """Play one optimizer step of a ``world_size``-rank job in this process and report, for each kind of rank, its
     memory and its collectives (see [Note: dry run]).
 
@@ -289,6 +295,8 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
         step_runs_backward: see ``step``.
         max_memory_per_rank: a memory budget per rank in bytes: the report judges each kind of rank's ``peak``
             (and ``peak_slow``) against it (:meth:`RankFigures.budget`). None (default): no verdict.
+        async_save: the job saves checkpoints asynchronously (``save_checkpoint(..., async_save=True)``): each kind
+            of rank also reports ``memory["staging"]``, the staging copy of a save (host memory, not in ``peak``).
 
     Returns:
         :class:`DryRun`.
@@ -335,7 +343,7 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
     try:
         for rank, kind in played:
             fig, layout = _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_kwargs,
-                                optimizer, micro_batches, max_norm, bounds, step_runs_backward)
+                                optimizer, micro_batches, max_norm, bounds, step_runs_backward, async_save)
             figures.append(fig)
     finally:
         comm._emulated_backend["fake"] = saved_backend
@@ -354,7 +362,7 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
 
 
 def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_kwargs, optimizer, micro_batches,
-          max_norm, bounds, step_runs_backward) -> tuple[RankFigures, str]:
+          max_norm, bounds, step_runs_backward, async_save=False) -> tuple[RankFigures, str]:
     """One rank: fake group, topology, then :func:`measure_step` on fake tensors, with the collectives complete as
     soon as issued and, with ``bounds``, again with none complete before it is waited for."""
     t = time.perf_counter()
@@ -375,7 +383,8 @@ def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_k
                 warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
                 runs.append(measure_step(build, step, topo, ranks_per_node=ranks_per_node, fully_shard=fs_kwargs,
                                          optimizer=optimizer, micro_batches=micro_batches, max_norm=max_norm,
-                                         kind=kind, step_runs_backward=step_runs_backward))
+                                         kind=kind, step_runs_backward=step_runs_backward,
+                                         async_save=async_save))
         fig = runs[0]
         if bounds:  # the same collectives; the buffers that wait for them live longer
             slow = runs[1]
@@ -395,13 +404,16 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
                  optimizer: Optional[Callable] = None, micro_batches: int = 1, max_norm: Optional[float] = 1.0,
                  kind: str = "this rank", device: str = "cpu",
                  step_context: Optional[Callable[[], object]] = None,
-                 step_runs_backward: bool = False) -> RankFigures:
+                 step_runs_backward: bool = False, async_save: bool = False) -> RankFigures:
     """Build, shard and step a model on the process group that ``topo`` was made on, under
     :class:`~shardfusion.live_memory.LiveMemory` and a :class:`~shardfusion.comm.CommCounter`, and return this rank's
     figures. :func:`dry_run` calls it on fake tensors and a fake group; on a real group (every rank calls it, as any
     step) it measures the same figures, which is how a dry run is validated (``benchmarks/dry_run_check.py``).
     Arguments as in :func:`dry_run`; ``device``: where the wrap materializes the model; ``step_context``: a context
-    manager factory entered around the step only (e.g. another recorder of its collectives).
+    manager factory entered around the step only (e.g. another recorder of its collectives); ``async_save``: also
+    ``memory["staging"]``, the bytes of an asynchronous checkpoint save's staging copy after the step
+    (:func:`shardfusion.checkpoint.staging_bytes`: this rank's written fragments, their optimizer state, the
+    scalars and buffers; host memory, held from the first save on, so not part of ``peak``).
     """
     from shardfusion._runtime.state import is_sharded
 
@@ -462,6 +474,8 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
     memory.update(full_params=tracker.part_peaks["full_params"], full_grads=tracker.part_peaks["full_grads"],
                   activations=activations, other_peak=tracker.part_peaks["other"], peak=tracker.peak.total,
                   largest_full_unit=largest_unit)
+    if async_save:
+        memory["staging"] = staging_bytes(model, opt)
     return RankFigures(topo.rank, coords, kind, memory, _collectives(counter, ranks_per_node) + p2p.rows(),
                        counter.summary(ranks_per_node), seconds, dict(tracker.peak.parts))
 

@@ -48,6 +48,7 @@ MODES: dict[str, Mode] = {
     "muon": Mode("--optimizer muon", "Muon on whole matrices", "docs/train-muon.md"),
     "hf": Mode("--hf-model", "a Hugging Face transformers model", "docs/hf-models.md"),
     "init_from": Mode("--init-from", "start from a pretrained Hugging Face folder", "docs/hf-models.md"),
+    "async_save": Mode("--async-save", "checkpoints written in the background", "docs/checkpoints.md"),
 }
 """The modes, in the order of the table's rows and columns."""
 
@@ -97,6 +98,9 @@ class Refused:
 _FT = "a fault-tolerant replica group is FSDP with outer degree 1 and AdamW, its replicas joined by torchft"
 _DILOCO = "DiLoCo runs on HSDP's replicas with AdamW inside"
 _HF = "a Hugging Face model is sharded by fully_shard alone"
+_ASYNC_LIBRARY = "tests/distributed/test_checkpoint_async.py::test_async_save_equals_sync_save"
+_ASYNC_JOB = "tests/integration/test_train_async_save.py"
+_ASYNC_JOB_MODES = f"{_ASYNC_JOB}::test_async_save_equals_sync_save_under_diloco_from_a_pretrained_folder"
 
 PAIRS: dict[frozenset[str], Works | Refused] = {frozenset(pair): entry for pair, entry in [
     (("pp", "mp"), Refused("the job's pipeline stages are sharded by fully_shard alone, without the tensor-parallel "
@@ -193,6 +197,30 @@ PAIRS: dict[frozenset[str], Works | Refused] = {frozenset(pair): entry for pair,
                                   "transformers'")),
     (("hf", "init_from"), Works("tests/unit/test_hf_models.py::test_hf_model_and_init_from_together",
                                 "--hf-model must name the folder's model type; the folder decides the model")),
+    (("pp", "async_save"), Works(_ASYNC_LIBRARY, "case pp2: each rank's list of stages saved in the background "
+                                                      "equals the synchronous save, key by key, bitwise")),
+    (("mp", "async_save"), Works(_ASYNC_LIBRARY, "case mp2: the tensor-parallel GPT's fragments saved in the "
+                                                      "background equal the synchronous save, bitwise")),
+    (("cp", "async_save"), Works(_ASYNC_LIBRARY, "case cp2: cp 2 x sharding 2 saved in the background equals "
+                                                      "the synchronous save, bitwise")),
+    (("ep", "async_save"), Works(f"{_ASYNC_JOB}::test_killed_during_a_background_write_resumes_from_the_complete_"
+                                 "checkpoint", "the GPT-MoE at ep 2, killed while a checkpoint is written in the "
+                                 "background, resumes from the one before and ends bitwise equal to a run that "
+                                 "saved only that one")),
+    (("hsdp", "async_save"), Works(_ASYNC_JOB_MODES, "HSDP 2 x 1 with DiLoCo: the checkpoints written in the "
+                                                     "background equal the synchronous run's, bitwise")),
+    (("diloco", "async_save"), Works(_ASYNC_JOB_MODES, "DiLoCo's per-rank state (snapshot, outer momentum) saved in "
+                                                       "the background equals the synchronous run's, bitwise")),
+    (("ft", "async_save"), Refused(f"{_FT}; the quorum's first group writes each checkpoint and that group can "
+                                   "change between saves, so a background write of a group that left the quorum "
+                                   "could still run while another group publishes (which removes unfinished "
+                                   "folders); drop --async-save (docs/checkpoints.md)")),
+    (("muon", "async_save"), Works(_ASYNC_LIBRARY, "case muon: Muon's whole matrices and AdamW's state saved in "
+                                                        "the background equal the synchronous save, bitwise")),
+    (("hf", "async_save"), Works(_ASYNC_JOB_MODES, "a Llama: its checkpoints written in the background equal the "
+                                                   "synchronous run's, bitwise")),
+    (("init_from", "async_save"), Works(_ASYNC_JOB_MODES, "started from a pretrained folder: the checkpoints written "
+                                                          "in the background equal the synchronous run's, bitwise")),
 ]}
 """Every unordered pair of `MODES`, exactly once (tests/unit/test_compat.py)."""
 

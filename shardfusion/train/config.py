@@ -10,7 +10,7 @@ it needs); this module composes them and imports them, never the other way round
     optim        OptimizerConfig    optim_config      --optimizer, --lr, --min-lr, --weight-decay, --muon-lr, --clip
     schedule     ScheduleConfig     schedule          --steps, --warmup, the batch sizes, --seed, evaluation, ...
     corpus       DataConfig         data_config       --data, --data-bytes, the tokenizer flags
-    checkpoint   CheckpointConfig   checkpoint_config --save-every, --keep, --max-restarts
+    checkpoint   CheckpointConfig   checkpoint_config --save-every, --keep, --max-restarts, --async-save
     ft           FTConfig           ft_config         --ft-*: a fault-tolerant replica group
     outer        OuterConfig        outer_config      --outer-*: DiLoCo
     pipeline     PipelineConfig     pipeline_config   --pp, --pp-schedule, --stages-per-rank, --microbatches

@@ -127,6 +127,7 @@ def run(config: JobConfig) -> int:
                             micro_batches=1 if config.pipeline.pp > 1 else config.schedule.grad_accum,
                             max_norm=config.optim.clip or None,
                             max_memory_per_rank=config.parallelism.max_memory_per_rank,
+                            async_save=config.checkpoint.async_save,
                             bandwidth=Bandwidth(within=within, across=across,
                                                 latency_within=config.dry.latency_within * 1e-6,
                                                 latency_across=config.dry.latency_across * 1e-6))

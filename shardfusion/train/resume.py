@@ -186,9 +186,12 @@ def check_resume(out: str, meta_model: Callable[[], nn.Module]) -> None:
 
 def save(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], out: str, *,
          step: int, keep: int, settings: Mapping[str, Any], model_extra: dict[str, dict[str, Any]], layout: str,
-         elapsed_s: float, device: torch.device, data_order: int, rank_extra: Optional[dict[str, torch.Tensor]] = None) -> str:
-    """Publish ``out/checkpoints/step-<step>`` (see `shardfusion.checkpoint.save_checkpoint`); returns its path.
-    Collective. ``model``: the sharded model, or with --pp the list of this rank's stage models (each named as in
+         elapsed_s: float, device: torch.device, data_order: int,
+         rank_extra: Optional[dict[str, torch.Tensor]] = None, async_save: bool = False) -> str | ckpt.AsyncSave:
+    """Publish ``out/checkpoints/step-<step>`` (see `shardfusion.checkpoint.save_checkpoint`); returns its path, or
+    with ``async_save`` (--async-save) the handle of the save, whose ``wait()`` returns the path once every rank
+    has written it and it is published. Collective. ``model``: the sharded model, or with --pp the list of this
+    rank's stage models (each named as in
     the whole model, so the checkpoint is the whole model's). ``optimizers``: the run's optimizers
     (`shardfusion.train.optim.build_optimizers`: ``[adamw]`` or
     ``[muon, adamw]``), each parameter in one of them; the checkpoint keeps their states under the parameters'
@@ -200,14 +203,15 @@ def save(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.opti
 
     Raises:
         ValueError: on every rank: what `shardfusion.checkpoint.save_checkpoint` raises (a folder that cannot be
-            written, a disk full).
+            written, a disk full; the asynchronous save in flight failed).
     """
     extra = {"step": step, "elapsed_s": elapsed_s, "world_size": dist.get_world_size(), "layout": layout,
              **model_extra,
              "config": {name: settings[name] for name in RESUME_FIELDS + SAVED_TOKENIZER_FIELDS},
              "data_order": data_order, **run_folder.tokenizer_extra(settings["tokenizer"])}
     return ckpt.save_checkpoint(model, list(optimizers), os.path.join(out, CHECKPOINT_DIR), step, keep=keep,
-                                extra=extra, rank_state={**rng_state(device), **(rank_extra or {})})
+                                extra=extra, rank_state={**rng_state(device), **(rank_extra or {})},
+                                async_save=async_save)
 
 
 def restore(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], path: str, *,

@@ -69,6 +69,7 @@ class Trainer:
         self.start, self.elapsed_before, self.notes, self.data_order = 0, 0.0, [], DATA_ORDER
         self.resume_from: Optional[str] = None
         self.log: Optional[MetricsLog] = None
+        self.saving: Optional[sf.checkpoint.AsyncSave] = None  # --async-save: the save being written behind
 
     def _take(self, config: ResolvedJob) -> None:
         """Hold ``config`` and the sections the trainer reads (resolved: `ResolvedJob` fills them)."""
@@ -165,14 +166,47 @@ class Trainer:
 
     def save(self, done: int) -> Optional[str]:
         """Publish the checkpoint of step ``done`` in --out (with the modes' per-rank state), unless a mode keeps
-        this group from writing it (`Mode.may_save`); returns its path (None then). Collective."""
+        this group from writing it (`Mode.may_save`); returns its path (None then). With --async-save the save first
+        waits for the previous one (`shardfusion.checkpoint.save_checkpoint` does), then returns once this rank's
+        shards are copied off: the write runs behind, in `saving`. Collective.
+
+        Raises:
+            ValueError: on every rank: the save, or the previous asynchronous one, failed (`train_state.save`).
+        """
         if not all(may_save() for may_save in self.modes.each("may_save")):
             return None
         rank_state = self.modes.merged("rank_state", False) if self.modes.has("rank_state") else None
-        return train_state.save(self.model, self.optimizers, self.config.out, step=done, keep=self.checkpoint.keep,
-                                settings=self.config.flat(), model_extra=self.job.extra, layout=self.topo.describe(),
-                                elapsed_s=self.elapsed(), device=self.device, data_order=self.data_order,
-                                rank_extra=rank_state)
+        previous, self.saving = self.saving, None
+        saved = train_state.save(self.model, self.optimizers, self.config.out, step=done, keep=self.checkpoint.keep,
+                                 settings=self.config.flat(), model_extra=self.job.extra, layout=self.topo.describe(),
+                                 elapsed_s=self.elapsed(), device=self.device, data_order=self.data_order,
+                                 rank_extra=rank_state, async_save=self.checkpoint.async_save)
+        if previous is not None:
+            self._published(previous)  # agreed on by the save above: no collective
+        if isinstance(saved, str):
+            return saved
+        self.saving = saved
+        return saved.path
+
+    def finish_saving(self) -> None:
+        """Wait until the asynchronous save in flight (--async-save), if any, is written by every rank and published,
+        and say so on rank 0. Collective.
+
+        Raises:
+            ValueError: on every rank: its write or publish failed on some rank (`AsyncSave.wait`).
+        """
+        if self.saving is not None:
+            saving, self.saving = self.saving, None
+            self._published(saving, at_end=True)
+
+    def _published(self, saving: sf.checkpoint.AsyncSave, at_end: bool = False) -> None:
+        """Wait for ``saving`` (`AsyncSave.wait`: collective unless the next save agreed on it already) and say so
+        on rank 0 (``at_end``: with the seconds the run waited for it)."""
+        t = time.perf_counter()
+        path = saving.wait()
+        if self.is_main:
+            waited = f"; the run waited {time.perf_counter() - t:.2f} s for it" if at_end else ""
+            tqdm.write(f"step {saving.step:5d}  published {path} (written in the background{waited})")
 
     # ---- the loop ----
 
@@ -237,11 +271,16 @@ class Trainer:
                 self.t_step = time.perf_counter()  # keep evaluation time out of the next step's tokens/s
             save_every = self.checkpoint.save_every
             if (save_every and done % save_every == 0) or (self.save_at_stop and done == self.stop):
+                t_save = time.perf_counter()
                 path = self.save(done)
                 if path is not None:
                     if self.is_main:
-                        tqdm.write(f"step {done:5d}  saved {path} in {time.perf_counter() - self.t_step:.1f} s")
+                        now = time.perf_counter()
+                        tqdm.write(f"step {done:5d}  saving {path} in the background (the loop waited "
+                                   f"{now - t_save:.2f} s)" if self.saving is not None else
+                                   f"step {done:5d}  saved {path} in {now - self.t_step:.1f} s")
                     self.t_step = time.perf_counter()
+        self.finish_saving()  # the last checkpoint is complete before the run ends
         self.bar.close()
         self.train_s = time.perf_counter() - self.t_train
 

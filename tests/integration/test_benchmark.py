@@ -17,7 +17,10 @@ writes its JSON and markdown report with both variants in every case. No timing 
 reduce-scatter per unit per step for shardfusion and for FSDP2 under torch's PipelineStage (not one per
 micro-batch), the P2P sends the activation shapes predict, shardfusion's all-gathers as the after_forward policy
 predicts (cross-checked with its own counter), the same counts on every rank of a stage, and the same first loss in
-both variants."""
+both variants.
+
+benchmarks/async_save.py runs end to end (2 gloo workers, 2 pairs of saves of the tiny GPT): the saves alternate,
+each asynchronous save has its parts, and one pair of saves of the same state is equal bitwise."""
 
 from __future__ import annotations
 
@@ -150,3 +153,22 @@ def test_pipeline_smoke(tmp_path):
                     assert stage["cross_check"]["agree"], stage["cross_check"]
         first = [row["losses"][0] for row in rows.values()]
         assert max(first) - min(first) < 1e-4, (name, first)  # same model, same data
+
+
+@pytest.mark.timeout(150)
+def test_async_save_smoke(tmp_path):
+    """benchmarks/async_save.py runs end to end (2 gloo workers, HSDP 2 x 1, the tiny GPT, 2 pairs of saves a step
+    apart) and writes its JSON and markdown report. No timing is asserted; what is exact is: the saves alternate
+    (the order swapped in the second pair), each asynchronous save has its parts and a background write, the stall
+    is the call plus the wait, and one pair of saves of the same state is equal bitwise."""
+    cmd = [sys.executable, "-m", "benchmarks.async_save", "--preset", "tiny", "--nproc", "2", "--outer", "2",
+           "--pairs", "2", "--every", "1", "--out-dir", str(tmp_path), "--name", "smoke"]
+    proc = run_command(cmd, timeout=140)
+    assert proc.returncode == 0, f"async_save.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    summary = json.loads((tmp_path / "smoke.json").read_text())["summary"]
+    assert [(s["pair"], s["kind"]) for s in summary["saves"]] == [(0, "sync"), (0, "async"), (1, "async"), (1, "sync")]
+    for save in (s for s in summary["saves"] if s["kind"] == "async"):
+        assert save["stall_s"] >= save["call_s"] >= save["staging_s"] > 0 and save["write_s"] > 0, save
+    assert summary["async_equals_sync"] is True
+    assert len(summary["pair_ratios"]) == 2 and summary["ratio"] > 0
+    assert "Stall over synchronous save" in (tmp_path / "smoke.md").read_text()

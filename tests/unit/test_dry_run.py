@@ -138,6 +138,33 @@ def test_the_job_passes_its_memory_budget(monkeypatch, capsys) -> None:
     assert parse_args(["--max-memory-per-rank", "74.5GiB"]).parallelism.max_memory_per_rank == int(74.5 * 2**30)
 
 
+def test_async_save_staging_copy(monkeypatch) -> None:
+    """async_save=True (the job's --async-save): each kind of rank reports the staging copy of an asynchronous
+    checkpoint save, host memory beside the peak: on FSDP (every rank writes its fragments) its shards and their
+    AdamW state, step scalars included; without it, no such figure. The job passes its flag."""
+    from shardfusion.train import job_dry_run
+    from shardfusion.train.config import parse_args
+
+    kwargs = dict(world_size=16, ranks_per_node=8, fully_shard={"units": (Block,)}, bounds=False, plan_model=False)
+    report = sf.dry_run(_build, _step, async_save=True, **kwargs)
+    m = report.ranks[0].memory
+    assert m["staging"] == m["params"] + m["optimizer"] > 0  # no persistent buffers in the GPT
+    assert "async save: staging copy " in report.table() and "for a node of 8 such ranks" in report.table()
+    plain = sf.dry_run(_build, _step, **kwargs)
+    assert "staging" not in plain.ranks[0].memory and "async save" not in plain.table()
+    seen = {}
+
+    def fake_dry_run(build, step, **given):
+        seen.update(given)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(sf, "dry_run", fake_dry_run)
+    for flags, expected in ((["--async-save"], True), ([], False)):
+        with pytest.raises(ValueError, match="stop here"):
+            job_dry_run.run(parse_args(["--dry-run", "--world", "16", "--preset", "tiny", *flags]))
+        assert seen["async_save"] is expected
+
+
 def test_pipeline_stages_are_the_kinds() -> None:
     assert kinds_of(Degrees(world_size=16)) == [(0, "all ranks")]
     assert kinds_of(Degrees(world_size=16, pp=2)) == [(0, "pp stage 0"), (8, "pp stage 1")]
