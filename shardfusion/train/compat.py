@@ -48,6 +48,8 @@ MODES: dict[str, Mode] = {
     "muon": Mode("--optimizer muon", "Muon on whole matrices", "docs/train-muon.md"),
     "hf": Mode("--hf-model", "a Hugging Face transformers model", "docs/hf-models.md"),
     "init_from": Mode("--init-from", "start from a pretrained Hugging Face folder", "docs/hf-models.md"),
+    "reshard_auto": Mode("--reshard-policy auto", "blocks kept gathered within --max-memory-per-rank",
+                         "docs/design.md"),
 }
 """The modes, in the order of the table's rows and columns."""
 
@@ -71,6 +73,10 @@ class Refused:
 _FT = "a fault-tolerant replica group is FSDP with outer degree 1 and AdamW, its replicas joined by torchft"
 _DILOCO = "DiLoCo runs on HSDP's replicas with AdamW inside"
 _HF = "a Hugging Face model is sharded by fully_shard alone"
+_AUTO_TEST = "tests/integration/test_train_reshard_auto.py::test_in_between_choice_equals_after_forward_bitwise"
+_AUTO_HOW = ("the GPT-MoE at ep 2 under HSDP 2 x 2 with DiLoCo, 1 of 6 blocks kept within the budget (the cost "
+             "model's need with one kept): every step and the final checkpoint bitwise the after_forward run's")
+_AUTO_FT_TEST = "tests/integration/test_train_ft.py::test_groups_from_a_pretrained_folder_equal_hsdp"
 
 PAIRS: dict[frozenset[str], Works | Refused] = {frozenset(pair): entry for pair, entry in [
     (("pp", "mp"), Refused("the job's pipeline stages are sharded by fully_shard alone, without the tensor-parallel "
@@ -167,6 +173,28 @@ PAIRS: dict[frozenset[str], Works | Refused] = {frozenset(pair): entry for pair,
                                   "transformers'")),
     (("hf", "init_from"), Works("tests/unit/test_hf_models.py::test_hf_model_and_init_from_together",
                                 "--hf-model must name the folder's model type; the folder decides the model")),
+    (("pp", "reshard_auto"), Refused("a rank's pipeline stages are sharded one by one, each of them would be given "
+                                     "the whole --max-memory-per-rank, and the schedule keeps the blocks gathered "
+                                     "between micro-batches anyway; use --reshard-policy after_backward (the "
+                                     "pipeline's default) or after_forward (docs/train-pipeline.md)")),
+    (("mp", "reshard_auto"), Works("tests/distributed/test_tensor_parallel.py::test_tensor_parallel_parity_world4",
+                                   "case mp2-inner2-auto: the tensor-parallel GPT under reshard_policy='auto' (a "
+                                   "budget that keeps every block) equals one process")),
+    (("cp", "reshard_auto"), Works("tests/integration/test_train_muon.py::test_context_parallel_equals_cp1",
+                                   "the --cp 2 run under --reshard-policy auto (every block kept) equals --cp 1")),
+    (("ep", "reshard_auto"), Works(_AUTO_TEST, _AUTO_HOW)),
+    (("hsdp", "reshard_auto"), Works(_AUTO_TEST, _AUTO_HOW)),
+    (("diloco", "reshard_auto"), Works(_AUTO_TEST, _AUTO_HOW)),
+    (("ft", "reshard_auto"), Works(_AUTO_FT_TEST,
+                                   "the replica groups under --reshard-policy auto (every layer kept) equal one HSDP "
+                                   "job, bitwise")),
+    (("muon", "reshard_auto"), Works("tests/integration/test_train_muon.py::test_context_parallel_equals_cp1",
+                                     "Muon under --reshard-policy auto at --cp 2 equals Muon at --cp 1")),
+    (("hf", "reshard_auto"), Works(_AUTO_FT_TEST,
+                                   "a Llama's decoder layers under --reshard-policy auto in each replica group")),
+    (("init_from", "reshard_auto"), Works(_AUTO_FT_TEST,
+                                          "from a pretrained folder under --reshard-policy auto, bitwise the HSDP "
+                                          "job's checkpoint")),
 ]}
 """Every unordered pair of `MODES`, exactly once (tests/unit/test_compat.py)."""
 

@@ -32,6 +32,7 @@ def _flags(mode: str, folder: Path) -> list[str]:
         "hsdp": ["--fsdp-outer-degree", "2"], "diloco": ["--outer-sync", "diloco"],
         "ft": ["--ft-lighthouse", "http://127.0.0.1:9", "--ft-replicas", "2", "--ft-replica-id", "0"],
         "muon": ["--optimizer", "muon"], "hf": ["--hf-model", "llama"], "init_from": ["--init-from", str(folder)],
+        "reshard_auto": ["--reshard-policy", "auto", "--max-memory-per-rank", "1GB"],
     }[mode]
 
 
@@ -61,9 +62,9 @@ def _argv(a: str, b: str, folder: Path, out: Path) -> list[str]:
 
 
 def test_every_pair_once() -> None:
-    assert len(MODES) == 10
+    assert len(MODES) == 11
     assert set(PAIRS) == {frozenset(p) for p in itertools.combinations(MODES, 2)}
-    assert len(PAIRS) == len(compat.pairs()) == 45
+    assert len(PAIRS) == len(compat.pairs()) == 55
     assert all(isinstance(e, (Works, Refused)) for e in PAIRS.values())  # no third kind
     with pytest.raises(KeyError, match="'sep' is not a mode"):
         compat.entry("sep", "pp")
