@@ -17,7 +17,12 @@ writes its JSON and markdown report with both variants in every case. No timing 
 reduce-scatter per unit per step for shardfusion and for FSDP2 under torch's PipelineStage (not one per
 micro-batch), the P2P sends the activation shapes predict, shardfusion's all-gathers as the after_forward policy
 predicts (cross-checked with its own counter), the same counts on every rank of a stage, and the same first loss in
-both variants."""
+both variants.
+
+benchmarks/reshard_curve.py runs end to end (2 gloo workers, FSDP over both, the tiny regime with 5 blocks, one
+step per variant) and writes its JSON, markdown and plot: one shardfusion point per distinct need of the cost model (0, 1
+and all 5 blocks kept), each within its budget, with the all-gathers its choice predicts; FSDP2 with
+reshard_after_forward True and False, and DDP; the same first loss in every variant. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -150,3 +155,24 @@ def test_pipeline_smoke(tmp_path):
                     assert stage["cross_check"]["agree"], stage["cross_check"]
         first = [row["losses"][0] for row in rows.values()]
         assert max(first) - min(first) < 1e-4, (name, first)  # same model, same data
+
+
+@pytest.mark.timeout(150)
+def test_reshard_curve_smoke(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks.reshard_curve", "--regime", "tiny", "--n-layer", "5", "--nproc", "2",
+           "--outer", "1", "--repeats", "1", "--warmup", "0", "--steps", "1", "--out-dir", str(tmp_path),
+           "--name", "smoke"]
+    proc = run_command(cmd, timeout=140, env={**clean_env(), "GLOO_SOCKET_IFNAME": "lo"})
+    assert proc.returncode == 0, (f"reshard_curve failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-3000:]}")
+    data = json.loads((tmp_path / "smoke.json").read_text())
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert set(rows) == {"auto-0", "auto-1", "auto-2", "fsdp2-raf-true", "fsdp2-raf-false", "ddp"}
+    points = [rows[f"auto-{i}"] for i in range(3)]
+    assert [p["kept"] for p in points] == [0, 1, 5]  # prefetch 1: 3 resharded blocks count, so 2 kept cost all 5's
+    assert [p["all_gathers"] for p in points] == [1 + 2 * 5, 1 + 2 * 5 - 1, 1 + 5]
+    assert all(p["estimate_mb"] <= p["budget_mb"] for p in points)
+    first = [r["loss_first"] for r in rows.values()]
+    assert max(first) - min(first) < 1e-4, first  # same model, same data
+    assert (tmp_path / "smoke.png").stat().st_size > 0
+    assert "| shardfusion auto | " in (tmp_path / "smoke.md").read_text()
