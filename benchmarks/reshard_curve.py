@@ -170,57 +170,60 @@ def worker(opts: dict) -> dict | None:
     return out
 
 
-def summarize(raw: dict) -> list[dict]:
-    """One row per variant, by peak live memory: median step (s), its ratio to FSDP2 reshard_after_forward=True's
-    and to DDP's, peak live and persistent MB; for shardfusion the budget, the blocks kept and the estimate."""
+def summarize(raw: dict) -> dict[str, list[dict]]:
+    """``{"points": [...], "peers": [...]}``: a row per shardfusion budget (by budget) and per peer (FSDP2 True,
+    False, DDP): ``label``, the median step (s), its ratio to FSDP2 reshard_after_forward=True's and to DDP's
+    (paired: the median over repeats of the ratio of the two variants' medians within one repeat), peak live and
+    persistent MB, the first and last loss; for shardfusion the budget and its estimate (MB), the blocks kept and
+    the all-gathers of a step."""
     v = raw["variants"]
-    median = {name: statistics.median(s for rep in d["step_s"] for s in rep) for name, d in v.items()}
-    rows = []
+    per_repeat = {name: [statistics.median(rep) for rep in d["step_s"]] for name, d in v.items()}
+
+    def paired(name: str, peer: str) -> float:
+        return statistics.median(a / b for a, b in zip(per_repeat[name], per_repeat[peer]))
+
+    blocks = raw["shape"]["n_layer"]
+    points, peers = [], []
     for name, d in v.items():
-        row = {"variant": name, "kind": d["kind"], "step_s": median[name],
-               "vs_fsdp2_raf_true": median[name] / median["fsdp2-raf-true"], "vs_ddp": median[name] / median["ddp"],
+        row = {"variant": name, "step_s": statistics.median(s for rep in d["step_s"] for s in rep),
+               "vs_fsdp2_raf_true": paired(name, "fsdp2-raf-true"), "vs_ddp": paired(name, "ddp"),
                "peak_live_mb": d["peak_live_bytes"] / 1e6, "persistent_mb": d["persistent_bytes"] / 1e6,
                "loss_first": d["losses"][0][0], "loss_last": d["losses"][0][-1]}
         if d["kind"] == "shardfusion":
-            row.update(budget_mb=d["budget"] / 1e6, kept=d["kept"], estimate_mb=d["estimate_bytes"] / 1e6,
-                       all_gathers=d["all_gathers"])
-        if d["kind"] == "fsdp2":
-            row["reshard_after_forward"] = d["reshard"] == "after_forward"
-        rows.append(row)
-    return sorted(rows, key=lambda r: (r["kind"] != "shardfusion", r["peak_live_mb"]))
+            row.update(label=f"shardfusion auto, {d['kept']}/{blocks} kept", budget_mb=d["budget"] / 1e6,
+                       kept=d["kept"], estimate_mb=d["estimate_bytes"] / 1e6, all_gathers=d["all_gathers"])
+            points.append(row)
+        else:
+            row["label"] = ("DDP" if d["kind"] == "ddp" else
+                            f"FSDP2 reshard_after_forward={d['reshard'] == 'after_forward'}")
+            peers.append(row)
+    return {"points": sorted(points, key=lambda r: r["budget_mb"]), "peers": peers}
 
 
 def markdown(result: dict) -> str:
     """The result as the markdown report."""
     from benchmarks.provenance import describe
 
-    cfg, env, rows = result["config"], result["env"], result["rows"]
-    shape = result["shape"]
-    blocks = shape["n_layer"]
+    cfg, env, shape = result["config"], result["env"], result["shape"]
     lines = [f"# Reshard policy by budget: step time against peak memory ({result['name']})", "",
              f"{result['world_size']} ranks (cpu, gloo), HSDP inner {result['inner']} x outer {result['outer']}; GPT "
-             f"of {blocks} blocks x d {shape['d_model']} ({result['num_params'] / 1e6:.2f}M parameters), batch "
-             f"{shape['batch']} x {shape['seq']} tokens per rank (regime {cfg['regime']}), fp32, AdamW, clip 1.0; "
-             f"shardfusion prefetch {cfg['prefetch']}. {cfg['repeats']} repeats x ({cfg['warmup']} warm-up + "
+             f"of {shape['n_layer']} blocks x d {shape['d_model']} ({result['num_params'] / 1e6:.2f}M parameters), "
+             f"batch {shape['batch']} x {shape['seq']} tokens per rank (regime {cfg['regime']}), fp32, AdamW, clip "
+             f"1.0; shardfusion prefetch {cfg['prefetch']}. {cfg['repeats']} repeats x ({cfg['warmup']} warm-up + "
              f"{cfg['steps']} timed steps) per variant, interleaved (rotated each repeat). Step: the median over "
-             "steps and repeats of the slowest rank's step. Peak live: the largest live tensor bytes of a rank in "
-             "one step (benchmarks/compare.py's instrument).", "",
+             "steps and repeats of the slowest rank's step; ratios paired (the median over repeats of the ratio "
+             "within one repeat). Peak live: the largest live tensor bytes of a rank in one step "
+             "(benchmarks/compare.py's instrument).", "",
              f"Machine: {env['cpu_count']} CPUs, torch {env['torch']}. {describe(env)}", "",
              f"Command: `{env['command']}`", "",
-             "| variant | budget MB | blocks kept | estimate MB | peak live MB | persistent MB | step s | "
-             "vs FSDP2 raf=True | vs DDP | all-gathers/step | loss first -> last |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r["kind"] == "shardfusion":
-            name, budget = "shardfusion auto", f"{r['budget_mb']:.3f}"
-            kept, estimate = f"{r['kept']}/{blocks}", f"{r['estimate_mb']:.3f}"
-        else:
-            name = f"FSDP2 reshard_after_forward={r['reshard_after_forward']}" if r["kind"] == "fsdp2" else "DDP"
-            budget = kept = estimate = "-"
-        lines.append(f"| {name} | {budget} | {kept} | {estimate} | {r['peak_live_mb']:.2f} | "
-                     f"{r['persistent_mb']:.2f} | {r['step_s']:.3f} | {r['vs_fsdp2_raf_true']:.2f} | "
-                     f"{r['vs_ddp']:.2f} | {r.get('all_gathers', '-')} | {r['loss_first']:.4f} -> "
-                     f"{r['loss_last']:.4f} |")
+             "| variant | budget MB | estimate MB | peak live MB | persistent MB | step s | vs FSDP2 raf=True | "
+             "vs DDP | all-gathers/step | loss first -> last |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["points"] + result["peers"]:
+        budget, estimate = (f"{r['budget_mb']:.3f}", f"{r['estimate_mb']:.3f}") if "budget_mb" in r else ("-", "-")
+        lines.append(f"| {r['label']} | {budget} | {estimate} | {r['peak_live_mb']:.2f} | {r['persistent_mb']:.2f} | "
+                     f"{r['step_s']:.3f} | {r['vs_fsdp2_raf_true']:.2f} | {r['vs_ddp']:.2f} | "
+                     f"{r.get('all_gathers', '-')} | {r['loss_first']:.4f} -> {r['loss_last']:.4f} |")
     lines += ["", "The budgets are the cost model's needs with 0, 1, 2, ... blocks kept (`sf.plan(..., "
               "reshard_policy=\"auto\")`); a need that equals the next one's keeps them all (the estimate counts "
               "the prefetch + 2 largest resharded blocks, so keeping the last ones costs no more). The estimate "
@@ -235,19 +238,14 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    sf_rows = [r for r in rows if r["kind"] == "shardfusion"]
-    ax.plot([r["peak_live_mb"] for r in sf_rows], [r["step_s"] for r in sf_rows], "o-", label="shardfusion auto")
-    for r in sf_rows:
+    points = result["points"]
+    ax.plot([r["peak_live_mb"] for r in points], [r["step_s"] for r in points], "o-", label="shardfusion auto")
+    for r in points:
         ax.annotate(f"{r['kept']} kept", (r["peak_live_mb"], r["step_s"]), textcoords="offset points",
                     xytext=(4, 4), fontsize=8)
-    for r in rows:
-        if r["kind"] == "fsdp2":
-            ax.plot(r["peak_live_mb"], r["step_s"], "s",
-                    label=f"FSDP2 reshard_after_forward={r['reshard_after_forward']}")
-        elif r["kind"] == "ddp":
-            ax.plot(r["peak_live_mb"], r["step_s"], "^", label="DDP")
+    for r, marker in zip(result["peers"], ("s", "D", "^")):
+        ax.plot(r["peak_live_mb"], r["step_s"], marker, label=r["label"])
     ax.set_xlabel("peak live memory per rank (MB)")
     ax.set_ylabel("step time (s, median)")
     ax.set_title(f"{result['world_size']} ranks, HSDP {result['inner']} x {result['outer']}, regime "
@@ -276,7 +274,7 @@ def main(argv=None) -> int:
     env = {**record.as_dict(), "command": "python -m benchmarks.reshard_curve " + " ".join(
         argv if argv is not None else sys.argv[1:])}
     result = {"name": args.name, "config": opts, "env": env, **raw}
-    result["rows"] = summarize(raw)
+    result.update(summarize(raw))
     out = Path(args.out_dir)
     write_result(out, args.name, result, markdown(result))
     try:

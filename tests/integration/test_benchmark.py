@@ -166,7 +166,7 @@ def test_reshard_curve_smoke(tmp_path):
     assert proc.returncode == 0, (f"reshard_curve failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                                   f"{proc.stderr[-3000:]}")
     data = json.loads((tmp_path / "smoke.json").read_text())
-    rows = {r["variant"]: r for r in data["rows"]}
+    rows = {r["variant"]: r for r in data["points"] + data["peers"]}
     assert set(rows) == {"auto-0", "auto-1", "auto-2", "fsdp2-raf-true", "fsdp2-raf-false", "ddp"}
     points = [rows[f"auto-{i}"] for i in range(3)]
     assert [p["kept"] for p in points] == [0, 1, 5]  # prefetch 1: 3 resharded blocks count, so 2 kept cost all 5's
@@ -175,4 +175,4 @@ def test_reshard_curve_smoke(tmp_path):
     first = [r["loss_first"] for r in rows.values()]
     assert max(first) - min(first) < 1e-4, first  # same model, same data
     assert (tmp_path / "smoke.png").stat().st_size > 0
-    assert "| shardfusion auto | " in (tmp_path / "smoke.md").read_text()
+    assert "| shardfusion auto, 1/5 kept | " in (tmp_path / "smoke.md").read_text()
