@@ -11,9 +11,10 @@ with the first k blocks kept gathered, k = 0 .. blocks), one point per distinct 
 memory_budget=need)`; beside them FSDP2 with `reshard_after_forward=True` and `False` on each block (the root left at
 its default, as in compare.py) over the same 2-D mesh, and DDP. Every repeat runs every variant in turn (the order
 rotates by one each repeat), each on a fresh model under the same seed: W warm-up steps, a barrier, N timed steps; a
-step's time is the slowest rank's, a variant's time the median over all its timed steps. After its first repeat
-each variant runs one untimed step under `LiveMemory` (the largest live tensor bytes of a rank: compare.py's
-instrument, the same for every variant) and one that counts its persistent bytes. Writes
+step's time is the slowest rank's, a variant's time the median over all its timed steps. Each variant then runs
+one untimed step under `LiveMemory` (the largest live tensor bytes of a rank: compare.py's
+instrument, the same for every variant) and one that counts its persistent bytes, after every repeat (the peak
+moves with when the asynchronous collectives complete: the median over repeats is reported, with its range). Writes
 `<out-dir>/<name>.json`, `.md` and `.png` (step time against peak live memory; needs matplotlib).
 """
 
@@ -155,8 +156,9 @@ def worker(opts: dict) -> dict | None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             res[v]["step_s"].append(t.tolist())
             res[v]["losses"].append(losses)
-            if r == 0:
-                res[v].update(_measure(b, batches[0]))
+            measured = _measure(b, batches[0])  # every repeat: the peak moves with when collectives complete
+            res[v].setdefault("peak_live_bytes", []).append(measured.pop("peak_live_bytes"))
+            res[v].update(measured)
             del b
             gc.collect()
             if dist.get_rank() == 0:
@@ -174,8 +176,8 @@ def summarize(raw: dict) -> dict[str, list[dict]]:
     """``{"points": [...], "peers": [...]}``: a row per shardfusion budget (by budget) and per peer (FSDP2 True,
     False, DDP): ``label``, the median step (s), its ratio to FSDP2 reshard_after_forward=True's and to DDP's
     (paired: the median over repeats of the ratio of the two variants' medians within one repeat), peak live and
-    persistent MB, the first and last loss; for shardfusion the budget and its estimate (MB), the blocks kept and
-    the all-gathers of a step."""
+    persistent MB (the peak: the median over repeats, and its range), the first and last loss; for shardfusion the
+    budget and its estimate (MB), the blocks kept and the all-gathers of a step."""
     v = raw["variants"]
     per_repeat = {name: [statistics.median(rep) for rep in d["step_s"]] for name, d in v.items()}
 
@@ -187,7 +189,9 @@ def summarize(raw: dict) -> dict[str, list[dict]]:
     for name, d in v.items():
         row = {"variant": name, "step_s": statistics.median(s for rep in d["step_s"] for s in rep),
                "vs_fsdp2_raf_true": paired(name, "fsdp2-raf-true"), "vs_ddp": paired(name, "ddp"),
-               "peak_live_mb": d["peak_live_bytes"] / 1e6, "persistent_mb": d["persistent_bytes"] / 1e6,
+               "peak_live_mb": statistics.median(d["peak_live_bytes"]) / 1e6,
+               "peak_live_range_mb": [min(d["peak_live_bytes"]) / 1e6, max(d["peak_live_bytes"]) / 1e6],
+               "persistent_mb": d["persistent_bytes"] / 1e6,
                "loss_first": d["losses"][0][0], "loss_last": d["losses"][0][-1]}
         if d["kind"] == "shardfusion":
             row.update(label=f"shardfusion auto, {d['kept']}/{blocks} kept", budget_mb=d["budget"] / 1e6,
@@ -212,16 +216,18 @@ def markdown(result: dict) -> str:
              f"1.0; shardfusion prefetch {cfg['prefetch']}. {cfg['repeats']} repeats x ({cfg['warmup']} warm-up + "
              f"{cfg['steps']} timed steps) per variant, interleaved (rotated each repeat). Step: the median over "
              "steps and repeats of the slowest rank's step; ratios paired (the median over repeats of the ratio "
-             "within one repeat). Peak live: the largest live tensor bytes of a rank in one step "
-             "(benchmarks/compare.py's instrument).", "",
+             "within one repeat). Peak live: the largest live tensor bytes of a rank in one untimed step after each "
+             "repeat (benchmarks/compare.py's instrument), the median over repeats and its range.", "",
              f"Machine: {env['cpu_count']} CPUs, torch {env['torch']}. {describe(env)}", "",
              f"Command: `{env['command']}`", "",
-             "| variant | budget MB | estimate MB | peak live MB | persistent MB | step s | vs FSDP2 raf=True | "
-             "vs DDP | all-gathers/step | loss first -> last |",
+             "| variant | budget MB | estimate MB | peak live MB (min-max) | persistent MB | step s | "
+             "vs FSDP2 raf=True | vs DDP | all-gathers/step | loss first -> last |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["points"] + result["peers"]:
         budget, estimate = (f"{r['budget_mb']:.3f}", f"{r['estimate_mb']:.3f}") if "budget_mb" in r else ("-", "-")
-        lines.append(f"| {r['label']} | {budget} | {estimate} | {r['peak_live_mb']:.2f} | {r['persistent_mb']:.2f} | "
+        low, high = r["peak_live_range_mb"]
+        lines.append(f"| {r['label']} | {budget} | {estimate} | {r['peak_live_mb']:.2f} ({low:.2f}-{high:.2f}) | "
+                     f"{r['persistent_mb']:.2f} | "
                      f"{r['step_s']:.3f} | {r['vs_fsdp2_raf_true']:.2f} | {r['vs_ddp']:.2f} | "
                      f"{r.get('all_gathers', '-')} | {r['loss_first']:.4f} -> {r['loss_last']:.4f} |")
     lines += ["", "The budgets are the cost model's needs with 0, 1, 2, ... blocks kept (`sf.plan(..., "

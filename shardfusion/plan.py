@@ -69,7 +69,7 @@ from shardfusion._runtime import compress
 from shardfusion.probe import (Bandwidth, _check_int, _check_seconds, check_bandwidth,  # noqa: F401 (re-exported)
                                measure_bandwidth)
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_FILTERS, RESHARD_POLICIES, MixedPrecisionPolicy
-from shardfusion.reshard_budget import ReshardChoice, UnitBytes, choose, memory_parts
+from shardfusion.reshard_budget import ReshardChoice, UnitBytes, _size, choose, memory_parts  # noqa: F401 (_size)
 from shardfusion.topology import Degrees, _rank_grid
 
 __all__ = ["Bandwidth", "Candidate", "Plan", "Traffic", "UnitSize", "default_memory_budget", "measure_bandwidth",
@@ -732,10 +732,3 @@ def default_memory_budget(device: Union[torch.device, str], local_world_size: in
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // max(1, int(local_world_size))
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"

@@ -269,6 +269,8 @@ def _name(name: str) -> str:
 
 
 def _size(n: float) -> str:
-    from shardfusion.plan import _size as size
-
-    return size(n)
+    """Bytes for a person: GiB, MiB or KiB with 2 decimals, else bytes (``sf.plan``'s tables use it too)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"

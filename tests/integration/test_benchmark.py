@@ -172,6 +172,7 @@ def test_reshard_curve_smoke(tmp_path):
     assert [p["kept"] for p in points] == [0, 1, 5]  # prefetch 1: 3 resharded blocks count, so 2 kept cost all 5's
     assert [p["all_gathers"] for p in points] == [1 + 2 * 5, 1 + 2 * 5 - 1, 1 + 5]
     assert all(p["estimate_mb"] <= p["budget_mb"] for p in points)
+    assert all(low <= p["peak_live_mb"] <= high for p in points for low, high in [p["peak_live_range_mb"]])
     first = [r["loss_first"] for r in rows.values()]
     assert max(first) - min(first) < 1e-4, first  # same model, same data
     assert (tmp_path / "smoke.png").stat().st_size > 0
