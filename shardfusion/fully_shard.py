@@ -135,7 +135,9 @@ def fully_shard(
         reshard_filter: which units follow ``reshard_policy`` after forward: ``"all"``, ``"none"`` (all keep their
             full buffers until backward), or a callable ``(qualified_name, module) -> bool``. Under ``"auto"`` the
             units it leaves out keep their full buffers until backward, as the user chose, and count in the budget
-            first; the policy decides the others.
+            first; the policy decides the others. Of the units absorbed from earlier calls (nested calls), this
+            call's ``"auto"`` decides again those that an earlier ``"auto"`` decided (its root too, when its filter
+            selects it); units of earlier calls under a fixed policy keep their setting.
         mp_policy: mixed precision, a :class:`MixedPrecisionPolicy` (``param_dtype``: the dtype of the gathered
             parameters and so of the compute; ``grad_comm_dtype``: the dtype of the gradient reduce-scatter and
             all-reduce); ``None`` or ``MixedPrecisionPolicy()``: off.
@@ -233,15 +235,16 @@ def fully_shard(
     nested.check_nested_options(model, inner, options)
     # the first collective: the same error on every rank of the stage
     materialize.check_initializable(model, init_fn, topology.get_group("stage"))
+    again = reshard_budget.decided_again(inner) if reshard_policy == "auto" else set()  # before they are absorbed
     absorbed = [spec for name, sub in inner for spec in nested.absorb(name, sub)]  # collective: full parameters back
     needs_init = materialize.place_buffers(model, device)  # before buffer identities are read
     expert_buffers = wrap.expert_buffers(model, expert_filter or wrap.marked_expert)  # before they become fragments
     specs = wrap.unit_specs(model, options, units, comm_unit_size, absorbed, [sub for _, sub in inner])
     built = wrap.build_units(model, specs, options, device, init_fn, needs_init)
     choice = None
-    if reshard_policy == "auto":  # the units this call makes and its filter selects; absorbed ones keep theirs
+    if reshard_policy == "auto":  # the units this call makes and its filter selects, and earlier "auto" ones
         earlier = {id(spec) for spec in absorbed}
-        decided = [spec[0] != "" and spec[2] and id(spec) not in earlier for spec in specs]
+        decided = [spec[0] != "" and (spec[0] in again if id(spec) in earlier else spec[2]) for spec in specs]
         choice = reshard_budget.apply(built, decided, memory_budget, prefetch=prefetch,
                                       group=topology.get_group("stage"), device=materialize.default_device())
     state = Scheduler(model, built, topology, broadcast_buffers, expert_buffers, options.mp_policy.param_dtype,

@@ -41,7 +41,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["ReshardChoice", "UnitBytes", "apply", "check_budget", "choose", "memory_parts", "unit_bytes"]
+__all__ = ["ReshardChoice", "UnitBytes", "apply", "check_budget", "choose", "decided_again", "memory_parts",
+           "unit_bytes"]
 
 OPTIM_STATES = 2
 """Optimizer values per trainable shard element the budget counts: AdamW's two (``sf.plan``'s default)."""
@@ -244,6 +245,27 @@ def apply(units: Sequence, decided: Sequence[bool], budget: int, *, prefetch: in
     for u, r in zip(units, choice.reshard_after_forward):
         u.reshard_after_forward = r
     return choice
+
+
+def decided_again(inner: Sequence) -> set:
+    """The units of earlier ``fully_shard`` calls on the submodules ``inner`` (``[(qualified name, submodule)]``,
+    still sharded) that a call under ``"auto"`` decides again with its own budget, by their names in the model
+    being sharded: those the earlier call's ``"auto"`` decided, and its root when its ``reshard_filter`` selects it.
+    Units of calls under a fixed policy keep their setting (the user's choice)."""
+    from shardfusion._runtime.state import sharded_state
+    from shardfusion._runtime.wrap import reshards_after_forward
+
+    names = set()
+    for name, sub in inner:
+        state = sharded_state(sub)
+        if state.wrap_options.reshard_policy != "auto":
+            continue
+        if reshards_after_forward(state.wrap_options, name, sub):
+            names.add(name)
+        choice = getattr(state, "reshard_choice", None)
+        if choice is not None:
+            names.update(f"{name}.{n}" for n, d in zip(choice.names, choice.decided) if d and n)
+    return names
 
 
 def agree(choice: ReshardChoice, group, device: torch.device) -> None:

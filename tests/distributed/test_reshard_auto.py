@@ -71,6 +71,15 @@ def _worker() -> dict:
                                 reshard_filter=lambda name, module: name != "blocks.0")
     out["filter"] = {"flags": {u.name: u.reshard_after_forward for u in sf.get_units(keep_first)},
                      "choice": sf.reshard_choice(keep_first).as_dict()}
+    # FSDP2's idiom: each block by its own call, then the root; the root's "auto" decides the blocks again, except
+    # the one sharded under a fixed policy (blocks.5: kept as after_forward said)
+    nested = _model()
+    for i, block in enumerate(nested.blocks):
+        policy = {"reshard_policy": "after_forward"} if i == 5 else {"reshard_policy": "auto", "memory_budget": 1}
+        sf.fully_shard(block, topo, **policy)
+    sf.fully_shard(nested, topo, reshard_policy="auto", memory_budget=out["fsdp"]["needs"][2])
+    out["nested"] = {"flags": {u.name: u.reshard_after_forward for u in sf.get_units(nested)},
+                     "choice": sf.reshard_choice(nested).as_dict()}
     bad = {"auto without budget": {"reshard_policy": "auto"},
            "negative budget": {"reshard_policy": "auto", "memory_budget": -5},
            "budget with after_forward": {"reshard_policy": "after_forward", "memory_budget": 10**9}}
@@ -168,3 +177,13 @@ def test_bad_budgets_raise_on_every_rank(results) -> None:
         assert errors["negative budget"][0] == "ValueError" and "-5" in errors["negative budget"][1]
         kind, message = errors["budget with after_forward"]
         assert kind == "ValueError" and "1000000000" in message and "after_forward" in message
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 30)
+def test_nested_calls_decide_their_auto_units_again(results) -> None:
+    for r in results:
+        got = r["nested"]
+        assert got["choice"]["decided"] == [False] + [True] * 5 + [False]
+        assert got["flags"]["blocks.5"] is True  # after_forward, as its own call said; counted as resharded
+        # the budget of 2 kept blocks (as flat): the last decided ones, blocks.4 and blocks.3
+        assert got["choice"]["kept"] == ["blocks.3", "blocks.4"], got["choice"]["kept"]
