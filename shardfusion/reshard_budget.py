@@ -221,7 +221,7 @@ def unit_bytes(unit) -> UnitBytes:
     gather = Fraction(0)
     for g in unit.groups:
         P, S, G = g.layout.padded_numel, g.layout.shard_numel, g.layout.shard_count
-        param_bytes = torch.empty((), dtype=g.param_dtype).element_size()
+        param_bytes = g.param_dtype.itemsize
         shard += S * g.shard.element_size()
         if g.requires_grad:
             grad_shard += S * g.shard.element_size()

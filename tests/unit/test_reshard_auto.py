@@ -100,9 +100,9 @@ def _meta() -> GPT:
         return GPT(CONFIG)
 
 
-def _plan(policy: str, budget: int, outer: int = 2):
+def _plan(policy: str, budget: int, outer: int = 2, param_dtype=None):
     return sf.plan(_meta(), units=(Block,), world_size=8, local_world_size=8, bandwidth=sf.Bandwidth(1e9, 1e9),
-                   max_memory_per_rank=budget, reshard_policy=policy, outer_degrees=[outer])
+                   max_memory_per_rank=budget, reshard_policy=policy, outer_degrees=[outer], param_dtype=param_dtype)
 
 
 def test_plan_chooses_per_candidate_within_the_budget() -> None:
@@ -130,10 +130,10 @@ def _step(model, topo):
     return model(x, x)[1]
 
 
-def _dry(budget: int):
+def _dry(budget: int, **fully_shard):
     return sf.dry_run(_build, _step, world_size=8, ranks_per_node=8, topology={"fsdp_outer_degree": 2},
-                      fully_shard={"units": (Block,), "reshard_policy": "auto", "memory_budget": budget},
-                      bounds=False)
+                      fully_shard={"units": (Block,), "reshard_policy": "auto", "memory_budget": budget,
+                                   **fully_shard}, bounds=False, plan_model=not fully_shard)
 
 
 def test_dry_run_respects_the_budget_and_states_the_verdict() -> None:
@@ -152,6 +152,16 @@ def test_dry_run_respects_the_budget_and_states_the_verdict() -> None:
     assert "reshard policy auto: 2 of 6 units kept gathered (blocks.4, blocks.5)" in table and ": fits, " in table
     short = _dry(needs[0] - 1)
     assert short.ranks[0].reshard[0]["kept"] == [] and "(does not fit by 1 B), measured" in short.table()
+
+
+def test_dry_run_under_mixed_precision_counts_the_bf16_buffers() -> None:
+    needs = _plan("auto", 2**62, param_dtype=torch.bfloat16).chosen.reshard.needs
+    assert needs != _plan("auto", 2**62).chosen.reshard.needs  # the full buffers are bf16: half the bytes
+    (rank,) = _dry(needs[1], mp_policy=sf.MixedPrecisionPolicy(param_dtype=torch.bfloat16)).ranks
+    (choice,) = rank.reshard
+    assert choice["kept"] == ["blocks.5"] and tuple(choice["needs"]) == needs
+    m = rank.memory
+    assert m["params"] + m["grads"] + m["optimizer"] + m["full_params"] + m["full_grads"] <= choice["memory_bytes"]
 
 
 def test_job_flag_needs_a_budget_and_the_dry_run_reports_the_choice(capsys) -> None:
