@@ -13,8 +13,9 @@ its default, as in compare.py) over the same 2-D mesh, and DDP. Every repeat run
 rotates by one each repeat), each on a fresh model under the same seed: W warm-up steps, a barrier, N timed steps; a
 step's time is the slowest rank's, a variant's time the median over all its timed steps. Each variant then runs
 one untimed step under `LiveMemory` (the largest live tensor bytes of a rank: compare.py's
-instrument, the same for every variant) and one that counts its persistent bytes, after every repeat (the peak
-moves with when the asynchronous collectives complete: the median over repeats is reported, with its range). Writes
+instrument, the same for every variant), one that samples its full parameter and gradient buffers at every op, and
+one that counts its persistent bytes, after every repeat (the peaks move with when the asynchronous collectives
+complete: the medians over repeats are reported, the peak live with its range). Writes
 `<out-dir>/<name>.json`, `.md` and `.png` (step time against peak live memory; needs matplotlib).
 """
 
@@ -92,15 +93,43 @@ def _build(variant: dict, config, ctx):
                                                                                           "after_forward")))
 
 
+def _transient(b, batch) -> dict:
+    """One untimed step sampling the library's alive full buffers at every op (compare.py's instrument): the peak
+    bytes of gathered parameters and of full gradient buffers (max over ranks; 0 for DDP, which has none). The
+    replicate all-reduces run at the step boundary in this step (the sampler is a dispatch mode of this thread)."""
+    import shardfusion as sf
+    from benchmarks.compare import _gather_max
+    from benchmarks.measure import CollectiveRecorder
+    from benchmarks.variants import step
+
+    peaks = {"full_param_bytes": 0, "full_grad_bytes": 0}
+
+    def sample() -> None:
+        for k, v in b.sample_transient().items():
+            if k in peaks and v > peaks[k]:
+                peaks[k] = v
+
+    state = getattr(b.model, "_sf_state", None)
+    saved = None if state is None else state.is_last_backward
+    if state is not None:
+        sf.set_is_last_backward(b.model, False)
+    with CollectiveRecorder(on_op=sample):
+        step(b, *batch)
+    if state is not None:
+        sf.set_is_last_backward(b.model, saved)
+    return _gather_max(peaks)
+
+
 def _measure(b, batch) -> dict:
-    """One untimed step's peak live bytes (compare.py's instrument) and the persistent bytes (max over ranks); for
-    shardfusion the auto choice and the all-gathers of a step."""
+    """One untimed step's peak live bytes (compare.py's instrument), one's peak gathered parameters and full
+    gradients (`_transient`) and the persistent bytes (max over ranks); for shardfusion the auto choice and the
+    all-gathers of a step."""
     import shardfusion as sf
     from benchmarks.compare import _gather_max, _peak_live
     from benchmarks.variants import persistent, step
 
     pers: dict = {}
-    out = {}
+    out = dict(_transient(b, batch))
     if b.name == "shardfusion":
         with sf.comm.CommCounter() as counter:
             step(b, *batch, after_optimizer=lambda: pers.update(persistent(b)))
@@ -156,8 +185,9 @@ def worker(opts: dict) -> dict | None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             res[v]["step_s"].append(t.tolist())
             res[v]["losses"].append(losses)
-            measured = _measure(b, batches[0])  # every repeat: the peak moves with when collectives complete
-            res[v].setdefault("peak_live_bytes", []).append(measured.pop("peak_live_bytes"))
+            measured = _measure(b, batches[0])  # every repeat: the peaks move with when collectives complete
+            for key in ("peak_live_bytes", "full_param_bytes", "full_grad_bytes"):
+                res[v].setdefault(key, []).append(measured.pop(key))
             res[v].update(measured)
             del b
             gc.collect()
@@ -176,8 +206,9 @@ def summarize(raw: dict) -> dict[str, list[dict]]:
     """``{"points": [...], "peers": [...]}``: a row per shardfusion budget (by budget) and per peer (FSDP2 True,
     False, DDP): ``label``, the median step (s), its ratio to FSDP2 reshard_after_forward=True's and to DDP's
     (paired: the median over repeats of the ratio of the two variants' medians within one repeat), peak live and
-    persistent MB (the peak: the median over repeats, and its range), the first and last loss; for shardfusion the
-    budget and its estimate (MB), the blocks kept and the all-gathers of a step."""
+    persistent MB (the peak: the median over repeats, and its range), the peaks of gathered parameters and of full
+    gradient buffers (MB, medians over repeats), the first and last loss; for shardfusion the budget and its
+    estimate (MB), the blocks kept and the all-gathers of a step."""
     v = raw["variants"]
     per_repeat = {name: [statistics.median(rep) for rep in d["step_s"]] for name, d in v.items()}
 
@@ -192,6 +223,8 @@ def summarize(raw: dict) -> dict[str, list[dict]]:
                "peak_live_mb": statistics.median(d["peak_live_bytes"]) / 1e6,
                "peak_live_range_mb": [min(d["peak_live_bytes"]) / 1e6, max(d["peak_live_bytes"]) / 1e6],
                "persistent_mb": d["persistent_bytes"] / 1e6,
+               "full_params_mb": statistics.median(d["full_param_bytes"]) / 1e6,
+               "full_grads_mb": statistics.median(d["full_grad_bytes"]) / 1e6,
                "loss_first": d["losses"][0][0], "loss_last": d["losses"][0][-1]}
         if d["kind"] == "shardfusion":
             row.update(label=f"shardfusion auto, {d['kept']}/{blocks} kept", budget_mb=d["budget"] / 1e6,
@@ -220,20 +253,22 @@ def markdown(result: dict) -> str:
              "repeat (benchmarks/compare.py's instrument), the median over repeats and its range.", "",
              f"Machine: {env['cpu_count']} CPUs, torch {env['torch']}. {describe(env)}", "",
              f"Command: `{env['command']}`", "",
-             "| variant | budget MB | estimate MB | peak live MB (min-max) | persistent MB | step s | "
-             "vs FSDP2 raf=True | vs DDP | all-gathers/step | loss first -> last |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| variant | budget MB | estimate MB | peak live MB (min-max) | persistent MB | gathered params MB | "
+             "full grads MB | step s | vs FSDP2 raf=True | vs DDP | all-gathers/step | loss first -> last |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["points"] + result["peers"]:
         budget, estimate = (f"{r['budget_mb']:.3f}", f"{r['estimate_mb']:.3f}") if "budget_mb" in r else ("-", "-")
         low, high = r["peak_live_range_mb"]
         lines.append(f"| {r['label']} | {budget} | {estimate} | {r['peak_live_mb']:.2f} ({low:.2f}-{high:.2f}) | "
-                     f"{r['persistent_mb']:.2f} | "
+                     f"{r['persistent_mb']:.2f} | {r['full_params_mb']:.2f} | {r['full_grads_mb']:.2f} | "
                      f"{r['step_s']:.3f} | {r['vs_fsdp2_raf_true']:.2f} | {r['vs_ddp']:.2f} | "
                      f"{r.get('all_gathers', '-')} | {r['loss_first']:.4f} -> {r['loss_last']:.4f} |")
     lines += ["", "The budgets are the cost model's needs with 0, 1, 2, ... blocks kept (`sf.plan(..., "
               "reshard_policy=\"auto\")`); a need that equals the next one's keeps them all (the estimate counts "
               "the prefetch + 2 largest resharded blocks, so keeping the last ones costs no more). The estimate "
-              "does not count activations; the peak live memory does."]
+              "does not count activations; the peak live memory does. Gathered params and full grads: the peaks of "
+              "the library's full parameter and gradient buffers alive at once in one step (compare.py's transient "
+              "sampling; FSDP2's read from its internals, best effort)."]
     return "\n".join(lines) + "\n"
 
 

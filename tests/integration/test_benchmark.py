@@ -173,6 +173,7 @@ def test_reshard_curve_smoke(tmp_path):
     assert [p["all_gathers"] for p in points] == [1 + 2 * 5, 1 + 2 * 5 - 1, 1 + 5]
     assert all(p["estimate_mb"] <= p["budget_mb"] for p in points)
     assert all(low <= p["peak_live_mb"] <= high for p in points for low, high in [p["peak_live_range_mb"]])
+    assert points[0]["full_params_mb"] < points[-1]["full_params_mb"]  # 5 blocks gathered at once, against prefetch + 2 = 3
     first = [r["loss_first"] for r in rows.values()]
     assert max(first) - min(first) < 1e-4, first  # same model, same data
     assert (tmp_path / "smoke.png").stat().st_size > 0
