@@ -152,11 +152,14 @@ class RankFigures:
         """Under ``reshard_policy="auto"``: the choice, then its budget's verdict on this rank's measured step: the
         bytes the budget counts (``params + grads + optimizer`` after the step, plus the peaks of ``full_params``
         and ``full_grads``: each part at its own peak, so at least their largest sum at once) against the budget
-        and against the choice's estimate. Empty under another policy."""
+        and against the choice's estimate; with ``bounds``, also at the slow end (``full_grads_slow``: every full
+        gradient buffer alive until its reduce-scatter is waited for, which the estimate's two do not bound).
+        Empty under another policy."""
         if not self.reshard:
             return []
         m = self.memory
         measured = m["params"] + m["grads"] + m["optimizer"] + m["full_params"] + m["full_grads"]
+        slow = measured - m["full_grads"] + m["full_grads_slow"] if "full_grads_slow" in m else None
         def judge(need: int, budget: int) -> str:
             return (f"fits, {_size(budget - need)} headroom" if need <= budget else
                     f"does not fit by {_size(need - budget)}")
@@ -168,7 +171,8 @@ class RankFigures:
                          f"({', '.join(choice['kept']) or 'none'}); budget {_size(budget)} without activations: "
                          f"estimate {_size(estimate)} ({judge(estimate, budget)}), measured {_size(measured)} "
                          f"(params + grads + optimizer + peak full params + peak full grads): "
-                         f"{judge(measured, budget)}")
+                         f"{judge(measured, budget)}" + ("" if slow is None else
+                                                         f" (slow end {_size(slow)}: {judge(slow, budget)})"))
         return lines
 
     def budget(self, max_memory_per_rank: int) -> dict:
