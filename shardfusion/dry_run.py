@@ -33,6 +33,7 @@ FSDP2's memory estimators. The figures, the kinds and the report are ours.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import resource
 import time
 import warnings
@@ -49,10 +50,11 @@ from shardfusion import accounting, comm
 from shardfusion.checkpoint import staging_bytes
 from shardfusion.clip import clip_grad_norm_
 from shardfusion.fully_shard import fully_shard as fully_shard_model
-from shardfusion.fully_shard import get_units, set_is_last_backward
+from shardfusion.fully_shard import get_units, reshard_choice, set_is_last_backward
 from shardfusion.live_memory import LiveMemory, model_storages
 from shardfusion.plan import _size
 from shardfusion.plan import plan as plan_outer
+from shardfusion.plan import unit_sizes
 from shardfusion.probe import Bandwidth, _check_int, check_bandwidth
 from shardfusion.dry_run_report import _layout_notes, _verdict, link_terms
 from shardfusion.topology import Degrees, Topology
@@ -143,6 +145,36 @@ class RankFigures:
     """The live bytes at ``memory["peak"]`` by part (``params``, ``grads``, ``optimizer``, ``full_params``,
     ``full_grads``, ``other``: activations and temporaries); with ``bounds`` also ``peak_parts_slow``'s, under the
     key ``"slow"``."""
+    reshard: list = field(default_factory=list)
+    """Under ``reshard_policy="auto"``: per sharded model of the rank (a pipeline rank's stages), the choice's record
+    (``ReshardChoice.as_dict()``: the units kept gathered, the budget, the estimate); empty otherwise."""
+
+    def reshard_verdict(self) -> list[str]:
+        """Under ``reshard_policy="auto"``: the choice, then its budget's verdict on this rank's measured step: the
+        bytes the budget counts (``params + grads + optimizer`` after the step, plus the peaks of ``full_params``
+        and ``full_grads``: each part at its own peak, so at least their largest sum at once) against the budget
+        and against the choice's estimate; with ``bounds``, also at the slow end (``full_grads_slow``: every full
+        gradient buffer alive until its reduce-scatter is waited for, which the estimate's two do not bound).
+        Empty under another policy."""
+        if not self.reshard:
+            return []
+        m = self.memory
+        measured = m["params"] + m["grads"] + m["optimizer"] + m["full_params"] + m["full_grads"]
+        slow = measured - m["full_grads"] + m["full_grads_slow"] if "full_grads_slow" in m else None
+        def judge(need: int, budget: int) -> str:
+            return (f"fits, {_size(budget - need)} headroom" if need <= budget else
+                    f"does not fit by {_size(need - budget)}")
+
+        lines = []
+        for choice in self.reshard:
+            budget, estimate = choice["budget"], choice["memory_bytes"]
+            lines.append(f"reshard policy auto: {len(choice['kept'])} of {sum(choice['decided'])} units kept gathered "
+                         f"({', '.join(choice['kept']) or 'none'}); budget {_size(budget)} without activations: "
+                         f"estimate {_size(estimate)} ({judge(estimate, budget)}), measured {_size(measured)} "
+                         f"(params + grads + optimizer + peak full params + peak full grads): "
+                         f"{judge(measured, budget)}" + ("" if slow is None else
+                                                         f" (slow end {_size(slow)}: {judge(slow, budget)})"))
+        return lines
 
     def budget(self, max_memory_per_rank: int) -> dict:
         """This rank against a memory budget (bytes): ``fits`` (its ``peak`` does), ``headroom`` (budget - peak:
@@ -226,6 +258,7 @@ class DryRun:
             out.append(f"  per step: {r.wire_bytes / 1e6:.3f} MB sent, {r.across_bytes / 1e6:.3f} MB across nodes")
             if self.max_memory_per_rank is not None:
                 out.append("  " + _verdict(r.budget(self.max_memory_per_rank)))
+            out += [f"  {line}" for line in r.reshard_verdict()]
         if self.plan is not None:
             p = self.plan
             out.append(f"cost model ({self.bandwidth.describe()}): outer {p.outer} inner {p.inner}: within "
@@ -350,7 +383,7 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
     candidate, plan_error = None, ""
     if plan_model:
         candidate, plan_error = _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batches,
-                                         backend, bandwidth)
+                                         backend, bandwidth, figures[0].reshard)
     notes = _layout_notes(degrees, ranks_per_node)
     if any(c["op"] == "all_to_all" and c["label"] == "ep" for f in figures for c in f.collectives):
         notes.append("MoE all-to-alls and expert activations assume an even router (1/E of the assignments each)")
@@ -476,8 +509,9 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
                   largest_full_unit=largest_unit)
     if async_save:
         memory["staging"] = staging_bytes(model, opt)
+    choices = [c.as_dict() for m in models if (c := reshard_choice(m)) is not None]
     return RankFigures(topo.rank, coords, kind, memory, _collectives(counter, ranks_per_node) + p2p.rows(),
-                       counter.summary(ranks_per_node), seconds, dict(tracker.peak.parts))
+                       counter.summary(ranks_per_node), seconds, dict(tracker.peak.parts), choices)
 
 
 class _SendRecorder(TorchDispatchMode):
@@ -524,11 +558,18 @@ def _collectives(counter, ranks_per_node: int) -> list[dict]:
     return sorted(rows.values(), key=lambda c: -c["wire_bytes"])
 
 
-def _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batches, backend, bandwidth):
-    """The cost model's candidate for this layout's outer degree, on a fresh meta model (None and why on failure)."""
+def _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batches, backend, bandwidth,
+             reshard=()):
+    """The cost model's candidate for this layout's outer degree, on a fresh meta model (None and why on failure).
+    Under ``reshard_policy="auto"`` the units keep the settings the played rank chose (``reshard``: its
+    ``RankFigures.reshard``)."""
     mp = fs_kwargs.get("mp_policy")
     kwargs = {k: fs_kwargs[k] for k in ("units", "comm_unit_size", "reshard_policy", "prefetch", "expert_policy",
                                         "whole_params") if k in fs_kwargs}
+    if kwargs.get("reshard_policy") == "auto":
+        if len(reshard) != 1:
+            return None, "reshard_policy='auto': the cost model covers one sharded model per rank"
+        kwargs["reshard_policy"] = "after_forward"  # the units it decides start resharded; the choice is set below
     if degrees.pp > 1 or degrees.mp > 1 or degrees.sep * degrees.cp > 1:
         return None, "the cost model covers pp, mp, sep and cp 1 only"
     dist.init_process_group("fake", rank=0, world_size=world_size)
@@ -537,6 +578,13 @@ def _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batche
                         fsdp_outer_degree=degrees.fsdp_outer_degree)
         with torch.device("meta"):
             model = build(topo)
+        if reshard:
+            chosen = dict(zip(reshard[0]["units"], reshard[0]["reshard_after_forward"]))
+            sizes = unit_sizes(model, **{k: v for k, v in kwargs.items() if k in ("units", "comm_unit_size",
+                                                                                  "reshard_policy", "whole_params")})
+            model = [dataclasses.replace(u, reshard_after_forward=chosen.get(u.name, u.reshard_after_forward))
+                     for u in sizes]
+            kwargs = {k: v for k, v in kwargs.items() if k in ("prefetch", "expert_policy")}
         p = plan_outer(model, world_size=world_size, local_world_size=ranks_per_node, bandwidth=bandwidth,
                     max_memory_per_rank=2**62, micro_batches=micro_batches, dp=degrees.dp, ep=degrees.ep,
                     param_dtype=getattr(mp, "param_dtype", None), grad_comm_dtype=getattr(mp, "grad_comm_dtype", None),

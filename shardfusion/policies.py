@@ -11,8 +11,9 @@ from typing import Optional
 
 import torch
 
-RESHARD_POLICIES = ("after_forward", "after_backward")
-"""``reshard_policy``: free a unit's gathered parameters after its forward (ZeRO-3), or keep them until its backward."""
+RESHARD_POLICIES = ("after_forward", "after_backward", "auto")
+"""``reshard_policy``: free a unit's gathered parameters after its forward (ZeRO-3), keep them until its backward, or
+keep those that fit a memory budget (``fully_shard(..., memory_budget=)``; ``shardfusion.reshard_budget``)."""
 
 RESHARD_FILTERS = ("all", "none")
 """The named ``reshard_filter`` values (a callable ``(qualified_name, module) -> bool`` is accepted too)."""

@@ -175,8 +175,9 @@ def default_units(model: nn.Module) -> Optional[tuple[type, ...]]:
 
 
 def reshards_after_forward(options: WrapOptions, name: str, module: nn.Module) -> bool:
-    """Whether the unit ``name`` (first module ``module``) frees its full buffers after forward under ``options``."""
-    if options.reshard_policy != "after_forward":
+    """Whether the unit ``name`` (first module ``module``) frees its full buffers after forward under ``options``
+    (under ``"auto"``: whether the policy decides it; it starts resharded, ``shardfusion.reshard_budget``)."""
+    if options.reshard_policy == "after_backward":
         return False
     if options.reshard_filter in RESHARD_FILTERS:
         return options.reshard_filter == "all"

@@ -49,6 +49,8 @@ MODES: dict[str, Mode] = {
     "hf": Mode("--hf-model", "a Hugging Face transformers model", "docs/hf-models.md"),
     "init_from": Mode("--init-from", "start from a pretrained Hugging Face folder", "docs/hf-models.md"),
     "async_save": Mode("--async-save", "checkpoints written in the background", "docs/checkpoints.md"),
+    "reshard_auto": Mode("--reshard-policy auto", "blocks kept gathered within --max-memory-per-rank",
+                         "docs/design.md"),
 }
 """The modes, in the order of the table's rows and columns."""
 
@@ -101,6 +103,10 @@ _HF = "a Hugging Face model is sharded by fully_shard alone"
 _ASYNC_LIBRARY = "tests/distributed/test_checkpoint_async.py::test_async_save_equals_sync_save"
 _ASYNC_JOB = "tests/integration/test_train_async_save.py"
 _ASYNC_JOB_MODES = f"{_ASYNC_JOB}::test_async_save_equals_sync_save_under_diloco_from_a_pretrained_folder"
+_AUTO_TEST = "tests/integration/test_train_reshard_auto.py::test_in_between_choice_equals_after_forward_bitwise"
+_AUTO_HOW = ("the GPT-MoE at ep 2 under HSDP 2 x 2 with DiLoCo, 1 of 6 blocks kept within the budget (the cost "
+             "model's need with one kept): every step and the final checkpoint bitwise the after_forward run's")
+_AUTO_FT_TEST = "tests/integration/test_train_ft.py::test_groups_from_a_pretrained_folder_equal_hsdp"
 
 PAIRS: dict[frozenset[str], Works | Refused] = {frozenset(pair): entry for pair, entry in [
     (("pp", "mp"), Refused("the job's pipeline stages are sharded by fully_shard alone, without the tensor-parallel "
@@ -221,6 +227,31 @@ PAIRS: dict[frozenset[str], Works | Refused] = {frozenset(pair): entry for pair,
                                                    "synchronous run's, bitwise")),
     (("init_from", "async_save"), Works(_ASYNC_JOB_MODES, "started from a pretrained folder: the checkpoints written "
                                                           "in the background equal the synchronous run's, bitwise")),
+    (("pp", "reshard_auto"), Refused("a rank's pipeline stages are sharded one by one, each of them would be given "
+                                     "the whole --max-memory-per-rank, and the schedule keeps the blocks gathered "
+                                     "between micro-batches anyway; use --reshard-policy after_backward (the "
+                                     "pipeline's default) or after_forward (docs/train-pipeline.md)")),
+    (("mp", "reshard_auto"), Works("tests/distributed/test_tensor_parallel.py::test_tensor_parallel_parity_world4",
+                                   "case mp2-inner2-auto: the tensor-parallel GPT under reshard_policy='auto' (a "
+                                   "budget that keeps every block) equals one process")),
+    (("cp", "reshard_auto"), Works("tests/integration/test_train_muon.py::test_context_parallel_equals_cp1",
+                                   "the --cp 2 run under --reshard-policy auto (every block kept) equals --cp 1")),
+    (("ep", "reshard_auto"), Works(_AUTO_TEST, _AUTO_HOW)),
+    (("hsdp", "reshard_auto"), Works(_AUTO_TEST, _AUTO_HOW)),
+    (("diloco", "reshard_auto"), Works(_AUTO_TEST, _AUTO_HOW)),
+    (("ft", "reshard_auto"), Works(_AUTO_FT_TEST,
+                                   "the replica groups under --reshard-policy auto (every layer kept) equal one HSDP "
+                                   "job, bitwise")),
+    (("muon", "reshard_auto"), Works("tests/integration/test_train_muon.py::test_context_parallel_equals_cp1",
+                                     "Muon under --reshard-policy auto at --cp 2 equals Muon at --cp 1")),
+    (("hf", "reshard_auto"), Works(_AUTO_FT_TEST,
+                                   "a Llama's decoder layers under --reshard-policy auto in each replica group")),
+    (("init_from", "reshard_auto"), Works(_AUTO_FT_TEST,
+                                          "from a pretrained folder under --reshard-policy auto, bitwise the HSDP "
+                                          "job's checkpoint")),
+    (("async_save", "reshard_auto"), Works(_AUTO_TEST, "the auto run saves with --async-save: its checkpoint, "
+                                                       "written in the background, equals the synchronous "
+                                                       "after_forward run's, bitwise")),
 ]}
 """Every unordered pair of `MODES`, exactly once (tests/unit/test_compat.py)."""
 

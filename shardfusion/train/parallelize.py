@@ -50,10 +50,14 @@ def topology(parallelism: ParallelismConfig, pipeline: PipelineConfig) -> sf.Top
 
 def shard_options(parallelism: ParallelismConfig, precision: PrecisionConfig) -> dict[str, Any]:
     """The `sf.fully_shard` keywords the sections decide: reshard_policy, expert_policy, prefetch, mp_policy
-    (--param-dtype, --grad-comm-dtype) and outer_comm_dtype."""
-    return {"reshard_policy": parallelism.reshard_policy, "expert_policy": parallelism.expert_policy,
-            "prefetch": parallelism.prefetch, "mp_policy": dtype_flags.mixed_precision(precision),
-            "outer_comm_dtype": dtype_flags.outer_comm_dtype(precision)}
+    (--param-dtype, --grad-comm-dtype) and outer_comm_dtype; with --reshard-policy auto, memory_budget
+    (--max-memory-per-rank)."""
+    options = {"reshard_policy": parallelism.reshard_policy, "expert_policy": parallelism.expert_policy,
+               "prefetch": parallelism.prefetch, "mp_policy": dtype_flags.mixed_precision(precision),
+               "outer_comm_dtype": dtype_flags.outer_comm_dtype(precision)}
+    if parallelism.reshard_policy == "auto":
+        options["memory_budget"] = parallelism.max_memory_per_rank
+    return options
 
 
 def shard(module: nn.Module, topo: sf.Topology, parallelism: ParallelismConfig, precision: PrecisionConfig, *,
@@ -99,12 +103,7 @@ def plan_outer_degree(config: ResolvedJob, device: torch.device, world: int) -> 
     t_probe = time.perf_counter()
     bandwidth = sf.measure_bandwidth(local, device=device)
     t_probe = time.perf_counter() - t_probe
-    meta = job_model.build(config, None, device)  # on meta, every expert
-    whole = muon_matrices(meta.module, meta.units) if config.optim.optimizer == "muon" else None
-    sizes = [dataclasses.replace(u, expert_numel=u.expert_numel // config.ep,  # one ep rank's experts (alike)
-                                 expert_whole_shapes=u.expert_whole_shapes[:len(u.expert_whole_shapes) // config.ep])
-             for u in sf.unit_sizes(meta.module, units=meta.units, reshard_policy=config.reshard_policy,
-                                    whole_params=whole)]
+    sizes = unit_sizes_per_rank(config, device)
     budget = config.parallelism.max_memory_per_rank
     if budget is None:
         least = torch.tensor([default_memory_budget(device, local)], dtype=torch.float64,
@@ -121,6 +120,7 @@ def plan_outer_degree(config: ResolvedJob, device: torch.device, world: int) -> 
                          shard_dtype=torch.float32,
                          param_dtype=mp_policy.param_dtype, grad_comm_dtype=mp_policy.grad_comm_dtype,
                          outer_comm_dtype=dtype_flags.outer_comm_dtype(config.precision),
+                         reshard_policy=config.reshard_policy,  # auto: the blocks kept gathered per candidate
                          backend="nccl" if "nccl" in str(dist.get_backend()) else "gloo", prefer=prefer)
     except ValueError as error:
         raise ValueError(f"--fsdp-outer-degree auto with --max-memory-per-rank {budget}: {error}") from None
@@ -128,6 +128,21 @@ def plan_outer_degree(config: ResolvedJob, device: torch.device, world: int) -> 
         print(f"shardfusion: --fsdp-outer-degree auto: bandwidth probe {t_probe:.2f} s", flush=True)
         print("\n".join(f"shardfusion: {line}" for line in choice.table().splitlines()), flush=True)
     return choice.fsdp_outer_degree
+
+
+def unit_sizes_per_rank(config: ResolvedJob, device: torch.device) -> list[sf.UnitSize]:
+    """The units of the job's model as one rank holds them, for `sf.plan`: `sf.unit_sizes` of the model built on
+    meta with every expert (no process group needed), each unit's expert elements, expert buffers' shapes and
+    Muon's expert matrices cut to one ep rank's experts (E / ep of them, all alike); the blocks' reshard setting
+    from --reshard-policy (under auto: the blocks the policy decides)."""
+    meta = job_model.build(config, None, device)  # on meta, every expert
+    whole = muon_matrices(meta.module, meta.units) if config.optim.optimizer == "muon" else None
+    ep = config.ep
+    return [dataclasses.replace(u, expert_numel=u.expert_numel // ep,
+                                expert_whole_shapes=u.expert_whole_shapes[:len(u.expert_whole_shapes) // ep],
+                                expert_buffer_shapes=tuple(b[:len(b) // ep] for b in u.expert_buffer_shapes))
+            for u in sf.unit_sizes(meta.module, units=meta.units, reshard_policy=config.reshard_policy,
+                                   whole_params=whole)]
 
 
 def _resumed_outer_degree(out: str) -> int | None:

@@ -33,6 +33,7 @@ def _flags(mode: str, folder: Path) -> list[str]:
         "ft": ["--ft-lighthouse", "http://127.0.0.1:9", "--ft-replicas", "2", "--ft-replica-id", "0"],
         "muon": ["--optimizer", "muon"], "hf": ["--hf-model", "llama"], "init_from": ["--init-from", str(folder)],
         "async_save": ["--async-save"],
+        "reshard_auto": ["--reshard-policy", "auto", "--max-memory-per-rank", "1GB"],
     }[mode]
 
 
@@ -62,9 +63,9 @@ def _argv(a: str, b: str, folder: Path, out: Path) -> list[str]:
 
 
 def test_every_pair_once() -> None:
-    assert len(MODES) == 11
+    assert len(MODES) == 12
     assert set(PAIRS) == {frozenset(p) for p in itertools.combinations(MODES, 2)}
-    assert len(PAIRS) == len(compat.pairs()) == 55
+    assert len(PAIRS) == len(compat.pairs()) == 66
     assert all(isinstance(e, (Works, Refused)) for e in PAIRS.values())  # no third kind
     with pytest.raises(KeyError, match="'sep' is not a mode"):
         compat.entry("sep", "pp")
