@@ -32,9 +32,15 @@ MIXED_PRECISION_DTYPES = tuple(DTYPE_NAMES.values())
 ``torch.float16``."""
 
 
-ALL_GATHER_DTYPES: tuple = ("int8", torch.bfloat16, torch.float16, torch.float8_e4m3fn)
-"""The wire formats :attr:`MixedPrecisionPolicy.all_gather_dtype` takes besides ``None`` (see [Note: quantized
-weight all-gather] in ``shardfusion/_runtime/gather_wire.py``)."""
+ALL_GATHER_DTYPE_NAMES: dict[str, object] = {"int8": "int8", "bf16": torch.bfloat16, "fp16": torch.float16,
+                                             "fp8": torch.float8_e4m3fn}
+"""The short name of each wire format :attr:`MixedPrecisionPolicy.all_gather_dtype` takes besides ``None`` and the
+value it stands for (``"int8"``: block-wise int8, not a torch dtype); the training job's ``--all-gather-dtype``
+takes these names. See [Note: quantized weight all-gather] in ``shardfusion/_runtime/gather_wire.py``."""
+
+ALL_GATHER_DTYPES: tuple = tuple(ALL_GATHER_DTYPE_NAMES.values())
+"""The values of :data:`ALL_GATHER_DTYPE_NAMES`: ``"int8"``, ``torch.bfloat16``, ``torch.float16``,
+``torch.float8_e4m3fn``."""
 
 ALL_GATHER_DTYPE_TEXT = 'None, "int8", torch.bfloat16, torch.float16 or torch.float8_e4m3fn'
 """The accepted values of ``all_gather_dtype``, as error messages write them."""
