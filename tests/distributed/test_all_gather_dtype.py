@@ -10,13 +10,15 @@ transformer, fp32 shards and compute; all cases in one spawned job.
   (derivations in shardfusion/_runtime/gather_wire.py); not bitwise (something was quantized); bitwise the same on
   every rank (each rank dequantizes its own shard too). A float wire format equal to ``param_dtype`` (bf16) is
   bitwise the all-gather without the option.
+* ``None`` trains with the fp32 reference's losses at the parity tolerance (the plain all-gather).
 * Training, 8 AdamW steps against the fp32 single-process reference (the reduce-scatter and the optimizer are
   exact, only the compute sees the quantized weights):
   - step 0's loss (same weights in both runs, before any update): ``|L~ - L| <= 2 * sum_i |g_i| * b_i + 1e-6 * L``,
     the first-order change of the loss under a weight error ``|d_i| <= b_i`` (``g``: the reference's gradient at
     step 0, ``b``: the bound above per element), doubled for the second-order term, plus fp32 summation noise;
   - later steps, where the trajectories drift apart: the loss within ``LOSS_RTOL`` relative and every parameter
-    within ``PARAM_RTOL`` relative in norm after the last step (per format; measured values at the constants).
+    within ``PARAM_RTOL`` relative in norm after the last step (per format; measured values at the constants);
+    and the losses are not ``None``'s (something was quantized).
 * The bytes: every ``inner_all_gather`` record's ``wire_bytes`` equals ``gather_wire.wire_bytes`` of its buffer's
   shard (``(G-1) * (S + 4 * ceil(S / 256))`` for int8 and fp8, ``(G-1) * 2S`` for bf16/fp16), with the shard size S
   taken from the fp32 run's records (same layout); the same number of collectives; int8's and fp8's totals are
@@ -120,6 +122,15 @@ def test_gathered_parameters_within_bound(results, wire):
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+def test_none_is_the_exact_all_gather(results):
+    """``all_gather_dtype=None`` trains as the plain sharded run does: parity with the fp32 reference."""
+    from reference import assert_losses_match
+
+    case = TRAIN_CASES[0]
+    assert_losses_match(case_results(results, "none"), reference_train(case.with_(count_comm=False)), "none")
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 def test_wire_equal_to_param_dtype_is_the_plain_all_gather(results):
     plain, wired = case_results(results, "gather-bf16-param"), case_results(results, "gather-bf16-param-bf16-wire")
     for p, w in zip(plain, wired):
@@ -150,7 +161,7 @@ def test_training_tracks_fp32_reference(results, wire):
         f"{wire}: step 0 loss off by {abs(got[0] - want[0]).item():.3e} > first-order bound {first:.3e}")
     rel = ((got - want).abs() / want.abs()).max().item()
     assert rel <= LOSS_RTOL[wire], f"{wire}: loss differs from fp32 by {rel:.4f} relative (max over {case.steps} steps)"
-    assert rel > 0, f"{wire}: bitwise the fp32 losses: was anything quantized?"
+    assert rs[0]["losses"] != case_results(results, "none")[0]["losses"], f"{wire}: the losses of None: not quantized"
     assert got[-1] < 0.8 * got[0], f"{wire}: did not train: {got.tolist()}"
     from reference import assemble_all
 
