@@ -81,8 +81,8 @@ def plan_outer_degree(config: ResolvedJob, device: torch.device, world: int) -> 
 
     Inputs: nodes of `--ranks-per-node` ranks (default LOCAL_WORLD_SIZE: torchrun's ranks per node), the units of
     the job's model (built on meta with every expert, the experts' elements divided by ep), fp32 shards and AdamW
-    state, --param-dtype / --grad-comm-dtype, --grad-accum micro-batches, --reshard-policy, --prefetch,
-    --expert-policy, and the budget `--max-memory-per-rank` (default `shardfusion.plan.default_memory_budget`,
+    state, --param-dtype / --grad-comm-dtype / --all-gather-dtype, --grad-accum micro-batches, --reshard-policy,
+    --prefetch, --expert-policy, and the budget `--max-memory-per-rank` (default `shardfusion.plan.default_memory_budget`,
     the least over the ranks). A run that resumes a checkpoint keeps the degree of the run it resumes (from
     OUT/config.json) when that fits, so the resume stays exact. With --optimizer muon the plan lays the Muon
     matrices out in owner layouts for each candidate's inner degree (their padding counted: `whole_params`); it
@@ -120,6 +120,7 @@ def plan_outer_degree(config: ResolvedJob, device: torch.device, world: int) -> 
                          prefetch=config.parallelism.prefetch, expert_policy=config.parallelism.expert_policy,
                          shard_dtype=torch.float32,
                          param_dtype=mp_policy.param_dtype, grad_comm_dtype=mp_policy.grad_comm_dtype,
+                         all_gather_dtype=mp_policy.all_gather_dtype,
                          outer_comm_dtype=dtype_flags.outer_comm_dtype(config.precision),
                          backend="nccl" if "nccl" in str(dist.get_backend()) else "gloo", prefer=prefer)
     except ValueError as error:
