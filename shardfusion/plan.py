@@ -153,6 +153,8 @@ class Candidate:
         fits: ``memory_bytes <= max_memory_per_rank``.
         sync_step_s: with DiLoCo, the communication time of the step that carries an outer step (or a fragment's):
             the slowest step; ``step_s`` is the mean over H steps. None without DiLoCo.
+        spanning: the sharding groups whose ranks sit on more than one node (``"inner"``, ``"expert_inner"``):
+            their all-gathers and reduce-scatters cross nodes (the table names them).
     """
 
     outer: int
@@ -169,6 +171,7 @@ class Candidate:
     memory_bytes: int
     fits: bool
     sync_step_s: Optional[float] = None
+    spanning: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,8 @@ class Plan:
             mark = "  <- chosen" if c is self.chosen else ""
             lines.append(f"{c.outer:5d} {c.inner:5d} | {c.within_bytes / 1e6:14.3f} {c.across_bytes / 1e6:15.3f} | "
                          f"{c.within_s:8.4f} {c.across_s:9.4f} {c.step_s:9.4f} | {_size(c.memory_bytes):>11}  "
-                         f"{'yes' if c.fits else 'no':>4}{mark}")
+                         f"{'yes' if c.fits else 'no':>4}{mark}"
+                         + (f"  ({' and '.join(c.spanning)} groups span nodes)" if c.spanning else ""))
         lines.append(f"chosen: {self.reason}")
         return "\n".join(lines)
 
@@ -640,7 +644,11 @@ class _Model:
                          within_bytes=sum(t.within_bytes for t in traffic.values()),
                          across_bytes=sum(t.across_bytes for t in traffic.values()), within_s=within_s,
                          across_s=across_s, serial_s=serial, step_s=step, memory=memory, memory_bytes=need,
-                         fits=need <= budget, sync_step_s=sync_step)
+                         fits=need <= budget, sync_step_s=sync_step,
+                         spanning=tuple(k for k in ("inner", "expert_inner")
+                                        if groups[k].spans and groups[k].size > 1
+                                        and (k == "inner" or any(u.expert_numel or u.expert_whole_shapes
+                                                                 for u in self.sizes))))
 
 
 def _choose(candidates: tuple, budget: int, prefer: Optional[int], tie: float, bandwidth: Bandwidth,
