@@ -303,17 +303,17 @@ class Topology:
     """The rank grid of this job and one process group of every kind, created on every rank in one global order.
 
     ``Topology(*, dp=1, pp=1, sharding=-1, sep=1, cp=1, mp=1, ep=1, fsdp_outer_degree=1, timeout=None,
-    arrival_timeout=None, ranks_per_node=None)``, keywords only: degrees as in :class:`Degrees` (``sharding=-1`` takes the rest of the
-    world); ``timeout`` (a ``timedelta`` or seconds) applies to every group it creates; a collective that times out
-    raises an error naming it and the likely cause (``comm.timeout_error``); the default group keeps its own timeout.
-    ``arrival_timeout`` (seconds, or a ``timedelta``; default: ``SHARDFUSION_ARRIVAL_TIMEOUT``, else 60 s) bounds the
-    arrival check that starts each rare collective call of a model sharded with it (``model.state_dict()``, a
-    checkpoint, a forward in a new mode, ...), whose error names the call and the ranks that did not make it
-    ([Note: arrival checks] in ``arrival.py``). ``ranks_per_node`` says where the node boundaries are (nodes of
-    that many consecutive ranks; default ``LOCAL_WORLD_SIZE``, else the whole world is one node), so that one
-    machine can declare several nodes (a test of a sharding group spanning nodes, ZeRO++'s layout): the inner kinds
-    with a group across nodes are ``spanning_groups`` and named by :meth:`describe_nodes`. Groups of size 1 are real groups too. Kinds whose ranks coincide for
-    these degrees (e.g. ``sharding`` and ``moe_sharding`` when ep is 1) share one group object.
+    arrival_timeout=None, ranks_per_node=None)``, keywords only: degrees as in :class:`Degrees` (``sharding=-1`` takes
+    the rest of the world); ``timeout`` (a ``timedelta`` or seconds) applies to every group it creates; a collective
+    that times out raises an error naming it and the likely cause (``comm.timeout_error``); the default group keeps its
+    own timeout. ``arrival_timeout`` (seconds, or a ``timedelta``; default: ``SHARDFUSION_ARRIVAL_TIMEOUT``, else 60 s)
+    bounds the arrival check that starts each rare collective call of a model sharded with it (``model.state_dict()``, a
+    checkpoint, a forward in a new mode, ...), whose error names the call and the ranks that did not make it ([Note:
+    arrival checks] in ``arrival.py``). ``ranks_per_node`` says where the node boundaries are (nodes of that many
+    consecutive ranks; default ``LOCAL_WORLD_SIZE``, else the whole world is one node), so that one machine can declare
+    several nodes (a test of a sharding group spanning nodes, ZeRO++'s layout): the inner kinds with a group across
+    nodes are ``spanning_groups`` and named by :meth:`describe_nodes`. Groups of size 1 are real groups too. Kinds whose
+    ranks coincide for these degrees (e.g. ``sharding`` and ``moe_sharding`` when ep is 1) share one group object.
 
     Raises:
         ValueError: ``torch.distributed`` is not initialized, ``timeout`` or ``arrival_timeout`` is not positive,

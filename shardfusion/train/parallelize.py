@@ -79,14 +79,14 @@ def plan_outer_degree(config: ResolvedJob, device: torch.device, world: int) -> 
     """`--fsdp-outer-degree auto`: the outer degree `sf.plan` chooses for this run; rank 0 prints its table.
     Collective: every rank probes the links (`sf.measure_bandwidth`, about a second) and gets the same degree.
 
-    Inputs: nodes of `--ranks-per-node` ranks (default LOCAL_WORLD_SIZE: torchrun's ranks per node), the units of
-    the job's model (built on meta with every expert, the experts' elements divided by ep), fp32 shards and AdamW
-    state, --param-dtype / --grad-comm-dtype / --all-gather-dtype, --grad-accum micro-batches, --reshard-policy,
-    --prefetch, --expert-policy, and the budget `--max-memory-per-rank` (default `shardfusion.plan.default_memory_budget`,
-    the least over the ranks). A run that resumes a checkpoint keeps the degree of the run it resumes (from
-    OUT/config.json) when that fits, so the resume stays exact. With --optimizer muon the plan lays the Muon
-    matrices out in owner layouts for each candidate's inner degree (their padding counted: `whole_params`); it
-    still counts AdamW's two states where Muon keeps one per matrix element (docs/train-muon.md).
+    Inputs: nodes of `--ranks-per-node` ranks (default LOCAL_WORLD_SIZE: torchrun's ranks per node), the units of the
+    job's model (built on meta with every expert, the experts' elements divided by ep), fp32 shards and AdamW state,
+    --param-dtype / --grad-comm-dtype / --all-gather-dtype, --grad-accum micro-batches, --reshard-policy, --prefetch,
+    --expert-policy, and the budget `--max-memory-per-rank` (default `shardfusion.plan.default_memory_budget`, the least
+    over the ranks). A run that resumes a checkpoint keeps the degree of the run it resumes (from OUT/config.json) when
+    that fits, so the resume stays exact. With --optimizer muon the plan lays the Muon matrices out in owner layouts for
+    each candidate's inner degree (their padding counted: `whole_params`); it still counts AdamW's two states where Muon
+    keeps one per matrix element (docs/train-muon.md).
 
     Raises:
         ValueError: on every rank: no degree fits the budget (naming --max-memory-per-rank and the smallest need),
