@@ -2,7 +2,8 @@
 one sharding group of 4 (``fsdp_outer_degree=1``: the layout where the all-gather would cross nodes), the tiny
 transformer, fp32 shards and compute; all cases in one spawned job.
 
-* The gathered parameters: every unit's full buffer, gathered through the runtime's all-gather, against the exact
+* The gathered parameters (the transformer; and the MoE GPT at ep 2, int8, whose expert buffers are gathered
+  over their own groups): every unit's full buffer, gathered through the runtime's all-gather, against the exact
   parameters (``gather_copy``: the shards, unquantized). ``None``: bitwise equal. Each wire format: every element
   within its stated bound, computed here from the exact values and the shard blocks (B = 256 elements of each
   rank's shard): int8 ``(1 + 2**-14) * a / 254`` with ``a`` the max |x| of the element's block; fp8 e4m3 with a
@@ -51,7 +52,8 @@ _BASE = Case(name="", model="transformer", world=4, sharding=4, outer=1, optim="
 TRAIN_CASES = [_BASE.with_(name="none")] + [_BASE.with_(name=w, all_gather_dtype=w) for w in WIRES]
 GATHER_CASES = TRAIN_CASES + [_BASE.with_(name="bf16-param", param_dtype="bfloat16"),
                               _BASE.with_(name="bf16-param-bf16-wire", param_dtype="bfloat16",
-                                          all_gather_dtype="bfloat16")]
+                                          all_gather_dtype="bfloat16"),
+                              _BASE.with_(name="moe-ep2-int8", model="moe", ep=2, all_gather_dtype="int8")]
 
 
 def _gathered(case: Case) -> dict:
@@ -60,8 +62,9 @@ def _gathered(case: Case) -> dict:
     from models import MODEL_SEED, build_model
     from reference import get_topology, wrap_kwargs
 
-    model = build_model(case.model, seed=MODEL_SEED)
-    sf.fully_shard(model, get_topology(case), **wrap_kwargs(case))
+    topo = get_topology(case)
+    model = build_model(case.model, seed=MODEL_SEED, ep_group=topo.get_group("ep"))
+    sf.fully_shard(model, topo, **wrap_kwargs(case))
     out = []
     for unit in sf.get_units(model):
         for g in unit.groups:
@@ -103,22 +106,30 @@ def _bound(wire: str, exact: torch.Tensor, s: int) -> torch.Tensor:
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
-@pytest.mark.parametrize("wire", (None,) + WIRES, ids=str)
-def test_gathered_parameters_within_bound(results, wire):
-    name = "gather-" + ("none" if wire is None else wire)
+@pytest.mark.parametrize("wire, name", [(None, "gather-none")] + [(w, "gather-" + w) for w in WIRES]
+                         + [("int8", "gather-moe-ep2-int8")], ids=lambda v: str(v).removeprefix("gather-"))
+def test_gathered_parameters_within_bound(results, wire, name):
     per_rank = case_results(results, name)
-    for i, buf in enumerate(per_rank[0]["buffers"]):
-        for r in per_rank[1:]:  # every rank computes with bitwise the same full parameters
-            assert torch.equal(r["buffers"][i]["full"], buf["full"]), f"{name} buffer {i}: ranks differ"
-        full, exact = buf["full"], buf["exact"]
-        if wire is None or buf["G"] == 1:
-            assert torch.equal(full, exact), f"{name} buffer {i}: not bitwise the exact parameters"
-            continue
-        err = (full.double() - exact.double()).abs()
-        bound = _bound(wire, exact, buf["S"])
-        worst = (err / bound.clamp_min(1e-300)).max().item()
-        assert (err <= bound).all(), f"{name} buffer {i}: error up to {worst:.3f} x the stated bound"
-        assert err.max() > 0, f"{name} buffer {i}: bitwise exact: was anything quantized?"
+    for rank, mine in enumerate(per_rank):
+        for i, buf in enumerate(mine["buffers"]):
+            _check_gathered(wire, f"{name} rank {rank} buffer {i}", buf,
+                            [r["buffers"][i] for r in per_rank if torch.equal(r["buffers"][i]["exact"], buf["exact"])])
+
+
+def _check_gathered(wire, what: str, buf: dict, holders: list[dict]) -> None:
+    """``buf``'s gathered buffer against its exact one; ``holders``: the ranks' buffers of the same parameters
+    (experts differ across ep ranks), which must compute with bitwise the same full parameters."""
+    for other in holders:
+        assert torch.equal(other["full"], buf["full"]), f"{what}: ranks holding the same parameters differ"
+    full, exact = buf["full"], buf["exact"]
+    if wire is None or buf["G"] == 1:
+        assert torch.equal(full, exact), f"{what}: not bitwise the exact parameters"
+        return
+    err = (full.double() - exact.double()).abs()
+    bound = _bound(wire, exact, buf["S"])
+    worst = (err / bound.clamp_min(1e-300)).max().item()
+    assert (err <= bound).all(), f"{what}: error up to {worst:.3f} x the stated bound"
+    assert err.max() > 0, f"{what}: bitwise exact: was anything quantized?"
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
