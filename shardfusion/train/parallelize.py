@@ -50,7 +50,7 @@ def topology(parallelism: ParallelismConfig, pipeline: PipelineConfig) -> sf.Top
 
 def shard_options(parallelism: ParallelismConfig, precision: PrecisionConfig) -> dict[str, Any]:
     """The `sf.fully_shard` keywords the sections decide: reshard_policy, expert_policy, prefetch, mp_policy
-    (--param-dtype, --grad-comm-dtype) and outer_comm_dtype."""
+    (--param-dtype, --grad-comm-dtype, --all-gather-dtype) and outer_comm_dtype."""
     return {"reshard_policy": parallelism.reshard_policy, "expert_policy": parallelism.expert_policy,
             "prefetch": parallelism.prefetch, "mp_policy": dtype_flags.mixed_precision(precision),
             "outer_comm_dtype": dtype_flags.outer_comm_dtype(precision)}
