@@ -588,6 +588,7 @@ def _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batche
         p = plan_outer(model, world_size=world_size, local_world_size=ranks_per_node, bandwidth=bandwidth,
                     max_memory_per_rank=2**62, micro_batches=micro_batches, dp=degrees.dp, ep=degrees.ep,
                     param_dtype=getattr(mp, "param_dtype", None), grad_comm_dtype=getattr(mp, "grad_comm_dtype", None),
+                    all_gather_dtype=getattr(mp, "all_gather_dtype", None),
                     backend=backend, outer_degrees=[degrees.fsdp_outer_degree], **kwargs)
         return p.chosen, ""
     except (ValueError, TypeError) as e:

@@ -11,8 +11,9 @@ else ``numel`` rounded up to ``inner * align``), with ``m`` micro-batches per
 step and the ring volumes of [Note: communication accounting] (``accounting.py``; ``G`` = group size, ``N`` =
 logical bytes):
 
-- all-gather over the inner group, ``N = P * param bytes``, ``(G-1)/G * N`` per rank; ``m`` times per step, ``2m``
-  for a unit resharded after forward (gathered again in backward);
+- all-gather over the inner group, ``N = P * gather bytes``, ``(G-1)/G * N`` per rank; ``m`` times per step, ``2m``
+  for a unit resharded after forward (gathered again in backward); gather bytes: the param dtype's, or those of
+  ``all_gather_dtype`` (bf16/fp16 2; int8 and fp8 ``1 + 4/256``: a byte and a scale per block of 256);
 - reduce-scatter over the inner group, ``N = P * grad_comm bytes``, ``(G-1)/G * N``; ``m`` times per step;
 - all-reduce over the replicate group (``dp x outer``), ``N = P / inner * grad_comm bytes``, ``2(G-1)/G * N``; once
   per step.
@@ -158,6 +159,8 @@ class Candidate:
             the slowest step; ``step_s`` is the mean over H steps. None without DiLoCo.
         reshard: with ``reshard_policy="auto"``, the units kept gathered at this degree within the budget
             (:class:`shardfusion.reshard_budget.ReshardChoice`); None otherwise.
+        spanning: the sharding groups whose ranks sit on more than one node (``"inner"``, ``"expert_inner"``):
+            their all-gathers and reduce-scatters cross nodes (the table names them).
     """
 
     outer: int
@@ -175,6 +178,7 @@ class Candidate:
     fits: bool
     sync_step_s: Optional[float] = None
     reshard: Optional[ReshardChoice] = None
+    spanning: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -222,7 +226,8 @@ class Plan:
                 mark = f"  kept {len(c.reshard.kept)}/{sum(c.reshard.decided)}{mark}"
             lines.append(f"{c.outer:5d} {c.inner:5d} | {c.within_bytes / 1e6:14.3f} {c.across_bytes / 1e6:15.3f} | "
                          f"{c.within_s:8.4f} {c.across_s:9.4f} {c.step_s:9.4f} | {_size(c.memory_bytes):>11}  "
-                         f"{'yes' if c.fits else 'no':>4}{mark}")
+                         f"{'yes' if c.fits else 'no':>4}{mark}"
+                         + (f"  ({' and '.join(c.spanning)} groups span nodes)" if c.spanning else ""))
         lines.append(f"chosen: {self.reason}")
         return "\n".join(lines)
 
@@ -356,13 +361,29 @@ def _outer_element_size(outer_comm_dtype, grad_comm_dtype: torch.dtype) -> float
     return _element_size(grad_comm_dtype if value is None else value)
 
 
+def _gather_element_size(all_gather_dtype, param_dtype: torch.dtype) -> float:
+    """Bytes per element of the parameter all-gather on the wire (``MixedPrecisionPolicy.all_gather_dtype``):
+    ``"int8"`` and fp8 one byte and a 4-byte scale per block of ``compress.DEFAULT_BLOCK_SIZE`` (block padding
+    ignored), bf16/fp16 2, None ``param_dtype``'s size.
+
+    Raises:
+        ValueError: a value ``MixedPrecisionPolicy`` refuses (naming ``all_gather_dtype``).
+    """
+    MixedPrecisionPolicy(all_gather_dtype=all_gather_dtype)  # validates
+    if all_gather_dtype is None:
+        return _element_size(param_dtype)
+    if all_gather_dtype == "int8" or all_gather_dtype is torch.float8_e4m3fn:
+        return 1 + 4 / compress.DEFAULT_BLOCK_SIZE
+    return _element_size(all_gather_dtype)
+
+
 def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: int, local_world_size: int,
          bandwidth: Bandwidth, max_memory_per_rank: int, micro_batches: int = 1, dp: int = 1, ep: int = 1,
          units: Optional[Sequence[type]] = None, comm_unit_size: Optional[int] = None,
          reshard_policy: str = "after_forward", prefetch: int = 1, expert_policy: str = "replicate",
          shard_dtype: torch.dtype = torch.float32, param_dtype: Optional[torch.dtype] = None,
          grad_comm_dtype: Optional[torch.dtype] = None, outer_comm_dtype: Union[None, torch.dtype, str] = None,
-         optim_dtype: torch.dtype = torch.float32,
+         all_gather_dtype: Union[None, torch.dtype, str] = None, optim_dtype: torch.dtype = torch.float32,
          optim_states: int = 2, other_bytes: int = 0, overlap: bool = True, backend: str = "nccl",
          outer_degrees: Optional[Sequence[int]] = None, prefer: Optional[int] = None,
          tie_tolerance: float = 0.01,
@@ -401,6 +422,9 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
             ``param_dtype``.
         outer_comm_dtype: ``fully_shard``'s: the wire format of the replicate all-reduce (None: ``grad_comm_dtype``;
             a float dtype; ``"int8"``: 1 + 4/256 bytes per element, the int8 values and a scale per block).
+        all_gather_dtype: :class:`shardfusion.MixedPrecisionPolicy`'s: the wire format of the parameter
+            all-gathers (None: ``param_dtype``; bf16/fp16: 2 bytes per element; ``"int8"`` and
+            ``torch.float8_e4m3fn``: 1 + 4/256). The gathered buffers in memory stay in ``param_dtype``.
         optim_dtype, optim_states: the optimizer's state per element: AdamW's 2 values in fp32 by default.
         other_bytes: memory per rank the model does not see (activations, workspace), added to every candidate.
         overlap: whether the last backward's all-reduces overlap its other collectives (the default runtime).
@@ -491,6 +515,7 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
 
     sizes_b = {"shard": _element_size(shard_dtype), "param": _element_size(param_dtype),
                "comm": _element_size(grad_comm_dtype), "optim": _element_size(optim_dtype),
+               "gather": _gather_element_size(all_gather_dtype, param_dtype),
                # DiLoCo all-reduces the pseudo-gradients in the shard's dtype unless a wire format is given
                "outer": _outer_element_size(outer_comm_dtype,
                                             shard_dtype if outer_every is not None else grad_comm_dtype)}
@@ -628,7 +653,11 @@ class _Model:
                          traffic=traffic, within_bytes=sum(t.within_bytes for t in traffic.values()),
                          across_bytes=sum(t.across_bytes for t in traffic.values()), within_s=within_s,
                          across_s=across_s, serial_s=serial, step_s=step, memory=memory, memory_bytes=need,
-                         fits=need <= budget, sync_step_s=sync_step, reshard=choice)
+                         fits=need <= budget, sync_step_s=sync_step, reshard=choice,
+                         spanning=tuple(k for k in ("inner", "expert_inner")
+                                        if groups[k].spans and groups[k].size > 1
+                                        and (k == "inner" or any(u.expert_numel or u.expert_whole_shapes
+                                                                 for u in self.sizes))))
 
     def _traffic(self, per_unit: list, reshard: list[bool]) -> tuple[dict, list[float], list[list[float]]]:
         """Per op ``[count, within B, across B, within s, across s]`` per step; the last backward's inner
@@ -649,7 +678,7 @@ class _Model:
             for padded, g_shard, g_rep in buffers:
                 if g_shard.size > 1:
                     gathers = 2 if resharded else 1
-                    ag = self._cost("all_gather", padded * nb["param"], g_shard)
+                    ag = self._cost("all_gather", padded * nb["gather"], g_shard)
                     rs = self._cost("reduce_scatter", padded * nb["comm"], g_shard)
                     add("all_gather", ag, gathers * self.m)
                     add("reduce_scatter", rs, self.m)

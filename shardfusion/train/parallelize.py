@@ -50,7 +50,7 @@ def topology(parallelism: ParallelismConfig, pipeline: PipelineConfig) -> sf.Top
 
 def shard_options(parallelism: ParallelismConfig, precision: PrecisionConfig) -> dict[str, Any]:
     """The `sf.fully_shard` keywords the sections decide: reshard_policy, expert_policy, prefetch, mp_policy
-    (--param-dtype, --grad-comm-dtype) and outer_comm_dtype; with --reshard-policy auto, memory_budget
+    (--param-dtype, --grad-comm-dtype, --all-gather-dtype) and outer_comm_dtype; with --reshard-policy auto, memory_budget
     (--max-memory-per-rank)."""
     options = {"reshard_policy": parallelism.reshard_policy, "expert_policy": parallelism.expert_policy,
                "prefetch": parallelism.prefetch, "mp_policy": dtype_flags.mixed_precision(precision),
@@ -83,14 +83,14 @@ def plan_outer_degree(config: ResolvedJob, device: torch.device, world: int) -> 
     """`--fsdp-outer-degree auto`: the outer degree `sf.plan` chooses for this run; rank 0 prints its table.
     Collective: every rank probes the links (`sf.measure_bandwidth`, about a second) and gets the same degree.
 
-    Inputs: nodes of `--ranks-per-node` ranks (default LOCAL_WORLD_SIZE: torchrun's ranks per node), the units of
-    the job's model (built on meta with every expert, the experts' elements divided by ep), fp32 shards and AdamW
-    state, --param-dtype / --grad-comm-dtype, --grad-accum micro-batches, --reshard-policy, --prefetch,
-    --expert-policy, and the budget `--max-memory-per-rank` (default `shardfusion.plan.default_memory_budget`,
-    the least over the ranks). A run that resumes a checkpoint keeps the degree of the run it resumes (from
-    OUT/config.json) when that fits, so the resume stays exact. With --optimizer muon the plan lays the Muon
-    matrices out in owner layouts for each candidate's inner degree (their padding counted: `whole_params`); it
-    still counts AdamW's two states where Muon keeps one per matrix element (docs/train-muon.md).
+    Inputs: nodes of `--ranks-per-node` ranks (default LOCAL_WORLD_SIZE: torchrun's ranks per node), the units of the
+    job's model (built on meta with every expert, the experts' elements divided by ep), fp32 shards and AdamW state,
+    --param-dtype / --grad-comm-dtype / --all-gather-dtype, --grad-accum micro-batches, --reshard-policy, --prefetch,
+    --expert-policy, and the budget `--max-memory-per-rank` (default `shardfusion.plan.default_memory_budget`, the least
+    over the ranks). A run that resumes a checkpoint keeps the degree of the run it resumes (from OUT/config.json) when
+    that fits, so the resume stays exact. With --optimizer muon the plan lays the Muon matrices out in owner layouts for
+    each candidate's inner degree (their padding counted: `whole_params`); it still counts AdamW's two states where Muon
+    keeps one per matrix element (docs/train-muon.md).
 
     Raises:
         ValueError: on every rank: no degree fits the budget (naming --max-memory-per-rank and the smallest need),
@@ -119,6 +119,7 @@ def plan_outer_degree(config: ResolvedJob, device: torch.device, world: int) -> 
                          prefetch=config.parallelism.prefetch, expert_policy=config.parallelism.expert_policy,
                          shard_dtype=torch.float32,
                          param_dtype=mp_policy.param_dtype, grad_comm_dtype=mp_policy.grad_comm_dtype,
+                         all_gather_dtype=mp_policy.all_gather_dtype,
                          outer_comm_dtype=dtype_flags.outer_comm_dtype(config.precision),
                          reshard_policy=config.reshard_policy,  # auto: the blocks kept gathered per candidate
                          backend="nccl" if "nccl" in str(dist.get_backend()) else "gloo", prefer=prefer)
