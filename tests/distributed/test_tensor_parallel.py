@@ -87,7 +87,7 @@ def _compare(got: dict, want: dict) -> None:
 
 W4_LAYOUTS = [dict(mp=2, sharding=2), dict(mp=2, sharding=2, fsdp_outer_degree=2),
               # the blocks' DTensor views kept gathered from forward to backward: reshard_policy="auto" with a budget
-              # that keeps both blocks (the policy's choice itself: tests/distributed/test_reshard_auto.py)
+              # that keeps both blocks (the policy's choice itself: tests/distributed/test_reshard_auto_ranks.py)
               dict(mp=2, sharding=2, wrap={"reshard_policy": "auto", "memory_budget": 1 << 40})]
 
 

@@ -3,7 +3,7 @@ steps, 4 gloo ranks. The budget is the cost model's need with one block kept (`s
 `parallelize.unit_sizes_per_rank`): the run keeps that block (the last one), prints the choice and writes it to
 config.json, and trains bitwise as the same run under after_forward (the policy moves no value): every step's loss
 and gradient norm, the validation loss, the final checkpoint. The policy's choice itself (extremes, budget, every
-rank alike) is tested in tests/unit/test_reshard_auto.py and tests/distributed/test_reshard_auto.py.
+rank alike) is tested in tests/unit/test_reshard_auto.py and tests/distributed/test_reshard_auto_ranks.py.
 """
 
 from __future__ import annotations

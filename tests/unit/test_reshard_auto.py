@@ -4,7 +4,7 @@ all-gather bytes per byte, ties last unit first, a unit that does not fit passed
 filter leaves out), the budget's argument errors, the cost model's choice per candidate (``sf.plan(...,
 reshard_policy="auto")``), and the dry run on torch's fake process group: the choice a wrap makes, the budget it
 respects in the measured step, its verdict in the report, and the same choice as the cost model's. The job's flag
---reshard-policy auto: its check, its dry run. Real processes: tests/distributed/test_reshard_auto.py; the job:
+--reshard-policy auto: its check, its dry run. Real processes: tests/distributed/test_reshard_auto_ranks.py; the job:
 tests/integration/test_train_reshard_auto.py."""
 
 from __future__ import annotations
