@@ -74,6 +74,7 @@ class OverlappedSync:
         self.buffer, self.target = buffer, target
         self._reduce_work, self._reduce_out = reduce_work, reduce_out
         self._done = threading.Event()
+        self._reduced = threading.Event()  # the reduce-scatter is complete and its buffers released
         self._result: Optional[torch.Tensor] = None
         self._work: Any = None  # the all-reduce in flight (None: completed, or a compressed one, run to its end)
         self._error: Optional[BaseException] = None
@@ -90,11 +91,18 @@ class OverlappedSync:
                         self._reduce_out.div_(b.grad_divisor)
                     self.target.add_(self._reduce_out)  # upcast into the shard's dtype
                 self._reduce_work = self._reduce_out = None
+                self._reduced.set()
                 self._result, self._work = b.start_all_reduce_replicas(self.target)
         except BaseException as e:  # re-raised on the thread that waits for the result
             self._error = e
         finally:
+            self._reduced.set()
             self._done.set()
+
+    def wait_reduced(self) -> None:
+        """Wait until :meth:`run` has completed the reduce-scatter and released its buffers (the all-reduce may
+        still run; an error is raised by :meth:`result`)."""
+        self._reduced.wait()
 
     def result(self) -> torch.Tensor:
         """Wait for :meth:`run`; the all-reduced gradient, ``(S,)`` (``target`` itself or a copy in the
