@@ -68,13 +68,22 @@ def _units(units: dict) -> str:
 
 
 def markdown(rows: dict) -> list[str]:
-    """The breakdown table of one regime (markdown lines; empty when no variant has one)."""
+    """The breakdown of one regime: a sentence and :func:`table` (markdown lines; empty when no variant has one)."""
+    lines = table(rows)
+    if not lines:
+        return []
+    return ["Transient memory at the peak (live tensor bytes of the rank with the largest peak, MB; transient = "
+            "peak - persistent; the parts are those alive at that moment, see benchmarks/transient.py):", "",
+            *lines, ""]
+
+
+def table(rows: dict) -> list[str]:
+    """The breakdown table of one regime's variants (``summary[regime]["variants"]``): one row per variant with a
+    ``transient_memory``, MiB; the full buffers name their units, the full gradients their ratio to the bound."""
     have = {v: r["transient_memory"] for v, r in rows.items() if r.get("transient_memory")}
     if not have:
         return []
-    lines = ["Transient memory at the peak (live tensor bytes of the rank with the largest peak, MB; transient = "
-             "peak - persistent; the parts are those alive at that moment, see benchmarks/transient.py):", "",
-             "| variant | persistent | peak live | transient | vs DeepSpeed | "
+    lines = ["| variant | persistent | peak live | transient | vs DeepSpeed | "
              + " | ".join(LABELS[p] for p in PARTS) + " |", "|" + "---|" * (5 + len(PARTS))]
     for v, t in have.items():
         ratio = t.get("vs_deepspeed")
@@ -86,4 +95,4 @@ def markdown(rows: dict) -> list[str]:
                 cell += f"; {t['grads_vs_bound']:.2f} x bound"
             cells.append(cell)
         lines.append("| " + " | ".join(cells) + " |")
-    return lines + [""]
+    return lines
