@@ -202,6 +202,7 @@ def _peak_live(b, batch) -> dict:
     def on_phase(part: str) -> None:
         tracker.phase = part
 
+    gc.collect()  # garbage in reference cycles would otherwise die at a moment the step does not set
     with tracker:
         tracker.reset_peak()
         step(b, *batch, on_phase=on_phase)

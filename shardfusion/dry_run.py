@@ -33,6 +33,7 @@ FSDP2's memory estimators. The figures, the kinds and the report are ours.
 from __future__ import annotations
 
 import contextlib
+import gc
 import resource
 import time
 import warnings
@@ -436,6 +437,7 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
         t = time.perf_counter()
         largest_unit = max((sum(g.full.numel() * g.full.element_size() for g in u.groups if g.full is not g.shard)
                             for m in models for u in get_units(m)), default=0)
+        gc.collect()  # what the build left in reference cycles would otherwise die at a moment the step does not set
         tracker.reset_peak()
         activations = 0
         if not step_runs_backward:
