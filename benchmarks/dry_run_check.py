@@ -18,7 +18,8 @@ range, the full gradient buffers and the peak: whether the measured one lies in 
 The cases `bench-comm`, `bench-compute` and `bench-comm-hsdp` are `benchmarks/compare.py`'s models and batches
 (its regimes `comm` and `compute`, FSDP over the 4 ranks, and HSDP 2 x 2). For them the transient memory (the live
 bytes beyond the parameters, gradients and optimizer state at its peak) is also checked against the one the
-benchmark measured (`--against`, a stored result of compare.py; its `shardfusion` row): `transient (benchmark)`.
+benchmark measured (`--against`, a stored result of compare.py; its `shardfusion` row): `memory transient vs the
+benchmark`.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ def run_case(case: str, ranks_per_node: int, against: Path | None = None) -> dic
         bench = _benchmark_transient(case, against or AGAINST.get(topo_kwargs.get("fsdp_outer_degree", 1),
                                                                   Path("-")))
         if bench is not None:  # the benchmark's own measurement (a steady step of compare.py's shardfusion variant)
-            rows.append({"figure": f"{kind}memory transient (benchmark: {bench['source']})",
+            rows.append({"figure": f"{kind}memory transient vs the benchmark", "source": bench["source"],
                          "dry": d.memory["transient"], "measured": bench["bytes"]})
     for row in rows:
         m = row["measured"]
@@ -245,7 +246,8 @@ def markdown(result: dict) -> str:
             if r.get("bound") is not None:  # a range: both ends, and both ends over the measured figure
                 dry += f" .. {fmt(r['bound'])}"
                 ratio = f"{r['ratio']:.2f} .. {r['bound'] / r['measured']:.2f}" if r["measured"] else "-"
-            lines.append(f"| {r['figure']} | {dry} | {fmt(r['measured'])} | {ratio} | "
+            figure = r["figure"] + (f" ({r['source']})" if r.get("source") else "")
+            lines.append(f"| {figure} | {dry} | {fmt(r['measured'])} | {ratio} | "
                          f"{'yes' if r['within'] else '**no**'} |")
         lines.append("")
     return "\n".join(lines)
