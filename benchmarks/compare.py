@@ -8,9 +8,11 @@ It starts its own workers (torch's elastic launcher API, `benchmarks/spawn.py`; 
 worker). For every regime, each repeat runs every variant in turn (the order rotates by one each repeat), each on a
 fresh model under the same seed: W warm-up steps, a barrier, N timed steps. A step's time is the slowest rank's; the
 reported time is the median over all timed steps of all repeats. After its first repeat's timed steps each variant
-runs three untimed, instrumented steps: one under a dispatch mode that records every collective and samples the
-alive full buffers at every op, one that measures the persistent tensors after `optimizer.step()`, and on CUDA one
-between `reset_peak_memory_stats` and `max_memory_allocated`. Results: `<out-dir>/<name>.json` (raw and summary) and
+runs untimed, instrumented steps: one under a dispatch mode that records every collective and samples the
+alive full buffers at every op, one that measures the persistent tensors after `optimizer.step()`, one under
+`shardfusion.live_memory.LiveMemory` that finds the peak live tensor bytes and what they were at that moment (by
+part and unit: `benchmarks/transient.py`), and on CUDA one between `reset_peak_memory_stats` and
+`max_memory_allocated`. Results: `<out-dir>/<name>.json` (raw and summary) and
 `<name>.md`; see benchmarks/README.md for how to read them.
 """
 
@@ -129,7 +131,8 @@ def _gather_max(d: dict) -> dict:
 
 
 def _instrument(b, batch, device: torch.device, want_cross_check: bool) -> dict:
-    """Three untimed steps (see the module doc): collectives and transient peaks, persistent bytes, CUDA peak."""
+    """Untimed steps (see the module doc): collectives and transient peaks, persistent bytes, the peak live bytes
+    and their parts (``_peak_live``, from the rank with the largest peak), the CUDA peak."""
     import shardfusion as sf
     from benchmarks.measure import CollectiveRecorder
     from benchmarks.variants import persistent, step

@@ -30,7 +30,8 @@ Persistent memory per rank: (4 parameter + 4 gradient + 8 AdamW) bytes * P / I f
 * P / W for `deepspeed` and `ds-hpz`).
 Transient full buffers of a sharded variant: the root's plus (1 + prefetch depth) blocks' at a time (with blocks
 resharded after backward instead, all blocks' parameters may be gathered at once: the bound is the whole model; the
-gradient bound stays (1 + depth) blocks).
+gradient bound stays (1 + depth) blocks; shardfusion's gradient buffers stay within the root's and one block's,
+docs/benchmarks.md). The transient memory (peak live - persistent) and the parts of the peak: benchmarks/transient.py.
 """
 
 from __future__ import annotations

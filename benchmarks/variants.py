@@ -529,9 +529,10 @@ def memory_watch(b: Built) -> Callable[[], dict[str, dict]]:
     ``full_grads`` the gathered parameters and full-size gradients of each unit, labelled by unit: ``""`` the root,
     ``blocks.<i>`` a block), for :class:`shardfusion.live_memory.LiveMemory`. shardfusion's and DDP's come from
     ``shardfusion.live_memory.model_storages`` (DDP's gradients are its buckets); FSDP2's and DeepSpeed's are read
-    from their internals as :func:`library_tensors` and :func:`_deepspeed_groups` read them (best effort).
-    Collective buffers that are none of these (FSDP2's reduce-scatter input, a copy of the gradients) count as
-    ``comm_buffers`` (see ``LiveMemory``)."""
+    from their internals as :func:`library_tensors` and :func:`_deepspeed_groups` read them (best effort;
+    DeepSpeed's reduce bucket, where its module gradients are copied to be reduced, is in ``full_grads`` as the
+    unit ``"reduce bucket"``). Collective buffers that are none of these (FSDP2's reduce-scatter input, a copy of
+    the gradients) count as ``comm_buffers`` (see ``LiveMemory``)."""
     from shardfusion.live_memory import model_storages
 
     if b.name in ("shardfusion", "ddp"):
