@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import resource
 import time
 import warnings
@@ -56,7 +57,7 @@ from shardfusion.plan import _size
 from shardfusion.plan import plan as plan_outer
 from shardfusion.plan import unit_sizes
 from shardfusion.probe import Bandwidth, _check_int, check_bandwidth
-from shardfusion.dry_run_report import _layout_notes, _verdict, link_terms
+from shardfusion.dry_run_report import _layout_notes, _peak_line, _verdict, link_terms
 from shardfusion.topology import Degrees, Topology
 
 __all__ = ["DEFAULT_BANDWIDTH", "DryRun", "RankFigures", "check_world_fits", "dry_run", "kinds_of", "link_terms",
@@ -119,15 +120,20 @@ class RankFigures:
         memory: after the step, before ``zero_grad``: ``params`` (this rank's shards), ``grads`` (sharded
             gradients), ``optimizer`` (state), and the step's peaks: ``full_params`` / ``full_grads`` (largest total
             of gathered parameter / full gradient buffers alive at once), ``activations`` (live bytes outside the
-            parameters, gradients, optimizer state and full buffers at the end of a forward, minus those before it:
-            what backward keeps; for a step that runs its own backwards, a pipeline schedule's, the peak of
-            ``other``), ``other_peak`` (largest live bytes outside
+            parameters, gradients, optimizer state and full buffers that the forward made and kept: what backward
+            keeps; for a step that runs its own backwards, a pipeline schedule's, the peak of its activations and
+            temporaries), ``other_peak`` (largest live bytes outside
             the parameters, gradients, optimizer state and full buffers: activations and temporaries), ``peak`` (the
-            largest live total), ``largest_full_unit`` (the largest unit's gathered parameters). These with every
-            collective complete as soon as issued (communication keeps up); with ``dry_run(bounds=True)`` also
-            ``full_grads_slow``, ``other_peak_slow``, ``peak_slow``: with none complete before it is waited for (a
-            unit's full gradient buffer then lives to the end of the backward). A real run lies about between; the
-            two are not a strict order (a gradient finished early also allocates its sharded sum early).
+            largest live total), ``transient`` (the largest live bytes outside the parameters, gradients and
+            optimizer state: what a step needs beyond what it keeps, so a later step, which holds the optimizer
+            state from its start, peaks at ``params + grads + optimizer + transient``; :attr:`transient_peak` says
+            what it is made of), ``largest_full_unit``
+            (the largest unit's gathered parameters). These with every collective complete as soon as issued
+            (communication keeps up); with ``dry_run(bounds=True)`` also ``full_grads_slow``, ``other_peak_slow``,
+            ``peak_slow``, ``transient_slow``: with none complete before it is waited for. A sharded model frees
+            its buffers at points fixed by the program ([Note: one gradient reduction at a time] in
+            ``shardfusion/_runtime/scheduler.py``), so the two ends agree and a real run measures the same figures;
+            they differ only where a step's own code frees on a collective's completion.
         collectives: one row per (op, group label, group size): ``count``, ``bytes`` (logical), ``wire_bytes`` (sent
             by this rank), ``within_bytes`` / ``across_bytes`` (of the wire bytes, to the same node / other nodes).
         categories: :meth:`CommCounter.summary` (per accounting category).
@@ -142,12 +148,16 @@ class RankFigures:
     categories: dict
     seconds: dict
     peak_parts: dict = field(default_factory=dict)
-    """The live bytes at ``memory["peak"]`` by part (``params``, ``grads``, ``optimizer``, ``full_params``,
-    ``full_grads``, ``other``: activations and temporaries); with ``bounds`` also ``peak_parts_slow``'s, under the
-    key ``"slow"``."""
+    """The live bytes at ``memory["peak"]`` by part (``shardfusion.live_memory.PARTS``: ``params``, ``grads``,
+    ``optimizer``, ``full_params``, ``full_grads``, ``activations``, ``comm_buffers``, ``optimizer_step``,
+    ``other``); with ``bounds`` also those of ``peak_slow``, under the key ``"slow"``."""
     reshard: list = field(default_factory=list)
     """Under ``reshard_policy="auto"``: per sharded model of the rank (a pipeline rank's stages), the choice's record
     (``ReshardChoice.as_dict()``: the units kept gathered, the budget, the estimate); empty otherwise."""
+    transient_peak: dict = field(default_factory=dict)
+    """At the moment of ``memory["transient"]``: ``parts`` (bytes by part, as :attr:`peak_parts`) and ``units`` (per
+    part ``full_params`` / ``full_grads``, the bytes of each unit then alive: ``{part: {unit name: bytes}}``, the
+    root unit ``""``)."""
 
     def reshard_verdict(self) -> list[str]:
         """Under ``reshard_policy="auto"``: the choice, then its budget's verdict on this rank's measured step: the
@@ -245,6 +255,7 @@ class DryRun:
             persistent = m["params"] + m["grads"] + m["optimizer"]
             out.append(f"  persistent (params + grads + optimizer) {_size(persistent)}; largest unit gathered "
                        f"{_size(m['largest_full_unit'])}")
+            out.append("  " + _peak_line(r))
             if "staging" in m:
                 out.append(f"  async save: staging copy {_size(m['staging'])} of host memory per rank (pinned on "
                            f"CUDA), {_size(m['staging'] * self.ranks_per_node)} for a node of {self.ranks_per_node} "
@@ -421,7 +432,7 @@ def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_k
         fig = runs[0]
         if bounds:  # the same collectives; the buffers that wait for them live longer
             slow = runs[1]
-            for part in ("full_grads", "other_peak", "peak"):
+            for part in ("full_grads", "other_peak", "peak", "transient"):
                 fig.memory[f"{part}_slow"] = slow.memory[part]
             fig.peak_parts["slow"] = slow.peak_parts
             fig.seconds["step_slow"] = slow.seconds["step"]
@@ -470,6 +481,7 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
         t = time.perf_counter()
         largest_unit = max((sum(g.full.numel() * g.full.element_size() for g in u.groups if g.full is not g.shard)
                             for m in models for u in get_units(m)), default=0)
+        gc.collect()  # what the build left in reference cycles would otherwise die at a moment the step does not set
         tracker.reset_peak()
         activations = 0
         if not step_runs_backward:
@@ -480,38 +492,45 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
                 set_is_last_backward(m, False)
         with comm.CommCounter(ranks_per_node) as counter, p2p, (step_context or contextlib.nullcontext)():
             for _ in range(micro_batches):
-                before = tracker.sample().parts["other"]
+                if not step_runs_backward:
+                    tracker.phase = "activations"  # what the forward makes ([Note: live tensor bytes])
+                before = tracker.sample().parts["activations"]
                 loss = step(model, topo)
+                tracker.phase = "other"
                 if step_runs_backward:  # a pipeline schedule: its peak of activations and temporaries stands for them
                     if loss is not None:
                         raise ValueError("step_runs_backward=True: step must run the backward itself and return None, "
                                          f"got {type(loss).__name__}")
-                    activations = max(activations, tracker.part_peaks["other"])
+                    activations = max(activations, tracker.unwatched_peak)
                     continue
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                     what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)
                     raise ValueError(f"step(model, topo) must return the micro-batch's loss, a 0-dim tensor, got {what}"
                                      " (a step that runs its own backward, e.g. a pipeline schedule's: pass "
                                      "step_runs_backward=True and return None)")
-                # what backward keeps: the live bytes outside parameters, optimizer state and full buffers (a unit
-                # kept gathered from forward to backward, e.g. the root, is in full_params, not here)
-                activations = max(activations, tracker.sample().parts["other"] - before)
+                # what backward keeps: the live bytes the forward made (a unit kept gathered from forward to
+                # backward, e.g. the root, is in full_params, not here)
+                activations = max(activations, tracker.sample().parts["activations"] - before)
                 loss.backward()
+            tracker.phase = "optimizer_step"
             if max_norm is not None:
                 clip_grad_norm_(model, max_norm)
             opt.step()
+            tracker.phase = "other"
             after = tracker.sample()
             opt.zero_grad(set_to_none=True)
         seconds["step"] = time.perf_counter() - t
     memory = {p: after.parts[p] for p in ("params", "grads", "optimizer")}
     memory.update(full_params=tracker.part_peaks["full_params"], full_grads=tracker.part_peaks["full_grads"],
-                  activations=activations, other_peak=tracker.part_peaks["other"], peak=tracker.peak.total,
-                  largest_full_unit=largest_unit)
+                  activations=activations, other_peak=tracker.unwatched_peak, peak=tracker.peak.total,
+                  transient=tracker.transient_peak.transient, largest_full_unit=largest_unit)
     if async_save:
         memory["staging"] = staging_bytes(model, opt)
     choices = [c.as_dict() for m in models if (c := reshard_choice(m)) is not None]
+    at = tracker.transient_peak
     return RankFigures(topo.rank, coords, kind, memory, _collectives(counter, ranks_per_node) + p2p.rows(),
-                       counter.summary(ranks_per_node), seconds, dict(tracker.peak.parts), choices)
+                       counter.summary(ranks_per_node), seconds, dict(tracker.peak.parts), choices,
+                       transient_peak={"parts": dict(at.parts), "units": at.units})
 
 
 class _SendRecorder(TorchDispatchMode):

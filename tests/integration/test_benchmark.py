@@ -63,6 +63,14 @@ def test_compare_smoke(tmp_path):
     assert data["regimes"]["tiny"]["variants"]["shardfusion"]["cross_check"]["agree"]
     first = {name: rows[name]["loss_first_last"][0] for name in rows}
     assert max(first.values()) - min(first.values()) < 1e-4, first  # same model, same data
+    assert "Transient memory at the peak" in md
+    for name in rows:  # the breakdown of the peak adds up to it; the transient is what is not kept across steps
+        t = rows[name]["transient_memory"]
+        assert sum(t["parts"].values()) == t["peak"] and t["transient"] == t["peak"] - t["persistent"] > 0, (name, t)
+        assert t["parts"]["activations"] > 0, (name, t)
+    sf = rows["shardfusion"]["transient_memory"]
+    assert set(sf["units"]["full_params"]) >= {""}, sf  # the root unit stays gathered from forward to backward
+    assert 0 < sf["grads_vs_bound"] <= 1.01, sf  # one gradient reduction at a time: within the bound
 
 
 @pytest.mark.timeout(240)
