@@ -139,7 +139,7 @@ def _measure(b, batch) -> dict:
     else:
         step(b, *batch, after_optimizer=lambda: pers.update(persistent(b)))
     out["persistent_bytes"] = _gather_max({"total": pers["total"]})["total"]
-    out["peak_live_bytes"] = _gather_max(_peak_live(b, batch))["peak_bytes"]
+    out["peak_live_bytes"] = _gather_max({"peak_bytes": _peak_live(b, batch)["peak_bytes"]})["peak_bytes"]
     return out
 
 
