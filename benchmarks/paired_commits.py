@@ -4,6 +4,7 @@
     python -m benchmarks.paired_commits --against d677f4a --rounds 8 --name step-regress-X   # stored in results/
     python -m benchmarks.paired_commits --against d677f4a --candidate HEAD --also 418581b fec47b1   # bisect
     python -m benchmarks.paired_commits --against /tmp/old --candidate /tmp/new --cpus 0,1   # folders, 2 CPUs
+    python -m benchmarks.paired_commits --against benchmarks/results/X.json   # its markdown again, from the JSON
 
 Each tree is a git revision, checked out into a temporary ``git worktree`` (removed afterwards), or a folder holding
 a ``shardfusion`` package (used as it is; for a machine without the repository); the candidate is by default this
@@ -210,10 +211,11 @@ def markdown(result: dict) -> str:
              "; ".join(f"`{n}` = {t['source']} ({(t['commit'] or 'no git')[:10]}"
                        f"{', with uncommitted changes' if t.get('dirty') else ''})" for n, t in o["trees"].items()) +
              ".", "", f"Command: `{env.get('command', '')}`", "",
-             "| round | load | " + " | ".join(f"{n} s (ratio)" for n in names) + " |",
+             "| round | load | " + " | ".join(f"{n}: s (ratio; CPU ratio)" for n in names) + " |",
              "|---|---|" + "---|" * len(names)]
     for r in result["rounds"]:
-        cells = [f"{r['trees'][n]['median_s']:.4f} ({r['trees'][n]['ratio']:.3f})" for n in names]
+        cells = [f"{r['trees'][n]['median_s']:.4f} ({r['trees'][n]['ratio']:.3f}; {r['trees'][n]['cpu_ratio']:.3f})"
+                 for n in names]
         lines.append(f"| {r['round']} {'>' if r['order'][0] == names[0] else '<'} | {r['load_before']} | "
                      + " | ".join(cells) + " |")
     lines += ["", "| tree | median round ratio | range | rounds slower | pooled ratio | CPU: median round ratio | "
@@ -315,6 +317,10 @@ def main(argv=None) -> int:
     p.add_argument("--name", default=None, help="store results/<name>.{json,md} (default: print only)")
     p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args(argv)
+    if args.against.endswith(".json"):  # --against RESULT.json: write its markdown again from the stored figures
+        result = json.loads(Path(args.against).read_text())
+        Path(args.against).with_suffix(".md").write_text(markdown(result))
+        return 0
     try:
         opts = opts_of(args)
     except ValueError as e:
