@@ -15,13 +15,15 @@ tree once, back to back: baseline, candidate, then the ``--also`` trees; the nex
 on, so that a drift of the machine's load hits all alike. ``--cpus`` pins the workers to those CPUs (e.g. ``0,1``:
 the 2-core machine the CPU benchmarks are quoted from, emulated on a larger idle one).
 
-Figures (results/<name>.json and .md, rewritten after every round, so an interrupted run keeps its rounds): per round
-and tree, the median step and the ratio to the baseline's median in the same round; overall, per tree, the median of
-its per-round ratios (the figure judged: each round's runs share the load of their minute), the ratio of the medians
-of all steps pooled, and the range of the round ratios; the same for the CPU seconds of a step summed over the ranks
-(``cpu``: the work, which a busy machine moves far less than the wall time). ``slower`` is flagged when the
-candidate's median round ratio exceeds ``1 + tolerance`` (default 0.03); `benchmarks/regress.py --against-commit`
-runs this.
+Figures (results/<name>.json, rewritten after every round, so an interrupted run keeps its rounds, and .md): per
+round and tree, the median step and the ratio to the baseline's median in the same round; overall, per tree, the
+median of its per-round ratios (each round's runs share the load of their minutes), the ratio of the medians of all
+steps pooled, and the range of the round ratios; the same for the CPU seconds of a step summed over the ranks
+(``cpu_*``: the work; with 4 ranks on 2 cores the step is bound by it, and a busy machine moves it far less than the
+wall time). ``slower`` is flagged when the candidate's median round ratio of CPU time (``--judge cpu``, default) or
+of wall time (``--judge wall``) exceeds ``1 + tolerance`` (default 0.03); `benchmarks/regress.py --against-commit`
+runs this. Calibration: ``--candidate-spin 0.05`` makes the candidate's steps 5 % longer in CPU time with a busy
+loop (docs/benchmarks.md, "Regression guard"); ``--quiet-wait`` starts each run once the other jobs are idle.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ from benchmarks.provenance import RunRecord, describe, git_commit, load_average,
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "step_worker.py"
 DEFAULT_TOLERANCE = 0.03
-"""The candidate's median round ratio above 1 + this is flagged ``slower`` (docs/benchmarks.md, "Regression guard":
-the spread of two identical trees' round ratios, measured)."""
+"""The candidate's median round ratio above 1 + this is flagged ``slower``: between the median CPU ratio of two
+identical trees and that of a 5 % slower one, as measured over 12 rounds (docs/benchmarks.md, "Regression guard")."""
 
 
 def _git(*args: str, cwd: Path = REPO) -> str:

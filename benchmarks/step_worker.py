@@ -11,7 +11,9 @@ on a GPT of `benchmarks/compare.py`'s regime shape built under seed 42, random t
 the slowest rank's (an all-reduce MAX of the per-step times after the run), its CPU time the sum over the ranks of
 each process's CPU seconds in it (``time.process_time``: every thread, gloo's included; the figure a busy machine
 moves least); rank 0 writes ``{"step_s": [...], "cpu_s": [...], "loss": [...], "shardfusion": <path of the imported
-package>}`` to ``--out``.
+package>}`` to ``--out``. ``--variant ddp`` times DDP's step instead, ``--spin F`` ends every step with a busy loop of
+F times its CPU seconds (a known slowdown, for calibrating the guard), ``--cprofile PATH`` profiles rank 0's timed
+steps.
 """
 
 from __future__ import annotations

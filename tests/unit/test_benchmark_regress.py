@@ -112,3 +112,21 @@ def test_paired_flag_errors_are_one_line() -> None:
             raise AssertionError(f"{flags} accepted")
         except ValueError as e:
             assert str(e) == message, e
+
+
+def test_regress_against_commit_runs_the_paired_mode(monkeypatch) -> None:
+    from benchmarks import regress
+
+    seen = {}
+
+    def fake_run(trees, opts, rounds, tolerance, name, out_dir, argv, command):
+        seen.update(trees=trees, opts=opts, rounds=rounds, tolerance=tolerance, name=name, command=command)
+        return {"summary": {"flag": "slower"}}
+
+    monkeypatch.setattr(paired_commits, "run", fake_run)
+    assert regress.main(["--against-commit", "d677f4a", "--rounds", "6", "--strict"]) == 1
+    assert seen["trees"] == {"baseline": "d677f4a", "candidate": None}  # None: the working tree
+    assert (seen["rounds"], seen["tolerance"], seen["name"]) == (6, 0.03, "regress-vs-d677f4a")
+    assert seen["opts"]["judge"] == "cpu" and seen["opts"]["regime"] == "comm"
+    assert seen["command"] == "python -m benchmarks.regress"
+    assert regress.main(["--against-commit", "d677f4a"]) == 0  # flagged, but not --strict
