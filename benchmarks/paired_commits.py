@@ -88,9 +88,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_once(tree: Path, opts: dict, nproc: int = 4, timeout: float = 600.0, spin: float = 0.0) -> dict:
+def run_once(tree: Path, opts: dict, nproc: int = 4, timeout: float = 600.0, spin: float = 0.0,
+             extra_env: Optional[dict] = None) -> dict:
     """One run of `step_worker.py` on ``tree``'s ``shardfusion`` in ``nproc`` fresh processes (pinned to
-    ``opts["cpus"]`` when given; each step lengthened by the fraction ``spin`` with a busy loop); rank 0's record.
+    ``opts["cpus"]`` when given; each step lengthened by the fraction ``spin`` with a busy loop; ``extra_env`` added
+    to their environment); rank 0's record.
 
     Raises:
         RuntimeError: a worker failed or ran past ``timeout`` seconds (its output is in the message).
@@ -106,7 +108,8 @@ def run_once(tree: Path, opts: dict, nproc: int = 4, timeout: float = 600.0, spi
         failed = []
         try:
             for rank in range(nproc):
-                env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "RANK": str(rank),
+                env = {**os.environ, **(extra_env or {}), "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1",
+                       "RANK": str(rank),
                        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)}
                 pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
@@ -164,7 +167,9 @@ def run_round(r: int, trees: dict[str, Path], opts: dict, log=print) -> dict:
         if opts.get("quiet_wait"):
             row.setdefault("waited_s", []).append(wait_quiet(opts.get("quiet_limit", 1), opts["quiet_wait"]))
         row.setdefault("runnable_before", []).append(runnable())
-        rec = run_once(trees[name], opts, spin=opts.get("candidate_spin", 0.0) if name == names[1] else 0.0)
+        candidate = name == names[1]
+        rec = run_once(trees[name], opts, spin=opts.get("candidate_spin", 0.0) if candidate else 0.0,
+                       extra_env=opts.get("candidate_env") if candidate else None)
         row["trees"][name] = {"step_s": rec["step_s"], "median_s": statistics.median(rec["step_s"]),
                               "cpu_s": rec["cpu_s"], "median_cpu_s": statistics.median(rec["cpu_s"]),
                               "loss_last": rec["loss"][-1]}
@@ -212,7 +217,10 @@ def markdown(result: dict) -> str:
              "rounds, the order reversed every round. Trees: " +
              "; ".join(f"`{n}` = {t['source']} ({(t['commit'] or 'no git')[:10]}"
                        f"{', with uncommitted changes' if t.get('dirty') else ''})" for n, t in o["trees"].items()) +
-             ".", "", f"Command: `{env.get('command', '')}`", "",
+             "." + (f" The candidate's workers ran with {o['candidate_env']}." if o.get("candidate_env") else "")
+             + (f" The candidate's steps were lengthened by a busy loop of {o['candidate_spin']:.0%} of their CPU "
+                "time (calibration)." if o.get("candidate_spin") else ""), "",
+             f"Command: `{env.get('command', '')}`", "",
              "| round | load | " + " | ".join(f"{n}: s (ratio; CPU ratio)" for n in names) + " |",
              "|---|---|" + "---|" * len(names)]
     for r in result["rounds"]:
@@ -282,6 +290,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="before each run wait, at most this long, until other jobs are idle (at most --quiet-limit "
                         "runnable threads in 3 s); 0: start at once")
     p.add_argument("--quiet-limit", type=int, default=1, help="runnable threads counted as idle (--quiet-wait)")
+    p.add_argument("--candidate-env", nargs="*", default=[], metavar="NAME=VALUE",
+                   help="environment variables of the candidate's workers only (e.g. an allocator setting)")
     p.add_argument("--candidate-spin", type=float, default=0.0,
                    help="calibration: lengthen each of the candidate's steps by this fraction (a busy loop)")
 
@@ -303,7 +313,11 @@ def opts_of(args: argparse.Namespace) -> dict:
             raise ValueError(f"--cpus takes CPU numbers separated by commas, got {args.cpus!r}") from None
         if not set(cpus) <= os.sched_getaffinity(0):
             raise ValueError(f"--cpus {args.cpus}: this process may run on CPUs {sorted(os.sched_getaffinity(0))}")
+    bad = [item for item in args.candidate_env if "=" not in item or not item.split("=", 1)[0]]
+    if bad:
+        raise ValueError(f"--candidate-env takes NAME=VALUE items, got {bad[0]!r}")
     return {**{k: getattr(args, k) for k in ("regime", "variant", "outer", "reshard", "warmup", "steps")},
+            "candidate_env": dict(item.split("=", 1) for item in args.candidate_env),
             "cpus": cpus, "reverse_first": args.reverse_first, "candidate_spin": args.candidate_spin,
             "quiet_wait": args.quiet_wait, "quiet_limit": args.quiet_limit, "judge": args.judge}
 

@@ -106,7 +106,8 @@ def test_paired_flag_errors_are_one_line() -> None:
     paired_commits.add_run_flags(p)
     for flags, message in ((["--rounds", "0"], "--rounds must be >= 1, got 0"),
                            (["--cpus", "0,x"], "--cpus takes CPU numbers separated by commas, got '0,x'"),
-                           (["--candidate-spin", "-1"], "--candidate-spin must be >= 0, got -1.0")):
+                           (["--candidate-spin", "-1"], "--candidate-spin must be >= 0, got -1.0"),
+                           (["--candidate-env", "X"], "--candidate-env takes NAME=VALUE items, got 'X'")):
         try:
             paired_commits.opts_of(p.parse_args(flags))
             raise AssertionError(f"{flags} accepted")
