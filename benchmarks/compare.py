@@ -8,9 +8,11 @@ It starts its own workers (torch's elastic launcher API, `benchmarks/spawn.py`; 
 worker). For every regime, each repeat runs every variant in turn (the order rotates by one each repeat), each on a
 fresh model under the same seed: W warm-up steps, a barrier, N timed steps. A step's time is the slowest rank's; the
 reported time is the median over all timed steps of all repeats. After its first repeat's timed steps each variant
-runs three untimed, instrumented steps: one under a dispatch mode that records every collective and samples the
-alive full buffers at every op, one that measures the persistent tensors after `optimizer.step()`, and on CUDA one
-between `reset_peak_memory_stats` and `max_memory_allocated`. Results: `<out-dir>/<name>.json` (raw and summary) and
+runs untimed, instrumented steps: one under a dispatch mode that records every collective and samples the
+alive full buffers at every op, one that measures the persistent tensors after `optimizer.step()`, one under
+`shardfusion.live_memory.LiveMemory` that finds the peak live tensor bytes and what they were at that moment (by
+part and unit: `benchmarks/transient.py`), and on CUDA one between `reset_peak_memory_stats` and
+`max_memory_allocated`. Results: `<out-dir>/<name>.json` (raw and summary) and
 `<name>.md`; see benchmarks/README.md for how to read them.
 """
 
@@ -129,7 +131,8 @@ def _gather_max(d: dict) -> dict:
 
 
 def _instrument(b, batch, device: torch.device, want_cross_check: bool) -> dict:
-    """Three untimed steps (see the module doc): collectives and transient peaks, persistent bytes, CUDA peak."""
+    """Untimed steps (see the module doc): collectives and transient peaks, persistent bytes, the peak live bytes
+    and their parts (``_peak_live``, from the rank with the largest peak), the CUDA peak."""
     import shardfusion as sf
     from benchmarks.measure import CollectiveRecorder
     from benchmarks.variants import persistent, step
@@ -164,7 +167,7 @@ def _instrument(b, batch, device: torch.device, want_cross_check: bool) -> dict:
     pers: dict = {}
     step(b, *batch, after_optimizer=lambda: pers.update(persistent(b)))
     mem: dict = {"persistent": _gather_max(pers), "transient": _gather_max(peaks) if peaks else {},
-                 "live": _gather_max(_peak_live(b, batch))}
+                 "live": _gather_at_max(_peak_live(b, batch), "peak_bytes")}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
@@ -178,29 +181,46 @@ def _instrument(b, batch, device: torch.device, want_cross_check: bool) -> dict:
 
 def _peak_live(b, batch) -> dict:
     """One untimed step under ``shardfusion.live_memory.LiveMemory``: the largest live tensor bytes of this rank
-    (``peak_bytes``), the same instrument for every variant. Registered before the step: the parameters, gradients
-    and optimizer state (each variant's ``persistent`` tensors) and the library's own buffers
-    (``variants.library_tensors``, read again at every op: shardfusion's and FSDP2's full buffers are resized in
-    place); during it, every tensor an op returns. What it cannot see: tensors made off this thread or inside a
-    library's C++ code without an op (DDP's buckets are its gradients, seen), and the allocator's slack."""
-    from shardfusion.live_memory import LiveMemory, _storages
-    from benchmarks.variants import library_tensors, persistent_tensors, step
+    (``peak_bytes``) and what they were at that moment (``parts``, ``units``), the same instrument for every variant.
+    Registered before the step: the parameters, gradients and optimizer state (each variant's ``persistent``
+    tensors) and the library's own buffers (``variants.library_tensors``); during it, every tensor an op returns.
+    The parts: those of ``variants.memory_watch`` (read again at every op: shardfusion's and FSDP2's full buffers are
+    resized in place), then the rest by origin: the buffers of collectives, what the forward made (activations),
+    what the clipping and optimizer step made, the rest of backward (``other``); ``units``: per part
+    ``full_params`` / ``full_grads``, the bytes of each unit alive at the peak. What it cannot see: tensors made off
+    this thread or inside a library's C++ code without an op (DDP's buckets are its gradients, seen), and the
+    allocator's slack."""
+    from shardfusion.live_memory import LiveMemory
+    from benchmarks.variants import library_tensors, memory_watch, persistent_tensors, step
 
     import shardfusion as sf
 
-    known = persistent_tensors(b)
-    tracker = LiveMemory(lambda: {"full_params": _storages(library_tensors(b) + known())})
-    tracker.add(known())
+    tracker = LiveMemory(memory_watch(b))
+    tracker.add(persistent_tensors(b)() + library_tensors(b))
     state = getattr(b.model, "_sf_state", None)  # as for the recorder: the replicate all-reduces on this thread
     saved = None if state is None else state.is_last_backward
     if state is not None:
         sf.set_is_last_backward(b.model, False)
+
+    def on_phase(part: str) -> None:
+        tracker.phase = part
+
+    gc.collect()  # garbage in reference cycles would otherwise die at a moment the step does not set
     with tracker:
         tracker.reset_peak()
-        step(b, *batch)
+        step(b, *batch, on_phase=on_phase)
     if state is not None:
         sf.set_is_last_backward(b.model, saved)
-    return {"peak_bytes": tracker.peak.total}
+    peak = tracker.peak
+    return {"peak_bytes": peak.total, "parts": dict(peak.parts), "units": peak.units}
+
+
+def _gather_at_max(d: dict, key: str) -> dict:
+    """The dict of the rank whose ``d[key]`` is the largest (all_gather_object), with ``rank`` added."""
+    got: list = [None] * dist.get_world_size()
+    dist.all_gather_object(got, d)
+    rank = max(range(len(got)), key=lambda r: got[r][key])
+    return {**got[rank], "rank": rank}
 
 
 def _run_regime(name: str, regime: Regime, variants: list[str], opts: dict, ctx) -> dict:

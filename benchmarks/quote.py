@@ -250,8 +250,17 @@ def table_link_goal(data: Any, rate: str = "200mbit", goal: str = "1.15") -> lis
     return lines
 
 
+def table_transient(data: Any, regime: str = "comm") -> list[str]:
+    """A `benchmarks/compare.py` result: each variant's transient memory and the parts of its peak
+    (`benchmarks/transient.py`)."""
+    from benchmarks import transient
+
+    return transient.table(lookup(data, f"summary.{regime}.variants"))
+
+
 TABLES: dict[str, Callable[..., list[str]]] = {"rows": table_rows, "compare-speed": table_compare_speed,
-                                               "link-rate": table_link_rate, "link-goal": table_link_goal}
+                                               "link-rate": table_link_rate, "link-goal": table_link_goal,
+                                               "transient": table_transient}
 """Renderers of ``<!-- quote FILE TABLE ... -->`` blocks: ``f(result json, **options) -> lines``."""
 
 

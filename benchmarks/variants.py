@@ -39,7 +39,7 @@ import torch.nn as nn
 import shardfusion as sf
 from shardfusion.models.gpt import GPT, Block, GPTConfig
 
-from benchmarks.measure import optimizer_state_tensors, persistent_bytes
+from benchmarks.measure import local_tensor, optimizer_state_tensors, persistent_bytes
 
 VARIANTS = ("shardfusion", "fsdp2", "ddp")
 """The variants run by default (torch only)."""
@@ -367,34 +367,50 @@ def _deepspeed_groups(module: nn.Module, zopt) -> dict[str, list]:
     (``ds_tensor``, views of its flat partition buffers) and secondary (hpZ) partitions; ``optimizer`` the fp32
     master partitions (in fp32 the same storage as the parameter partitions, then counted once) and AdamW's state;
     ``grads`` the flat gradient-partition buffer; ``library`` the gathered data of parameters still full (none
-    after the step) and the reduce bucket."""
+    after the step). The reduce bucket (:func:`_deepspeed_buckets`), which DeepSpeed keeps allocated between
+    steps, is a buffer of the backward's reductions: counted in the transient memory, as shardfusion's full
+    gradient buffers are (benchmarks/transient.py)."""
     params = list(module.parameters())
     opt_state = [v for st in zopt.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     library = [p.data for p in params]
-    library += [v for k, v in vars(zopt).items() if k.endswith("ipg_bucket_flat_buffer") and
-                isinstance(v, torch.Tensor)]
     return {"params": [p.ds_tensor for p in params] + [getattr(p, "ds_secondary_tensor", None) for p in params],
             "optimizer": list(zopt.fp32_partitioned_groups_flat) + opt_state,
             "grads": [zopt.grad_partitions_flat_buffer],
             "library": library}
 
 
-def step(b: Built, x: torch.Tensor, y: torch.Tensor, after_optimizer: Optional[Callable[[], None]] = None):
+def _deepspeed_buckets(zopt) -> list[torch.Tensor]:
+    """DeepSpeed ZeRO-3's reduce buckets (0.19: ``ipg_buckets[dtype].buffer``; allocated at the first backward)."""
+    buckets = getattr(zopt, "ipg_buckets", {})
+    return [t for t in (getattr(bk, "buffer", None) for bk in buckets.values()) if isinstance(t, torch.Tensor)]
+
+
+def step(b: Built, x: torch.Tensor, y: torch.Tensor, after_optimizer: Optional[Callable[[], None]] = None,
+         on_phase: Optional[Callable[[str], None]] = None):
     """One training step on token ids ``x``, ``y`` (B, T) int64; returns the loss (a 0-dim fp32 tensor, not
     synchronized). ``after_optimizer`` runs between ``optimizer.step()`` and ``zero_grad`` (when every persistent
     tensor, gradients included, is alive); for an engine with its own step (DeepSpeed) after ``engine.step()``,
-    whose gradient partitions are kept allocated across steps."""
+    whose gradient partitions are kept allocated across steps. ``on_phase(part)`` is told where the step is (the
+    phases of ``shardfusion.live_memory.LiveMemory``): ``activations`` before the forward, ``other`` before the
+    backward and after the step, ``optimizer_step`` before the clipping and the optimizer step."""
+    phase = on_phase or (lambda part: None)
+    phase("activations")
     with b.autocast():
         _, loss = b.model(x, y)
+    phase("other")
     if b.optimizer_step is not None:
         b.backward(loss)
+        phase("optimizer_step")
         b.optimizer_step()
+        phase("other")
         if after_optimizer is not None:
             after_optimizer()
         return loss.detach()
     loss.backward()
+    phase("optimizer_step")
     b.clip()
     b.optimizer.step()
+    phase("other")
     if after_optimizer is not None:
         after_optimizer()
     b.optimizer.zero_grad(set_to_none=True)
@@ -436,13 +452,16 @@ _FSDP2_PARAM_ATTRS = ("_sharded_param_data", "_sharded_post_forward_param_data",
 def library_tensors(b: Built) -> list[torch.Tensor]:
     """The wrapping library's own tensors besides the parameters: shardfusion's flat buffers (shards, full buffers,
     gradient buffers), FSDP2's padded shards, unsharded parameters and their gradients, all-gather outputs and
-    reduce-scatter inputs; none for DDP. A resharded full buffer has a storage of 0 bytes."""
+    reduce-scatter inputs; DeepSpeed's reduce buckets; none for DDP. A resharded full buffer has a storage of 0
+    bytes."""
     out: list = []
     if b.name == "shardfusion":
         from shardfusion._runtime.state import flat_buffers
 
         for fb in flat_buffers(b.model):
             out += [getattr(fb, a, None) for a in _SF_BUFFER_ATTRS]
+    elif b.name in DEEPSPEED_VARIANTS:
+        out += _deepspeed_buckets(b.optimizer)
     elif b.name == "fsdp2":
         for _, pg in _fsdp2_groups(b.model):
             out.append(getattr(getattr(pg, "_all_gather_result", None), "all_gather_output", None))
@@ -475,3 +494,93 @@ def _storage_bytes(b: Built, library: Optional[list[torch.Tensor]] = None) -> di
     out = persistent_bytes(groups)
     out["total"] = sum(out.values())
     return out
+
+
+# ---- live memory by part (benchmarks/compare.py's breakdown of the peak) ------------------------------------------
+class _Watch:
+    """A ``shardfusion.live_memory.LiveMemory`` watch over tensors listed by ``parts()`` (``{part: [tensor or
+    (unit name, tensor)]}``: a DTensor counts its local shard); ``labels`` maps the storages of labelled tensors to
+    their unit's name after each call."""
+
+    def __init__(self, parts: Callable[[], dict[str, list]]) -> None:
+        self._parts = parts
+        self.labels: dict[int, str] = {}
+
+    def __call__(self) -> dict[str, dict]:
+        from shardfusion.live_memory import _storages
+
+        out, self.labels = {}, {}
+        for part, items in self._parts().items():
+            found: dict = {}
+            for item in items:
+                name, t = item if isinstance(item, tuple) else (None, item)
+                if not isinstance(t, torch.Tensor):
+                    continue
+                for key, st in _storages([local_tensor(t)]).items():
+                    found[key] = st
+                    if name is not None:
+                        self.labels[key] = name
+            out[part] = found
+        return out
+
+
+def memory_watch(b: Built) -> Callable[[], dict[str, dict]]:
+    """The watched parts of variant ``b`` (``params``, ``grads``, ``optimizer`` kept across steps; ``full_params``,
+    ``full_grads`` the gathered parameters and full-size gradients of each unit, labelled by unit: ``""`` the root,
+    ``blocks.<i>`` a block), for :class:`shardfusion.live_memory.LiveMemory`. shardfusion's and DDP's come from
+    ``shardfusion.live_memory.model_storages`` (DDP's gradients are its buckets); FSDP2's and DeepSpeed's are read
+    from their internals as :func:`library_tensors` and :func:`_deepspeed_groups` read them (best effort;
+    DeepSpeed's reduce bucket, where its module gradients are copied to be reduced, is in ``full_grads`` as the
+    unit ``"reduce bucket"``). Collective buffers that are none of these (FSDP2's reduce-scatter input, a copy of
+    the gradients) count as ``comm_buffers`` (see ``LiveMemory``)."""
+    from shardfusion.live_memory import model_storages
+
+    if b.name in ("shardfusion", "ddp"):
+        return model_storages(b.model, b.optimizer)
+    if b.name == "fsdp2":
+        return _Watch(lambda: _fsdp2_parts(b))
+    if b.name in DEEPSPEED_VARIANTS:
+        return _Watch(lambda: _deepspeed_parts(b))
+    raise ValueError(f"unknown variant {b.name!r}")
+
+
+def _fsdp2_parts(b: Built) -> dict[str, list]:
+    params = list(b.model.parameters())
+    full, grads = [], []
+    for name, m in [("", b.model)] + [(f"blocks.{i}", blk) for i, blk in enumerate(b.model.blocks)]:
+        pg = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+        if pg is None:
+            continue
+        full.append((name, getattr(getattr(pg, "_all_gather_result", None), "all_gather_output", None)))
+        state = getattr(getattr(pg, "comm_ctx", None), "all_gather_state", None)
+        full.append((name, getattr(getattr(state, "all_gather_result", None), "all_gather_output", None)))
+        for fp in getattr(pg, "fsdp_params", []):
+            full += [(name, t) for t in getattr(fp, "all_gather_outputs", [])]
+            unsharded = getattr(fp, "_unsharded_param", None)
+            full.append((name, unsharded))
+            grads.append((name, getattr(unsharded, "grad", None)))
+            grads.append((name, getattr(fp, "unsharded_accumulated_grad", None)))
+    return {"params": params, "grads": [p.grad for p in params], "optimizer": optimizer_state_tensors(b.optimizer),
+            "full_params": full, "full_grads": grads}
+
+
+def _deepspeed_parts(b: Built) -> dict[str, list]:
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    groups = b.persistent_groups()
+    module = b.model.module
+    full, grads = [], []
+    for name, m in [("", None)] + [(f"blocks.{i}", blk) for i, blk in enumerate(module.blocks)]:
+        ps = list(m.parameters()) if m is not None else _deepspeed_root_params(module)
+        full += [(name, p.data) for p in ps
+                 if getattr(p, "ds_status", None) in (ZeroParamStatus.AVAILABLE, ZeroParamStatus.INFLIGHT)]
+        grads += [(name, p.grad) for p in ps]
+    # the reduce bucket: the full gradients' staging buffer (they are views of it until reduced), kept between steps
+    grads += [("reduce bucket", t) for t in _deepspeed_buckets(b.optimizer)]
+    return {"params": groups["params"], "grads": groups["grads"], "optimizer": groups["optimizer"],
+            "full_params": full, "full_grads": grads}
+
+
+def _deepspeed_root_params(module: nn.Module) -> list:
+    in_blocks = {id(p) for blk in module.blocks for p in blk.parameters()}
+    return [p for p in module.parameters() if id(p) not in in_blocks]

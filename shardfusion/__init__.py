@@ -35,6 +35,7 @@ from shardfusion.fully_shard import (
     fully_shard,
     get_units,
     no_sync,
+    reshard_choice,
     set_is_last_backward,
     set_requires_gradient_sync,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "no_sync",
     "owner_balance",
     "plan",
+    "reshard_choice",
     "set_is_last_backward",
     "set_requires_gradient_sync",
     "topology",

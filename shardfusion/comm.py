@@ -697,20 +697,32 @@ def _tensor_to_object(tensor: torch.Tensor, tensor_size, group=None) -> Any:
     return _unpickled(tensor.reshape(-1), int(tensor_size))
 
 
+_numpy_free = {"depth": 0, "original": None}  # torch_object_collectives_without_numpy: blocks open, torch's function
+_numpy_free_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def torch_object_collectives_without_numpy():
     """Inside the block, torch's object collectives (those ``torch.distributed.checkpoint`` issues in ``dcp.save``
     and ``dcp.load``, which shardfusion cannot replace) read their bytes back without numpy: torch's
     ``distributed_c10d._tensor_to_object``, whose ``tensor.numpy()`` is their only use of numpy, is replaced by
-    :func:`_tensor_to_object` for the block, then put back. A torch without that private function (another
-    release) is left as it is. Not thread-safe against another thread that replaces the same function."""
+    :func:`_tensor_to_object` while at least one block is open, then put back. Blocks may overlap across threads and
+    be left on another thread than the one that entered them (an asynchronous checkpoint save holds one from its
+    start to the end of its background write): the first to open replaces the function, the last to close puts it
+    back. A torch without that private function (another release) is left as it is."""
     c10d = dist.distributed_c10d
-    original = getattr(c10d, "_tensor_to_object", None)
-    if original is None:
+    if getattr(c10d, "_tensor_to_object", None) is None:
         yield
         return
-    c10d._tensor_to_object = _tensor_to_object
+    with _numpy_free_lock:
+        if _numpy_free["depth"] == 0:
+            _numpy_free["original"] = c10d._tensor_to_object
+            c10d._tensor_to_object = _tensor_to_object
+        _numpy_free["depth"] += 1
     try:
         yield
     finally:
-        c10d._tensor_to_object = original
+        with _numpy_free_lock:
+            _numpy_free["depth"] -= 1
+            if _numpy_free["depth"] == 0:
+                c10d._tensor_to_object = _numpy_free["original"]

@@ -33,6 +33,8 @@ FSDP2's memory estimators. The figures, the kinds and the report are ours.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import gc
 import resource
 import time
 import warnings
@@ -46,14 +48,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardfusion import accounting, comm
+from shardfusion.checkpoint import staging_bytes
 from shardfusion.clip import clip_grad_norm_
 from shardfusion.fully_shard import fully_shard as fully_shard_model
-from shardfusion.fully_shard import get_units, set_is_last_backward
+from shardfusion.fully_shard import get_units, reshard_choice, set_is_last_backward
 from shardfusion.live_memory import LiveMemory, model_storages
 from shardfusion.plan import _size
 from shardfusion.plan import plan as plan_outer
+from shardfusion.plan import unit_sizes
 from shardfusion.probe import Bandwidth, _check_int, check_bandwidth
-from shardfusion.dry_run_report import _layout_notes, _verdict, link_terms
+from shardfusion.dry_run_report import _layout_notes, _peak_line, _verdict, link_terms
 from shardfusion.topology import Degrees, Topology
 
 __all__ = ["DEFAULT_BANDWIDTH", "DryRun", "RankFigures", "check_world_fits", "dry_run", "kinds_of", "link_terms",
@@ -116,15 +120,20 @@ class RankFigures:
         memory: after the step, before ``zero_grad``: ``params`` (this rank's shards), ``grads`` (sharded
             gradients), ``optimizer`` (state), and the step's peaks: ``full_params`` / ``full_grads`` (largest total
             of gathered parameter / full gradient buffers alive at once), ``activations`` (live bytes outside the
-            parameters, gradients, optimizer state and full buffers at the end of a forward, minus those before it:
-            what backward keeps; for a step that runs its own backwards, a pipeline schedule's, the peak of
-            ``other``), ``other_peak`` (largest live bytes outside
+            parameters, gradients, optimizer state and full buffers that the forward made and kept: what backward
+            keeps; for a step that runs its own backwards, a pipeline schedule's, the peak of its activations and
+            temporaries), ``other_peak`` (largest live bytes outside
             the parameters, gradients, optimizer state and full buffers: activations and temporaries), ``peak`` (the
-            largest live total), ``largest_full_unit`` (the largest unit's gathered parameters). These with every
-            collective complete as soon as issued (communication keeps up); with ``dry_run(bounds=True)`` also
-            ``full_grads_slow``, ``other_peak_slow``, ``peak_slow``: with none complete before it is waited for (a
-            unit's full gradient buffer then lives to the end of the backward). A real run lies about between; the
-            two are not a strict order (a gradient finished early also allocates its sharded sum early).
+            largest live total), ``transient`` (the largest live bytes outside the parameters, gradients and
+            optimizer state: what a step needs beyond what it keeps, so a later step, which holds the optimizer
+            state from its start, peaks at ``params + grads + optimizer + transient``; :attr:`transient_peak` says
+            what it is made of), ``largest_full_unit``
+            (the largest unit's gathered parameters). These with every collective complete as soon as issued
+            (communication keeps up); with ``dry_run(bounds=True)`` also ``full_grads_slow``, ``other_peak_slow``,
+            ``peak_slow``, ``transient_slow``: with none complete before it is waited for. A sharded model frees
+            its buffers at points fixed by the program ([Note: one gradient reduction at a time] in
+            ``shardfusion/_runtime/scheduler.py``), so the two ends agree and a real run measures the same figures;
+            they differ only where a step's own code frees on a collective's completion.
         collectives: one row per (op, group label, group size): ``count``, ``bytes`` (logical), ``wire_bytes`` (sent
             by this rank), ``within_bytes`` / ``across_bytes`` (of the wire bytes, to the same node / other nodes).
         categories: :meth:`CommCounter.summary` (per accounting category).
@@ -139,9 +148,43 @@ class RankFigures:
     categories: dict
     seconds: dict
     peak_parts: dict = field(default_factory=dict)
-    """The live bytes at ``memory["peak"]`` by part (``params``, ``grads``, ``optimizer``, ``full_params``,
-    ``full_grads``, ``other``: activations and temporaries); with ``bounds`` also ``peak_parts_slow``'s, under the
-    key ``"slow"``."""
+    """The live bytes at ``memory["peak"]`` by part (``shardfusion.live_memory.PARTS``: ``params``, ``grads``,
+    ``optimizer``, ``full_params``, ``full_grads``, ``activations``, ``comm_buffers``, ``optimizer_step``,
+    ``other``); with ``bounds`` also those of ``peak_slow``, under the key ``"slow"``."""
+    reshard: list = field(default_factory=list)
+    """Under ``reshard_policy="auto"``: per sharded model of the rank (a pipeline rank's stages), the choice's record
+    (``ReshardChoice.as_dict()``: the units kept gathered, the budget, the estimate); empty otherwise."""
+    transient_peak: dict = field(default_factory=dict)
+    """At the moment of ``memory["transient"]``: ``parts`` (bytes by part, as :attr:`peak_parts`) and ``units`` (per
+    part ``full_params`` / ``full_grads``, the bytes of each unit then alive: ``{part: {unit name: bytes}}``, the
+    root unit ``""``)."""
+
+    def reshard_verdict(self) -> list[str]:
+        """Under ``reshard_policy="auto"``: the choice, then its budget's verdict on this rank's measured step: the
+        bytes the budget counts (``params + grads + optimizer`` after the step, plus the peaks of ``full_params``
+        and ``full_grads``: each part at its own peak, so at least their largest sum at once) against the budget
+        and against the choice's estimate; with ``bounds``, also at the slow end (``full_grads_slow``: every full
+        gradient buffer alive until its reduce-scatter is waited for, which the estimate's two do not bound).
+        Empty under another policy."""
+        if not self.reshard:
+            return []
+        m = self.memory
+        measured = m["params"] + m["grads"] + m["optimizer"] + m["full_params"] + m["full_grads"]
+        slow = measured - m["full_grads"] + m["full_grads_slow"] if "full_grads_slow" in m else None
+        def judge(need: int, budget: int) -> str:
+            return (f"fits, {_size(budget - need)} headroom" if need <= budget else
+                    f"does not fit by {_size(need - budget)}")
+
+        lines = []
+        for choice in self.reshard:
+            budget, estimate = choice["budget"], choice["memory_bytes"]
+            lines.append(f"reshard policy auto: {len(choice['kept'])} of {sum(choice['decided'])} units kept gathered "
+                         f"({', '.join(choice['kept']) or 'none'}); budget {_size(budget)} without activations: "
+                         f"estimate {_size(estimate)} ({judge(estimate, budget)}), measured {_size(measured)} "
+                         f"(params + grads + optimizer + peak full params + peak full grads): "
+                         f"{judge(measured, budget)}" + ("" if slow is None else
+                                                         f" (slow end {_size(slow)}: {judge(slow, budget)})"))
+        return lines
 
     def budget(self, max_memory_per_rank: int) -> dict:
         """This rank against a memory budget (bytes): ``fits`` (its ``peak`` does), ``headroom`` (budget - peak:
@@ -212,6 +255,11 @@ class DryRun:
             persistent = m["params"] + m["grads"] + m["optimizer"]
             out.append(f"  persistent (params + grads + optimizer) {_size(persistent)}; largest unit gathered "
                        f"{_size(m['largest_full_unit'])}")
+            out.append("  " + _peak_line(r))
+            if "staging" in m:
+                out.append(f"  async save: staging copy {_size(m['staging'])} of host memory per rank (pinned on "
+                           f"CUDA), {_size(m['staging'] * self.ranks_per_node)} for a node of {self.ranks_per_node} "
+                           f"such ranks, held from the first save on (each save reuses it); not in the peak above")
             out.append(f"  {'collective':<15} {'group':<44} {'size':>6} {'count':>6} {'MB':>11} {'within MB':>11} "
                        f"{'across MB':>11}")
             for c in r.collectives:
@@ -221,6 +269,7 @@ class DryRun:
             out.append(f"  per step: {r.wire_bytes / 1e6:.3f} MB sent, {r.across_bytes / 1e6:.3f} MB across nodes")
             if self.max_memory_per_rank is not None:
                 out.append("  " + _verdict(r.budget(self.max_memory_per_rank)))
+            out += [f"  {line}" for line in r.reshard_verdict()]
         if self.plan is not None:
             p = self.plan
             out.append(f"cost model ({self.bandwidth.describe()}): outer {p.outer} inner {p.inner}: within "
@@ -257,7 +306,8 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
             fully_shard: Optional[dict] = None, optimizer: Callable = None, micro_batches: int = 1,
             max_norm: Optional[float] = 1.0, ranks: Optional[Sequence[int]] = None, backend: str = "nccl",
             bandwidth: Optional[Bandwidth] = None, plan_model: bool = True, bounds: bool = True,
-            step_runs_backward: bool = False, max_memory_per_rank: Optional[int] = None) -> DryRun:
+            step_runs_backward: bool = False, max_memory_per_rank: Optional[int] = None,
+            async_save: bool = False) -> DryRun:
     """Play one optimizer step of a ``world_size``-rank job in this process and report, for each kind of rank, its
     memory and its collectives (see [Note: dry run]).
 
@@ -289,6 +339,8 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
         step_runs_backward: see ``step``.
         max_memory_per_rank: a memory budget per rank in bytes: the report judges each kind of rank's ``peak``
             (and ``peak_slow``) against it (:meth:`RankFigures.budget`). None (default): no verdict.
+        async_save: the job saves checkpoints asynchronously (``save_checkpoint(..., async_save=True)``): each kind
+            of rank also reports ``memory["staging"]``, the staging copy of a save (host memory, not in ``peak``).
 
     Returns:
         :class:`DryRun`.
@@ -335,14 +387,14 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
     try:
         for rank, kind in played:
             fig, layout = _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_kwargs,
-                                optimizer, micro_batches, max_norm, bounds, step_runs_backward)
+                                optimizer, micro_batches, max_norm, bounds, step_runs_backward, async_save)
             figures.append(fig)
     finally:
         comm._emulated_backend["fake"] = saved_backend
     candidate, plan_error = None, ""
     if plan_model:
         candidate, plan_error = _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batches,
-                                         backend, bandwidth)
+                                         backend, bandwidth, figures[0].reshard)
     notes = _layout_notes(degrees, ranks_per_node)
     if any(c["op"] == "all_to_all" and c["label"] == "ep" for f in figures for c in f.collectives):
         notes.append("MoE all-to-alls and expert activations assume an even router (1/E of the assignments each)")
@@ -354,7 +406,7 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
 
 
 def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_kwargs, optimizer, micro_batches,
-          max_norm, bounds, step_runs_backward) -> tuple[RankFigures, str]:
+          max_norm, bounds, step_runs_backward, async_save=False) -> tuple[RankFigures, str]:
     """One rank: fake group, topology, then :func:`measure_step` on fake tensors, with the collectives complete as
     soon as issued and, with ``bounds``, again with none complete before it is waited for."""
     t = time.perf_counter()
@@ -375,11 +427,12 @@ def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_k
                 warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
                 runs.append(measure_step(build, step, topo, ranks_per_node=ranks_per_node, fully_shard=fs_kwargs,
                                          optimizer=optimizer, micro_batches=micro_batches, max_norm=max_norm,
-                                         kind=kind, step_runs_backward=step_runs_backward))
+                                         kind=kind, step_runs_backward=step_runs_backward,
+                                         async_save=async_save))
         fig = runs[0]
         if bounds:  # the same collectives; the buffers that wait for them live longer
             slow = runs[1]
-            for part in ("full_grads", "other_peak", "peak"):
+            for part in ("full_grads", "other_peak", "peak", "transient"):
                 fig.memory[f"{part}_slow"] = slow.memory[part]
             fig.peak_parts["slow"] = slow.peak_parts
             fig.seconds["step_slow"] = slow.seconds["step"]
@@ -395,13 +448,16 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
                  optimizer: Optional[Callable] = None, micro_batches: int = 1, max_norm: Optional[float] = 1.0,
                  kind: str = "this rank", device: str = "cpu",
                  step_context: Optional[Callable[[], object]] = None,
-                 step_runs_backward: bool = False) -> RankFigures:
+                 step_runs_backward: bool = False, async_save: bool = False) -> RankFigures:
     """Build, shard and step a model on the process group that ``topo`` was made on, under
     :class:`~shardfusion.live_memory.LiveMemory` and a :class:`~shardfusion.comm.CommCounter`, and return this rank's
     figures. :func:`dry_run` calls it on fake tensors and a fake group; on a real group (every rank calls it, as any
     step) it measures the same figures, which is how a dry run is validated (``benchmarks/dry_run_check.py``).
     Arguments as in :func:`dry_run`; ``device``: where the wrap materializes the model; ``step_context``: a context
-    manager factory entered around the step only (e.g. another recorder of its collectives).
+    manager factory entered around the step only (e.g. another recorder of its collectives); ``async_save``: also
+    ``memory["staging"]``, the bytes of an asynchronous checkpoint save's staging copy after the step
+    (:func:`shardfusion.checkpoint.staging_bytes`: this rank's written fragments, their optimizer state, the
+    scalars and buffers; host memory, held from the first save on, so not part of ``peak``).
     """
     from shardfusion._runtime.state import is_sharded
 
@@ -425,6 +481,7 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
         t = time.perf_counter()
         largest_unit = max((sum(g.full.numel() * g.full.element_size() for g in u.groups if g.full is not g.shard)
                             for m in models for u in get_units(m)), default=0)
+        gc.collect()  # what the build left in reference cycles would otherwise die at a moment the step does not set
         tracker.reset_peak()
         activations = 0
         if not step_runs_backward:
@@ -435,35 +492,45 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
                 set_is_last_backward(m, False)
         with comm.CommCounter(ranks_per_node) as counter, p2p, (step_context or contextlib.nullcontext)():
             for _ in range(micro_batches):
-                before = tracker.sample().parts["other"]
+                if not step_runs_backward:
+                    tracker.phase = "activations"  # what the forward makes ([Note: live tensor bytes])
+                before = tracker.sample().parts["activations"]
                 loss = step(model, topo)
+                tracker.phase = "other"
                 if step_runs_backward:  # a pipeline schedule: its peak of activations and temporaries stands for them
                     if loss is not None:
                         raise ValueError("step_runs_backward=True: step must run the backward itself and return None, "
                                          f"got {type(loss).__name__}")
-                    activations = max(activations, tracker.part_peaks["other"])
+                    activations = max(activations, tracker.unwatched_peak)
                     continue
                 if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                     what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)
                     raise ValueError(f"step(model, topo) must return the micro-batch's loss, a 0-dim tensor, got {what}"
                                      " (a step that runs its own backward, e.g. a pipeline schedule's: pass "
                                      "step_runs_backward=True and return None)")
-                # what backward keeps: the live bytes outside parameters, optimizer state and full buffers (a unit
-                # kept gathered from forward to backward, e.g. the root, is in full_params, not here)
-                activations = max(activations, tracker.sample().parts["other"] - before)
+                # what backward keeps: the live bytes the forward made (a unit kept gathered from forward to
+                # backward, e.g. the root, is in full_params, not here)
+                activations = max(activations, tracker.sample().parts["activations"] - before)
                 loss.backward()
+            tracker.phase = "optimizer_step"
             if max_norm is not None:
                 clip_grad_norm_(model, max_norm)
             opt.step()
+            tracker.phase = "other"
             after = tracker.sample()
             opt.zero_grad(set_to_none=True)
         seconds["step"] = time.perf_counter() - t
     memory = {p: after.parts[p] for p in ("params", "grads", "optimizer")}
     memory.update(full_params=tracker.part_peaks["full_params"], full_grads=tracker.part_peaks["full_grads"],
-                  activations=activations, other_peak=tracker.part_peaks["other"], peak=tracker.peak.total,
-                  largest_full_unit=largest_unit)
+                  activations=activations, other_peak=tracker.unwatched_peak, peak=tracker.peak.total,
+                  transient=tracker.transient_peak.transient, largest_full_unit=largest_unit)
+    if async_save:
+        memory["staging"] = staging_bytes(model, opt)
+    choices = [c.as_dict() for m in models if (c := reshard_choice(m)) is not None]
+    at = tracker.transient_peak
     return RankFigures(topo.rank, coords, kind, memory, _collectives(counter, ranks_per_node) + p2p.rows(),
-                       counter.summary(ranks_per_node), seconds, dict(tracker.peak.parts))
+                       counter.summary(ranks_per_node), seconds, dict(tracker.peak.parts), choices,
+                       transient_peak={"parts": dict(at.parts), "units": at.units})
 
 
 class _SendRecorder(TorchDispatchMode):
@@ -510,11 +577,18 @@ def _collectives(counter, ranks_per_node: int) -> list[dict]:
     return sorted(rows.values(), key=lambda c: -c["wire_bytes"])
 
 
-def _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batches, backend, bandwidth):
-    """The cost model's candidate for this layout's outer degree, on a fresh meta model (None and why on failure)."""
+def _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batches, backend, bandwidth,
+             reshard=()):
+    """The cost model's candidate for this layout's outer degree, on a fresh meta model (None and why on failure).
+    Under ``reshard_policy="auto"`` the units keep the settings the played rank chose (``reshard``: its
+    ``RankFigures.reshard``)."""
     mp = fs_kwargs.get("mp_policy")
     kwargs = {k: fs_kwargs[k] for k in ("units", "comm_unit_size", "reshard_policy", "prefetch", "expert_policy",
                                         "whole_params") if k in fs_kwargs}
+    if kwargs.get("reshard_policy") == "auto":
+        if len(reshard) != 1:
+            return None, "reshard_policy='auto': the cost model covers one sharded model per rank"
+        kwargs["reshard_policy"] = "after_forward"  # the units it decides start resharded; the choice is set below
     if degrees.pp > 1 or degrees.mp > 1 or degrees.sep * degrees.cp > 1:
         return None, "the cost model covers pp, mp, sep and cp 1 only"
     dist.init_process_group("fake", rank=0, world_size=world_size)
@@ -523,9 +597,17 @@ def _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batche
                         fsdp_outer_degree=degrees.fsdp_outer_degree)
         with torch.device("meta"):
             model = build(topo)
+        if reshard:
+            chosen = dict(zip(reshard[0]["units"], reshard[0]["reshard_after_forward"]))
+            sizes = unit_sizes(model, **{k: v for k, v in kwargs.items() if k in ("units", "comm_unit_size",
+                                                                                  "reshard_policy", "whole_params")})
+            model = [dataclasses.replace(u, reshard_after_forward=chosen.get(u.name, u.reshard_after_forward))
+                     for u in sizes]
+            kwargs = {k: v for k, v in kwargs.items() if k in ("prefetch", "expert_policy")}
         p = plan_outer(model, world_size=world_size, local_world_size=ranks_per_node, bandwidth=bandwidth,
                     max_memory_per_rank=2**62, micro_batches=micro_batches, dp=degrees.dp, ep=degrees.ep,
                     param_dtype=getattr(mp, "param_dtype", None), grad_comm_dtype=getattr(mp, "grad_comm_dtype", None),
+                    all_gather_dtype=getattr(mp, "all_gather_dtype", None),
                     backend=backend, outer_degrees=[degrees.fsdp_outer_degree], **kwargs)
         return p.chosen, ""
     except (ValueError, TypeError) as e:

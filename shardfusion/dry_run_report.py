@@ -9,14 +9,35 @@ from shardfusion.probe import Bandwidth
 from shardfusion.topology import Degrees, _inner_kinds_spanning_nodes, outer_degree_within_nodes
 
 
+PART_NAMES = {"full_params": "gathered params", "full_grads": "full gradient buffers", "activations": "activations",
+              "comm_buffers": "collective buffers", "optimizer_step": "optimizer step temporaries",
+              "other": "backward temporaries"}
+"""How the report names the parts of ``shardfusion.live_memory.PARTS`` that are not kept from step to step."""
+
+
+def _peak_line(r) -> str:
+    """``transient T (a later step peaks at P): gathered params X (root a, blocks.6 b), full gradient buffers Y (...),
+    ...``: a ``RankFigures``' transient peak by part (largest first) with the units whose full buffers are alive then;
+    with ``bounds`` the other end's transient when it differs."""
+    m, units = r.memory, r.transient_peak.get("units", {})
+    parts = [(k, v) for k, v in r.transient_peak.get("parts", {}).items() if k in PART_NAMES and v]
+    text = ", ".join(f"{PART_NAMES[k]} {_size(v)}" + (" (" + ", ".join(
+        f"{name or 'root'} {_size(b)}" for name, b in sorted(units.get(k, {}).items())) + ")" if units.get(k) else "")
+                     for k, v in sorted(parts, key=lambda kv: -kv[1]))
+    slow = m.get("transient_slow")
+    end = f" (none complete before waited for: {_size(slow)})" if slow is not None and slow != m["transient"] else ""
+    steady = m["params"] + m["grads"] + m["optimizer"] + m["transient"]
+    return (f"transient {_size(m['transient'])}{end} (a later step peaks at {_size(steady)}): "
+            f"{text or 'nothing'}")
+
+
 def _verdict(b: dict) -> str:
     """One line of ``shardfusion.dry_run.RankFigures.budget``'s dict: fits (with headroom) or does not fit (by how much), and the largest
     parts of the peak."""
     def judge(fits: bool, headroom: float) -> str:
         return f"fits, {_size(headroom)} headroom" if fits else f"does not fit by {_size(-headroom)}"
 
-    names = {"other": "activations and temporaries", "full_params": "gathered params",
-             "full_grads": "full gradient buffers"}
+    names = PART_NAMES
     text = f"budget {_size(b['budget'])} per rank: {judge(b['fits'], b['headroom'])} at the peak"
     if "fits_slow" in b:
         text += f" (slow end: {judge(b['fits_slow'], b['headroom_slow'])})"

@@ -15,6 +15,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
+from shardfusion import reshard_budget
 from shardfusion._runtime import compress, materialize, nested, wrap
 from shardfusion._runtime.local_state_dict import LocalStateDict
 from shardfusion._runtime.scheduler import Scheduler
@@ -23,7 +24,7 @@ from shardfusion._runtime.unit import Unit
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_POLICIES, MixedPrecisionPolicy
 
 __all__ = ["EXPERT_POLICIES", "RESHARD_POLICIES", "MixedPrecisionPolicy", "finish_grad_sync", "fully_shard",
-           "get_units", "no_sync", "set_is_last_backward", "set_requires_gradient_sync"]
+           "get_units", "no_sync", "reshard_choice", "set_is_last_backward", "set_requires_gradient_sync"]
 
 
 def fully_shard(
@@ -44,6 +45,7 @@ def fully_shard(
     init_fn: Optional[Callable[[nn.Module], None]] = None,
     outer_comm_dtype: Union[None, torch.dtype, str] = None,
     whole_params: Optional[Callable[[str, nn.Parameter], bool]] = None,
+    memory_budget: Optional[int] = None,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP (``fsdp_outer_degree == 1``) or HSDP (``> 1``) and return it.
 
@@ -123,9 +125,19 @@ def fully_shard(
             unit.
         comm_unit_size: with no ``units``: the largest unit, in elements (> 0).
         reshard_policy: ``"after_forward"`` (free full buffers after each unit's forward, gather again for backward;
-            ZeRO-3) or ``"after_backward"`` (keep them from forward until the unit's backward is done).
+            ZeRO-3), ``"after_backward"`` (keep them from forward until the unit's backward is done) or ``"auto"``:
+            keep gathered the units that fit ``memory_budget`` (most all-gather bytes saved per byte held first,
+            equal ones last unit first), reshard the rest after forward ([Note: reshard policy by budget] in
+            ``shardfusion/reshard_budget.py``); the choice is the same on every rank (checked: one all-reduce) and
+            :func:`reshard_choice` returns it. A budget under the need with every unit resharded keeps none (the
+            choice is ``after_forward``; the record says it does not fit); one over the need with every unit kept
+            keeps all (``after_backward``).
         reshard_filter: which units follow ``reshard_policy`` after forward: ``"all"``, ``"none"`` (all keep their
-            full buffers until backward), or a callable ``(qualified_name, module) -> bool``.
+            full buffers until backward), or a callable ``(qualified_name, module) -> bool``. Under ``"auto"`` the
+            units it leaves out keep their full buffers until backward, as the user chose, and count in the budget
+            first; the policy decides the others. Of the units absorbed from earlier calls (nested calls), this
+            call's ``"auto"`` decides again those that an earlier ``"auto"`` decided (its root too, when its filter
+            selects it); units of earlier calls under a fixed policy keep their setting.
         mp_policy: mixed precision, a :class:`MixedPrecisionPolicy` (``param_dtype``: the dtype of the gathered
             parameters and so of the compute; ``grad_comm_dtype``: the dtype of the gradient reduce-scatter and
             all-reduce); ``None`` or ``MixedPrecisionPolicy()``: off.
@@ -184,6 +196,11 @@ def fully_shard(
             their meaning (a checkpoint stores parameters flattened, so it loads into either layout). The idea of
             owner ranks comes from PaddlePaddle's sharding for Muon and Megatron's layer-wise optimizer; see
             ``docs/whole-params.md``.
+        memory_budget: with ``reshard_policy="auto"`` only (required there): the memory of one rank, in bytes, that
+            the units kept gathered must fit. It counts what :func:`shardfusion.plan` counts for
+            ``max_memory_per_rank``: this rank's shards and sharded gradients, the optimizer state (AdamW's two fp32
+            values per trainable shard element), the full buffers (every unit kept gathered, the ``prefetch + 2``
+            largest resharded ones, the 2 largest full gradient buffers); not activations, not DiLoCo's state.
 
     Returns:
         ``model``, changed in place.
@@ -192,6 +209,7 @@ def fully_shard(
         ValueError: bad ``units`` (also: none of its classes matches a module), ``comm_unit_size``,
             ``reshard_policy`` (not in :data:`RESHARD_POLICIES`), ``reshard_filter``, ``mp_policy``,
             ``replicate_filter``, ``expert_filter``, ``expert_policy`` (not in :data:`EXPERT_POLICIES`),
+            ``memory_budget`` (missing under ``"auto"``, not an int > 0, or given with another policy),
             ``prefetch`` or ``outer_comm_dtype``, ``device`` (not a device, or ``"meta"``), ``init_fn`` (not callable); a model that is
             already sharded, or that is inside a sharded module; a module with meta tensors of its own and no
             ``reset_parameters()`` when no ``init_fn`` is given, or ranks that disagree on which tensors are on
@@ -208,6 +226,7 @@ def fully_shard(
                                reshard_policy, reshard_filter, compress.validate_outer_comm_dtype(outer_comm_dtype),
                                whole_params)
     wrap.check_args(model, options, units, comm_unit_size)
+    reshard_budget.check_budget(reshard_policy, memory_budget)
     device = materialize.check_device_args(device, init_fn)
     if units is None and comm_unit_size is None:
         units = wrap.default_units(model)
@@ -216,15 +235,23 @@ def fully_shard(
     nested.check_nested_options(model, inner, options)
     # the first collective: the same error on every rank of the stage
     materialize.check_initializable(model, init_fn, topology.get_group("stage"))
+    again = reshard_budget.decided_again(inner) if reshard_policy == "auto" else set()  # before they are absorbed
     absorbed = [spec for name, sub in inner for spec in nested.absorb(name, sub)]  # collective: full parameters back
     needs_init = materialize.place_buffers(model, device)  # before buffer identities are read
     expert_buffers = wrap.expert_buffers(model, expert_filter or wrap.marked_expert)  # before they become fragments
     specs = wrap.unit_specs(model, options, units, comm_unit_size, absorbed, [sub for _, sub in inner])
     built = wrap.build_units(model, specs, options, device, init_fn, needs_init)
+    choice = None
+    if reshard_policy == "auto":  # the units this call makes and its filter selects, and earlier "auto" ones
+        earlier = {id(spec) for spec in absorbed}
+        decided = [spec[0] != "" and (spec[0] in again if id(spec) in earlier else spec[2]) for spec in specs]
+        choice = reshard_budget.apply(built, decided, memory_budget, prefetch=prefetch,
+                                      group=topology.get_group("stage"), device=materialize.default_device())
     state = Scheduler(model, built, topology, broadcast_buffers, expert_buffers, options.mp_policy.param_dtype,
                       prefetch, wrap_options=options)
     state.sync_buffers()  # e.g. BatchNorm statistics start equal too
     state.register_hooks()
+    state.reshard_choice = choice  # reshard_choice(model)
     attach(model, state)
     LocalStateDict(state).install()  # model.state_dict() / load_state_dict(): see local_state_dict.py
     return model
@@ -237,6 +264,17 @@ def get_units(model: nn.Module) -> list[Unit]:
         ValueError: if ``model`` was not passed to :func:`fully_shard`.
     """
     return sharded_state(model).units
+
+
+def reshard_choice(model: nn.Module) -> Optional[reshard_budget.ReshardChoice]:
+    """The units ``reshard_policy="auto"`` kept gathered and why (budget, estimate, needs at the extremes), as a
+    :class:`shardfusion.reshard_budget.ReshardChoice` (``describe()``: lines to print; ``as_dict()``: a record);
+    None when the model was sharded under another policy.
+
+    Raises:
+        ValueError: if ``model`` was not passed to :func:`fully_shard`.
+    """
+    return getattr(sharded_state(model), "reshard_choice", None)
 
 
 def finish_grad_sync(model: nn.Module) -> None:

@@ -11,8 +11,9 @@ else ``numel`` rounded up to ``inner * align``), with ``m`` micro-batches per
 step and the ring volumes of [Note: communication accounting] (``accounting.py``; ``G`` = group size, ``N`` =
 logical bytes):
 
-- all-gather over the inner group, ``N = P * param bytes``, ``(G-1)/G * N`` per rank; ``m`` times per step, ``2m``
-  for a unit resharded after forward (gathered again in backward);
+- all-gather over the inner group, ``N = P * gather bytes``, ``(G-1)/G * N`` per rank; ``m`` times per step, ``2m``
+  for a unit resharded after forward (gathered again in backward); gather bytes: the param dtype's, or those of
+  ``all_gather_dtype`` (bf16/fp16 2; int8 and fp8 ``1 + 4/256``: a byte and a scale per block of 256);
 - reduce-scatter over the inner group, ``N = P * grad_comm bytes``, ``(G-1)/G * N``; ``m`` times per step;
 - all-reduce over the replicate group (``dp x outer``), ``N = P / inner * grad_comm bytes``, ``2(G-1)/G * N``; once
   per step.
@@ -46,7 +47,9 @@ same), optimizer state (``optim_states`` values per element in ``optim_dtype``),
 being run: every unit not resharded after forward, the ``prefetch + 2`` largest resharded ones (the running one,
 the prefetched ones, the previous one until its gradient lands) and the gradient buffers of the 2 largest units
 (in the param dtype); a full buffer costs nothing when ``inner == 1`` and the dtypes agree (it is the shard).
-Activations are not counted: pass them as ``other_bytes``.
+Activations are not counted: pass them as ``other_bytes``. The sum is ``reshard_budget.memory_parts``, which
+``fully_shard(..., reshard_policy="auto")`` uses to keep units gathered within a budget (under ``"auto"`` the plan
+makes that choice at each candidate: [Note: reshard policy by budget] in ``shardfusion/reshard_budget.py``).
 
 The idea of choosing the HSDP replication from a bandwidth model comes from the HSDP / ZeRO++ (hpZ) papers and
 Megatron-FSDP's ``outer_dp_sharding_strategy`` discussion; the formulas and the code are ours.
@@ -57,6 +60,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -66,6 +70,7 @@ from shardfusion._runtime import compress
 from shardfusion.probe import (Bandwidth, _check_int, _check_seconds, check_bandwidth,  # noqa: F401 (re-exported)
                                measure_bandwidth)
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_FILTERS, RESHARD_POLICIES, MixedPrecisionPolicy
+from shardfusion.reshard_budget import ReshardChoice, UnitBytes, _size, choose, memory_parts  # noqa: F401 (_size)
 from shardfusion.topology import Degrees, _rank_grid
 
 __all__ = ["Bandwidth", "Candidate", "Plan", "Traffic", "UnitSize", "default_memory_budget", "measure_bandwidth",
@@ -152,6 +157,10 @@ class Candidate:
         fits: ``memory_bytes <= max_memory_per_rank``.
         sync_step_s: with DiLoCo, the communication time of the step that carries an outer step (or a fragment's):
             the slowest step; ``step_s`` is the mean over H steps. None without DiLoCo.
+        reshard: with ``reshard_policy="auto"``, the units kept gathered at this degree within the budget
+            (:class:`shardfusion.reshard_budget.ReshardChoice`); None otherwise.
+        spanning: the sharding groups whose ranks sit on more than one node (``"inner"``, ``"expert_inner"``):
+            their all-gathers and reduce-scatters cross nodes (the table names them).
     """
 
     outer: int
@@ -168,6 +177,8 @@ class Candidate:
     memory_bytes: int
     fits: bool
     sync_step_s: Optional[float] = None
+    reshard: Optional[ReshardChoice] = None
+    spanning: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -211,9 +222,12 @@ class Plan:
                  ]
         for c in self.candidates:
             mark = "  <- chosen" if c is self.chosen else ""
+            if c.reshard is not None:
+                mark = f"  kept {len(c.reshard.kept)}/{sum(c.reshard.decided)}{mark}"
             lines.append(f"{c.outer:5d} {c.inner:5d} | {c.within_bytes / 1e6:14.3f} {c.across_bytes / 1e6:15.3f} | "
                          f"{c.within_s:8.4f} {c.across_s:9.4f} {c.step_s:9.4f} | {_size(c.memory_bytes):>11}  "
-                         f"{'yes' if c.fits else 'no':>4}{mark}")
+                         f"{'yes' if c.fits else 'no':>4}{mark}"
+                         + (f"  ({' and '.join(c.spanning)} groups span nodes)" if c.spanning else ""))
         lines.append(f"chosen: {self.reason}")
         return "\n".join(lines)
 
@@ -347,13 +361,29 @@ def _outer_element_size(outer_comm_dtype, grad_comm_dtype: torch.dtype) -> float
     return _element_size(grad_comm_dtype if value is None else value)
 
 
+def _gather_element_size(all_gather_dtype, param_dtype: torch.dtype) -> float:
+    """Bytes per element of the parameter all-gather on the wire (``MixedPrecisionPolicy.all_gather_dtype``):
+    ``"int8"`` and fp8 one byte and a 4-byte scale per block of ``compress.DEFAULT_BLOCK_SIZE`` (block padding
+    ignored), bf16/fp16 2, None ``param_dtype``'s size.
+
+    Raises:
+        ValueError: a value ``MixedPrecisionPolicy`` refuses (naming ``all_gather_dtype``).
+    """
+    MixedPrecisionPolicy(all_gather_dtype=all_gather_dtype)  # validates
+    if all_gather_dtype is None:
+        return _element_size(param_dtype)
+    if all_gather_dtype == "int8" or all_gather_dtype is torch.float8_e4m3fn:
+        return 1 + 4 / compress.DEFAULT_BLOCK_SIZE
+    return _element_size(all_gather_dtype)
+
+
 def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: int, local_world_size: int,
          bandwidth: Bandwidth, max_memory_per_rank: int, micro_batches: int = 1, dp: int = 1, ep: int = 1,
          units: Optional[Sequence[type]] = None, comm_unit_size: Optional[int] = None,
          reshard_policy: str = "after_forward", prefetch: int = 1, expert_policy: str = "replicate",
          shard_dtype: torch.dtype = torch.float32, param_dtype: Optional[torch.dtype] = None,
          grad_comm_dtype: Optional[torch.dtype] = None, outer_comm_dtype: Union[None, torch.dtype, str] = None,
-         optim_dtype: torch.dtype = torch.float32,
+         all_gather_dtype: Union[None, torch.dtype, str] = None, optim_dtype: torch.dtype = torch.float32,
          optim_states: int = 2, other_bytes: int = 0, overlap: bool = True, backend: str = "nccl",
          outer_degrees: Optional[Sequence[int]] = None, prefer: Optional[int] = None,
          tie_tolerance: float = 0.01,
@@ -378,8 +408,12 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
         micro_batches: forward/backward passes per optimizer step (each reduce-scatters its gradients).
         dp, ep: the data-parallel replicas (``sharding = world_size // dp``) and the expert-parallel degree, as in
             :class:`shardfusion.Topology`.
-        units, comm_unit_size, reshard_policy: as in ``fully_shard`` (only for a model; a ``UnitSize`` carries its
-            own ``reshard_after_forward``).
+        units, comm_unit_size, reshard_policy: as in ``fully_shard`` (units and comm_unit_size only for a model; a
+            ``UnitSize`` carries its own ``reshard_after_forward``). ``reshard_policy="auto"``: at each candidate
+            the units marked ``reshard_after_forward`` (for a model: those ``fully_shard`` would let the policy
+            decide) are kept gathered where they fit ``max_memory_per_rank`` (``other_bytes`` and DiLoCo's state
+            counted), as ``fully_shard(..., reshard_policy="auto", memory_budget=max_memory_per_rank)`` keeps them
+            ([Note: reshard policy by budget] in ``shardfusion.reshard_budget``); ``Candidate.reshard`` says which.
         prefetch: units gathered ahead of the running one (``fully_shard``'s ``prefetch``).
         expert_policy: ``fully_shard``'s: ``"replicate"`` or ``"shard"``.
         shard_dtype: the parameters' own dtype (the shards, the sharded gradients).
@@ -388,6 +422,9 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
             ``param_dtype``.
         outer_comm_dtype: ``fully_shard``'s: the wire format of the replicate all-reduce (None: ``grad_comm_dtype``;
             a float dtype; ``"int8"``: 1 + 4/256 bytes per element, the int8 values and a scale per block).
+        all_gather_dtype: :class:`shardfusion.MixedPrecisionPolicy`'s: the wire format of the parameter
+            all-gathers (None: ``param_dtype``; bf16/fp16: 2 bytes per element; ``"int8"`` and
+            ``torch.float8_e4m3fn``: 1 + 4/256). The gathered buffers in memory stay in ``param_dtype``.
         optim_dtype, optim_states: the optimizer's state per element: AdamW's 2 values in fp32 by default.
         other_bytes: memory per rank the model does not see (activations, workspace), added to every candidate.
         overlap: whether the last backward's all-reduces overlap its other collectives (the default runtime).
@@ -440,6 +477,8 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
         raise ValueError(f"expert_policy must be one of {EXPERT_POLICIES}, got {expert_policy!r}")
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    if reshard_policy not in RESHARD_POLICIES:
+        raise ValueError(f"reshard_policy must be one of {RESHARD_POLICIES}, got {reshard_policy!r}")
     shard_dtype = _check_dtype("shard_dtype", shard_dtype)
     param_dtype = _check_dtype("param_dtype", param_dtype if param_dtype is not None else shard_dtype)
     grad_comm_dtype = _check_dtype("grad_comm_dtype", grad_comm_dtype if grad_comm_dtype is not None else param_dtype)
@@ -476,13 +515,15 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
 
     sizes_b = {"shard": _element_size(shard_dtype), "param": _element_size(param_dtype),
                "comm": _element_size(grad_comm_dtype), "optim": _element_size(optim_dtype),
+               "gather": _gather_element_size(all_gather_dtype, param_dtype),
                # DiLoCo all-reduces the pseudo-gradients in the shard's dtype unless a wire format is given
                "outer": _outer_element_size(outer_comm_dtype,
                                             shard_dtype if outer_every is not None else grad_comm_dtype)}
     align = max(1, ALIGN_BYTES // sizes_b["shard"])
     model = _Model(sizes, world_size, local, dp, ep, m, prefetch, expert_policy, sizes_b, align, optim_states,
                    shard_dtype != param_dtype, other_bytes, bandwidth, overlap, backend,
-                   (outer_every, outer_fragments) if outer_every is not None else None)
+                   (outer_every, outer_fragments) if outer_every is not None else None,
+                   auto=reshard_policy == "auto")
     candidates = tuple(model.candidate(o, budget) for o in degrees)
     return _choose(candidates, budget, prefer, tie_tolerance, bandwidth, world_size, local, m)
 
@@ -491,12 +532,13 @@ class _Model:
     """The cost model of one :func:`plan` call; ``candidate(outer, budget)`` evaluates one outer degree."""
 
     def __init__(self, sizes, world_size, local, dp, ep, m, prefetch, expert_policy, nbytes, align, optim_states,
-                 cast, other_bytes, bandwidth, overlap, backend, diloco=None) -> None:
+                 cast, other_bytes, bandwidth, overlap, backend, diloco=None, auto: bool = False) -> None:
         self.sizes, self.world_size, self.local, self.dp, self.ep, self.m = sizes, world_size, local, dp, ep, m
         self.prefetch, self.expert_policy, self.nbytes, self.align = prefetch, expert_policy, nbytes, align
         self.optim_states, self.cast, self.other_bytes = optim_states, cast, other_bytes
         self.bw, self.overlap, self.backend = bandwidth, overlap, backend
         self.diloco = diloco  # (H, fragments), or None: the all-reduce every step
+        self.auto = auto  # reshard_policy="auto": the units kept gathered are chosen per candidate within the budget
 
     def _groups(self, outer: int) -> dict[str, _Group]:
         kinds = {"inner": "fsdp_inner", "replicate": "replicate"}
@@ -518,30 +560,14 @@ class _Model:
         across_s = (across / self.bw.across if across else 0.0) + (steps * self.bw.latency_across if group.spans else 0.0)
         return within, across, within_s, across_s
 
-    def candidate(self, outer: int, budget: int) -> Candidate:
-        """The :class:`Candidate` of ``outer`` (a divisor of moe_sharding): bytes and seconds per step per op
-        within and across nodes, the overlapped step time, memory per rank in bytes, and whether it fits ``budget``
-        (bytes); the formulas are those of [Note: the outer-degree cost model]."""
-        groups = self._groups(outer)
-        inner = groups["inner"].size
-        expert_inner = groups["expert_inner"].size
-        nb = self.nbytes
-        # per op: [count, within B, across B, within s, across s]; the last backward's parts kept apart
-        total = {op: [0, 0.0, 0.0, 0.0, 0.0] for op in OPS}
-        last_bwd_inner = [0.0, 0.0]  # (within s, across s) of the last backward's all-gathers and reduce-scatters
-        reduces = []  # (within s, across s) of each all-reduce, in unit order
-        shard_elems, full_bytes, grad_bytes = 0, [], []
-
-        def add(op: str, cost: tuple, times: int) -> None:
-            row = total[op]
-            row[0] += times
-            for i in range(4):
-                row[i + 1] += cost[i] * times
-
-        owner_load = {"inner": [0] * inner, "expert_inner": [0] * expert_inner}  # carried over units, as wrap does
+    def _unit_buffers(self, groups: dict[str, _Group]) -> list[list[tuple[int, _Group, _Group]]]:
+        """Per unit, its flat buffers as ``(padded elements, shard group, replicate group)``, laid out as
+        ``fully_shard`` lays them out at these groups' degrees (empty buffers left out)."""
+        owner_load = {"inner": [0] * groups["inner"].size,  # carried over units, as wrap does
+                      "expert_inner": [0] * groups["expert_inner"].size}
+        out = []
         for u in self.sizes:
-            unit_full, unit_grad, unit_reduce = 0, 0, [0.0, 0.0]
-            buffers = []  # (padded elements, shard group, replicate group)
+            buffers = []
             for numel, shapes, whole, shard_kind, rep_kind in (
                     (u.numel, u.buffer_shapes, u.whole_shapes, "inner", "replicate"),
                     (u.expert_numel, u.expert_buffer_shapes, u.expert_whole_shapes, "expert_inner",
@@ -555,31 +581,45 @@ class _Model:
                 if whole:
                     padded = _owner_padded(whole, g_shard.size, self.align, owner_load[shard_kind])
                     buffers.append((padded, g_shard, groups[rep_kind]))
-            for padded, g_shard, g_rep in buffers:
-                if not padded:
-                    continue
-                shard = padded // g_shard.size
-                shard_elems += shard
-                if g_shard.size > 1 or self.cast:
-                    unit_full += padded * nb["param"]
-                unit_grad += padded * nb["param"]
-                if g_shard.size > 1:
-                    gathers = 2 if u.reshard_after_forward else 1
-                    ag = self._cost("all_gather", padded * nb["param"], g_shard)
-                    rs = self._cost("reduce_scatter", padded * nb["comm"], g_shard)
-                    add("all_gather", ag, gathers * self.m)
-                    add("reduce_scatter", rs, self.m)
-                    last_bwd_inner[0] += (gathers - 1) * ag[2] + rs[2]
-                    last_bwd_inner[1] += (gathers - 1) * ag[3] + rs[3]
-                if g_rep.size > 1:
-                    ar = self._cost("all_reduce", shard * nb["outer"], g_rep)
-                    add("all_reduce", ar, 1)
-                    unit_reduce[0] += ar[2]
-                    unit_reduce[1] += ar[3]
-            full_bytes.append((unit_full, u.reshard_after_forward))
-            grad_bytes.append(unit_grad)
-            reduces.append(unit_reduce)
+            out.append([b for b in buffers if b[0]])
+        return out
 
+    def _unit_bytes(self, name: str, buffers: list[tuple[int, _Group, _Group]]) -> UnitBytes:
+        """The memory facts of one unit's buffers (every element trainable, in the shard dtype; full buffers and
+        full gradients in the param dtype; a full buffer costs nothing when it is the shard: one shard, no cast)."""
+        nb = self.nbytes
+        shard = sum(padded // g.size for padded, g, _ in buffers)
+        full = sum(padded * nb["param"] for padded, g, _ in buffers if g.size > 1 or self.cast)
+        gather = sum((Fraction((g.size - 1) * padded * nb["param"], g.size) for padded, g, _ in buffers
+                      if g.size > 1), Fraction(0))
+        return UnitBytes(name, shard * nb["shard"], shard * nb["shard"], shard, full,
+                         sum(padded * nb["param"] for padded, _, _ in buffers), gather)
+
+    def _reshard(self, facts: list[UnitBytes], budget: int, outer_bytes: int) -> Optional[ReshardChoice]:
+        """With ``reshard_policy="auto"``: the units kept gathered within ``budget`` (the choice of
+        ``shardfusion.reshard_budget``, activations and DiLoCo's state counted as given); else None."""
+        if not self.auto:
+            return None
+        flags = [u.reshard_after_forward for u in self.sizes]
+        return choose(facts, flags, flags, budget, prefetch=self.prefetch, optim_states=self.optim_states,
+                      optim_bytes=self.nbytes["optim"], other_bytes=self.other_bytes + outer_bytes)
+
+    def candidate(self, outer: int, budget: int) -> Candidate:
+        """The :class:`Candidate` of ``outer`` (a divisor of moe_sharding): bytes and seconds per step per op
+        within and across nodes, the overlapped step time, memory per rank in bytes, and whether it fits ``budget``
+        (bytes); the formulas are those of [Note: the outer-degree cost model]."""
+        groups = self._groups(outer)
+        per_unit = self._unit_buffers(groups)
+        facts = [self._unit_bytes(u.name, b) for u, b in zip(self.sizes, per_unit)]
+        shard_elems = sum(f.optim_elems for f in facts)
+        outer_bytes = 0
+        if self.diloco is not None and any(g.size > 1 for b in per_unit for _, _, g in b):
+            # replicas to synchronise: DiLoCo's snapshot and momentum on the shards, and at an outer step the
+            # pseudo-gradients of one fragment
+            outer_bytes = (2 * shard_elems + math.ceil(shard_elems / self.diloco[1])) * self.nbytes["shard"]
+        choice = self._reshard(facts, budget, outer_bytes)
+        reshard = list(choice.reshard_after_forward) if choice else [u.reshard_after_forward for u in self.sizes]
+        total, last_bwd_inner, reduces = self._traffic(per_unit, reshard)
         sync_step = None
         if self.diloco is not None and total["all_reduce"][0]:  # DiLoCo: the all-reduces once per H steps, serial
             every, fragments = self.diloco
@@ -604,22 +644,53 @@ class _Model:
             step = serial
         traffic = {op: Traffic(op, total[op][0] if sync_step is not None else int(total[op][0]), *total[op][1:])
                    for op in OPS}
-
-        resharded = sorted((b for b, r in full_bytes if r), reverse=True)
-        unsharded = (sum(b for b, r in full_bytes if not r) + sum(resharded[:self.prefetch + 2])
-                     + sum(sorted(grad_bytes, reverse=True)[:2]))
-        memory = {"params": shard_elems * nb["shard"], "grads": shard_elems * nb["shard"],
-                  "optimizer": shard_elems * nb["optim"] * self.optim_states, "unsharded": unsharded,
-                  "other": self.other_bytes}
-        if sync_step is not None:  # replicas to synchronise: DiLoCo's snapshot and momentum on the shards, and
-            # at an outer step the pseudo-gradients of one fragment
-            memory["outer"] = (2 * shard_elems + math.ceil(shard_elems / self.diloco[1])) * nb["shard"]
+        memory = memory_parts(facts, reshard, prefetch=self.prefetch, optim_states=self.optim_states,
+                              optim_bytes=self.nbytes["optim"], other_bytes=self.other_bytes)
+        if sync_step is not None:
+            memory["outer"] = outer_bytes
         need = sum(memory.values())
-        return Candidate(outer=outer, inner=inner, expert_inner=expert_inner, traffic=traffic,
-                         within_bytes=sum(t.within_bytes for t in traffic.values()),
+        return Candidate(outer=outer, inner=groups["inner"].size, expert_inner=groups["expert_inner"].size,
+                         traffic=traffic, within_bytes=sum(t.within_bytes for t in traffic.values()),
                          across_bytes=sum(t.across_bytes for t in traffic.values()), within_s=within_s,
                          across_s=across_s, serial_s=serial, step_s=step, memory=memory, memory_bytes=need,
-                         fits=need <= budget, sync_step_s=sync_step)
+                         fits=need <= budget, sync_step_s=sync_step, reshard=choice,
+                         spanning=tuple(k for k in ("inner", "expert_inner")
+                                        if groups[k].spans and groups[k].size > 1
+                                        and (k == "inner" or any(u.expert_numel or u.expert_whole_shapes
+                                                                 for u in self.sizes))))
+
+    def _traffic(self, per_unit: list, reshard: list[bool]) -> tuple[dict, list[float], list[list[float]]]:
+        """Per op ``[count, within B, across B, within s, across s]`` per step; the last backward's inner
+        collectives' (within s, across s); and each unit's all-reduce (within s, across s), in unit order."""
+        nb = self.nbytes
+        total = {op: [0, 0.0, 0.0, 0.0, 0.0] for op in OPS}
+        last_bwd_inner = [0.0, 0.0]
+        reduces = []
+
+        def add(op: str, cost: tuple, times: int) -> None:
+            row = total[op]
+            row[0] += times
+            for i in range(4):
+                row[i + 1] += cost[i] * times
+
+        for buffers, resharded in zip(per_unit, reshard):
+            unit_reduce = [0.0, 0.0]
+            for padded, g_shard, g_rep in buffers:
+                if g_shard.size > 1:
+                    gathers = 2 if resharded else 1
+                    ag = self._cost("all_gather", padded * nb["gather"], g_shard)
+                    rs = self._cost("reduce_scatter", padded * nb["comm"], g_shard)
+                    add("all_gather", ag, gathers * self.m)
+                    add("reduce_scatter", rs, self.m)
+                    last_bwd_inner[0] += (gathers - 1) * ag[2] + rs[2]
+                    last_bwd_inner[1] += (gathers - 1) * ag[3] + rs[3]
+                if g_rep.size > 1:
+                    ar = self._cost("all_reduce", padded // g_shard.size * nb["outer"], g_rep)
+                    add("all_reduce", ar, 1)
+                    unit_reduce[0] += ar[2]
+                    unit_reduce[1] += ar[3]
+            reduces.append(unit_reduce)
+        return total, last_bwd_inner, reduces
 
 
 def _choose(candidates: tuple, budget: int, prefer: Optional[int], tie: float, bandwidth: Bandwidth,
@@ -690,10 +761,3 @@ def default_memory_budget(device: Union[torch.device, str], local_world_size: in
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // max(1, int(local_world_size))
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"

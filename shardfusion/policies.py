@@ -11,8 +11,9 @@ from typing import Optional
 
 import torch
 
-RESHARD_POLICIES = ("after_forward", "after_backward")
-"""``reshard_policy``: free a unit's gathered parameters after its forward (ZeRO-3), or keep them until its backward."""
+RESHARD_POLICIES = ("after_forward", "after_backward", "auto")
+"""``reshard_policy``: free a unit's gathered parameters after its forward (ZeRO-3), keep them until its backward, or
+keep those that fit a memory budget (``fully_shard(..., memory_budget=)``; ``shardfusion.reshard_budget``)."""
 
 RESHARD_FILTERS = ("all", "none")
 """The named ``reshard_filter`` values (a callable ``(qualified_name, module) -> bool`` is accepted too)."""
@@ -30,6 +31,20 @@ dtype each stands for: the one table of dtype names in shardfusion. The training
 MIXED_PRECISION_DTYPES = tuple(DTYPE_NAMES.values())
 """The dtypes a :class:`MixedPrecisionPolicy` field may name (or ``None``): ``torch.float32``, ``torch.bfloat16``,
 ``torch.float16``."""
+
+
+ALL_GATHER_DTYPE_NAMES: dict[str, object] = {"int8": "int8", "bf16": torch.bfloat16, "fp16": torch.float16,
+                                             "fp8": torch.float8_e4m3fn}
+"""The short name of each wire format :attr:`MixedPrecisionPolicy.all_gather_dtype` takes besides ``None`` and the
+value it stands for (``"int8"``: block-wise int8, not a torch dtype); the training job's ``--all-gather-dtype``
+takes these names. See [Note: quantized weight all-gather] in ``shardfusion/_runtime/gather_wire.py``."""
+
+ALL_GATHER_DTYPES: tuple = tuple(ALL_GATHER_DTYPE_NAMES.values())
+"""The values of :data:`ALL_GATHER_DTYPE_NAMES`: ``"int8"``, ``torch.bfloat16``, ``torch.float16``,
+``torch.float8_e4m3fn``."""
+
+ALL_GATHER_DTYPE_TEXT = 'None, "int8", torch.bfloat16, torch.float16 or torch.float8_e4m3fn'
+"""The accepted values of ``all_gather_dtype``, as error messages write them."""
 
 
 _NAMED: dict[str, torch.dtype] = {**DTYPE_NAMES, **{str(d).removeprefix("torch."): d for d in DTYPE_NAMES.values()}}
@@ -62,8 +77,9 @@ class MixedPrecisionPolicy:
     Only floating-point parameters are cast.
 
     Raises:
-        ValueError: a field that is neither ``None`` nor one of ``torch.float32``, ``torch.bfloat16``,
-            ``torch.float16`` (the message names the field and the value).
+        ValueError: ``param_dtype`` or ``grad_comm_dtype`` neither ``None`` nor one of ``torch.float32``,
+            ``torch.bfloat16``, ``torch.float16``; ``all_gather_dtype`` not one of :data:`ALL_GATHER_DTYPES` or
+            ``None`` (the message names the field, the value and the accepted values).
     """
 
     param_dtype: Optional[torch.dtype] = None
@@ -77,9 +93,25 @@ class MixedPrecisionPolicy:
     parameters' dtype). Reduced gradients are added into the fp32 sharded gradient; below 32 bits they are divided
     by ``dp * sharding`` before the reduction (no overflow in fp16)."""
 
+    all_gather_dtype: Optional[object] = None
+    """The wire format of the parameter all-gather only (ZeRO++'s quantized weights, qwZ: Wang et al., 2023): each
+    rank quantizes its own shard once per gather, and every rank dequantizes the gathered shards (its own too) into
+    the full buffer in ``param_dtype``; the shard, the gradients, the optimizer state and checkpoints stay exact.
+    ``None`` (default): the all-gather in ``param_dtype``, as without this option. Bytes one rank sends per element
+    of its shard: ``torch.bfloat16`` / ``torch.float16`` 2 (a cast); ``"int8"`` 1 + 4/256 (block-wise symmetric
+    int8, one fp32 scale per 256 elements: the compressed outer all-reduce's format, about a quarter of fp32);
+    ``torch.float8_e4m3fn`` 1 + 4/256 (e4m3 with one fp32 scale per block of 256). Error bounds per element are in
+    [Note: quantized weight all-gather] (``shardfusion/_runtime/gather_wire.py``); e.g. int8: at most
+    ``max |x| / 254`` over the element's block of the shard. A group of one (a buffer kept whole) sends nothing and
+    quantizes nothing."""
+
     def __post_init__(self) -> None:
         for name in ("param_dtype", "grad_comm_dtype"):
             value = getattr(self, name)
             if value is not None and not any(value is d for d in MIXED_PRECISION_DTYPES):
                 raise ValueError(f"MixedPrecisionPolicy: {name} must be None, torch.float32, torch.bfloat16 or "
                                  f"torch.float16, got {value!r}")
+        value = self.all_gather_dtype
+        if value is not None and not (isinstance(value, str) and value == "int8") and not any(
+                value is d for d in ALL_GATHER_DTYPES[1:]):
+            raise ValueError(f"MixedPrecisionPolicy: all_gather_dtype must be {ALL_GATHER_DTYPE_TEXT}, got {value!r}")

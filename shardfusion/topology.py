@@ -234,6 +234,24 @@ def _inner_kinds_spanning_nodes(degrees: Degrees, local_world_size: int) -> list
     return [kind for kind, size in (("fsdp_inner", d.inner), ("expert_inner", d.expert_inner)) if cut and size > 1]
 
 
+def _ranks_per_node(value: object, world_size: int) -> tuple[int, str]:
+    """``(ranks per node, where it came from)``: ``value`` (``"ranks_per_node"``), else ``LOCAL_WORLD_SIZE``, else
+    the world size (``"one node"``).
+
+    Raises:
+        ValueError: ``value`` is not None and not an int >= 1 dividing ``world_size``.
+    """
+    if value is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        if local.isdigit() and int(local) > 0:
+            return min(int(local), world_size), "LOCAL_WORLD_SIZE"
+        return world_size, "one node"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or world_size % value:
+        raise ValueError(f"ranks_per_node must be an int >= 1 that divides world_size({world_size}): nodes of equal "
+                         f"size, got {value!r}")
+    return value, "ranks_per_node"
+
+
 def outer_degree_within_nodes(degrees: Degrees, ranks_per_node: int) -> int | None:
     """The smallest ``fsdp_outer_degree`` (``degrees``' own is ignored) whose inner groups, ``fsdp_inner`` and
     ``expert_inner``, each sit within one node of ``ranks_per_node`` consecutive ranks: HSDP with inner = one node,
@@ -285,24 +303,29 @@ class Topology:
     """The rank grid of this job and one process group of every kind, created on every rank in one global order.
 
     ``Topology(*, dp=1, pp=1, sharding=-1, sep=1, cp=1, mp=1, ep=1, fsdp_outer_degree=1, timeout=None,
-    arrival_timeout=None)``, keywords only: degrees as in :class:`Degrees` (``sharding=-1`` takes the rest of the
-    world); ``timeout`` (a ``timedelta`` or seconds) applies to every group it creates; a collective that times out
-    raises an error naming it and the likely cause (``comm.timeout_error``); the default group keeps its own timeout.
-    ``arrival_timeout`` (seconds, or a ``timedelta``; default: ``SHARDFUSION_ARRIVAL_TIMEOUT``, else 60 s) bounds the
-    arrival check that starts each rare collective call of a model sharded with it (``model.state_dict()``, a
-    checkpoint, a forward in a new mode, ...), whose error names the call and the ranks that did not make it
-    ([Note: arrival checks] in ``arrival.py``). Groups of size 1 are real groups too. Kinds whose ranks coincide for
-    these degrees (e.g. ``sharding`` and ``moe_sharding`` when ep is 1) share one group object.
+    arrival_timeout=None, ranks_per_node=None)``, keywords only: degrees as in :class:`Degrees` (``sharding=-1`` takes
+    the rest of the world); ``timeout`` (a ``timedelta`` or seconds) applies to every group it creates; a collective
+    that times out raises an error naming it and the likely cause (``comm.timeout_error``); the default group keeps its
+    own timeout. ``arrival_timeout`` (seconds, or a ``timedelta``; default: ``SHARDFUSION_ARRIVAL_TIMEOUT``, else 60 s)
+    bounds the arrival check that starts each rare collective call of a model sharded with it (``model.state_dict()``, a
+    checkpoint, a forward in a new mode, ...), whose error names the call and the ranks that did not make it ([Note:
+    arrival checks] in ``arrival.py``). ``ranks_per_node`` says where the node boundaries are (nodes of that many
+    consecutive ranks; default ``LOCAL_WORLD_SIZE``, else the whole world is one node), so that one machine can declare
+    several nodes (a test of a sharding group spanning nodes, ZeRO++'s layout): the inner kinds with a group across
+    nodes are ``spanning_groups`` and named by :meth:`describe_nodes`. Groups of size 1 are real groups too. Kinds whose
+    ranks coincide for these degrees (e.g. ``sharding`` and ``moe_sharding`` when ep is 1) share one group object.
 
     Raises:
         ValueError: ``torch.distributed`` is not initialized, ``timeout`` or ``arrival_timeout`` is not positive,
-            ``SHARDFUSION_ARRIVAL_TIMEOUT`` is not a positive number, or the degrees break a rule of :class:`Degrees`.
+            ``SHARDFUSION_ARRIVAL_TIMEOUT`` is not a positive number, ``ranks_per_node`` is not an int >= 1 that
+            divides the world size, or the degrees break a rule of :class:`Degrees`.
     """
 
     def __init__(self, *, dp: int = 1, pp: int = 1, sharding: int = -1, sep: int = 1, cp: int = 1, mp: int = 1,
                  ep: int = 1, fsdp_outer_degree: int = 1,
                  timeout: datetime.timedelta | float | None = None,
-                 arrival_timeout: datetime.timedelta | float | None = None) -> None:
+                 arrival_timeout: datetime.timedelta | float | None = None,
+                 ranks_per_node: int | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("Topology needs torch.distributed: call torch.distributed.init_process_group() first "
                              "(or run under torchrun)")
@@ -314,6 +337,14 @@ class Topology:
         self.degrees = Degrees(world_size=dist.get_world_size(), dp=dp, pp=pp, sharding=sharding, sep=sep, cp=cp,
                                mp=mp, ep=ep, fsdp_outer_degree=fsdp_outer_degree)
         d = self.degrees
+        self.ranks_per_node, rpn_from = _ranks_per_node(ranks_per_node, d.world_size)
+        """Ranks per node (consecutive global ranks share a node): the argument, ``LOCAL_WORLD_SIZE``, or the
+        world size (one node)."""
+        self.spanning_groups: list[str] = [k for k in _inner_kinds_spanning_nodes(d, self.ranks_per_node)
+                                           if k == "fsdp_inner" or d.ep > 1]
+        """The inner kinds (``fsdp_inner``, ``expert_inner``; the latter only when ep > 1, else its groups are the
+        former's) with a group whose ranks sit on more than one node: their all-gathers and reduce-scatters cross
+        the network."""
         self.timeout = timeout
         self.world_size, self.rank = d.world_size, dist.get_rank()
         self.dp, self.pp, self.sharding, self.sep, self.cp, self.mp = d.dp, d.pp, d.sharding, d.sep, d.cp, d.mp
@@ -377,12 +408,10 @@ class Topology:
         """How many forward-mode agreements this rank has joined (``check_forward_mode``; one arrival check each,
         through the store: no collective)."""
 
-        local = os.environ.get("LOCAL_WORLD_SIZE", "")
-        spanning = _inner_kinds_spanning_nodes(d, int(local)) if local.isdigit() and int(local) > 0 else []
-        if spanning:
-            warnings.warn(f"{' and '.join(spanning)} groups span nodes (LOCAL_WORLD_SIZE={local}, {self.describe()}): "
-                          f"their all-gathers and reduce-scatters cross the network; raise fsdp_outer_degree so that "
-                          f"inner fits in a node", stacklevel=2)
+        if self.spanning_groups and rpn_from == "LOCAL_WORLD_SIZE":  # declared on purpose: no warning
+            warnings.warn(f"{' and '.join(self.spanning_groups)} groups span nodes (LOCAL_WORLD_SIZE="
+                          f"{self.ranks_per_node}, {self.describe()}): their all-gathers and reduce-scatters cross "
+                          f"the network; raise fsdp_outer_degree so that inner fits in a node", stacklevel=2)
 
     def _make_group(self, kind: str, cache: dict, twin: bool = False, name: str | None = None) -> dist.ProcessGroup:
         """One group of ``kind`` for this rank, shared through ``cache`` by kinds over the same non-trivial axes.
@@ -565,6 +594,17 @@ class Topology:
         if self.ep > 1:
             text += (f" (moe_sharding{self.moe_sharding} = outer{self.fsdp_outer_degree} "
                      f"x expert_inner{self.expert_inner})")
+        return text
+
+    def describe_nodes(self) -> str:
+        """One line on the nodes, e.g. ``2 nodes x 2 ranks; fsdp_inner groups span nodes (inner 4)`` or
+        ``1 node x 4 ranks``."""
+        nodes = self.world_size // self.ranks_per_node
+        text = f"{nodes} node{'s' * (nodes != 1)} x {self.ranks_per_node} ranks"
+        if self.spanning_groups:
+            sizes = {"fsdp_inner": self.inner, "expert_inner": self.expert_inner}
+            text += "; " + ", ".join(f"{k} groups span nodes ({k.removesuffix('_inner')} inner {sizes[k]})"
+                                     for k in self.spanning_groups)
         return text
 
     def __repr__(self) -> str:

@@ -9,7 +9,7 @@ from shardfusion.train.config import JobConfig, ResolvedJob, TokenizerFacts, res
 def prepare(config: JobConfig, saved: dict | None = None, progress: bool = False) -> ResolvedJob:
     """The tokenizer (trained with --train-tokenizer), the config resolved with it (one rank on cpu), the corpus
     tokenized and checked: `shardfusion.train.job.preflight`'s data steps."""
-    tokenizer = dc.prepare_tokenizer(config, saved, progress=progress)
+    tokenizer = dc.prepare_tokenizer(config.corpus, config.model, config.run.out, saved, progress=progress)
     job = resolve(config, device="cpu", world_size=1, saved=saved, tokenizer=TokenizerFacts.of(tokenizer))
-    dc.prepare_corpus(job, tokenizer, progress=progress)
+    dc.prepare_corpus(job.corpus, job.model, tokenizer, progress=progress)
     return job

@@ -76,6 +76,7 @@ class Case:
     param_dtype: Optional[str] = None  # mixed precision: "bfloat16" / "float16" (the reference always runs fp32)
     grad_comm_dtype: Optional[str] = None
     outer_comm_dtype: Optional[str] = None  # fully_shard's outer_comm_dtype: "bf16" / "fp16" / "int8"
+    all_gather_dtype: Optional[str] = None  # MixedPrecisionPolicy.all_gather_dtype: "int8" or a torch dtype's name
 
     @property
     def data_parallel(self) -> int:
@@ -203,6 +204,9 @@ def wrap_kwargs(case: Case) -> dict:
     kw: dict[str, Any] = {"reshard_policy": case.reshard_policy, "expert_policy": case.expert_policy}
     dtypes = {key: getattr(torch, getattr(case, key)) for key in ("param_dtype", "grad_comm_dtype")
               if getattr(case, key) is not None}
+    if case.all_gather_dtype is not None:
+        dtypes["all_gather_dtype"] = (case.all_gather_dtype if case.all_gather_dtype == "int8"
+                                      else getattr(torch, case.all_gather_dtype))
     if dtypes:
         import shardfusion as sf
 

@@ -52,7 +52,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from shardfusion import comm
-from shardfusion._runtime import compress
+from shardfusion._runtime import compress, gather_wire
 from shardfusion._runtime import tensor_parallel as tp
 from shardfusion._runtime.replicate_sync import OverlappedSync
 from shardfusion._runtime.layout import FlatLayout, fragment_shape, owned_shape
@@ -123,6 +123,9 @@ class FlatBuffer:
         is_replica_primary: this rank holds the canonical copy of this shard within its replica (``is_primary``
             without the replicate-group condition: tensor parallel or mp rank 0); clipping counts it while
             replicate sync is off (default: ``is_primary``).
+        all_gather_dtype: the wire format of the all-gather of ``full`` (``MixedPrecisionPolicy.all_gather_dtype``:
+            None, ``"int8"``, bf16, fp16, fp8 e4m3; see [Note: quantized weight all-gather] in ``gather_wire.py``).
+            A float format equal to ``param_dtype`` is the plain all-gather (None).
 
     Attributes (besides the tensors of the note): ``shard_index`` (0 for a buffer without elements), ``is_expert``,
     ``is_primary``, ``unit_name``, and, for a later ``fully_shard`` call that absorbs this one, ``originals`` (a weak
@@ -151,6 +154,7 @@ class FlatBuffer:
         tp_specs: Optional[list] = None,
         owner_layout: bool = False,
         is_replica_primary: Optional[bool] = None,
+        all_gather_dtype: object = None,
     ) -> None:
         self.layout = layout
         self.tp_specs = list(tp_specs) if tp_specs is not None else [None] * len(params)
@@ -178,6 +182,7 @@ class FlatBuffer:
         dtype = params[0].dtype
         self.param_dtype = param_dtype or dtype
         self.grad_comm_dtype = grad_comm_dtype or self.param_dtype
+        self.all_gather_dtype = None if all_gather_dtype == self.param_dtype else all_gather_dtype
         P, S = layout.padded_numel, layout.shard_numel
         if P == 0:  # only zero-element parameters: nothing to communicate, on every rank alike
             self.shard_group = self.reduce_group = self.replicate_group = None
@@ -214,6 +219,7 @@ class FlatBuffer:
             self.full.untyped_storage().resize_(0)
         self._gather_work = None
         self._gather_input: Optional[torch.Tensor] = None  # (S,) the shard cast to param_dtype, while gathering
+        self._gather_wire: Optional[torch.Tensor] = None  # the gathered shards in all_gather_dtype, until the wait
         self.is_unsharded = self.full is self.shard
 
         self.grad_full: Optional[torch.Tensor] = None
@@ -311,10 +317,14 @@ class FlatBuffer:
             return
         self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
         with torch.no_grad():
-            send = self.shard
-            if self.shard.dtype != self.full.dtype and comm.group_size(self.shard_group) > 1:
+            send, out, n = self.shard, self.full, comm.group_size(self.shard_group)
+            if self.all_gather_dtype is not None and n > 1:  # [Note: quantized weight all-gather]
+                send = self._gather_input = gather_wire.quantize(self.shard, self.all_gather_dtype)
+                out = self._gather_wire = gather_wire.gather_buffer(self.shard.numel(), n, self.all_gather_dtype,
+                                                                    self.shard.device)
+            elif self.shard.dtype != self.full.dtype and n > 1:
                 send = self._gather_input = self.shard.to(self.full.dtype)  # (S,) kept alive until the wait
-            self._gather_work = comm.all_gather(self.full, send, self.shard_group, async_op=True)
+            self._gather_work = comm.all_gather(out, send, self.shard_group, async_op=True)
         if self._gather_work is None:  # a group of one: nothing was issued
             self.is_unsharded = True
         elif not async_op:
@@ -326,6 +336,11 @@ class FlatBuffer:
             comm.wait(self._gather_work, self._collective("all_gather"))
             self._gather_work = None
             self._gather_input = None
+            if self._gather_wire is not None:
+                with torch.no_grad():
+                    gather_wire.dequantize_into(self._gather_wire, self.full, comm.group_size(self.shard_group),
+                                                self.all_gather_dtype)
+                self._gather_wire = None
             self.is_unsharded = True
 
     def reshard(self) -> None:

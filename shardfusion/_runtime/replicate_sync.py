@@ -14,8 +14,10 @@ handed off right after its reduce-scatter is issued (``FlatBuffer.hand_off_sync`
 - for CPU tensors (gloo, whose waits block the host) one worker thread per model runs the hand-offs in that order:
   wait for the reduce-scatter, add its output into the step's gradient, issue the all-reduce (asynchronously, so the
   next unit's can follow it onto the link at once; a compressed one, a sequence of collectives, runs to its end).
-  The backward's thread never waits for it; only the worker issues collectives on the replicate group until
-  ``join`` (the step boundary), and the all-reduces are waited for where their buffer takes the result back;
+  The backward's thread waits for a job's reduce-scatter part only (``wait_reduced``, at the fixed points of
+  [Note: one gradient reduction at a time] in ``scheduler.py``), never for its all-reduce; only the worker issues
+  collectives on the replicate group until ``join`` (the step boundary), and the all-reduces are waited for where
+  their buffer takes the result back;
 - for device tensors (NCCL) the same runs inline at the hand-off: waits there only order streams, the host goes on;
   so it does in a dry run (``shardfusion.dry_run``: fake groups and tensors, one thread).
 
@@ -74,6 +76,7 @@ class OverlappedSync:
         self.buffer, self.target = buffer, target
         self._reduce_work, self._reduce_out = reduce_work, reduce_out
         self._done = threading.Event()
+        self._reduced = threading.Event()  # the reduce-scatter is complete and its buffers released
         self._result: Optional[torch.Tensor] = None
         self._work: Any = None  # the all-reduce in flight (None: completed, or a compressed one, run to its end)
         self._error: Optional[BaseException] = None
@@ -90,11 +93,18 @@ class OverlappedSync:
                         self._reduce_out.div_(b.grad_divisor)
                     self.target.add_(self._reduce_out)  # upcast into the shard's dtype
                 self._reduce_work = self._reduce_out = None
+                self._reduced.set()
                 self._result, self._work = b.start_all_reduce_replicas(self.target)
         except BaseException as e:  # re-raised on the thread that waits for the result
             self._error = e
         finally:
+            self._reduced.set()
             self._done.set()
+
+    def wait_reduced(self) -> None:
+        """Wait until :meth:`run` has completed the reduce-scatter and released its buffers (the all-reduce may
+        still run; an error is raised by :meth:`result`)."""
+        self._reduced.wait()
 
     def result(self) -> torch.Tensor:
         """Wait for :meth:`run`; the all-reduced gradient, ``(S,)`` (``target`` itself or a copy in the

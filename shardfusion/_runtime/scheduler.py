@@ -13,7 +13,25 @@ that counts arrivals; a unit whose trainable views all got their gradient is REA
 fixed order (reverse unit order), as soon as the unit at the head of that order is READY, on a process group of their
 own, so every rank issues the same sequence whatever gradients it got (docs/design.md, invariant 1). A callback
 queued on the autograd engine flushes the rest at the end of backward: units that got no gradient reduce-scatter
-zeros.
+zeros (in their turn when the backward's graph says so at its start, see the note below).
+
+[Note: one gradient reduction at a time]
+A unit's full gradient buffer (``FlatBuffer.grad_full``, ``(P,)``) is allocated at its first gradient, and it is the
+input of its reduce-scatter, so it lives until that reduce-scatter completes (on gloo with a ``(P,)`` receive buffer
+beside it, ``comm.reduce_scatter``). Left to complete whenever the collective finishes, a communication-bound
+backward piles them up (measured: three blocks' buffers and two receive buffers at once). So a backward completes the
+reduce-scatters it has issued, blocking, at two points fixed by the program: in a unit's pre-backward hook (after
+the all-gathers up to that unit are issued, before its prefetches) and before a unit's gradient buffer is allocated.
+In a backward that meets its units in reverse unit order (a stack of blocks), at any moment at most the root's
+buffer, one unit's accumulating buffer and one reduction in flight are alive; in any backward the buffers alive at
+each point are the same in every run (so a dry run predicts the peak). Blocking is safe when every rank can issue
+the awaited reduce-scatter with the all-gathers this rank has issued: it waits only for units whose reduce order
+prefix lies within them (``_finish_issued_reduces``). And a unit whose trainable views get no gradient on a rank
+would be ready there only at the end of backward, so the views that will get none (read from the backward's graph,
+``_count_absent_grads``) count as arrived when it starts, and the unit reduces in its turn on every rank. With
+replicate all-reduces handed off (below), the wait is for the reduce-scatter part of each hand-off. The idea of a
+bounded number of gradient reductions in flight is DeepSpeed ZeRO-3's (its reduce bucket) and FSDP2's (one
+reduce-scatter state kept per group); the fixed points and the safety rule are ours.
 
 Prefetch: ``prefetch`` units are all-gathered ahead of the running one, in forward (the order of the previous
 forward) and in backward (the backward order); 0 gathers each unit only when it runs. ``peak_unsharded_units``
@@ -51,6 +69,8 @@ buffers) until the end of the next backward without it, or an optimizer step; se
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from typing import Any
 
 import torch
@@ -106,6 +126,8 @@ class Scheduler:
         self._next_all_reduce = 0  # units of _reduce_order whose reduce-scatter has been completed
         self._callback_queued = False
         self._next_sync = 0  # units of _reduce_order whose replicate all-reduce was issued in this backward
+        self._handed_off: list = []  # (index in _reduce_order, OverlappedSync) handed off in this backward
+        self._reduce_reach: list[int] = []  # see _start_backward_order
         self._creates_graph = False  # the running backward has create_graph=True (grad mode on in its hooks)
         self._views_accumulated = False  # autograd accumulated a gradient into a full view in the running backward
         self._graph_kept = False  # a create_graph backward ran: keep every unit unsharded until a plain one ends
@@ -289,19 +311,24 @@ class Scheduler:
     def _pre_backward(self, unit: Unit) -> None:
         self._queue_callback()
         order = self._start_backward_order()
-        if unit in order:
-            pos = order.index(unit)
+        pos = order.index(unit) if unit in order else None
+        if pos is not None:
             self._issue_gathers(pos + 1)
+        self._finish_issued_reduces()  # [Note: one gradient reduction at a time], before the prefetches
+        if pos is not None:
             self._issue_gathers(pos + 1 + self.prefetch)  # prefetch the next units of the backward order
         unit.unshard()
         self._note_unsharded()
-        for g in unit.trainable_groups:
-            g.ensure_grad_full()
 
     def _start_backward_order(self) -> list[Unit]:
         if self._backward_order is None:
             self._backward_order = list(dict.fromkeys(reversed(self._grad_order)))
             self._gathers_issued = 0
+            # per prefix of the reduce order, the furthest backward-order position of its units (-1: not gathered
+            # in backward): a rank can issue those reduce-scatters once the gathers up to it are issued
+            position = {id(u): i for i, u in enumerate(self._backward_order)}
+            self._reduce_reach = list(itertools.accumulate((position.get(id(u), -1) for u in self._reduce_order),
+                                                           max, initial=-1))[1:]
         return self._backward_order
 
     def _issue_gathers(self, upto: int) -> None:
@@ -327,6 +354,8 @@ class Scheduler:
         def hook(grad):
             self._queue_callback()
             _check_not_in_flight(group, view_index)
+            if group.grad_full is None:  # the unit's first gradient: its buffer comes after the reductions in flight
+                self._finish_issued_reduces()
             group.ensure_grad_full(view_index)
             return grad
 
@@ -376,13 +405,17 @@ class Scheduler:
             self._direct_check = (task, any(self._will_accumulate(f) for f in frags))
         return self._direct_check[1]
 
-    def _will_accumulate(self, frag: nn.Parameter) -> bool:
+    def _will_accumulate(self, frag: nn.Parameter, strict: bool = False) -> bool:
+        """Whether the running backward accumulates a gradient into the leaf ``frag`` (a fragment or a full view).
+        Inside ``autograd.grad()``, which accumulates into no leaf: False, or with ``strict`` the RuntimeError."""
         node = self._grad_accumulators.get(id(frag))
         if node is None:
             node = self._grad_accumulators[id(frag)] = get_gradient_edge(frag).node
         try:
             return torch._C._will_engine_execute_node(node)
         except RuntimeError:  # inside autograd.grad(): it accumulates into no leaf
+            if strict:
+                raise
             return False
 
     def _gather_done(self, unit: Unit) -> bool:
@@ -400,8 +433,7 @@ class Scheduler:
             self._next_reduce += 1
             if self._overlapping(block=False):
                 self._hand_off_syncs(self._next_reduce)
-            else:
-                self._complete_reduces(self._next_reduce, block=False)
+            # else: completed at the next fixed point ([Note: one gradient reduction at a time]), not when it ends
 
     def _overlapping(self, block: bool) -> bool:
         """Whether this backward hands off its replicate all-reduces now: it was taken for the step's last, and no
@@ -410,20 +442,32 @@ class Scheduler:
         return self._overlap and self.requires_gradient_sync and not self._creates_graph and (
             block or not self._direct_grads_expected())
 
-    def _complete_reduces(self, upto: int, block: bool) -> None:
-        """For units ``[completed, upto)`` of the reduce order, in order: finish the reduce-scatter (add it into the
-        sharded gradient, free the full gradient buffer). With ``block=False`` (during backward) stop at the first
-        reduce-scatter still running: a rank never waits for others in the middle of its backward, which could
-        deadlock when ranks' gradients differ. This issues no collective, so its timing-dependent progress does not
-        change the order of collectives."""
+    def _complete_reduces(self, upto: int) -> None:
+        """For units ``[completed, upto)`` of the reduce order, in order: wait for the reduce-scatter, add it into the
+        sharded gradient, free the full gradient buffer. Called at fixed points only (the end of backward,
+        :meth:`_finish_issued_reduces`), so the buffers alive at any point of a backward do not depend on timing."""
         order = self._reduce_order
         while self._next_all_reduce < upto:
             groups = order[self._next_all_reduce].trainable_groups
-            if not block and not all(g.reduce_done() for g in groups):
-                return
             for g in groups:
                 g.finish_reduce_scatter()
             self._next_all_reduce += 1
+
+    def _finish_issued_reduces(self) -> None:
+        """Complete the reduce-scatters issued in this backward, blocking (see [Note: one gradient reduction at a
+        time]): finish them (add into the sharded gradient, free the full gradient buffers), or for those handed
+        off, wait for their reduce-scatter part. Only those of units that every rank can reduce with the
+        all-gathers this rank has issued (all their units at most that far in the backward order): a rank that
+        reduced a unit early, because it got no gradient there, does not wait for the ranks that still need its
+        all-gathers to compute it."""
+        self._start_backward_order()
+        safe = bisect.bisect_left(self._reduce_reach, self._gathers_issued)  # reach is non-decreasing
+        upto = min(self._next_reduce, safe)
+        if self._next_all_reduce < upto:
+            self._complete_reduces(upto)
+        for index, job in self._handed_off:
+            if index < safe:
+                job.wait_reduced()
 
     def _hand_off_syncs(self, upto: int) -> None:
         """Hand the replicate all-reduces of units ``[handed off, upto)`` of the reduce order to the sync queue, in
@@ -434,6 +478,7 @@ class Scheduler:
             for g in self._reduce_order[self._next_sync].trainable_groups:
                 job = g.hand_off_sync() if g.overlap_replicate else None
                 if job is not None:
+                    self._handed_off.append((self._next_sync, job))
                     self._sync_queue.submit(job)
                     self.handed_off_syncs += 1
             self._next_sync += 1
@@ -445,6 +490,26 @@ class Scheduler:
             self._creates_graph = torch.is_grad_enabled()  # create_graph=True: grad mode is on in its hooks
             self._overlap = self._is_last_backward()
             torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
+            if self.requires_gradient_sync and not self._creates_graph:
+                self._count_absent_grads()
+
+    def _count_absent_grads(self) -> None:
+        """Count as arrived the trainable full views that get no gradient in the starting backward (decided from
+        its graph, so at the same point on every rank whatever gradients each gets), and issue the reduce-scatters
+        this makes ready: a unit whose outputs got no gradient on this rank reduces in its turn, as on the ranks
+        where they did, not at the end of backward ([Note: one gradient reduction at a time]). Inside
+        ``autograd.grad``, which accumulates into no leaf, nothing is counted (its reductions run at the end)."""
+        ready = False
+        for u in self._reduce_order:
+            views = [v for g in u.trainable_groups for f, v in zip(g.fragments, g.full_views) if f.requires_grad]
+            try:
+                absent = sum(1 for v in views if not (v.requires_grad and self._will_accumulate(v, strict=True)))
+            except RuntimeError:  # autograd.grad: no accumulation at all
+                return
+            if absent:
+                ready |= u.grads_absent(absent, len(views))
+        if ready:
+            self._issue_ready_reduces()
 
     def _is_last_backward(self) -> bool:
         """Whether the starting backward is the last of its step: the user's ``set_is_last_backward`` if given,
@@ -483,8 +548,9 @@ class Scheduler:
                 self._next_reduce += 1
                 if overlap:
                     self._hand_off_syncs(self._next_reduce)
-            self._complete_reduces(len(order), block=True)
+            self._complete_reduces(len(order))
         self._next_reduce = self._next_all_reduce = self._next_sync = 0
+        self._handed_off = []
         self._backwards_this_step += reduced
         for u in self.units:
             u.finish_backward(reduced=reduced)

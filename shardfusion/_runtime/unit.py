@@ -141,13 +141,19 @@ class Unit:
         for g in self.groups:
             g.reshard()
 
-    def grad_arrived(self) -> bool:
-        """Count one accumulated gradient; returns True when the unit just became READY."""
-        self._grads_arrived += 1
+    def grad_arrived(self, count: int = 1) -> bool:
+        """Count ``count`` accumulated gradients; returns True when the unit just became READY."""
+        self._grads_arrived += count
         if self._grads_arrived == self._grads_expected and self.reduce_state is ReduceState.IDLE:
             self.reduce_state = ReduceState.READY
             return True
         return False
+
+    def grads_absent(self, absent: int, expected: int) -> bool:
+        """At the start of a backward: of the unit's ``expected`` trainable views, ``absent`` get no gradient in it
+        (decided from its graph); they count as arrived. Returns True when the unit just became READY."""
+        self._grads_expected = expected
+        return self.grad_arrived(absent)
 
     def reduce_scatter(self) -> None:
         """Issue the reduce-scatter of every trainable flat buffer (asynchronous)."""

@@ -175,8 +175,9 @@ def default_units(model: nn.Module) -> Optional[tuple[type, ...]]:
 
 
 def reshards_after_forward(options: WrapOptions, name: str, module: nn.Module) -> bool:
-    """Whether the unit ``name`` (first module ``module``) frees its full buffers after forward under ``options``."""
-    if options.reshard_policy != "after_forward":
+    """Whether the unit ``name`` (first module ``module``) frees its full buffers after forward under ``options``
+    (under ``"auto"``: whether the policy decides it; it starts resharded, ``shardfusion.reshard_budget``)."""
+    if options.reshard_policy == "after_backward":
         return False
     if options.reshard_filter in RESHARD_FILTERS:
         return options.reshard_filter == "all"
@@ -447,6 +448,7 @@ def _flat_buffer(unit: Unit, kind: tuple, members: list, plan: _GroupPlan) -> Fl
         unit_name=unit.name,
         param_dtype=plan.mp_policy.param_dtype if cast else None,
         grad_comm_dtype=plan.mp_policy.grad_comm_dtype if cast else None,
+        all_gather_dtype=plan.mp_policy.all_gather_dtype if cast else None,
         overlap_replicate=replicate_group is topology.get_replicate_group(),
         outer_comm_dtype=None if placement == "replicate" or not cast else plan.outer_comm_dtype,
         tp_specs=[tp.spec_of(p) for _, p, _ in members], owner_layout=placement == "owner",

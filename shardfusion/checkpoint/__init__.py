@@ -6,6 +6,9 @@ The package, one module per concern:
   :func:`save_checkpoint` (numbered, atomically published, the last K kept) and :func:`load_full_state`, each
   given one sharded model or the list of this rank's pipeline stages; its docstring has the format (keys, shapes,
   who writes what).
+- :mod:`~shardfusion.checkpoint.background`: the asynchronous saves of :func:`save_checkpoint` (``async_save=True``):
+  the staging copy, the write on a background thread, the publish after every rank's write, the :class:`AsyncSave`
+  handle and the agreement on failures.
 - :mod:`~shardfusion.checkpoint.inventory`: what a sharded model holds in the format's terms (fragments, optimizer
   state kinds, gathered over the ranks) and how it matches a checkpoint.
 - :mod:`~shardfusion.checkpoint.planners`: the DCP save and load planners that write and read fragments.
@@ -23,10 +26,12 @@ The package, one module per concern:
 See ``docs/checkpoints.md``.
 """
 
+from shardfusion.checkpoint.background import AsyncSave
 from shardfusion.checkpoint.folder import checkpoint_bytes, latest_checkpoint
 from shardfusion.checkpoint.read import load_full, read_all, read_meta
-from shardfusion.checkpoint.save_load import FORMAT_VERSION, load, load_full_state, save, save_checkpoint
+from shardfusion.checkpoint.save_load import (FORMAT_VERSION, load, load_full_state, save, save_checkpoint,
+                                              staging_bytes)
 from shardfusion.checkpoint.streaming import LoadResult, load_safetensors
 
-__all__ = ["FORMAT_VERSION", "LoadResult", "checkpoint_bytes", "latest_checkpoint", "load", "load_full",
-           "load_full_state", "load_safetensors", "read_all", "read_meta", "save", "save_checkpoint"]
+__all__ = ["AsyncSave", "FORMAT_VERSION", "LoadResult", "checkpoint_bytes", "latest_checkpoint", "load", "load_full",
+           "load_full_state", "load_safetensors", "read_all", "read_meta", "save", "save_checkpoint", "staging_bytes"]

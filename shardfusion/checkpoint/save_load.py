@@ -96,6 +96,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from shardfusion.checkpoint import background
+from shardfusion.checkpoint.background import AsyncSave
 from shardfusion.checkpoint.folder import prepare, publish
 from shardfusion.checkpoint.inventory import (NUMBER_DTYPES, by_ranks, global_rank, merged_state, mismatch,
                                               model_info, model_list, named_buffers, named_fragments, named_parameters,
@@ -107,7 +109,7 @@ from shardfusion._runtime.state import is_sharded, sharded_state
 from shardfusion import arrival, comm
 from shardfusion.comm import call_on_rank0
 
-__all__ = ["FORMAT_VERSION", "save", "load", "save_checkpoint", "load_full_state"]
+__all__ = ["FORMAT_VERSION", "save", "load", "save_checkpoint", "load_full_state", "staging_bytes"]
 
 FORMAT_VERSION = 3
 # versions load reads: 2 (before pipeline stages: meta["param_groups"] with rank 0's names) is read as before, its
@@ -156,17 +158,21 @@ def save(model: _Model, optimizer: _Optimizer, path: str, extra: Optional[dict] 
     _save(models, optimizers, path, extra, rank_state)
 
 
-def _meet(model: _Model, optimizer: _Optimizer, call: str) -> tuple[list[nn.Module], list]:
+def _meet(model: _Model, optimizer: _Optimizer, call: str,
+          in_flight: Optional[AsyncSave] = None) -> tuple[list[nn.Module], list]:
     """The start of every checkpoint call: the arrival check of every rank of the default group (a call made on some
     ranks only fails here, within the arrival deadline, naming the call and the absent ranks, before anything is
     written or read: ``arrival.check``), then
     the arguments checked (:func:`model_list`, :func:`optimizer_list`, :func:`optimizer_problems`) on every rank
     and the problems of every rank gathered (one ``all_gather_object``), so that a bad argument on one rank raises
-    on every rank. Returns ``(models, optimizers)`` as lists.
+    on every rank. With ``in_flight`` (the asynchronous save in flight, every rank's) each rank first waits for its
+    own part of that save and the same gather carries its outcome, on which the ranks agree (no collective more).
+    Returns ``(models, optimizers)`` as lists.
 
     Raises:
-        ValueError: on every rank: ``sf.checkpoint.<call>: rank r: ...`` for each rank's problems (the ranks that
-            found the same one named together: ``ranks 0-3: ...``).
+        ValueError: on every rank: the save ``in_flight`` failed (as ``AsyncSave.wait``); ``sf.checkpoint.<call>:
+            rank r: ...`` for each rank's problems (the ranks that found the same one named together: ``ranks 0-3:
+            ...``).
     """
     models, problems = model_list(model)
     given = model if isinstance(model, (list, tuple)) else [model]
@@ -179,9 +185,13 @@ def _meet(model: _Model, optimizer: _Optimizer, call: str) -> tuple[list[nn.Modu
         problems.append(str(error))
     if models and not problems:
         problems += optimizer_problems(models, optimizers)
-    every = [problems]
+    mine = problems if in_flight is None else (problems, in_flight.local_outcome())
+    every = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        every = comm.all_gather_object(problems, None, f"the arguments of sf.checkpoint.{call}")
+        every = comm.all_gather_object(mine, None, f"the arguments of sf.checkpoint.{call}")
+    if in_flight is not None:
+        in_flight.settle([outcome for _, outcome in every])
+        every = [found for found, _ in every]
     found = by_ranks(every)
     if found:
         raise ValueError(f"sf.checkpoint.{call}: " + "; ".join(found))
@@ -190,9 +200,35 @@ def _meet(model: _Model, optimizer: _Optimizer, call: str) -> tuple[list[nn.Modu
 
 def _save(models: list[nn.Module], optimizers: list, path: str, extra: Optional[dict],
           rank_state: Optional[dict[str, torch.Tensor]]) -> None:
+    _write(*_state_dict(models, optimizers, path, extra, rank_state), path)
+
+
+def _state_dict(models: list[nn.Module], optimizers: list, path: str, extra: Optional[dict],
+                rank_state: Optional[dict[str, torch.Tensor]]) -> tuple[dict[str, Any], dict[str, tuple[list, int]]]:
+    """What this rank writes to ``path`` (keys: see the module docstring) and the fragment keys' ``(runs, global
+    numel)`` for :class:`FragmentSavePlanner`. The tensors are the model's and the optimizer's own (views, not
+    copies). Collective (:func:`model_info`'s ``all_gather_object``).
+
+    Raises:
+        ValueError: on every rank: the problems :func:`model_info` gathered.
+    """
     info = model_info(models, optimizers, rank_state)
     if info["problems"]:
         raise ValueError(f"cannot save checkpoint {path!r}: " + "; ".join(info["problems"]))
+    sd, fragments = _tensors(models, optimizers, rank_state)
+    if global_rank() == 0:  # what every rank holds, gathered and merged by model_info: the same on every rank
+        sd["meta"] = {"version": FORMAT_VERSION,
+                      "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                      "shapes": info["shapes"], "buffer_shapes": info["buffer_shapes"],
+                      "optim_state": info["optim_state"] if optimizers else None,
+                      "param_groups": info["param_groups"], "extra": extra, "optimizers": info["optimizers"]}
+    return sd, fragments
+
+
+def _tensors(models: list[nn.Module], optimizers: list, rank_state: Optional[dict[str, torch.Tensor]]
+             ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[list, int]]]:
+    """The tensors this rank writes, by key (every key but ``meta``), and the fragment keys' ``(runs, global
+    numel)``. Local: no collective (the arguments were checked on every rank before)."""
     sd: dict[str, Any] = {}
     fragments: dict[str, tuple[list, int]] = {}
     opt_state = merged_state(optimizers)
@@ -214,12 +250,15 @@ def _save(models: list[nn.Module], optimizers: list, path: str, extra: Optional[
         sd[f"model_buffer/{name}"] = buf.detach()
     for key, value in (rank_state or {}).items():
         sd[f"rank/{global_rank()}/{key}"] = value.detach()
-    if global_rank() == 0:  # what every rank holds, gathered and merged by model_info: the same on every rank
-        sd["meta"] = {"version": FORMAT_VERSION,
-                      "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                      "shapes": info["shapes"], "buffer_shapes": info["buffer_shapes"],
-                      "optim_state": info["optim_state"] if optimizers else None,
-                      "param_groups": info["param_groups"], "extra": extra, "optimizers": info["optimizers"]}
+    return sd, fragments
+
+
+def _write(sd: dict[str, Any], fragments: dict[str, tuple[list, int]], path: str) -> None:
+    """``dcp.save`` of ``sd`` to ``path`` with the fragment planner. Collective.
+
+    Raises:
+        ValueError: on every rank: a rank could not write its files (DCP gathers every rank's write errors).
+    """
     try:
         with comm.torch_object_collectives_without_numpy():  # DCP's own object collectives
             dcp.save(sd, storage_writer=FileSystemWriter(path), planner=FragmentSavePlanner(fragments),
@@ -437,14 +476,26 @@ def _restore_numbers(models: list[nn.Module], optimizers: list, kinds_by_name: d
 
 def save_checkpoint(model: _Model, optimizer: _Optimizer, root: str, step: int,
                     keep: int = 3, extra: Optional[dict] = None,
-                    rank_state: Optional[dict[str, torch.Tensor]] = None) -> str:
-    """:func:`save` to ``root/step-<step>`` atomically and keep the last ``keep`` checkpoints; returns the folder.
+                    rank_state: Optional[dict[str, torch.Tensor]] = None,
+                    async_save: bool = False) -> Union[str, AsyncSave]:
+    """:func:`save` to ``root/step-<step>`` atomically and keep the last ``keep`` checkpoints; returns the folder, or
+    with ``async_save`` an :class:`~shardfusion.checkpoint.background.AsyncSave` handle whose ``wait()`` returns it.
     ``model`` and ``optimizer`` as in :func:`save` (a list of this rank's stages too).
 
     Every rank writes into ``root/tmp-step-<step>``; after all ranks have finished (DCP's save ends with a collective
     commit), rank 0 renames it to ``root/step-<step>`` and replaces the ``root/latest`` pointer file
     (written to a temporary file, then ``os.replace``), then prunes. A crash before the rename leaves only a ``tmp-``
     folder, which :func:`latest_checkpoint` ignores: the previous checkpoint stays the latest.
+
+    ``async_save=True`` (see [Note: asynchronous saves] in :mod:`shardfusion.checkpoint.background`): the call
+    returns once this rank's tensors are copied off to host memory (the staging copy: pinned for CUDA tensors, kept
+    and reused by the next save, so held from the first asynchronous save on: :func:`staging_bytes`); rank
+    0's preparation of the folder, the write, the commit and rank 0's publish run on a background thread, with
+    their collectives on a process group of their own (created by the first asynchronous save). The checkpoint is
+    published only after every rank's write has ended, as above. Every save first waits for the asynchronous save in
+    flight, if any, and every rank learns its outcome (in the gather of the arguments' check): one save at a time.
+    Call ``wait()`` on the last handle before the process group is destroyed or a checkpoint of ``root`` is loaded.
+    The test-only ``SHARDFUSION_TEST_SAVE_DELAY_S`` delays each background write.
 
     Pruning (rank 0, after the publish): the checkpoint just published is never deleted; among the published
     checkpoints with a lower step, the ``keep - 1`` highest are kept and the others deleted. Checkpoints with a
@@ -455,18 +506,44 @@ def save_checkpoint(model: _Model, optimizer: _Optimizer, root: str, step: int,
     Raises:
         RuntimeError: on the ranks that called it, within the arrival deadline: some rank did not call it (e.g. under
             ``if rank == 0:``), before rank 0 touches ``root``.
-        ValueError: ``keep`` < 1 or ``step`` < 0; on every rank: rank 0 cannot create ``root`` or publish the
-            checkpoint (e.g. not writable; the error names the path); anything :func:`save` raises (a bad
-            ``model`` or ``optimizer`` before rank 0 touches ``root``).
+        ValueError: ``keep`` < 1 or ``step`` < 0; on every rank: the asynchronous save in flight failed (a rank could
+            not write its part, or rank 0 could not publish it: ``asynchronous save of <root>/step-<n> failed: rank
+            r: ...``; nothing of this save is started then); rank 0 cannot create ``root`` or publish the checkpoint
+            (e.g. not writable; the error names the path); anything :func:`save` raises (a bad ``model`` or
+            ``optimizer`` before rank 0 touches ``root``); ``SHARDFUSION_TEST_SAVE_DELAY_S`` not a number >= 0.
+            With ``async_save``, a failure of this save's folder, write or publish is raised later, on every rank,
+            by the next save or ``wait()`` (``asynchronous save of ... failed: ...``).
     """
     if keep < 1 or step < 0:
         raise ValueError(f"save_checkpoint: keep must be >= 1 and step >= 0, got keep={keep}, step={step}")
+    if async_save:
+        background.write_delay()  # a bad value is refused before anything is written
     final, tmp = os.path.join(root, f"step-{step}"), os.path.join(root, f"tmp-step-{step}")
-    models, optimizers = _meet(model, optimizer, "save_checkpoint")
+    models, optimizers = _meet(model, optimizer, "save_checkpoint", background.in_flight())
+    if async_save:  # rank 0 prepares the folder in the write's plan, between every rank's plan and any file
+        sd, fragments = _state_dict(models, optimizers, tmp, extra, rank_state)
+        return background.start(sd, fragments, root, step, keep, sharded_state(models[0]).topology)
     call_on_rank0(lambda: prepare(root, step), f"cannot prepare {tmp!r}")
     _save(models, optimizers, tmp, extra, rank_state)
     call_on_rank0(lambda: publish(root, step, keep), f"cannot publish {tmp!r} as {final!r}")
     return final
+
+
+def staging_bytes(model: _Model, optimizer: _Optimizer = None,
+                  rank_state: Optional[dict[str, torch.Tensor]] = None) -> int:
+    """Bytes of host memory this rank's staging copy takes in an asynchronous :func:`save_checkpoint` of ``model``,
+    ``optimizer`` and ``rank_state`` as they are now: the tensors this rank writes (its primary fragments of the
+    parameters and their per-element optimizer state, the scalar state, the persistent buffers, ``rank_state``);
+    ``meta`` (a few kB) left out. Local: no collective, no copy; fake tensors (a dry run) count too.
+
+    Raises:
+        ValueError: a ``model`` or ``optimizer`` that :func:`save` refuses (the first problem).
+    """
+    models, problems = model_list(model)
+    if problems:
+        raise ValueError(f"staging_bytes: {problems[0]}")
+    sd, _ = _tensors(models, optimizer_list(optimizer), rank_state)
+    return sum(t.numel() * t.element_size() for t in sd.values())
 
 
 def load_full_state(model: _Model, state_dict: dict[str, torch.Tensor]) -> None:

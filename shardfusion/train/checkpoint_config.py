@@ -1,5 +1,5 @@
-"""The checkpoint section of the training job's settings (`--save-every`, `--keep`, `--max-restarts`) and its
-checks: this module owns them; `shardfusion.train.config.JobConfig` composes the section. What a checkpoint of the
+"""The checkpoint section of the training job's settings (`--save-every`, `--keep`, `--max-restarts`,
+`--async-save`) and its checks: this module owns them; `shardfusion.train.config.JobConfig` composes the section. What a checkpoint of the
 job holds and how a run resumes from one: `shardfusion.train.resume`.
 """
 
@@ -22,6 +22,11 @@ class CheckpointConfig:
     """When a worker fails, restart all workers up to this many times (the elastic launcher's restarts); they resume
     from the latest checkpoint in --out, so it needs --save-every. Under torchrun use torchrun's own --max-restarts,
     with --out, --save-every and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (default 0)."""
+    async_save: bool = False
+    """Write each checkpoint in the background: the step loop waits only while this rank's shards are copied to
+    host memory, the next save (and the end of the run) waits for the write, and a checkpoint is published once
+    every rank has written it, so a run killed during a write resumes from the one before (docs/checkpoints.md;
+    default off: each save returns when the checkpoint is written)."""
 
 
 def check_flags(checkpoint: CheckpointConfig) -> None:

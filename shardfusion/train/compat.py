@@ -48,8 +48,37 @@ MODES: dict[str, Mode] = {
     "muon": Mode("--optimizer muon", "Muon on whole matrices", "docs/train-muon.md"),
     "hf": Mode("--hf-model", "a Hugging Face transformers model", "docs/hf-models.md"),
     "init_from": Mode("--init-from", "start from a pretrained Hugging Face folder", "docs/hf-models.md"),
+    "async_save": Mode("--async-save", "checkpoints written in the background", "docs/checkpoints.md"),
+    "reshard_auto": Mode("--reshard-policy auto", "blocks kept gathered within --max-memory-per-rank",
+                         "docs/design.md"),
 }
 """The modes, in the order of the table's rows and columns."""
+
+
+@dataclass(frozen=True)
+class Orthogonal:
+    """A switch that is no mode: it changes neither the model, nor the step, nor what a rank holds, so it meets every
+    mode the same way; `test` shows the property that makes it so."""
+
+    flag: str
+    why: str
+    test: str
+
+
+ORTHOGONAL: dict[str, Orthogonal] = {
+    "log": Orthogonal("--log tensorboard,wandb,trackio",
+                      "each tracker is one more writer of the records metrics.jsonl gets (the same fan-out in every "
+                      "mode; under fault tolerance each replica group writes its own run in its replica folder, as "
+                      "its metrics.jsonl), and a resumed run continues the same step axis",
+                      "tests/integration/test_train_trackers_job.py::"
+                      "test_trackers_hold_the_jobs_losses_across_a_resume"),
+    "datasets": Orthogonal("--data <datasets save_to_disk folder> [--split]",
+                           "a corpus format: the documents become the same token stream as the same text in JSON "
+                           "Lines, before any mode sees it",
+                           "tests/integration/test_train_hf_datasets.py::"
+                           "test_a_saved_dataset_trains_as_its_json_lines"),
+}
+"""Switches that are not modes (no pairs in the table), each with why and the test that shows it."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +100,13 @@ class Refused:
 _FT = "a fault-tolerant replica group is FSDP with outer degree 1 and AdamW, its replicas joined by torchft"
 _DILOCO = "DiLoCo runs on HSDP's replicas with AdamW inside"
 _HF = "a Hugging Face model is sharded by fully_shard alone"
+_ASYNC_LIBRARY = "tests/distributed/test_checkpoint_async.py::test_async_save_equals_sync_save"
+_ASYNC_JOB = "tests/integration/test_train_async_save.py"
+_ASYNC_JOB_MODES = f"{_ASYNC_JOB}::test_async_save_equals_sync_save_under_diloco_from_a_pretrained_folder"
+_AUTO_TEST = "tests/integration/test_train_reshard_auto.py::test_in_between_choice_equals_after_forward_bitwise"
+_AUTO_HOW = ("the GPT-MoE at ep 2 under HSDP 2 x 2 with DiLoCo, 1 of 6 blocks kept within the budget (the cost "
+             "model's need with one kept): every step and the final checkpoint bitwise the after_forward run's")
+_AUTO_FT_TEST = "tests/integration/test_train_ft.py::test_groups_from_a_pretrained_folder_equal_hsdp"
 
 PAIRS: dict[frozenset[str], Works | Refused] = {frozenset(pair): entry for pair, entry in [
     (("pp", "mp"), Refused("the job's pipeline stages are sharded by fully_shard alone, without the tensor-parallel "
@@ -167,6 +203,55 @@ PAIRS: dict[frozenset[str], Works | Refused] = {frozenset(pair): entry for pair,
                                   "transformers'")),
     (("hf", "init_from"), Works("tests/unit/test_hf_models.py::test_hf_model_and_init_from_together",
                                 "--hf-model must name the folder's model type; the folder decides the model")),
+    (("pp", "async_save"), Works(_ASYNC_LIBRARY, "case pp2: each rank's list of stages saved in the background "
+                                                      "equals the synchronous save, key by key, bitwise")),
+    (("mp", "async_save"), Works(_ASYNC_LIBRARY, "case mp2: the tensor-parallel GPT's fragments saved in the "
+                                                      "background equal the synchronous save, bitwise")),
+    (("cp", "async_save"), Works(_ASYNC_LIBRARY, "case cp2: cp 2 x sharding 2 saved in the background equals "
+                                                      "the synchronous save, bitwise")),
+    (("ep", "async_save"), Works(f"{_ASYNC_JOB}::test_killed_during_a_background_write_resumes_from_the_complete_"
+                                 "checkpoint", "the GPT-MoE at ep 2, killed while a checkpoint is written in the "
+                                 "background, resumes from the one before and ends bitwise equal to a run that "
+                                 "saved only that one")),
+    (("hsdp", "async_save"), Works(_ASYNC_JOB_MODES, "HSDP 2 x 1 with DiLoCo: the checkpoints written in the "
+                                                     "background equal the synchronous run's, bitwise")),
+    (("diloco", "async_save"), Works(_ASYNC_JOB_MODES, "DiLoCo's per-rank state (snapshot, outer momentum) saved in "
+                                                       "the background equals the synchronous run's, bitwise")),
+    (("ft", "async_save"), Refused(f"{_FT}; the quorum's first group writes each checkpoint and that group can "
+                                   "change between saves, so a background write of a group that left the quorum "
+                                   "could still run while another group publishes (which removes unfinished "
+                                   "folders); drop --async-save (docs/checkpoints.md)")),
+    (("muon", "async_save"), Works(_ASYNC_LIBRARY, "case muon: Muon's whole matrices and AdamW's state saved in "
+                                                        "the background equal the synchronous save, bitwise")),
+    (("hf", "async_save"), Works(_ASYNC_JOB_MODES, "a Llama: its checkpoints written in the background equal the "
+                                                   "synchronous run's, bitwise")),
+    (("init_from", "async_save"), Works(_ASYNC_JOB_MODES, "started from a pretrained folder: the checkpoints written "
+                                                          "in the background equal the synchronous run's, bitwise")),
+    (("pp", "reshard_auto"), Refused("a rank's pipeline stages are sharded one by one, each of them would be given "
+                                     "the whole --max-memory-per-rank, and the schedule keeps the blocks gathered "
+                                     "between micro-batches anyway; use --reshard-policy after_backward (the "
+                                     "pipeline's default) or after_forward (docs/train-pipeline.md)")),
+    (("mp", "reshard_auto"), Works("tests/distributed/test_tensor_parallel.py::test_tensor_parallel_parity_world4",
+                                   "case mp2-inner2-auto: the tensor-parallel GPT under reshard_policy='auto' (a "
+                                   "budget that keeps every block) equals one process")),
+    (("cp", "reshard_auto"), Works("tests/integration/test_train_muon.py::test_context_parallel_equals_cp1",
+                                   "the --cp 2 run under --reshard-policy auto (every block kept) equals --cp 1")),
+    (("ep", "reshard_auto"), Works(_AUTO_TEST, _AUTO_HOW)),
+    (("hsdp", "reshard_auto"), Works(_AUTO_TEST, _AUTO_HOW)),
+    (("diloco", "reshard_auto"), Works(_AUTO_TEST, _AUTO_HOW)),
+    (("ft", "reshard_auto"), Works(_AUTO_FT_TEST,
+                                   "the replica groups under --reshard-policy auto (every layer kept) equal one HSDP "
+                                   "job, bitwise")),
+    (("muon", "reshard_auto"), Works("tests/integration/test_train_muon.py::test_context_parallel_equals_cp1",
+                                     "Muon under --reshard-policy auto at --cp 2 equals Muon at --cp 1")),
+    (("hf", "reshard_auto"), Works(_AUTO_FT_TEST,
+                                   "a Llama's decoder layers under --reshard-policy auto in each replica group")),
+    (("init_from", "reshard_auto"), Works(_AUTO_FT_TEST,
+                                          "from a pretrained folder under --reshard-policy auto, bitwise the HSDP "
+                                          "job's checkpoint")),
+    (("async_save", "reshard_auto"), Works(_AUTO_TEST, "the auto run saves with --async-save: its checkpoint, "
+                                                       "written in the background, equals the synchronous "
+                                                       "after_forward run's, bitwise")),
 ]}
 """Every unordered pair of `MODES`, exactly once (tests/unit/test_compat.py)."""
 
@@ -240,6 +325,9 @@ def markdown() -> str:
     for a in names:
         cells = ["-" if a == b else _LETTER[type(entry(a, b))] for b in names]
         lines.append(f"| **{a}** | " + " | ".join(cells) + " |")
+    lines += ["", "## Not modes", "", "These switches change neither the model, nor the step, nor what a rank holds, "
+              "so they meet every mode alike:", ""]
+    lines += [f"- **{name}** (`{o.flag}`): {o.why}; `{o.test}`." for name, o in ORTHOGONAL.items()]
     lines += ["", "## Pairs", ""]
     for a, b in pairs():
         found = entry(a, b)

@@ -6,11 +6,11 @@ it needs); this module composes them and imports them, never the other way round
 
     model        ModelConfig        model_config      --preset, --hf-model, --init-from, shape and MoE flags
     parallelism  ParallelismConfig  parallel_config   --ep, --expert-policy, --mp, --cp, --fsdp-outer-degree, ...
-    precision    PrecisionConfig    dtype_flags       --param-dtype, --grad-comm-dtype, --outer-comm-dtype
+    precision    PrecisionConfig    dtype_flags       --param-dtype, --grad-comm-dtype, --outer-comm-dtype, ...  
     optim        OptimizerConfig    optim_config      --optimizer, --lr, --min-lr, --weight-decay, --muon-lr, --clip
     schedule     ScheduleConfig     schedule          --steps, --warmup, the batch sizes, --seed, evaluation, ...
     corpus       DataConfig         data_config       --data, --data-bytes, the tokenizer flags
-    checkpoint   CheckpointConfig   checkpoint_config --save-every, --keep, --max-restarts
+    checkpoint   CheckpointConfig   checkpoint_config --save-every, --keep, --max-restarts, --async-save
     ft           FTConfig           ft_config         --ft-*: a fault-tolerant replica group
     outer        OuterConfig        outer_config      --outer-*: DiLoCo
     pipeline     PipelineConfig     pipeline_config   --pp, --pp-schedule, --stages-per-rank, --microbatches
@@ -62,8 +62,8 @@ class JobConfig:
     """Everything one training run depends on, as given on the command line: one section per concern (the module
     docstring lists them). Frozen; `replace` returns a changed copy.
 
-    Reading a flag by its name (``config.steps``) reads it from its section (``config.schedule.steps``): the job's
-    older modules and the tests read flags so; new code takes the sections it needs."""
+    A flag is read from its section (``config.schedule.steps``); `flat` gives them all by name, as config.json
+    records them."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -111,13 +111,6 @@ class JobConfig:
             changed[name] = dataclasses.replace(getattr(self, name),
                                                 **{k: v for k, v in fields.items() if OWNER[k] == name})
         return dataclasses.replace(self, **changed)
-
-    def __getattr__(self, name: str) -> Any:
-        """A flag read by its name: from the section that owns it (`OWNER`)."""
-        section = OWNER.get(name)
-        if section is None:
-            raise AttributeError(f"{type(self).__name__} has no flag or section {name!r}")
-        return getattr(getattr(self, section), name)
 
     def model_config(self) -> GPTConfig:
         """The model's shape: the preset with the model section's overrides, over the byte vocabulary
@@ -200,9 +193,9 @@ PLANNED = PlannedOuterDegree()
 @dataclass(frozen=True, kw_only=True)
 class ResolvedJob:
     """A `JobConfig` with every run-time default filled for a world of ranks, made by `resolve` alone; the job's
-    workers take this, never a bare `JobConfig`. Its own fields are the values `resolve` decides; any other flag
-    reads through to ``config`` (``job.steps``), and a section read by its name (``job.schedule``) is that section
-    with the resolved values in it (``job.schedule.warmup`` is an int)."""
+    workers take this, never a bare `JobConfig`. Its own fields are the values `resolve` decides; a section read by
+    its name (``job.schedule``) is the config's section with the resolved values in it (``job.schedule.warmup`` is
+    an int): consumers take the sections they need."""
 
     config: JobConfig
     """The flags as given (after `resolve`'s checks of the world)."""
@@ -243,15 +236,59 @@ class ResolvedJob:
     shape: GPTConfig
     """The model's shape (`model_config.shape` over the tokenizer's vocabulary)."""
 
-    def __getattr__(self, name: str) -> Any:
-        """A flag read by its name from ``config``, or a section with the resolved values in it."""
-        if name.startswith("__") or name == "config":
-            raise AttributeError(name)
-        if name in SECTIONS:
-            section = getattr(self.config, name)
-            own = {f.name: getattr(self, f.name) for f in dataclasses.fields(section) if f.name in RESOLVED}
-            return dataclasses.replace(section, **own) if own else section
-        return getattr(self.config, name)
+    def _section(self, name: str) -> Any:
+        """The section ``name`` of ``config`` with the values `resolve` decided for its fields put in."""
+        section = getattr(self.config, name)
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(section) if f.name in RESOLVED}
+        return dataclasses.replace(section, **own) if own else section
+
+    @property
+    def model(self) -> ModelConfig:
+        return self._section("model")
+
+    @property
+    def parallelism(self) -> ParallelismConfig:
+        return self._section("parallelism")
+
+    @property
+    def schedule(self) -> ScheduleConfig:
+        return self._section("schedule")
+
+    @property
+    def optim(self) -> OptimizerConfig:
+        return self._section("optim")
+
+    @property
+    def precision(self) -> PrecisionConfig:
+        return self._section("precision")
+
+    @property
+    def run(self) -> RunConfig:
+        return self._section("run")
+
+    @property
+    def checkpoint(self) -> CheckpointConfig:
+        return self._section("checkpoint")
+
+    @property
+    def dry(self) -> DryRunConfig:
+        return self._section("dry")
+
+    @property
+    def outer(self) -> OuterConfig:
+        return self._section("outer")
+
+    @property
+    def ft(self) -> FTConfig:
+        return self._section("ft")
+
+    @property
+    def corpus(self) -> DataConfig:
+        return self._section("corpus")
+
+    @property
+    def pipeline(self) -> PipelineConfig:
+        return self._section("pipeline")
 
     def model_config(self) -> GPTConfig:
         """The model's shape (``shape``)."""
@@ -263,7 +300,7 @@ class ResolvedJob:
 
     def marked(self, key: str) -> dict[str, Any]:
         """The values of the fields whose metadata sets ``key`` (`shardfusion.train.sections`), by name."""
-        return marked_values(MARKED_CLASSES, key, self)
+        return marked_values(MARKED_CLASSES, key, self.flat())
 
     def replace(self, **fields: Any) -> ResolvedJob:
         """A copy with resolved fields or flags (by name) changed; the shape follows the model flags and the
@@ -334,12 +371,12 @@ def resolve(config: JobConfig, *, device: str, world_size: int, saved: dict[str,
     """
     if model_config.is_hf(config.model):
         ep = 1  # Hugging Face models hold every expert (see ModelConfig.hf_model)
-    elif config.ep is None:
+    elif config.parallelism.ep is None:
         sharding = data_parallel_size(config, world_size)
-        ep = 2 if config.experts and config.experts % 2 == 0 and sharding % 2 == 0 else 1
+        ep = 2 if config.model.experts and config.model.experts % 2 == 0 and sharding % 2 == 0 else 1
     else:
-        ep = config.ep
-    outer = config.fsdp_outer_degree
+        ep = config.parallelism.ep
+    outer = config.parallelism.fsdp_outer_degree
     if ft_config.enabled(config.ft):
         outer = 1  # a fault-tolerant replica group is FSDP: its replicas are the other groups
     elif outer == AUTO:
@@ -348,16 +385,16 @@ def resolve(config: JobConfig, *, device: str, world_size: int, saved: dict[str,
         outer, _ = default_outer_degree(config, world_size, ranks_per_node, saved, ep=ep)
     dp_world = batch_world(config, world_size)
     per_rank, total = schedule.resolve_batch(config.schedule, dp_world=dp_world, saved=saved)
-    split = "".join(f" / {flag} {degree}" for flag, degree in (("--pp", config.pp), ("--mp", config.mp),
-                                                                 ("--cp", config.cp)) if degree > 1)
+    degrees = (("--pp", config.pipeline.pp), ("--mp", config.parallelism.mp), ("--cp", config.parallelism.cp))
+    split = "".join(f" / {flag} {degree}" for flag, degree in degrees if degree > 1)
     schedule.check_batch(per_rank, total, dp_world=dp_world, world=(world or f"{world_size} ranks") + split)
-    pipeline = pipeline_config.resolve(config.pipeline, config.grad_accum, config.reshard_policy)
-    fused = config.fused_qkv if fused_qkv is None else fused_qkv
+    pipeline = pipeline_config.resolve(config.pipeline, config.schedule.grad_accum, config.parallelism.reshard_policy)
+    fused = config.model.fused_qkv if fused_qkv is None else fused_qkv
     vocab = tokenizer.vocab_size if tokenizer is not None else None
     return ResolvedJob(
         config=config, world_size=world_size, device=device, nproc=nproc, ep=ep, fsdp_outer_degree=outer,
-        out=config.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}", batch_size=per_rank, global_batch_size=total,
-        warmup=warmup_steps(config.schedule, saved), ft_host=ft_host if ft_host is not None else config.ft_host,
+        out=config.run.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}", batch_size=per_rank, global_batch_size=total,
+        warmup=warmup_steps(config.schedule, saved), ft_host=ft_host if ft_host is not None else config.ft.ft_host,
         fused_qkv=fused, tokenizer=tokenizer.name if tokenizer else None, vocab_size=vocab,
         tokenizer_fingerprint=tokenizer.fingerprint if tokenizer else None,
         shape=model_config.shape(dataclasses.replace(config.model, fused_qkv=fused), vocab), **pipeline)
@@ -377,8 +414,8 @@ def default_outer_degree(config: JobConfig | ResolvedJob, world_size: int, ranks
     world / (pp x ranks per node) when ep x cp x mp divides a node); when none does (ep x cp x mp does not divide
     ranks_per_node), or the degrees do not fit the world (`check_run` then says which), the one-node rule, and the
     reason says so. Raises nothing."""
-    pp, ep = max(1, config.pp), max(1, (config.ep if ep is None else ep) or 1)
-    mp, cp = config.mp, config.cp
+    pp, ep = max(1, config.pipeline.pp), max(1, (config.parallelism.ep if ep is None else ep) or 1)
+    mp, cp = config.parallelism.mp, config.parallelism.cp
     sharding = data_parallel_size(config, world_size)
     moe_sharding = sharding // ep if sharding % ep == 0 else sharding
     one_node = 2 if world_size // pp >= 4 and moe_sharding % 2 == 0 else 1
@@ -407,7 +444,8 @@ def default_outer_degree(config: JobConfig | ResolvedJob, world_size: int, ranks
 
 def data_parallel_size(config: JobConfig | ResolvedJob, world_size: int) -> int:
     """`parallel_config.data_parallel_size` of the config's --pp, --mp and --cp at world_size ranks."""
-    return parallel_config.data_parallel_size(config.pp, config.mp, config.cp, world_size)
+    par = config.parallelism
+    return parallel_config.data_parallel_size(config.pipeline.pp, par.mp, par.cp, world_size)
 
 
 def batch_world(config: JobConfig | ResolvedJob, world_size: int) -> int:
@@ -428,7 +466,7 @@ def check_run(config: ResolvedJob, *, world: str) -> None:
     """
     _check_layout(config, world)
     _check_out(config)
-    if config.init_from is not None:
+    if config.model.init_from is not None:
         check_pretrained(config)
     _check_corpus(config)
 
@@ -436,7 +474,7 @@ def check_run(config: ResolvedJob, *, world: str) -> None:
 def _check_layout(config: ResolvedJob, world: str) -> None:
     """`check_run`'s layout rules: --mp, --cp, --pp, the outer degree and --ep against the world size."""
     world_size = config.world_size
-    outer, ep, mp, cp = config.fsdp_outer_degree, config.ep, config.mp, config.cp
+    outer, ep, mp, cp = config.fsdp_outer_degree, config.ep, config.parallelism.mp, config.parallelism.cp
     if outer == PLANNED:
         outer = 1  # the cost model picks a degree that fits; the layout check below is the ep one
     for flag, degree in (("--mp", mp), ("--cp", cp)):
@@ -452,13 +490,13 @@ def _check_layout(config: ResolvedJob, world: str) -> None:
         if seq_len % cp:
             raise ValueError(f"--cp {cp} must divide the sequence length {seq_len} (--seq-len): each cp rank takes "
                              f"seq_len / cp tokens of every sequence")
-        if config.dropout:
-            raise ValueError(f"--cp {cp} needs --dropout 0 (got {config.dropout}): attention dropout would differ "
-                             "from one process's")
-    pipeline_config.check_world(config.pipeline, config.grad_accum, config.batch_size, world_size=world_size,
+        if config.model.dropout:
+            raise ValueError(f"--cp {cp} needs --dropout 0 (got {config.model.dropout}): attention dropout would "
+                             "differ from one process's")
+    pipeline_config.check_world(config.pipeline, config.schedule.grad_accum, config.batch_size, world_size=world_size,
                                 world=world)  # --pp divides the world, and more
     outer_config.check_layout(config.outer, config.fsdp_outer_degree, world, config.ft)  # diloco has replicas
-    pp = config.pp
+    pp = config.pipeline.pp
     with_mp = "".join(f" with {flag} {degree}" for flag, degree in (("--pp", pp), ("--mp", mp), ("--cp", cp))
                       if degree > 1)
     try:
@@ -471,7 +509,7 @@ def _check_layout(config: ResolvedJob, world: str) -> None:
     except ValueError as error:
         raise ValueError(f"--ep {ep} with --fsdp-outer-degree {outer}{with_mp.replace(' with', ' and')} does not fit "
                          f"{world_size} ranks ({world}): {error}") from None
-    if mp > 1 and not (config.hf_model or config.init_from):
+    if mp > 1 and not (config.model.hf_model or config.model.init_from):
         from shardfusion.models.gpt_parallel import check_tensor_parallel
         try:
             check_tensor_parallel(config.model_config(), mp)
@@ -483,9 +521,10 @@ def _check_out(config: ResolvedJob) -> None:
     """`check_run`'s rules of --data-bytes against the sequence length, and of --out (a writable folder)."""
     need = min_corpus_bytes(config.model_config().seq_len)
     seq = f"seq_len + 1 = {config.model_config().seq_len + 1}"
-    if config.data_bytes < need:
-        n_train, n_val = split_sizes(config.data_bytes)
-        raise ValueError(f"--data-bytes {config.data_bytes} is too small: it splits into {n_train} train / {n_val} val "
+    data_bytes = config.corpus.data_bytes
+    if data_bytes < need:
+        n_train, n_val = split_sizes(data_bytes)
+        raise ValueError(f"--data-bytes {data_bytes} is too small: it splits into {n_train} train / {n_val} val "
                          f"bytes, but each split needs {seq} bytes; use --data-bytes >= {need} or a smaller --seq-len")
     if config.out is not None:
         out = Path(config.out)
@@ -498,13 +537,14 @@ def _check_out(config: ResolvedJob) -> None:
 
 def _check_corpus(config: ResolvedJob) -> None:
     """`check_run`'s rules of a byte corpus (--data, or the standard library): text, and enough of it."""
-    if not data_config.plain_bytes(config):
+    if not data_config.plain_bytes(config.corpus, config.model):
         return  # tokens, not bytes: data_config.prepare tokenizes the corpus and checks it
     need = min_corpus_bytes(config.model_config().seq_len)
     seq = f"seq_len + 1 = {config.model_config().seq_len + 1}"
-    where = "the standard library" if config.data is None else f"--data {config.data}"
+    data, data_bytes = config.corpus.data, config.corpus.data_bytes
+    where = "the standard library" if data is None else f"--data {data}"
     try:  # every --data file the run reads is checked to be text; the standard library only as far as needed
-        size = corpus_size(config.data, config.data_bytes if config.data is not None else min(config.data_bytes, need))
+        size = corpus_size(data, data_bytes if data is not None else min(data_bytes, need))
     except OSError as error:
         raise ValueError(str(error) if str(error).startswith("--data") else f"{where}: {error}") from None
     if size == 0:
@@ -529,15 +569,15 @@ def attention_flops(config: ResolvedJob) -> float:
     square of --seq-len, while everything else grows linearly. config must be `resolve`d."""
     model = config.model_config()
     per_sequence = 6.0 * model.n_layer * model.seq_len ** 2 * model.d_model
-    split = max(1, config.pp) * max(1, config.mp) * max(1, config.cp)
-    return per_sequence * config.batch_size * config.grad_accum / split
+    split = max(1, config.pipeline.pp) * max(1, config.parallelism.mp) * max(1, config.parallelism.cp)
+    return per_sequence * config.batch_size * config.schedule.grad_accum / split
 
 
 def seq_len_warning(config: ResolvedJob) -> str | None:
     """A warning when --seq-len makes each step's attention work (`attention_flops`) exceed
     `SLOW_ATTENTION_FLOPS` on the run's device, else None (also for --init-from, whose shape is not the flags').
     A --seq-len the corpus cannot serve is an error of `check_run` instead. config must be `resolve`d."""
-    if config.init_from is not None:
+    if config.model.init_from is not None:
         return None
     flops, limit = attention_flops(config), SLOW_ATTENTION_FLOPS.get(config.device, SLOW_ATTENTION_FLOPS["cpu"])
     if flops <= limit:
@@ -548,8 +588,8 @@ def seq_len_warning(config: ResolvedJob) -> str | None:
     shorter = 2 ** max(0, math.floor(math.log2(fits)))
     return (f"--seq-len {model.seq_len}: the attention alone needs about {flops:.1e} FLOPs per rank per optimizer "
             f"step (6 x n_layer {model.n_layer} x seq_len^2 x d_model {model.d_model} x {config.batch_size} "
-            f"sequences x --grad-accum {config.grad_accum}), above {limit:.0e} on {config.device}: expect a slow "
-            f"run (it grows with the square of --seq-len); --seq-len {shorter} or less stays under it")
+            f"sequences x --grad-accum {config.schedule.grad_accum}), above {limit:.0e} on {config.device}: expect a "
+            f"slow run (it grows with the square of --seq-len); --seq-len {shorter} or less stays under it")
 
 
 def check_pretrained(config: JobConfig | ResolvedJob) -> None:
@@ -558,7 +598,8 @@ def check_pretrained(config: JobConfig | ResolvedJob) -> None:
     Raises:
         ValueError: one line naming --init-from and what is wrong there.
     """
-    model_config.check_pretrained(config.model, data_config.tokenizer_spec(config), config.model_config().seq_len)
+    spec = data_config.tokenizer_spec(config.corpus, config.model, config.run.out)
+    model_config.check_pretrained(config.model, spec, config.model_config().seq_len)
 
 
 def lr_at(config: JobConfig | ResolvedJob, step: int) -> float:

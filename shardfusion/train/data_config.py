@@ -4,8 +4,8 @@
 sections' checks; the job calls `prepare_tokenizer` once before any worker starts (it trains a tokenizer if asked
 and checks it against an --init-from folder's and the resumed checkpoint's), whose facts `config.resolve` takes,
 then `prepare_corpus` (it tokenizes the corpus into the token cache and checks that each split holds a window);
-each worker calls `load_splits`. The functions below other than `check_flags` read the flags of a whole
-`JobConfig` or `ResolvedJob` (``config``). docs/data.md tells the whole story.
+each worker calls `load_splits`. They take this section, and of the others only what they read: the model section
+(--init-from, the window's seq_len) and the run folder (--out). docs/data.md tells the whole story.
 
 Two paths, chosen by the tokenizer and the files (`plain_bytes`):
 
@@ -34,12 +34,8 @@ import numpy as np
 from shardfusion.train import run_folder
 from shardfusion.train import tokenizer as tok
 from shardfusion.train.documents import data_files, documents, is_structured, text_bytes
-from shardfusion.train.model_config import ModelConfig
+from shardfusion.train.model_config import ModelConfig, shape
 from shardfusion.train.sections import FT_SHARED_UNLESS_DEFAULT, meta
-
-AnyConfig = Any
-"""The annotation of the functions that read a whole config (`JobConfig` or `ResolvedJob`, which this section's
-module does not import: `shardfusion.train.config` imports it)."""
 
 RUN_TOKENIZER = run_folder.TOKENIZER
 """OUT/tokenizer: the run's copy of its tokenizer (not for bytes), which an export writes beside the weights."""
@@ -106,35 +102,40 @@ def check_flags(config: DataConfig, model: ModelConfig) -> None:
                              f"(the default corpus has no splits)")
 
 
-def _files(config: AnyConfig) -> list[Path]:
-    if config.data is None:
+def _files(corpus: DataConfig) -> list[Path]:
+    if corpus.data is None:
         from shardfusion.train.data import stdlib_files
         return stdlib_files()
-    return data_files(Path(config.data), config.split)
+    return data_files(Path(corpus.data), corpus.split)
 
 
-def where(config: AnyConfig) -> str:
+def _run_tokenizer(out: Optional[str]) -> bool:
+    """Whether the run folder ``out`` holds the run's own tokenizer (OUT/tokenizer)."""
+    return out is not None and tok.is_tokenizer_folder(Path(out) / RUN_TOKENIZER)
+
+
+def where(corpus: DataConfig) -> str:
     """The corpus in messages: ``--data PATH`` (and ``--split NAME``), or the standard library."""
-    if config.data is None:
+    if corpus.data is None:
         return "the standard library"
-    return f"--data {config.data}" + (f" --split {config.split}" if config.split is not None else "")
+    return f"--data {corpus.data}" + (f" --split {corpus.split}" if corpus.split is not None else "")
 
 
-def _check_text(config: AnyConfig) -> bool:
+def _check_text(corpus: DataConfig) -> bool:
     """Whether the corpus's files are checked to be text (`shardfusion.train.text_files`): those of --data are; the
     standard library's source, the job's own default, is not (a few of its test files are in other encodings on
     purpose)."""
-    return config.data is not None
+    return corpus.data is not None
 
 
-def plain_bytes(config: AnyConfig) -> bool:
+def plain_bytes(corpus: DataConfig, model: ModelConfig) -> bool:
     """Whether the run reads raw bytes (`--tokenizer bytes`, text files only): the path of runs before tokenizers."""
-    if config.tokenizer not in (None, tok.BYTES) or config.train_tokenizer is not None:
+    if corpus.tokenizer not in (None, tok.BYTES) or corpus.train_tokenizer is not None:
         return False
-    if config.init_from is not None and config.tokenizer is None and tok.is_tokenizer_folder(config.init_from):
+    if model.init_from is not None and corpus.tokenizer is None and tok.is_tokenizer_folder(model.init_from):
         return False
     try:
-        return not any(is_structured(p) for p in _files(config))
+        return not any(is_structured(p) for p in _files(corpus))
     except FileNotFoundError:
         return True  # check_run names the missing --data
 
@@ -147,7 +148,7 @@ def _pretrained_vocab(folder: str) -> Optional[int]:
     return vocab if isinstance(vocab, int) else None
 
 
-def tokenizer_spec(config: AnyConfig, resuming: bool = False) -> str:
+def tokenizer_spec(corpus: DataConfig, model: ModelConfig, out: Optional[str], resuming: bool = False) -> str:
     """What `--tokenizer` resolves to, before `--train-tokenizer` (see `prepare`): the flag; else the run's own
     OUT/tokenizer when resuming a run that has one; else the `--init-from` folder when it holds a tokenizer; else
     bytes.
@@ -155,36 +156,36 @@ def tokenizer_spec(config: AnyConfig, resuming: bool = False) -> str:
     Raises:
         ValueError: --init-from names a folder without a tokenizer whose model's vocabulary is not the 256 bytes.
     """
-    if config.tokenizer is not None:
-        return config.tokenizer
-    if resuming and config.out is not None and tok.is_tokenizer_folder(Path(config.out) / RUN_TOKENIZER):
-        return str(Path(config.out) / RUN_TOKENIZER)
-    if config.init_from is not None:
-        if tok.is_tokenizer_folder(config.init_from):
-            return config.init_from
-        vocab = _pretrained_vocab(config.init_from)
+    if corpus.tokenizer is not None:
+        return corpus.tokenizer
+    if resuming and _run_tokenizer(out):
+        return str(Path(out) / RUN_TOKENIZER)
+    if model.init_from is not None:
+        if tok.is_tokenizer_folder(model.init_from):
+            return model.init_from
+        vocab = _pretrained_vocab(model.init_from)
         if vocab != 256:
-            raise ValueError(f"--init-from {config.init_from} holds no tokenizer ({' nor '.join(tok.TOKENIZER_FILES)})"
+            raise ValueError(f"--init-from {model.init_from} holds no tokenizer ({' nor '.join(tok.TOKENIZER_FILES)})"
                              f" and its model's vocabulary is {vocab}, not the 256 bytes: pass the tokenizer it was "
                              f"trained with (--tokenizer PATH), or --tokenizer bytes to feed it bytes anyway")
     return tok.BYTES
 
 
-def _train_texts(config: AnyConfig):
+def _train_texts(corpus: DataConfig):
     """The documents a tokenizer is trained on: those that begin in the first 1 - VAL_FRACTION of the text, so that
     the validation text is not seen (the split itself is on tokens, close to the same place)."""
     from shardfusion.train.data import VAL_FRACTION
-    files = _files(config)
+    files = _files(corpus)
     size = 0
     for path in files:  # bytes of text, decompressed, up to the cap
-        if size >= config.data_bytes:
+        if size >= corpus.data_bytes:
             break
-        size += text_bytes(path, config.text_field, config.data_bytes - size)
-    limit = (1 - VAL_FRACTION) * min(config.data_bytes, size)
+        size += text_bytes(path, corpus.text_field, corpus.data_bytes - size)
+    limit = (1 - VAL_FRACTION) * min(corpus.data_bytes, size)
 
     def texts():
         seen = 0
-        for _, text in documents(files, config.text_field, config.data_bytes, _check_text(config)):
+        for _, text in documents(files, corpus.text_field, corpus.data_bytes, _check_text(corpus)):
             if seen >= limit:
                 return
             seen += len(text.encode("utf-8"))
@@ -192,49 +193,49 @@ def _train_texts(config: AnyConfig):
     return texts
 
 
-def _trained(config: AnyConfig, progress: bool) -> tok.Tokenizer:
+def _trained(corpus: DataConfig, progress: bool) -> tok.Tokenizer:
     """`--train-tokenizer N`: the BPE of the corpus and N, trained once and kept in the token cache."""
     from shardfusion.train.token_cache import _locked, cache_folder, cache_key
-    files = _files(config)
-    key = cache_key(files, tok.byte_tokenizer(), config.text_field, config.data_bytes)
-    folder = cache_folder(config.data, config.data_cache) / f"bpe{config.train_tokenizer}-{key}"
+    files = _files(corpus)
+    key = cache_key(files, tok.byte_tokenizer(), corpus.text_field, corpus.data_bytes)
+    folder = cache_folder(corpus.data, corpus.data_cache) / f"bpe{corpus.train_tokenizer}-{key}"
     folder.parent.mkdir(parents=True, exist_ok=True)
     with _locked(folder.with_suffix(".lock")):
         if not tok.is_tokenizer_folder(folder):
-            print(f"shardfusion: training a byte-level BPE tokenizer of {config.train_tokenizer} tokens on "
-                  f"{where(config)} into {folder}", flush=True)
+            print(f"shardfusion: training a byte-level BPE tokenizer of {corpus.train_tokenizer} tokens on "
+                  f"{where(corpus)} into {folder}", flush=True)
             tmp = folder.with_name(folder.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            tok.train_bpe(_train_texts(config), config.train_tokenizer, tmp, progress=progress)
+            tok.train_bpe(_train_texts(corpus), corpus.train_tokenizer, tmp, progress=progress)
             tmp.replace(folder)
     return tok.load(str(folder))
 
 
-def resolve_tokenizer(config: AnyConfig, resuming: bool = False, progress: bool = False) -> tok.Tokenizer:
+def resolve_tokenizer(corpus: DataConfig, model: ModelConfig, out: Optional[str], resuming: bool = False,
+                      progress: bool = False) -> tok.Tokenizer:
     """The run's tokenizer: trained (`--train-tokenizer`, unless a resumed run has its own copy) or loaded
     (`tokenizer_spec`)."""
-    if config.train_tokenizer is not None and not (
-            resuming and config.out is not None and tok.is_tokenizer_folder(Path(config.out) / RUN_TOKENIZER)):
-        return _trained(config, progress)
-    return tok.load(tokenizer_spec(config, resuming))
+    if corpus.train_tokenizer is not None and not (resuming and _run_tokenizer(out)):
+        return _trained(corpus, progress)
+    return tok.load(tokenizer_spec(corpus, model, out, resuming))
 
 
-def check_vocabulary(config: AnyConfig, tokenizer: tok.Tokenizer) -> None:
+def check_vocabulary(model: ModelConfig, tokenizer: tok.Tokenizer) -> None:
     """A pretrained model (`--init-from`) must have an embedding row for every id of the tokenizer.
 
     Raises:
         ValueError: naming both sizes.
     """
-    if config.init_from is None:
+    if model.init_from is None:
         return
-    vocab = _pretrained_vocab(config.init_from)
+    vocab = _pretrained_vocab(model.init_from)
     if vocab is not None and vocab < tokenizer.vocab_size:
-        raise ValueError(f"--init-from {config.init_from}: its model has vocab_size {vocab}, but the tokenizer "
+        raise ValueError(f"--init-from {model.init_from}: its model has vocab_size {vocab}, but the tokenizer "
                          f"{tokenizer.name} has {tokenizer.vocab_size} ids; use the tokenizer the model was trained "
                          f"with (--tokenizer PATH)")
 
 
-def check_pretrained_tokenizer(config: AnyConfig, tokenizer: tok.Tokenizer) -> Optional[str]:
+def check_pretrained_tokenizer(corpus: DataConfig, model: ModelConfig, tokenizer: tok.Tokenizer) -> Optional[str]:
     """The run's tokenizer must map text to the ids of the tokenizer an `--init-from` folder holds (the same
     `shardfusion.train.tokenizer.ids_fingerprint`): a model's embedding rows mean the ids it was trained with, so
     another tokenizer of the same size would train it on shuffled ids. Nothing to check without --init-from, when
@@ -245,25 +246,26 @@ def check_pretrained_tokenizer(config: AnyConfig, tokenizer: tok.Tokenizer) -> O
         ValueError: one line naming both tokenizers and both fingerprints (the first 12 hex digits), unless
             --tokenizer-override; or the folder's tokenizer cannot be loaded.
     """
-    if config.init_from is None or not tok.is_tokenizer_folder(config.init_from):
+    init_from = model.init_from
+    if init_from is None or not tok.is_tokenizer_folder(init_from):
         return None
-    if tokenizer.name == config.init_from:
+    if tokenizer.name == init_from:
         return None
-    theirs = tok.folder_ids_fingerprint(config.init_from)
+    theirs = tok.folder_ids_fingerprint(init_from)
     ours = tokenizer.ids_fingerprint
     if ours == theirs:
         return None
-    source = f"--tokenizer {config.tokenizer}" if config.tokenizer is not None else f"the tokenizer {tokenizer.name}"
+    source = f"--tokenizer {corpus.tokenizer}" if corpus.tokenizer is not None else f"the tokenizer {tokenizer.name}"
     clash = (f"{source} (ids fingerprint {ours[:12]}, {tokenizer.vocab_size} ids) maps text to other ids than the "
-             f"tokenizer of --init-from {config.init_from} (ids fingerprint {theirs[:12]})")
-    if config.tokenizer_override:
+             f"tokenizer of --init-from {init_from} (ids fingerprint {theirs[:12]})")
+    if corpus.tokenizer_override:
         return f"{clash}; training with {source} anyway (--tokenizer-override)"
-    instead = "drop --tokenizer to use the folder's own, or " if config.tokenizer is not None else ""
+    instead = "drop --tokenizer to use the folder's own, or " if corpus.tokenizer is not None else ""
     raise ValueError(f"{clash}, whose ids the model was trained on; {instead}pass --tokenizer-override to train with "
                      f"{source} anyway")
 
 
-def check_saved(config: AnyConfig, tokenizer: tok.Tokenizer, saved: Optional[dict[str, Any]]) -> None:
+def check_saved(out: Optional[str], tokenizer: tok.Tokenizer, saved: Optional[dict[str, Any]]) -> None:
     """A resumed run must tokenize as the saved run did (saved: the checkpoint's settings; a checkpoint without a
     fingerprint was written by a byte-level run).
 
@@ -275,39 +277,38 @@ def check_saved(config: AnyConfig, tokenizer: tok.Tokenizer, saved: Optional[dic
     was = saved.get("tokenizer_fingerprint") or tok.BYTES
     if was != tokenizer.fingerprint:
         before = saved.get("tokenizer") or tok.BYTES
-        raise ValueError(f"--tokenizer: the checkpoint in --out {config.out} was trained with the tokenizer {before}, "
+        raise ValueError(f"--tokenizer: the checkpoint in --out {out} was trained with the tokenizer {before}, "
                          f"this run's is {tokenizer.name} (another vocabulary or tokenization); resume with the saved "
                          f"run's tokenizer, or use another --out")
 
 
-def _token_stream(config: AnyConfig, tokenizer: tok.Tokenizer, progress: bool) -> tuple[np.ndarray, dict]:
+def _token_stream(corpus: DataConfig, tokenizer: tok.Tokenizer, progress: bool) -> tuple[np.ndarray, dict]:
     from shardfusion.train.token_cache import cache_folder, cached_tokens
-    return cached_tokens(_files(config), tokenizer, text_field=config.text_field, max_bytes=config.data_bytes,
-                         folder=cache_folder(config.data, config.data_cache), progress=progress,
-                         where=where(config), check_text=_check_text(config))
+    return cached_tokens(_files(corpus), tokenizer, text_field=corpus.text_field, max_bytes=corpus.data_bytes,
+                         folder=cache_folder(corpus.data, corpus.data_cache), progress=progress,
+                         where=where(corpus), check_text=_check_text(corpus))
 
 
-def check_stream(config: AnyConfig, n_tokens: int, meta: dict) -> None:
+def check_stream(corpus: DataConfig, seq_len: int, n_tokens: int, meta: dict) -> None:
     """Each split of the token stream must hold one window of seq_len + 1 tokens.
 
     Raises:
         ValueError: naming the corpus, its tokens and what a window needs.
     """
     from shardfusion.train.data import min_corpus_bytes, split_sizes
-    seq_len = config.model_config().seq_len
     need = min_corpus_bytes(seq_len)
     if meta.get("documents", 1) == 0:
-        raise ValueError(f"{where(config)} holds no documents; pass --data with a non-empty text, JSON Lines, "
+        raise ValueError(f"{where(corpus)} holds no documents; pass --data with a non-empty text, JSON Lines, "
                          f"Parquet or datasets file or folder")
     if n_tokens < need:
         n_train, n_val = split_sizes(n_tokens) if n_tokens > 1 else (n_tokens, 0)
-        raise ValueError(f"{where(config)} holds only {n_tokens} tokens ({meta.get('documents')} documents), which "
+        raise ValueError(f"{where(corpus)} holds only {n_tokens} tokens ({meta.get('documents')} documents), which "
                          f"split into {n_train} train / {n_val} val tokens, but each split needs seq_len + 1 = "
                          f"{seq_len + 1} tokens (a corpus of >= {need} tokens); use more data or a smaller --seq-len")
 
 
-def prepare_tokenizer(config: AnyConfig, saved: Optional[dict[str, Any]] = None,
-                      progress: bool = True) -> tok.Tokenizer:
+def prepare_tokenizer(corpus: DataConfig, model: ModelConfig, out: Optional[str],
+                      saved: Optional[dict[str, Any]] = None, progress: bool = True) -> tok.Tokenizer:
     """Before any worker starts: resolve and load the tokenizer (training it with `--train-tokenizer`), check it
     against the pretrained model (its vocabulary and its tokenizer's ids; local rank 0 prints the warning of
     --tokenizer-override) and the resumed checkpoint. `shardfusion.train.config.resolve` takes its name, vocabulary
@@ -316,36 +317,36 @@ def prepare_tokenizer(config: AnyConfig, saved: Optional[dict[str, Any]] = None,
     Raises:
         ValueError: one line naming the flag (see the functions above).
     """
-    tokenizer = resolve_tokenizer(config, resuming=saved is not None, progress=progress)
-    check_vocabulary(config, tokenizer)
-    warning = check_pretrained_tokenizer(config, tokenizer)
+    tokenizer = resolve_tokenizer(corpus, model, out, resuming=saved is not None, progress=progress)
+    check_vocabulary(model, tokenizer)
+    warning = check_pretrained_tokenizer(corpus, model, tokenizer)
     if warning and os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun every worker runs this: one prints
         print(f"shardfusion: warning: {warning}", flush=True)
-    check_saved(config, tokenizer, saved)
+    check_saved(out, tokenizer, saved)
     return tokenizer
 
 
-def prepare_corpus(config: AnyConfig, tokenizer: tok.Tokenizer, progress: bool = True) -> None:
+def prepare_corpus(corpus: DataConfig, model: ModelConfig, tokenizer: tok.Tokenizer, progress: bool = True) -> None:
     """Tokenize the corpus into the cache (unless the run reads plain bytes, which `check_run` checked) and check
-    its size; ``config`` is resolved with ``tokenizer``.
+    its size (a window of the model's seq_len per split); ``corpus`` is resolved with ``tokenizer``.
 
     Raises:
         ValueError: one line naming the flag (see `check_stream` and `shardfusion.train.documents`).
     """
-    if not plain_bytes(config):
-        stream, meta_ = _token_stream(config, tokenizer, progress)
-        check_stream(config, len(stream), meta_)
+    if not plain_bytes(corpus, model):
+        stream, meta_ = _token_stream(corpus, tokenizer, progress)
+        check_stream(corpus, shape(model).seq_len, len(stream), meta_)
 
 
-def load_splits(config: AnyConfig, tokenizer: tok.Tokenizer) -> tuple[Any, Any, dict]:
-    """(train, val, info) of a resolved config (`prepare_corpus` ran): 1-D uint8 tensors for plain bytes, else read-only numpy views of
-    the cached stream; info: {"tokens", "documents", "text_bytes", "cache"} (documents and cache None for bytes)."""
+def load_splits(corpus: DataConfig, model: ModelConfig, tokenizer: tok.Tokenizer) -> tuple[Any, Any, dict]:
+    """(train, val, info) of a resolved corpus section (`prepare_corpus` ran): 1-D uint8 tensors for plain bytes,
+    else read-only numpy views of the cached stream; info: {"tokens", "documents", "text_bytes", "cache"} (documents and cache None for bytes)."""
     from shardfusion.train.data import load_corpus, split_corpus
-    if plain_bytes(config):
-        train, val = split_corpus(load_corpus(config.data, config.data_bytes))
+    if plain_bytes(corpus, model):
+        train, val = split_corpus(load_corpus(corpus.data, corpus.data_bytes))
         n = len(train) + len(val)
         return train, val, {"tokens": n, "documents": None, "text_bytes": n, "cache": None}
-    stream, meta = _token_stream(config, tokenizer, progress=False)
+    stream, meta = _token_stream(corpus, tokenizer, progress=False)
     train, val = split_corpus(stream)
     return train, val, {"tokens": len(stream), "documents": meta["documents"], "text_bytes": meta["text_bytes"],
                         "cache": meta["path"]}

@@ -1,8 +1,9 @@
-"""The training job's dtype flags (`--param-dtype`, `--grad-comm-dtype`, `--outer-comm-dtype`) and what every mode's
-workers make of them.
+"""The training job's dtype flags (`--param-dtype`, `--grad-comm-dtype`, `--outer-comm-dtype`, `--all-gather-dtype`)
+and what every mode's workers make of them.
 
 The names are the library's (`shardfusion.policies.DTYPE_NAMES`: fp32, bf16, fp16; and
-`shardfusion._runtime.compress.INT8` for the outer wire format), never a table of the job's own. `check_flags` checks
+`shardfusion._runtime.compress.INT8` for the outer wire format; `shardfusion.policies.ALL_GATHER_DTYPE_NAMES`: int8,
+bf16, fp16, fp8 for the parameter all-gather's), never a table of the job's own. `check_flags` checks
 them with the other sections' checks (`JobConfig.validate`); `mixed_precision` and `outer_comm_dtype` turn them into the
 arguments the library takes, and every mode builds from these two: plain HSDP (`shardfusion.train.job`), the pipeline
 stages (`job_pipeline`), DiLoCo and streaming DiLoCo (`job_outer`: the pseudo-gradients' wire format) and the dry run
@@ -18,11 +19,12 @@ from typing import Any
 import torch
 
 from shardfusion._runtime.compress import INT8, OuterCommDtype, validate_outer_comm_dtype
-from shardfusion.policies import DTYPE_NAMES, MixedPrecisionPolicy, dtype_named
-from shardfusion.train.sections import meta
+from shardfusion.policies import ALL_GATHER_DTYPE_NAMES, DTYPE_NAMES, MixedPrecisionPolicy, dtype_named
+from shardfusion.train.sections import FT_SHARED_UNLESS_DEFAULT, meta
 
 VALUES: dict[str, tuple[str, ...]] = {"param_dtype": tuple(DTYPE_NAMES), "grad_comm_dtype": tuple(DTYPE_NAMES),
-                                      "outer_comm_dtype": (*DTYPE_NAMES, INT8)}
+                                      "outer_comm_dtype": (*DTYPE_NAMES, INT8),
+                                      "all_gather_dtype": tuple(ALL_GATHER_DTYPE_NAMES)}
 """Each dtype field of `PrecisionConfig` and the values its flag takes (``None``, the default, is accepted too)."""
 
 
@@ -38,6 +40,10 @@ class PrecisionConfig:
     outer_comm_dtype: str | None = field(default=None, metadata=meta(resume=True))
     """Wire format of the HSDP outer (cross-node) all-reduce only: fp32, bf16, fp16, or int8 (block-wise, about a
     quarter of fp32's bytes; see docs/compressed-all-reduce.md) (default: --grad-comm-dtype)."""
+    all_gather_dtype: str | None = field(default=None, metadata=meta(resume=True, ft_shared=FT_SHARED_UNLESS_DEFAULT))
+    """Wire format of the parameter all-gather only (ZeRO++'s quantized weights): int8 (block-wise, about a quarter
+    of fp32's bytes), bf16, fp16 or fp8 (e4m3 with a scale per block); the gathered parameters are dequantized to
+    --param-dtype, the shards stay exact; see docs/quantized-all-gather.md (default: in --param-dtype)."""
 
 
 def torch_dtype(name: str | None) -> torch.dtype | None:
@@ -49,13 +55,16 @@ def torch_dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else dtype_named(name)
 
 
-def mixed_precision(config: Any) -> MixedPrecisionPolicy:
-    """The `MixedPrecisionPolicy` of --param-dtype and --grad-comm-dtype, as every mode's `fully_shard` takes it."""
+def mixed_precision(config: PrecisionConfig) -> MixedPrecisionPolicy:
+    """The `MixedPrecisionPolicy` of --param-dtype, --grad-comm-dtype and --all-gather-dtype, as every mode's
+    `fully_shard` takes it."""
+    wire = config.all_gather_dtype
     return MixedPrecisionPolicy(param_dtype=torch_dtype(config.param_dtype),
-                                grad_comm_dtype=torch_dtype(config.grad_comm_dtype))
+                                grad_comm_dtype=torch_dtype(config.grad_comm_dtype),
+                                all_gather_dtype=None if wire is None else ALL_GATHER_DTYPE_NAMES[wire])
 
 
-def outer_comm_dtype(config: Any) -> OuterCommDtype:
+def outer_comm_dtype(config: PrecisionConfig) -> OuterCommDtype:
     """--outer-comm-dtype as the library's wire format: ``fully_shard(outer_comm_dtype=)`` of HSDP and the
     pipeline, ``DiLoCo(comm_dtype=)``: None (the default), ``torch.float32``, ``torch.bfloat16``,
     ``torch.float16`` or ``"int8"``."""

@@ -126,6 +126,8 @@ def check_flags(config: FTConfig, parallelism: ParallelismConfig, pipeline: Pipe
         ("pp", "--pp", pipeline.pp, pipeline.pp != 1), ("cp", "--cp", p.cp, p.cp != 1),
         ("hsdp", "--fsdp-outer-degree", p.fsdp_outer_degree, p.fsdp_outer_degree not in (None, 1)),
         ("muon", "--optimizer", optim.optimizer, optim.optimizer != "adamw")])
+    if checkpoint.async_save:
+        compat.refuse("ft", "async_save", "--async-save", "--ft-lighthouse")
     refuse_first([("--max-restarts", checkpoint.max_restarts, bool(checkpoint.max_restarts)),
                   ("--outer-comm-dtype", precision.outer_comm_dtype, precision.outer_comm_dtype is not None)],
                  "--ft-lighthouse",

@@ -21,12 +21,13 @@ from shardfusion.train.plain_mode import make_sampler, step_figures
 
 
 class FTMode(Mode):
-    """This rank's part of replica group --ft-replica-id. ``ft``: the fault-tolerance section."""
+    """This rank's part of replica group --ft-replica-id. ``ft``: the fault-tolerance section (--ft-host resolved);
+    ``fingerprint``: the digest of the settings every group must share (`job_ft.shared_settings`)."""
 
     saves_at_stop = True  # every group agrees on the last step's checkpoint: a late restart finds it
 
-    def __init__(self, ft: FTConfig, outer: Optional[OuterMode] = None) -> None:
-        self.ft, self.outer = ft, outer
+    def __init__(self, ft: FTConfig, fingerprint: str, outer: Optional[OuterMode] = None) -> None:
+        self.ft, self.fingerprint, self.outer = ft, fingerprint, outer
         self.run: Optional[FTRun] = None
         self._figures: tuple[float, float] = (0.0, 0.0)
         self._report: Optional[dict[str, Any]] = None
@@ -41,7 +42,7 @@ class FTMode(Mode):
         return sampler, val_sampler
 
     def steps(self, trainer: Trainer, start: int, stop: int) -> Iterable[int]:
-        args = (trainer.config, trainer.model, trainer.optimizers)
+        args = (self.ft, trainer.config.out, self.fingerprint, trainer.model, trainer.optimizers)
         if self.outer is None:
             self.run = FTRun(*args, start=start, device=trainer.device, is_main=trainer.is_main)
         else:  # DiLoCo: the inner steps alone, the quorum at the outer steps only

@@ -97,17 +97,17 @@ def preflight(config: JobConfig, *, torchrun: bool) -> ResolvedJob:
     Raises:
         ValueError: one line naming the flag to change (see `check_run`).
     """
-    device = pick_device(config.device)
+    device = pick_device(config.run.device)
     if torchrun:
-        problem = restart_problem(out_given=config.out is not None, saves=bool(config.save_every))
+        problem = restart_problem(out_given=config.run.out is not None, saves=bool(config.checkpoint.save_every))
         if problem:
             raise ValueError(problem)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         label, nproc = "torchrun's world size", None
     else:
-        world = local = nproc = config.nproc or default_nproc(device)
-        label = f"--nproc {world}" if config.nproc else f"the default --nproc {world}"
+        world = local = nproc = config.run.nproc or default_nproc(device)
+        label = f"--nproc {world}" if config.run.nproc else f"the default --nproc {world}"
     if device == "cuda" and local > torch.cuda.device_count():
         raise ValueError(f"--device cuda with {local} workers on this node, but only {torch.cuda.device_count()} "
                          f"GPUs are visible; use {'--nproc-per-node' if torchrun else '--nproc'} "
@@ -117,27 +117,29 @@ def preflight(config: JobConfig, *, torchrun: bool) -> ResolvedJob:
         from shardfusion.ft import check_lighthouse, import_torchft
         job_ft.quiet_torchft_rust()  # before torchft's first import, which reads RUST_LOG
         import_torchft()
-        check_lighthouse(config.ft_lighthouse)
+        check_lighthouse(config.ft.ft_lighthouse)
     # a resumed run keeps the saved global batch size unless a batch flag is given (schedule.resolve_batch)
-    saved = train_state.saved_settings(config.out)
+    saved = train_state.saved_settings(config.run.out)
     if saved is not None:  # the degree the resumed run ran with: kept over several nodes (default_outer_degree)
-        saved = {**saved, "fsdp_outer_degree": saved_outer_degree(config.out)}
+        saved = {**saved, "fsdp_outer_degree": saved_outer_degree(config.run.out)}
     # nodes: --ranks-per-node, else torchrun's LOCAL_WORLD_SIZE (a local launch is one node), as comm_layout
-    ranks_per_node = config.ranks_per_node or local
-    progress = config.progress and os.environ.get("LOCAL_RANK", "0") == "0"
-    tokenizer = data_config.prepare_tokenizer(config, saved, progress=progress)  # trained with --train-tokenizer
+    ranks_per_node = config.run.ranks_per_node or local
+    progress = config.run.progress and os.environ.get("LOCAL_RANK", "0") == "0"
+    tokenizer = data_config.prepare_tokenizer(config.corpus, config.model, config.run.out, saved,
+                                              progress=progress)  # trained with --train-tokenizer
     job = resolve(config, device=device, world_size=world, saved=saved, ranks_per_node=ranks_per_node, nproc=nproc,
                   ft_host=ft_host, fused_qkv=_saved_qkv_layout(config), world=label,
                   tokenizer=TokenizerFacts.of(tokenizer))
-    train_state.check_optimizer(job.out, job.optimizer, saved)
+    train_state.check_optimizer(job.out, job.optim.optimizer, saved)
     check_run(job, world=label)
-    data_config.prepare_corpus(job, tokenizer, progress=progress)  # the token cache, the corpus size
+    data_config.prepare_corpus(job.corpus, job.model, tokenizer, progress=progress)  # the token cache, the corpus size
     if os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun every worker runs this: one prints
         for warning in (nproc_warning(local, device, cpu_cores(), "--nproc-per-node" if torchrun else "--nproc"),
                         seq_len_warning(job)):
             if warning:
                 print(f"shardfusion: warning: {warning}", flush=True)
-        if config.fsdp_outer_degree is None and ranks_per_node < world:  # several nodes: say why (one node: as always)
+        several = ranks_per_node < world  # several nodes: say why the default (one node: as always)
+        if config.parallelism.fsdp_outer_degree is None and several:
             print(f"shardfusion: --fsdp-outer-degree {job.fsdp_outer_degree} by default: "
                   f"{default_outer_degree(job, world, ranks_per_node, saved)[1]}", flush=True)
     if job_model.is_hf(job):
@@ -155,9 +157,9 @@ def _saved_qkv_layout(config: JobConfig) -> bool | None:
     Raises:
         ValueError: that checkpoint is fused and --mp > 1 (the fused projection cannot be split by heads).
     """
-    if job_model.is_hf(config) or config.out is None:
+    if job_model.is_hf(config) or config.run.out is None:
         return None
-    path = sf.checkpoint.latest_checkpoint(os.path.join(config.out, train_state.CHECKPOINT_DIR))
+    path = sf.checkpoint.latest_checkpoint(os.path.join(config.run.out, train_state.CHECKPOINT_DIR))
     if path is None:
         return None
     try:
@@ -165,9 +167,9 @@ def _saved_qkv_layout(config: JobConfig) -> bool | None:
     except (ValueError, KeyError, TypeError):
         return None  # check_resume reports an unreadable checkpoint
     fused = any(name.endswith("attn.qkv.weight") for name in shapes)
-    if fused and config.mp > 1:
-        raise ValueError(f"--mp {config.mp}: the checkpoint in --out {config.out} has fused q/k/v projections "
-                         "(attn.qkv, saved before tensor parallel), which cannot be split by heads; resume it with "
+    if fused and config.parallelism.mp > 1:
+        raise ValueError(f"--mp {config.parallelism.mp}: the checkpoint in --out {config.run.out} has fused q/k/v "
+                         "projections (attn.qkv, saved before tensor parallel), which cannot be split by heads; resume it with "
                          "--mp 1, or use another --out")
     return fused
 
@@ -178,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     A bad flag is a one-line usage error (exit status 2) before any worker starts; under torchrun every worker
     fails the same check before joining the process group, and only local rank 0 prints the message."""
     config = parse_args(argv)
-    if dry_run_config.enabled(config):  # no worker, no process group of ours: one process plays the ranks
+    if dry_run_config.enabled(config.dry):  # no worker, no process group of ours: one process plays the ranks
         try:
             return job_dry_run.run(config)
         except ValueError as error:
@@ -198,9 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         if error and os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"shardfusion: error: {error}", flush=True)
         exit_now(1 if error else 0)  # not a normal exit, which can abort in torch's teardown (shardfusion.train.launch)
-    threads = threads_per_worker(config.nproc) if config.device == "cpu" else 1
-    results = launch(worker, (config,), config.nproc, threads, max_restarts=config.max_restarts,
-                     device=config.device)
+    threads = threads_per_worker(config.run.nproc) if config.run.device == "cpu" else 1
+    results = launch(worker, (config,), config.run.nproc, threads, max_restarts=config.checkpoint.max_restarts,
+                     device=config.run.device)
     error = worker_error(results)
     if error:
         print(f"shardfusion: error: {error}", flush=True)

@@ -16,7 +16,7 @@ import torch
 
 import shardfusion as sf
 from shardfusion.plan import Bandwidth
-from shardfusion.train import dry_run_config, dtype_flags, job_model, parallelize
+from shardfusion.train import dry_run_config, job_model, parallelize
 from shardfusion.dry_run import check_world_fits
 from shardfusion.train.config import JobConfig, ResolvedJob, check_run, default_outer_degree, resolve
 from shardfusion.train.plain_mode import context_of, context_part, micro_batch_loss
@@ -32,12 +32,12 @@ def prepare(config: JobConfig) -> tuple[ResolvedJob, int, int]:
             before anything is allocated); the layout or batch flags do not fit --world (the job's own checks,
             naming the flag).
     """
-    world = config.world or config.nproc or default_nproc("cpu")
+    world = config.dry.world or config.run.nproc or default_nproc("cpu")
     try:
         check_world_fits(world)
     except ValueError as error:
         raise ValueError(f"--world {world}: {error}") from None
-    ranks_per_node = config.ranks_per_node or min(DEFAULT_RANKS_PER_NODE, world)
+    ranks_per_node = config.run.ranks_per_node or min(DEFAULT_RANKS_PER_NODE, world)
     if world % ranks_per_node:
         raise ValueError(f"--ranks-per-node {ranks_per_node} must divide --world {world}")
     job = resolve(config, device="cuda", world_size=world, ranks_per_node=ranks_per_node, world=f"--world {world}")
@@ -47,7 +47,7 @@ def prepare(config: JobConfig) -> tuple[ResolvedJob, int, int]:
 
 def outer_degree_line(given: JobConfig, config: ResolvedJob, world: int, ranks_per_node: int) -> str:
     """One line: the outer degree of the dry run and why, for the flags `given` and their resolved `config`."""
-    if given.fsdp_outer_degree is not None:
+    if given.parallelism.fsdp_outer_degree is not None:
         return f"--fsdp-outer-degree {config.fsdp_outer_degree}, as given"
     return (f"--fsdp-outer-degree {config.fsdp_outer_degree} by default: "
             f"{default_outer_degree(config, world, ranks_per_node)[1]}")
@@ -66,7 +66,7 @@ class RandomBatches:
         return tokens[:, :-1], tokens[:, 1:]
 
 
-def job_step(config: ResolvedJob, mp_policy: sf.MixedPrecisionPolicy, ranks_per_node: int):
+def job_step(config: ResolvedJob, ranks_per_node: int):
     """``(build, step)`` of one optimizer step of the job as ``config`` (resolved) describes it, for
     ``sf.dry_run`` or ``measure_step``, playing the `Trainer`'s own forward on random token ids of the job's shapes
     (`RandomBatches`): the model mode's micro-batch (`plain_mode.micro_batch_loss` on this context rank's part of
@@ -80,24 +80,25 @@ def job_step(config: ResolvedJob, mp_policy: sf.MixedPrecisionPolicy, ranks_per_
     pipe = []  # --pp > 1: the played rank's PipelineRun (its stages, sharded, and its schedule)
 
     def build(topo):
-        if config.pp > 1:
+        if config.pipeline.pp > 1:
             from shardfusion.train.job_pipeline import PipelineRun
 
-            pipe[:] = [PipelineRun(config, topo, torch.device("cpu"), mp_policy,
-                                   node_of=lambda r: r // ranks_per_node)]
+            pipe[:] = [PipelineRun(topo, torch.device("cpu"), pipeline=config.pipeline, schedule=config.schedule,
+                                   parallelism=config.parallelism, precision=config.precision, model=config.model,
+                                   shape=config.shape, node_of=lambda r: r // ranks_per_node)]
             return pipe[0].models
         return job_model.build(config, topo.get_group("ep"), torch.device("cpu"),
                                context_group=topo.get_group("context")).module
 
     def step(model, topo):
         if pipe:  # the schedule runs every micro-batch's forward and backward (the rows of --grad-accum steps)
-            pipe[0].run_rows(*RandomBatches(config.grad_accum * config.batch_size, job.seq_len, vocab).get_batch(
-                "train", 0))
+            rows = config.schedule.grad_accum * config.batch_size
+            pipe[0].run_rows(*RandomBatches(rows, job.seq_len, vocab).get_batch("train", 0))
             return None
         batches = RandomBatches(config.global_batch_size // (topo.dp * topo.sharding), job.seq_len, vocab)
         x, y = context_part(batches.get_batch("train", 0), context_of(topo))
-        return micro_batch_loss(job, model, x, y, aux_loss_coef=config.aux_loss_coef,
-                                micro_batches=config.grad_accum)[0]
+        return micro_batch_loss(job, model, x, y, aux_loss_coef=config.model.aux_loss_coef,
+                                micro_batches=config.schedule.grad_accum)[0]
 
     return build, step
 
@@ -108,35 +109,37 @@ def run(config: JobConfig) -> int:
     Raises:
         ValueError: as :func:`prepare`.
     """
-    given, given_out = config, config.out
+    given, given_out = config, config.run.out
     config, world, ranks_per_node = prepare(config)
-    within, across = dry_run_config.bandwidths(config)
-    mp_policy = dtype_flags.mixed_precision(config)
+    within, across = dry_run_config.bandwidths(config.dry)
     job = job_model.build(config, None, torch.device("cpu"))  # on meta: the units and the figures of the header
 
-    build, step = job_step(config, mp_policy, ranks_per_node)
+    build, step = job_step(config, ranks_per_node)
 
     fully_shard = {"units": job.units, **parallelize.shard_options(config.parallelism, config.precision)}
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's notes on fake tensors' data pointers and deprecated names
-        report = sf.dry_run(build, step, step_runs_backward=config.pp > 1, world_size=world,
+        report = sf.dry_run(build, step, step_runs_backward=config.pipeline.pp > 1, world_size=world,
                             ranks_per_node=ranks_per_node,
                             topology=parallelize.topology_degrees(config.parallelism, config.pipeline),
-                            fully_shard=fully_shard, micro_batches=1 if config.pp > 1 else config.grad_accum,
-                            max_norm=config.clip or None,
-                            max_memory_per_rank=config.max_memory_per_rank,
+                            fully_shard=fully_shard,
+                            micro_batches=1 if config.pipeline.pp > 1 else config.schedule.grad_accum,
+                            max_norm=config.optim.clip or None,
+                            max_memory_per_rank=config.parallelism.max_memory_per_rank,
+                            async_save=config.checkpoint.async_save,
                             bandwidth=Bandwidth(within=within, across=across,
-                                                latency_within=config.latency_within * 1e-6,
-                                                latency_across=config.latency_across * 1e-6))
+                                                latency_within=config.dry.latency_within * 1e-6,
+                                                latency_across=config.dry.latency_across * 1e-6))
     shape = config.model_config()
     model = (f"GPT of {shape.n_layer} layers x {shape.d_model}" +
              (f", {shape.n_experts} experts top-{shape.top_k}" if shape.n_experts else ""))
-    batches = (f"{config.microbatches} pipeline micro-batches of the step's {config.grad_accum * config.batch_size} "
-               f"sequences per data-parallel rank" if config.pp > 1 else
-               f"{config.grad_accum} micro-batch{'es' if config.grad_accum > 1 else ''} per step")
+    accum = config.schedule.grad_accum
+    batches = (f"{config.pipeline.microbatches} pipeline micro-batches of the step's {accum * config.schedule.batch_size}"
+               f" sequences per data-parallel rank" if config.pipeline.pp > 1 else
+               f"{accum} micro-batch{'es' if accum > 1 else ''} per step")
     header = (f"shardfusion: dry run of a {model} ({job.num_params:,} parameters), global batch "
-              f"{config.global_batch_size} x {job.seq_len} tokens, {batches}")
+              f"{config.schedule.global_batch_size} x {job.seq_len} tokens, {batches}")
     print(header)
     print(f"shardfusion: {outer_degree_line(given, config, world, ranks_per_node)}")
     print(report.table(), flush=True)

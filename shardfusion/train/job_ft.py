@@ -25,6 +25,8 @@ import torch.nn as nn
 
 from shardfusion.ft import FTError, ReplicaGroup
 from shardfusion.train import ft_config, outer_config
+from shardfusion.train.config import ResolvedJob
+from shardfusion.train.ft_config import FTConfig
 
 WAIT_POLL_S = 1.0
 """Seconds between two quorums while fewer than --ft-min-replicas replica groups are up."""
@@ -48,7 +50,7 @@ RUST_LOG_LEVEL = "warn"
 level): warnings and errors only, unless RUST_LOG is set already (`quiet_torchft_rust`)."""
 
 
-def shared_settings(config: Any) -> dict[str, Any]:
+def shared_settings(config: ResolvedJob) -> dict[str, Any]:
     """The settings every replica group of the run must share (`shardfusion.ft.agreement` compares their digest):
     the fields marked ``ft_shared``, and with --outer-sync diloco the outer section too (every group runs the same
     outer steps). Without DiLoCo exactly the marked fields, so the digest of a run saved before DiLoCo could run
@@ -99,23 +101,24 @@ def route_torchft_output(folder: str | os.PathLike, rank: int) -> Path:
 
 
 class FTRun:
-    """This rank's part of replica group --ft-replica-id (see the module docstring). ``start``: the step this job
-    resumed at from its own checkpoint (0 for a new one); a peer further on is copied at the first quorum."""
+    """This rank's part of replica group --ft-replica-id (see the module docstring). ``ft``: the fault-tolerance
+    section (--ft-host resolved); ``out``: the run folder; ``fingerprint``: the settings every group must share
+    (`ft_config.settings_fingerprint` of `shared_settings`); ``start``: the step this job resumed at from its own
+    checkpoint (0 for a new one); a peer further on is copied at the first quorum."""
 
-    def __init__(self, config: Any, model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-                 *, start: int, device: torch.device, is_main: bool,
+    def __init__(self, ft: FTConfig, out: str, fingerprint: str, model: nn.Module | Sequence[nn.Module],
+                 optimizers: Sequence[torch.optim.Optimizer], *, start: int, device: torch.device, is_main: bool,
                  extra_state: tuple[Callable[[], dict], Callable[[dict], None]] | None = None) -> None:
-        self.config, self.is_main, self.device = config, is_main, device
+        self.ft, self.out, self.is_main, self.device = ft, out, is_main, device
         self.t0 = time.perf_counter()
-        self.log = route_torchft_output(ft_config.outputs_folder(config, config.out), dist.get_rank())
+        self.log = route_torchft_output(ft_config.outputs_folder(ft, out), dist.get_rank())
         try:
-            self.group = ReplicaGroup(model, optimizers, lighthouse=config.ft_lighthouse,
-                                      replica_id=config.ft_replica_id, replicas=config.ft_replicas,
-                                      min_replicas=config.ft_min_replicas,
-                                      timeout=timedelta(seconds=config.ft_timeout),
-                                      quorum_timeout=timedelta(seconds=config.ft_quorum_timeout),
-                                      max_discards=config.ft_max_discards, host=config.ft_host,
-                                      fingerprint=ft_config.settings_fingerprint(shared_settings(config)),
+            self.group = ReplicaGroup(model, optimizers, lighthouse=ft.ft_lighthouse,
+                                      replica_id=ft.ft_replica_id, replicas=ft.ft_replicas,
+                                      min_replicas=ft.ft_min_replicas,
+                                      timeout=timedelta(seconds=ft.ft_timeout),
+                                      quorum_timeout=timedelta(seconds=ft.ft_quorum_timeout),
+                                      max_discards=ft.ft_max_discards, host=ft.ft_host, fingerprint=fingerprint,
                                       extra_state=extra_state, device=device)
         except ValueError as error:  # e.g. the lighthouse refused this group: one line, as the other FT errors
             raise FTError(str(error)) from None
@@ -138,7 +141,7 @@ class FTRun:
 
     def _say(self, text: str) -> None:
         if self.is_main:
-            print(f"shardfusion: ft replica {self.config.ft_replica_id}: {text}", flush=True)
+            print(f"shardfusion: ft replica {self.ft.ft_replica_id}: {text}", flush=True)
 
     def _now(self) -> float:
         return round(time.perf_counter() - self.t0, 3)
@@ -184,24 +187,24 @@ class FTRun:
                 self.changes.append({"step": step, "participants": n, "was": self.participants, "at_s": self._now()})
                 self.participants = n
             joining = failed = False
-            if self.config.ft_min_replicas <= n < self.config.ft_replicas:  # n is the quorum's: all groups ask
-                wish = (step == self.start and time.perf_counter() - self._first_quorum < self.config.ft_join_wait)
+            if self.ft.ft_min_replicas <= n < self.ft.ft_replicas:  # n is the quorum's: all groups ask
+                wish = (step == self.start and time.perf_counter() - self._first_quorum < self.ft.ft_join_wait)
                 joining, failed = self._agree_to_wait(wish)
             failed_waits = failed_waits + 1 if failed else 0
-            if failed_waits > self.config.ft_max_discards:
+            if failed_waits > self.ft.ft_max_discards:
                 raise FTError(f"{failed_waits} quorums in a row whose collectives failed while waiting for "
-                              f"--ft-replicas {self.config.ft_replicas} (--ft-max-discards "
-                              f"{self.config.ft_max_discards}): can every group reach this one at --ft-host "
-                              f"{self.config.ft_host}?")
-            if n < self.config.ft_min_replicas or joining:
+                              f"--ft-replicas {self.ft.ft_replicas} (--ft-max-discards "
+                              f"{self.ft.ft_max_discards}): can every group reach this one at --ft-host "
+                              f"{self.ft.ft_host}?")
+            if n < self.ft.ft_min_replicas or joining:
                 if waiting_since is None:
                     waiting_since = time.perf_counter()
-                    why = (f"--ft-min-replicas {self.config.ft_min_replicas}" if n < self.config.ft_min_replicas
-                           else f"--ft-replicas {self.config.ft_replicas} (a run starting or restarting from a "
-                                f"checkpoint waits up to --ft-join-wait {self.config.ft_join_wait:g} s for all)")
-                    waiting_for = "--ft-min-replicas" if n < self.config.ft_min_replicas else "--ft-join-wait"
+                    why = (f"--ft-min-replicas {self.ft.ft_min_replicas}" if n < self.ft.ft_min_replicas
+                           else f"--ft-replicas {self.ft.ft_replicas} (a run starting or restarting from a "
+                                f"checkpoint waits up to --ft-join-wait {self.ft.ft_join_wait:g} s for all)")
+                    waiting_for = "--ft-min-replicas" if n < self.ft.ft_min_replicas else "--ft-join-wait"
                     self._say(f"waiting at step {step}: {n} replica group(s) in the quorum, waiting for {why}; "
-                              f"lighthouse {self.config.ft_lighthouse}")
+                              f"lighthouse {self.ft.ft_lighthouse}")
                 # close this quorum's step without committing it: nothing was trained
                 self.group.manager.report_error(RuntimeError("waiting for replica groups"))
                 self.group.manager.should_commit()
@@ -253,7 +256,7 @@ class FTRun:
     def _pause(self, step: int) -> None:
         """`PAUSE_ENV`: say so, write the marker, sleep until killed or until the marker is removed. Collective
         over the group (a barrier after the marker is written, so that no rank looks for it before)."""
-        marker = Path(ft_config.outputs_folder(self.config, self.config.out)) / PAUSED_FILE
+        marker = Path(ft_config.outputs_folder(self.ft, self.out)) / PAUSED_FILE
         if self.is_main:
             self._say(f"paused inside step {step} ({PAUSE_ENV})")
             marker.parent.mkdir(parents=True, exist_ok=True)
@@ -293,8 +296,8 @@ class FTRun:
         record = self.group.record
         digests = [None] * dist.get_world_size()
         dist.all_gather_object(digests, self.group.state_digest())
-        return {"replica_id": self.config.ft_replica_id, "replicas": self.config.ft_replicas,
-                "min_replicas": self.config.ft_min_replicas, "committed_steps": record.committed,
+        return {"replica_id": self.ft.ft_replica_id, "replicas": self.ft.ft_replicas,
+                "min_replicas": self.ft.ft_min_replicas, "committed_steps": record.committed,
                 "quorum_changes": self.changes,
                 "discarded": [{k: v for k, v in f.items() if not k.startswith("_")} for f in self.failures],
                 "recoveries": record.recoveries, "waits": self.waits, "state_digests": digests}

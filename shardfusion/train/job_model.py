@@ -72,7 +72,7 @@ class JobModel:
 
 def is_hf(config: ResolvedJob) -> bool:
     """Whether the run trains a Hugging Face model (`--hf-model` or `--init-from`)."""
-    return config.hf_model is not None or config.init_from is not None
+    return config.model.hf_model is not None or config.model.init_from is not None
 
 
 def hf_config(config: ResolvedJob) -> Any:
@@ -84,16 +84,16 @@ def hf_config(config: ResolvedJob) -> Any:
     """
     from shardfusion.train import hf_models
 
-    if config.init_from is not None:
-        hf = hf_models.load_config(config.init_from)
+    if config.model.init_from is not None:
+        hf = hf_models.load_config(config.model.init_from)
         if hasattr(hf, "attention_dropout"):
-            hf.attention_dropout = config.dropout
+            hf.attention_dropout = config.model.dropout
         return hf
     shape = config.model_config()
-    return hf_models.preset_config(config.hf_model, n_layer=shape.n_layer, n_head=shape.n_head, d_model=shape.d_model,
-                                   seq_len=shape.seq_len, n_experts=shape.n_experts, top_k=shape.top_k,
-                                   expert_hidden=shape.expert_hidden, dropout=config.dropout,
-                                   aux_loss_coef=config.aux_loss_coef, vocab_size=shape.vocab_size)
+    return hf_models.preset_config(config.model.hf_model, n_layer=shape.n_layer, n_head=shape.n_head,
+                                   d_model=shape.d_model, seq_len=shape.seq_len, n_experts=shape.n_experts, top_k=shape.top_k,
+                                   expert_hidden=shape.expert_hidden, dropout=config.model.dropout,
+                                   aux_loss_coef=config.model.aux_loss_coef, vocab_size=shape.vocab_size)
 
 
 def meta_model(config: ResolvedJob) -> nn.Module:
@@ -119,7 +119,8 @@ def checked_meta_model(config: ResolvedJob) -> nn.Module:
     """
     from shardfusion.train import hf_models
 
-    flag = f"--init-from {config.init_from}" if config.init_from is not None else f"--hf-model {config.hf_model}"
+    given = config.model
+    flag = f"--init-from {given.init_from}" if given.init_from is not None else f"--hf-model {given.hf_model}"
     hf_models.import_transformers(what=flag)
     try:
         model = meta_model(config)
@@ -154,7 +155,7 @@ def build(config: ResolvedJob, ep_group: Optional[dist.ProcessGroup], device: to
     initialize DTensors on the meta device yet, so each rank holds the whole model until it is sharded.
     context_group: with --cp > 1 the topology's context group: the GPT then takes this rank's part of each sequence
     and its attention is collective over the group (`shardfusion.context_parallel`)."""
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.schedule.seed)
     if mp_mesh is not None and mp_mesh.size() > 1:
         from shardfusion.models.gpt_parallel import parallelize
         job = _build_gpt(config, ep_group, context_group)
@@ -179,12 +180,12 @@ def _gpt_generate(model: nn.Module, idx: torch.Tensor, new: int, temperature: fl
 def _build_gpt(config: ResolvedJob, ep_group: Optional[dist.ProcessGroup],
                context_group: Optional[dist.ProcessGroup] = None) -> JobModel:
     shape = config.model_config()
-    model = GPT(shape, ep_group=ep_group, context_group=context_group if config.cp > 1 else None)
+    model = GPT(shape, ep_group=ep_group, context_group=context_group if config.parallelism.cp > 1 else None)
     moe = shape.n_experts > 0
     return JobModel(
         module=model, init_fn=None, units=(Block,), seq_len=shape.seq_len,
-        name=(f"{config.preset} GPT-MoE ({shape.n_experts} experts, top-{shape.top_k})" if moe
-              else f"{config.preset} GPT"),
+        name=(f"{config.model.preset} GPT-MoE ({shape.n_experts} experts, top-{shape.top_k})" if moe
+              else f"{config.model.preset} GPT"),
         extra={"model": dataclasses.asdict(shape)}, num_params=model.num_parameters(),
         num_active=model.num_parameters(active=True), n_moe_layers=shape.n_layer if moe else 0,
         n_experts=shape.n_experts, top_k=shape.top_k if moe else 0, losses=_gpt_losses,
@@ -213,7 +214,7 @@ def _build_hf(config: ResolvedJob) -> JobModel:
 
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {
         name for name, _ in model.named_parameters()}
-    source = f"from {config.init_from}" if config.init_from else f"--hf-model {config.hf_model}"
+    source = f"from {config.model.init_from}" if config.model.init_from else f"--hf-model {config.model.hf_model}"
     moe_text = f", {experts} experts, top-{top_k}" if experts else ""
     n_moe = sum(1 for name, _ in model.named_modules() if name.endswith(".experts")) if experts else 0
     return JobModel(

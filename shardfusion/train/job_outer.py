@@ -25,23 +25,26 @@ import torch.nn as nn
 
 import shardfusion as sf
 from shardfusion.diloco import DiLoCo
-from shardfusion.train import dtype_flags, ft_config
+from shardfusion.train import dtype_flags
+from shardfusion.train.dtype_flags import PrecisionConfig
+from shardfusion.train.outer_config import OuterConfig
 
 PREFIX = "diloco/"
 ADAMW_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
 class OuterRun:
-    """This rank's DiLoCo (see the module docstring)."""
+    """This rank's DiLoCo (see the module docstring): ``outer`` the outer-sync section, ``precision`` its wire
+    format (--outer-comm-dtype), ``steps`` the run's last step (a period ends there too), ``external``: fault-tolerant
+    replica groups are the replicas (`DiLoCo`'s)."""
 
-    def __init__(self, config: Any, model: nn.Module | Sequence[nn.Module], topo: sf.Topology,
-                 optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self.config = config
+    def __init__(self, outer: OuterConfig, precision: PrecisionConfig, steps: int,
+                 model: nn.Module | Sequence[nn.Module], topo: sf.Topology, optimizers: Sequence[torch.optim.Optimizer], *, external: bool = False) -> None:
+        self.steps = steps
         self.optimizers = list(optimizers)
-        self.diloco = DiLoCo(model, topo, every=config.outer_every, lr=config.outer_lr,
-                             momentum=config.outer_momentum, comm_dtype=dtype_flags.outer_comm_dtype(config),
-                             fragments=config.outer_fragments,
-                             external=ft_config.enabled(config))  # fault tolerance: the replicas are the groups
+        self.diloco = DiLoCo(model, topo, every=outer.outer_every, lr=outer.outer_lr,
+                             momentum=outer.outer_momentum, comm_dtype=dtype_flags.outer_comm_dtype(precision),
+                             fragments=outer.outer_fragments, external=external)
         self.replica_group = self.diloco.replica_group
 
     def _params(self) -> list[tuple[str, torch.Tensor]]:
@@ -133,7 +136,7 @@ class OuterRun:
         """The fragments whose outer step follows inner step ``done`` (1-based): those due then
         (`shardfusion.diloco.DiLoCo.due`), and every fragment at the run's last step (--steps). What `step` runs;
         for the outer steps a caller runs itself (fault tolerance: `job_outer_ft`)."""
-        if done == self.config.steps:
+        if done == self.steps:
             return list(range(len(self.diloco.fragments)))
         return self.diloco.due(done)
 
@@ -156,6 +159,6 @@ class OuterRun:
         """After inner optimizer step ``done`` (1-based): the outer step of each fragment now due (`DiLoCo.step`);
         at the run's last step (--steps) of every fragment, so the run ends as one model (`DiLoCo.finish`)."""
         synced = self.diloco.step()
-        if done == self.config.steps:
+        if done == self.steps:
             synced = sorted(synced + self.diloco.finish())
         return synced

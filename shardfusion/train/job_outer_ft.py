@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from shardfusion.train.ft_config import FTConfig
 from shardfusion.train.job_ft import FTRun
 from shardfusion.train.job_outer import OuterRun
 
@@ -50,11 +51,11 @@ class OuterFTRun(FTRun):
     group's `job_outer.OuterRun` (its DiLoCo built with ``external=True``, its checkpoint state already restored);
     the rest as `job_ft.FTRun`."""
 
-    def __init__(self, config: Any, model: nn.Module | Sequence[nn.Module],
+    def __init__(self, ft: FTConfig, out: str, fingerprint: str, model: nn.Module | Sequence[nn.Module],
                  optimizers: Sequence[torch.optim.Optimizer], outer: OuterRun, *, start: int, device: torch.device,
                  is_main: bool) -> None:
         self.outer, self.optimizers = outer, list(optimizers)
-        super().__init__(config, model, optimizers, start=start, device=device, is_main=is_main,
+        super().__init__(ft, out, fingerprint, model, optimizers, start=start, device=device, is_main=is_main,
                          extra_state=(outer.recovery_state, outer.load_recovery_state))
         self.poll_s = JOIN_POLL_S
         self._at = start

@@ -37,12 +37,16 @@ import torch.nn.functional as F
 
 import shardfusion as sf
 from shardfusion.accounting import CATEGORIES
-from shardfusion.models.gpt import GPT, Block
+from shardfusion.models.gpt import GPT, Block, GPTConfig
 from shardfusion.models.gpt_pipeline import split_gpt, stage_layers
 from shardfusion.moe import MoE
 from shardfusion.pipeline import PipelineStage, build_schedule, stage_ranks
 from shardfusion.train import dtype_flags, parallelize, pipeline_config
-from shardfusion.train.config import ResolvedJob
+from shardfusion.train.dtype_flags import PrecisionConfig
+from shardfusion.train.model_config import ModelConfig
+from shardfusion.train.parallel_config import ParallelismConfig
+from shardfusion.train.pipeline_config import PipelineConfig
+from shardfusion.train.schedule import ScheduleConfig
 from shardfusion.train.data import BatchSampler
 from shardfusion.train.metrics import COMM_FIELDS
 
@@ -107,35 +111,36 @@ class PipelineRun:
     """This rank's pipeline stages, their schedules and what the job reports about them.
 
     Args:
-        config: the resolved run settings (``pp > 1``).
         topo: the job's topology (``pp`` = --pp).
         device: where the shards and the compute live.
-        mp_policy: the run's mixed precision (`sf.MixedPrecisionPolicy`); activations between stages are in its
-            ``param_dtype``.
+        job: the resolved run settings (``pp > 1``), of which the stages read the pipeline, schedule, parallelism,
+            precision and model sections and the model's shape; activations between stages are in --param-dtype.
         node_of: global rank -> node, for the P2P bytes across nodes.
     """
 
-    def __init__(self, config: ResolvedJob, topo: sf.Topology, device: torch.device,
-                 mp_policy: sf.MixedPrecisionPolicy, node_of) -> None:
-        self.config, self.topo, self.device = config, topo, device
-        self.num_stages = pipeline_config.num_stages(config)
+    def __init__(self, topo: sf.Topology, device: torch.device, *, pipeline: PipelineConfig, schedule: ScheduleConfig,
+                 parallelism: ParallelismConfig, precision: PrecisionConfig, model: ModelConfig, shape: GPTConfig,
+                 node_of) -> None:
+        self.topo, self.device = topo, device
+        self.pipeline, self.grad_accum, self.shape = pipeline, schedule.grad_accum, shape
+        mp_policy = dtype_flags.mixed_precision(precision)
+        self.num_stages = pipeline_config.num_stages(pipeline)
         self.stage_ids = stage_ranks(self.num_stages, topo.pp)[topo.pp_rank]
         self.has_first, self.has_last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
         self.dp_world = topo.dp * topo.sharding  # the data-parallel ranks of each stage
-        shape = config.model_config()
         self.n_layer, self.moe = shape.n_layer, shape.n_experts > 0
         self.layers = stage_layers(shape.n_layer, self.num_stages)
-        rows = config.grad_accum * config.batch_size
-        self.microbatch_rows = rows // config.microbatches
+        rows = schedule.grad_accum * schedule.batch_size
+        self.microbatch_rows = rows // pipeline.microbatches
         act_dtype = mp_policy.param_dtype or torch.float32
 
-        torch.manual_seed(config.seed)
+        torch.manual_seed(schedule.seed)
         whole = GPT(shape, ep_group=topo.get_group("ep"))  # eager: the --pp 1 run's values (see the module doc)
         self.models: list[nn.Module] = []
         self._moe_layers: list[tuple[int, MoE]] = []  # (global block index, layer) of this rank's stages
         for s in self.stage_ids:
             # a GPT-MoE's stages add their load-balancing loss in backward (split_gpt's aux_loss_coef)
-            part = split_gpt(whole, s, self.num_stages, aux_loss_coef=config.aux_loss_coef)
+            part = split_gpt(whole, s, self.num_stages, aux_loss_coef=model.aux_loss_coef)
             if self.moe:
                 layers = [(int(i), m) for i, block in part.blocks.items() for m in block.modules()
                           if isinstance(m, MoE)]
@@ -143,11 +148,11 @@ class PipelineRun:
                 part.register_forward_hook(self._aux_hook(layers))
             tied = part.tied_parameters  # a tied head's copy of the embedding: kept whole on both ends
             self.models.append(parallelize.shard(
-                part, topo, config.parallelism, config.precision, units=(Block,), device=device,
+                part, topo, parallelism, precision, units=(Block,), device=device,
                 replicate_filter=lambda n, p, tied=tied: n in tied))
         del whole
         self.stages = self._stages(self.microbatch_rows, shape, act_dtype, measured=True, node_of=node_of)
-        self.schedule = build_schedule(config.pp_schedule, self.stages, config.microbatches, cross_entropy)
+        self.schedule = build_schedule(pipeline.pp_schedule, self.stages, pipeline.microbatches, cross_entropy)
         self._eval_schedule = None
         self._eval_shape = (shape, act_dtype, node_of)
         self._aux_sum = torch.zeros((), device=device)
@@ -198,7 +203,7 @@ class PipelineRun:
     def forward_backward(self, sampler: BatchSampler, step: int) -> None:
         """Forward and backward of optimizer step ``step`` through the schedule (collective over the pipeline and
         the stages' groups); the gradients are final when it returns. The figures: `step_figures`."""
-        self.run_rows(*step_rows(sampler, step, self.config.grad_accum))
+        self.run_rows(*step_rows(sampler, step, self.grad_accum))
 
     def run_rows(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Forward and backward of one step's rows through the schedule: inputs and targets (grad_accum x B, T)
@@ -221,7 +226,7 @@ class PipelineRun:
         losses, and the step's token assignments summed over the ranks. ``group``: the world (default), or a group
         spanning every stage, e.g. DiLoCo's replica (`shardfusion.diloco.replica_groups`: the figures of that
         replica's rows, as a --pp 1 replica logs them). Collective (all-reduces over ``group``)."""
-        m = self.config.microbatches
+        m = self.pipeline.microbatches
         # the data-parallel ranks of each stage in the group (it holds the same share of every stage's ranks)
         dp_ranks = self.dp_world * dist.get_world_size(group) // dist.get_world_size()
         loss = torch.stack(self._losses).detach().mean() if self.has_last else torch.zeros((), device=self.device)
@@ -296,7 +301,7 @@ class PipelineRun:
         """Parameter elements of each stage of the whole model (every expert counted; the last stage's copy of a
         tied embedding too: it holds it), by stage index."""
         with torch.device("meta"):
-            whole = GPT(self.config.model_config())
+            whole = GPT(self.shape)
         return [sum(p.numel() for p in split_gpt(whole, s, self.num_stages).parameters())
                 for s in range(self.num_stages)]
 
@@ -331,10 +336,10 @@ class PipelineRun:
         dist.gather_object(mine, gathered, dst=0)
         if gathered is None:
             return None
-        config, params = self.config, self.stage_params()
-        placement = stage_ranks(self.num_stages, config.pp)
+        pipeline, params = self.pipeline, self.stage_params()
+        placement = stage_ranks(self.num_stages, pipeline.pp)
         per_rank = []
-        for p in range(config.pp):
+        for p in range(pipeline.pp):
             ranks = [r for r in gathered if r["pp_rank"] == p]
             first = min(ranks, key=lambda r: r["dp_rank"])
             per_rank.append({
@@ -345,15 +350,15 @@ class PipelineRun:
                 "peak_memory": kind,
                 "bubble_fraction_measured": sum(r["bubble"] for r in ranks) / len(ranks),
                 "comm_rank": first["rank"], "comm_per_step": first["comm"], "p2p_per_step": first["p2p"]})
-        per_stage = pipeline_config.stages_per_rank(config)
+        per_stage = pipeline_config.stages_per_rank(pipeline)
         return {
-            "pp": config.pp, "schedule": config.pp_schedule, "stages": self.num_stages,
-            "stages_per_rank": per_stage, "microbatches": config.microbatches,
+            "pp": pipeline.pp, "schedule": pipeline.pp_schedule, "stages": self.num_stages,
+            "stages_per_rank": per_stage, "microbatches": pipeline.microbatches,
             "microbatch_sequences": self.microbatch_rows,
-            "bubble_fraction_theory": pipeline_config.bubble_fraction(config.pp_schedule, config.pp, per_stage,
-                                                                      config.microbatches),
+            "bubble_fraction_theory": pipeline_config.bubble_fraction(pipeline.pp_schedule, pipeline.pp, per_stage,
+                                                                      pipeline.microbatches),
             "bubble_fraction_measured": sum(r["bubble"] for r in gathered) / len(gathered),
-            "stage_table": [{"stage": s, "pp_rank": s % config.pp, "blocks": list(self.layers[s]),
+            "stage_table": [{"stage": s, "pp_rank": s % pipeline.pp, "blocks": list(self.layers[s]),
                              "num_params": params[s]} for s in range(self.num_stages)],
             "per_pp_rank": per_rank,
         }

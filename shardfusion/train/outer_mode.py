@@ -9,16 +9,18 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from shardfusion.train.dtype_flags import PrecisionConfig
 from shardfusion.train.job_outer import OuterRun
 from shardfusion.train.mode import Mode, Trainer
 from shardfusion.train.outer_config import OuterConfig
 
 
 class OuterMode(Mode):
-    """This rank's DiLoCo. ``outer``: the outer-sync section; ``comm_dtype``: --outer-comm-dtype's flag value."""
+    """This rank's DiLoCo. ``outer``: the outer-sync section; ``precision``: its wire format (--outer-comm-dtype);
+    ``external``: fault-tolerant replica groups are the replicas (`shardfusion.diloco.DiLoCo`'s)."""
 
-    def __init__(self, outer: OuterConfig, comm_dtype: Optional[str]) -> None:
-        self.outer, self.comm_dtype = outer, comm_dtype
+    def __init__(self, outer: OuterConfig, precision: PrecisionConfig, *, external: bool = False) -> None:
+        self.outer, self.precision, self.external = outer, precision, external
         self.run: Optional[OuterRun] = None
         self._outer_step: Optional[Callable[[int], list[int]]] = None
 
@@ -28,7 +30,8 @@ class OuterMode(Mode):
         self._outer_step = outer_step
 
     def attach(self, trainer: Trainer) -> None:
-        self.run = OuterRun(trainer.config, trainer.model, trainer.topo, trainer.optimizers)
+        self.run = OuterRun(self.outer, self.precision, trainer.schedule.steps, trainer.model, trainer.topo,
+                            trainer.optimizers, external=self.external)
 
     def figure_group(self) -> Any:
         return self.run.replica_group  # between outer steps the replicas differ: each reports its own
@@ -46,4 +49,4 @@ class OuterMode(Mode):
         d = self.run.diloco
         return {"outer_sync": {"mode": "diloco", "every": d.every, "lr": d.lr, "momentum": d.momentum,
                                "fragments": len(d.fragments), "outer_steps": list(d.outer_steps),
-                               "comm_dtype": self.comm_dtype}}
+                               "comm_dtype": self.precision.outer_comm_dtype}}

@@ -75,12 +75,16 @@ class ParallelismConfig:
     >= 4 and 2 divides world size / ep, else 1)."""
     max_memory_per_rank: int | None = field(default=None, metadata=meta(parse=memory_arg, metavar="BYTES"))
     """Memory budget of one rank, bytes with an optional suffix (80GB = 80e9, 74.5GiB, 512MiB, 4096; B, kB, MB, GB,
-    TB, KiB, MiB, GiB, TiB): for --fsdp-outer-degree auto, without activations; with --dry-run each kind of rank's
-    peak, activations included, is judged against it (fits, or does not fit by how much) (default: the GPU's
-    memory; on CPU the host's memory / ranks per node; a dry run: no verdict)."""
+    TB, KiB, MiB, GiB, TiB): for --fsdp-outer-degree auto and --reshard-policy auto, without activations; with
+    --dry-run each kind of rank's peak, activations included, is judged against it (fits, or does not fit by how
+    much) (default: the GPU's memory; on CPU the host's memory / ranks per node; a dry run: no verdict;
+    --reshard-policy auto needs it given)."""
     reshard_policy: str | None = None
-    """When gathered parameters are freed: after_forward (ZeRO-3) or after_backward (default after_forward; with
-    --pp > 1 after_backward: measured faster between micro-batches at the same peak, docs/pipeline-benchmark.md)."""
+    """When gathered parameters are freed: after_forward (ZeRO-3), after_backward, or auto: the blocks that fit
+    --max-memory-per-rank stay gathered from forward to backward (the last ones first), the rest are freed after
+    forward; the choice is printed and written to config.json (docs/design.md, "Reshard policy by budget") (default
+    after_forward; with --pp > 1 after_backward: measured faster between micro-batches at the same peak,
+    docs/pipeline-benchmark.md)."""
     prefetch: int = 1
     """Units all-gathered ahead of the running one, in forward and backward; 0 turns prefetching off (default 1)."""
 
@@ -118,7 +122,10 @@ def check_flags(parallelism: ParallelismConfig, model: ModelConfig) -> None:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise ValueError(f"--max-memory-per-rank must be a size in bytes > 0 (e.g. 8GB, 512MiB), got {budget!r}")
     if p.reshard_policy is not None and p.reshard_policy not in RESHARD_POLICIES:
-        raise ValueError(f"--reshard-policy must be {' or '.join(RESHARD_POLICIES)}, got {p.reshard_policy!r}")
+        raise ValueError(f"--reshard-policy must be {', '.join(RESHARD_POLICIES)}, got {p.reshard_policy!r}")
+    if p.reshard_policy == "auto" and budget is None:
+        raise ValueError("--reshard-policy auto needs --max-memory-per-rank (bytes per rank, e.g. 40GB: the blocks "
+                         "kept gathered from forward to backward must fit it)")
 
 
 def data_parallel_size(pp: int, mp: int, cp: int, world_size: int) -> int:

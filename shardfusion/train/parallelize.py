@@ -50,10 +50,14 @@ def topology(parallelism: ParallelismConfig, pipeline: PipelineConfig) -> sf.Top
 
 def shard_options(parallelism: ParallelismConfig, precision: PrecisionConfig) -> dict[str, Any]:
     """The `sf.fully_shard` keywords the sections decide: reshard_policy, expert_policy, prefetch, mp_policy
-    (--param-dtype, --grad-comm-dtype) and outer_comm_dtype."""
-    return {"reshard_policy": parallelism.reshard_policy, "expert_policy": parallelism.expert_policy,
-            "prefetch": parallelism.prefetch, "mp_policy": dtype_flags.mixed_precision(precision),
-            "outer_comm_dtype": dtype_flags.outer_comm_dtype(precision)}
+    (--param-dtype, --grad-comm-dtype, --all-gather-dtype) and outer_comm_dtype; with --reshard-policy auto, memory_budget
+    (--max-memory-per-rank)."""
+    options = {"reshard_policy": parallelism.reshard_policy, "expert_policy": parallelism.expert_policy,
+               "prefetch": parallelism.prefetch, "mp_policy": dtype_flags.mixed_precision(precision),
+               "outer_comm_dtype": dtype_flags.outer_comm_dtype(precision)}
+    if parallelism.reshard_policy == "auto":
+        options["memory_budget"] = parallelism.max_memory_per_rank
+    return options
 
 
 def shard(module: nn.Module, topo: sf.Topology, parallelism: ParallelismConfig, precision: PrecisionConfig, *,
@@ -67,7 +71,7 @@ def shard(module: nn.Module, topo: sf.Topology, parallelism: ParallelismConfig, 
 def comm_layout(config: ResolvedJob, world: int) -> dict[str, Any]:
     """The node layout the communication accounting assumes: `ranks_per_node` (None: one node), `nodes`, and
     `ranks_per_node_from`, where the figure came from (`--ranks-per-node`, `LOCAL_WORLD_SIZE` or neither)."""
-    rpn, source = config.ranks_per_node, "--ranks-per-node"
+    rpn, source = config.run.ranks_per_node, "--ranks-per-node"
     if rpn is None:
         rpn, source = ranks_per_node_from_env(), "LOCAL_WORLD_SIZE"
     if rpn is None:
@@ -79,14 +83,14 @@ def plan_outer_degree(config: ResolvedJob, device: torch.device, world: int) -> 
     """`--fsdp-outer-degree auto`: the outer degree `sf.plan` chooses for this run; rank 0 prints its table.
     Collective: every rank probes the links (`sf.measure_bandwidth`, about a second) and gets the same degree.
 
-    Inputs: nodes of `--ranks-per-node` ranks (default LOCAL_WORLD_SIZE: torchrun's ranks per node), the units of
-    the job's model (built on meta with every expert, the experts' elements divided by ep), fp32 shards and AdamW
-    state, --param-dtype / --grad-comm-dtype, --grad-accum micro-batches, --reshard-policy, --prefetch,
-    --expert-policy, and the budget `--max-memory-per-rank` (default `shardfusion.plan.default_memory_budget`,
-    the least over the ranks). A run that resumes a checkpoint keeps the degree of the run it resumes (from
-    OUT/config.json) when that fits, so the resume stays exact. With --optimizer muon the plan lays the Muon
-    matrices out in owner layouts for each candidate's inner degree (their padding counted: `whole_params`); it
-    still counts AdamW's two states where Muon keeps one per matrix element (docs/train-muon.md).
+    Inputs: nodes of `--ranks-per-node` ranks (default LOCAL_WORLD_SIZE: torchrun's ranks per node), the units of the
+    job's model (built on meta with every expert, the experts' elements divided by ep), fp32 shards and AdamW state,
+    --param-dtype / --grad-comm-dtype / --all-gather-dtype, --grad-accum micro-batches, --reshard-policy, --prefetch,
+    --expert-policy, and the budget `--max-memory-per-rank` (default `shardfusion.plan.default_memory_budget`, the least
+    over the ranks). A run that resumes a checkpoint keeps the degree of the run it resumes (from OUT/config.json) when
+    that fits, so the resume stays exact. With --optimizer muon the plan lays the Muon matrices out in owner layouts for
+    each candidate's inner degree (their padding counted: `whole_params`); it still counts AdamW's two states where Muon
+    keeps one per matrix element (docs/train-muon.md).
 
     Raises:
         ValueError: on every rank: no degree fits the budget (naming --max-memory-per-rank and the smallest need),
@@ -99,13 +103,8 @@ def plan_outer_degree(config: ResolvedJob, device: torch.device, world: int) -> 
     t_probe = time.perf_counter()
     bandwidth = sf.measure_bandwidth(local, device=device)
     t_probe = time.perf_counter() - t_probe
-    meta = job_model.build(config, None, device)  # on meta, every expert
-    whole = muon_matrices(meta.module, meta.units) if config.optimizer == "muon" else None
-    sizes = [dataclasses.replace(u, expert_numel=u.expert_numel // config.ep,  # one ep rank's experts (alike)
-                                 expert_whole_shapes=u.expert_whole_shapes[:len(u.expert_whole_shapes) // config.ep])
-             for u in sf.unit_sizes(meta.module, units=meta.units, reshard_policy=config.reshard_policy,
-                                    whole_params=whole)]
-    budget = config.max_memory_per_rank
+    sizes = unit_sizes_per_rank(config, device)
+    budget = config.parallelism.max_memory_per_rank
     if budget is None:
         least = torch.tensor([default_memory_budget(device, local)], dtype=torch.float64,
                              device=device)
@@ -113,13 +112,16 @@ def plan_outer_degree(config: ResolvedJob, device: torch.device, world: int) -> 
         budget = int(least.item())
     saved = _resumed_outer_degree(config.out)
     prefer = saved if saved is not None and (world // config.ep) % saved == 0 else None
-    mp_policy = dtype_flags.mixed_precision(config)
+    mp_policy = dtype_flags.mixed_precision(config.precision)
     try:
         choice = sf.plan(sizes, world_size=world, local_world_size=local, bandwidth=bandwidth,
-                         max_memory_per_rank=budget, micro_batches=config.grad_accum, ep=config.ep,
-                         prefetch=config.prefetch, expert_policy=config.expert_policy, shard_dtype=torch.float32,
+                         max_memory_per_rank=budget, micro_batches=config.schedule.grad_accum, ep=config.ep,
+                         prefetch=config.parallelism.prefetch, expert_policy=config.parallelism.expert_policy,
+                         shard_dtype=torch.float32,
                          param_dtype=mp_policy.param_dtype, grad_comm_dtype=mp_policy.grad_comm_dtype,
-                         outer_comm_dtype=dtype_flags.outer_comm_dtype(config),
+                         all_gather_dtype=mp_policy.all_gather_dtype,
+                         outer_comm_dtype=dtype_flags.outer_comm_dtype(config.precision),
+                         reshard_policy=config.reshard_policy,  # auto: the blocks kept gathered per candidate
                          backend="nccl" if "nccl" in str(dist.get_backend()) else "gloo", prefer=prefer)
     except ValueError as error:
         raise ValueError(f"--fsdp-outer-degree auto with --max-memory-per-rank {budget}: {error}") from None
@@ -127,6 +129,21 @@ def plan_outer_degree(config: ResolvedJob, device: torch.device, world: int) -> 
         print(f"shardfusion: --fsdp-outer-degree auto: bandwidth probe {t_probe:.2f} s", flush=True)
         print("\n".join(f"shardfusion: {line}" for line in choice.table().splitlines()), flush=True)
     return choice.fsdp_outer_degree
+
+
+def unit_sizes_per_rank(config: ResolvedJob, device: torch.device) -> list[sf.UnitSize]:
+    """The units of the job's model as one rank holds them, for `sf.plan`: `sf.unit_sizes` of the model built on
+    meta with every expert (no process group needed), each unit's expert elements, expert buffers' shapes and
+    Muon's expert matrices cut to one ep rank's experts (E / ep of them, all alike); the blocks' reshard setting
+    from --reshard-policy (under auto: the blocks the policy decides)."""
+    meta = job_model.build(config, None, device)  # on meta, every expert
+    whole = muon_matrices(meta.module, meta.units) if config.optim.optimizer == "muon" else None
+    ep = config.ep
+    return [dataclasses.replace(u, expert_numel=u.expert_numel // ep,
+                                expert_whole_shapes=u.expert_whole_shapes[:len(u.expert_whole_shapes) // ep],
+                                expert_buffer_shapes=tuple(b[:len(b) // ep] for b in u.expert_buffer_shapes))
+            for u in sf.unit_sizes(meta.module, units=meta.units, reshard_policy=config.reshard_policy,
+                                   whole_params=whole)]
 
 
 def _resumed_outer_degree(out: str) -> int | None:

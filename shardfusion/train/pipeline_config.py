@@ -107,7 +107,8 @@ def check_flags(config: PipelineConfig, model: ModelConfig, parallelism: Paralle
             ("init_from", "--init-from", model.init_from, model.init_from is not None),
             ("hf", "--hf-model", model.hf_model, model.hf_model is not None),
             ("mp", "--mp", parallelism.mp, parallelism.mp != 1), ("cp", "--cp", parallelism.cp, parallelism.cp != 1),
-            ("muon", "--optimizer", optim.optimizer, optim.optimizer != "adamw")):
+            ("muon", "--optimizer", optim.optimizer, optim.optimizer != "adamw"),
+            ("reshard_auto", "--reshard-policy", parallelism.reshard_policy, parallelism.reshard_policy == "auto")):
         if on:
             compat.refuse("pp", other, what, f"{flag} {value}")
     if parallelism.fsdp_outer_degree == "auto":

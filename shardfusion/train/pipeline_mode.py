@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from shardfusion.train import dtype_flags, pipeline_config
+from shardfusion.train import pipeline_config
 from shardfusion.train.job_pipeline import PipelineRun
 from shardfusion.train.mode import Mode, StepFigures, StepSums, Trainer
 from shardfusion.train.pipeline_config import PipelineConfig
@@ -24,9 +24,10 @@ class PipelineMode(Mode):
 
     def shard(self, trainer: Trainer) -> list[nn.Module]:
         rpn = trainer.comm_layout["ranks_per_node"]
-        self.run = PipelineRun(trainer.config, trainer.topo, trainer.device,
-                               dtype_flags.mixed_precision(trainer.precision),
-                               node_of=lambda r: r // rpn if rpn else 0)
+        job = trainer.config
+        self.run = PipelineRun(trainer.topo, trainer.device, pipeline=self.pipeline, schedule=trainer.schedule,
+                               parallelism=trainer.parallelism, precision=trainer.precision, model=job.model,
+                               shape=job.shape, node_of=lambda r: r // rpn if rpn else 0)
         return self.run.models  # clipping, the optimizers and the checkpoints take the list of stages
 
     def forward_backward(self, trainer: Trainer, step: int) -> StepSums:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -185,37 +185,43 @@ def check_resume(out: str, meta_model: Callable[[], nn.Module]) -> None:
 
 
 def save(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], out: str, *,
-         step: int, keep: int, config: Any, model_extra: dict[str, dict[str, Any]], layout: str, elapsed_s: float,
-         device: torch.device, data_order: int, rank_extra: Optional[dict[str, torch.Tensor]] = None) -> str:
-    """Publish ``out/checkpoints/step-<step>`` (see `shardfusion.checkpoint.save_checkpoint`); returns its path.
-    Collective. ``model``: the sharded model, or with --pp the list of this rank's stage models (each named as in
+         step: int, keep: int, settings: Mapping[str, Any], model_extra: dict[str, dict[str, Any]], layout: str,
+         elapsed_s: float, device: torch.device, data_order: int,
+         rank_extra: Optional[dict[str, torch.Tensor]] = None, async_save: bool = False) -> str | ckpt.AsyncSave:
+    """Publish ``out/checkpoints/step-<step>`` (see `shardfusion.checkpoint.save_checkpoint`); returns its path, or
+    with ``async_save`` (--async-save) the handle of the save, whose ``wait()`` returns the path once every rank
+    has written it and it is published. Collective. ``model``: the sharded model, or with --pp the list of this
+    rank's stage models (each named as in
     the whole model, so the checkpoint is the whole model's). ``optimizers``: the run's optimizers
     (`shardfusion.train.optim.build_optimizers`: ``[adamw]`` or
     ``[muon, adamw]``), each parameter in one of them; the checkpoint keeps their states under the parameters'
-    names, so it loads into any layout. ``model_extra``: the model's record (`JobModel.extra`), merged into the
-    checkpoint's ``extra``;
+    names, so it loads into any layout. ``settings``: the run's flags by name, resolved (`ResolvedJob.flat`), of
+    which the checkpoint keeps those a resume compares and the tokenizer's. ``model_extra``: the model's record
+    (`JobModel.extra`), merged into the checkpoint's ``extra``;
     ``data_order``: the sampler's (`shardfusion.train.data.DATA_ORDERS`); ``rank_extra``: more per-rank tensors
     (``{key: tensor}``, saved under ``rank/<rank>/<key>`` beside the RNG states; DiLoCo's, `job_outer`).
 
     Raises:
         ValueError: on every rank: what `shardfusion.checkpoint.save_checkpoint` raises (a folder that cannot be
-            written, a disk full).
+            written, a disk full; the asynchronous save in flight failed).
     """
     extra = {"step": step, "elapsed_s": elapsed_s, "world_size": dist.get_world_size(), "layout": layout,
              **model_extra,
-             "config": {name: getattr(config, name) for name in RESUME_FIELDS + SAVED_TOKENIZER_FIELDS},
-             "data_order": data_order, **run_folder.tokenizer_extra(config.tokenizer)}
+             "config": {name: settings[name] for name in RESUME_FIELDS + SAVED_TOKENIZER_FIELDS},
+             "data_order": data_order, **run_folder.tokenizer_extra(settings["tokenizer"])}
     return ckpt.save_checkpoint(model, list(optimizers), os.path.join(out, CHECKPOINT_DIR), step, keep=keep,
-                                extra=extra, rank_state={**rng_state(device), **(rank_extra or {})})
+                                extra=extra, rank_state={**rng_state(device), **(rank_extra or {})},
+                                async_save=async_save)
 
 
 def restore(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], path: str, *,
-            config: Any, model_extra: dict[str, dict[str, Any]], layout: str,
+            settings: Mapping[str, Any], model_extra: dict[str, dict[str, Any]], layout: str,
             device: torch.device, rank_extra: Optional[dict[str, torch.Tensor]] = None
             ) -> tuple[int, float, list[str], int]:
     """Load the checkpoint at `path` into `model` and `optimizers` (the list `save` took; any layout: with Muon's
     whole matrices on other owner ranks too) and this rank's RNG states. Collective. The optimizers'
-    hyperparameters are the saved ones afterwards: the caller re-applies its own.
+    hyperparameters are the saved ones afterwards: the caller re-applies its own. ``settings``: this run's flags by
+    name, resolved (`ResolvedJob.flat`), compared with the saved ones (`RESUME_FIELDS`).
     ``model_extra``: this run's model record (`JobModel.extra`), compared field by field with the saved one.
     ``rank_extra``: the per-rank tensors `save` took, as placeholders: afterwards it holds the ones the checkpoint
     had (in their saved shapes), the others removed.
@@ -241,7 +247,7 @@ def restore(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.o
         raise ValueError(f"cannot resume from {path}: it holds no training state (no step in its extra), so it was "
                          f"not written by shardfusion.train; use another --out")
     if isinstance(extra.get("config"), dict):  # preflight refused this already; a worker started otherwise too
-        check_optimizer(os.path.dirname(os.path.dirname(path)), config.optimizer, extra["config"])
+        check_optimizer(os.path.dirname(os.path.dirname(path)), settings["optimizer"], extra["config"])
     set_rng_state({key: rank[key] for key in rng if key in rank}, device)
     if rank_extra is not None:
         rank_extra.clear()
@@ -251,13 +257,13 @@ def restore(model: nn.Module | Sequence[nn.Module], optimizers: Sequence[torch.o
     except ValueError as error:
         raise ValueError(f"cannot resume from {path}: {error}") from None
     compared = RESUME_FIELDS + (("batch_size",) if order == DATA_ORDER_PER_RANK else ())
-    if config.optimizer != "muon":
+    if settings["optimizer"] != "muon":
         compared = tuple(name for name in compared if name != "muon_lr")  # unused by AdamW alone
-    if "diloco" not in (config.outer_sync, extra.get("config", {}).get("outer_sync")):
+    if "diloco" not in (settings["outer_sync"], extra.get("config", {}).get("outer_sync")):
         compared = tuple(name for name in compared if name not in OUTER_SETTINGS)  # unused by every-step
-    notes = [f"--{name.replace('_', '-')} was {old!r}, now {getattr(config, name)!r}"
+    notes = [f"--{name.replace('_', '-')} was {old!r}, now {settings[name]!r}"
              for name, old in extra.get("config", {}).items()
-             if name in compared and getattr(config, name) != old]
+             if name in compared and settings[name] != old]
     for key, model_now in model_extra.items():
         notes += [f"model field {name} was {old!r}, now {model_now.get(name)!r}"
                   for name, old in (extra.get(key) or {}).items() if model_now.get(name) != old]

@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import inspect
 import textwrap
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -73,8 +73,8 @@ def meta(**keys: Any) -> dict[str, Any]:
     return dict(keys)
 
 
-def marked_values(classes: Iterable[type], key: str, values: Any) -> dict[str, Any]:
-    """``{name: getattr(values, name)}`` for the fields of ``classes`` whose metadata sets ``key`` (`fields_marked`),
+def marked_values(classes: Iterable[type], key: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``{name: values[name]}`` for the fields of ``classes`` whose metadata sets ``key`` (`fields_marked`),
     less those marked `FT_SHARED_UNLESS_DEFAULT` whose value is their default."""
     out: dict[str, Any] = {}
     for cls in classes:
@@ -82,7 +82,7 @@ def marked_values(classes: Iterable[type], key: str, values: Any) -> dict[str, A
             mark = field.metadata.get(key)
             if not mark or field.name in out:
                 continue
-            value = getattr(values, field.name)
+            value = values[field.name]
             if mark == FT_SHARED_UNLESS_DEFAULT and value == field.default:
                 continue
             out[field.name] = value

@@ -22,6 +22,7 @@ from shardfusion.train import tokenizer as tokenizers
 from shardfusion.train.config import PLANNED, ResolvedJob
 from shardfusion.train.data import DATA_ORDER
 from shardfusion.train.ft_mode import FTMode
+from shardfusion.train.job_ft import shared_settings
 from shardfusion.train.metrics import MetricsLog
 from shardfusion.train.mode import Mode, Modes, StepResult
 from shardfusion.train.optim import balance_record, build_optimizers, muon_matrices, set_learning_rates
@@ -33,17 +34,19 @@ from shardfusion.train import trainer_outputs as outputs
 
 def modes_for(config: ResolvedJob) -> Modes:
     """The run's modes in their fixed order: the pipeline (--pp > 1), fault tolerance (--ft-lighthouse), DiLoCo
-    (--outer-sync diloco), the plain model (--pp 1). Each takes its own section (fault tolerance under DiLoCo also
-    the DiLoCo mode, whose outer steps then go through the quorum)."""
+    (--outer-sync diloco), the plain model (--pp 1). Each takes its own section (fault tolerance also the digest of
+    the settings every replica group must share, and under DiLoCo the DiLoCo mode, whose outer steps then go through
+    the quorum; DiLoCo its wire format)."""
     modes: list[Mode] = []
-    if config.pp > 1:
+    if config.pipeline.pp > 1:
         modes.append(PipelineMode(config.pipeline))
-    outer = OuterMode(config.outer, config.outer_comm_dtype) if outer_config.enabled(config.outer) else None
-    if ft_config.enabled(config.ft):
-        modes.append(FTMode(config.ft, outer))  # under DiLoCo: the quorum at its outer steps
+    ft = ft_config.enabled(config.ft)
+    outer = OuterMode(config.outer, config.precision, external=ft) if outer_config.enabled(config.outer) else None
+    if ft:  # under DiLoCo: the quorum at its outer steps
+        modes.append(FTMode(config.ft, ft_config.settings_fingerprint(shared_settings(config)), outer))
     if outer is not None:
         modes.append(outer)
-    if config.pp == 1:
+    if config.pipeline.pp == 1:
         modes.append(PlainMode(config.model))
     return Modes(modes)
 
@@ -66,6 +69,7 @@ class Trainer:
         self.start, self.elapsed_before, self.notes, self.data_order = 0, 0.0, [], DATA_ORDER
         self.resume_from: Optional[str] = None
         self.log: Optional[MetricsLog] = None
+        self.saving: Optional[sf.checkpoint.AsyncSave] = None  # --async-save: the save being written behind
 
     def _take(self, config: ResolvedJob) -> None:
         """Hold ``config`` and the sections the trainer reads (resolved: `ResolvedJob` fills them)."""
@@ -129,7 +133,8 @@ class Trainer:
         """The tokenizer, the splits and this rank's samplers (`Mode.samplers`; default: this rank's
         data-parallel slice of each global batch, evaluating on the same one)."""
         self.tokenizer = tokenizers.load(self.config.tokenizer or tokenizers.BYTES)  # resolved by preflight
-        self.train_data, self.val_data, self.data_info = data_config.load_splits(self.config, self.tokenizer)
+        self.train_data, self.val_data, self.data_info = data_config.load_splits(self.config.corpus, self.config.model,
+                                                                                 self.tokenizer)
         self.sampler, self.val_sampler = self.modes.first("samplers", self._samplers)(
             self, self.train_data, self.val_data, self.data_order)
         self.tokens_per_step = self.schedule.global_batch_size * self.job.seq_len * self.schedule.grad_accum
@@ -150,7 +155,7 @@ class Trainer:
         flags = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in self.optimizers]
         rank_state = self.modes.merged("rank_state", True) if self.modes.has("rank_state") else None
         self.start, self.elapsed_before, self.notes, self.data_order = train_state.restore(
-            self.model, self.optimizers, self.resume_from, config=self.config, model_extra=self.job.extra,
+            self.model, self.optimizers, self.resume_from, settings=self.config.flat(), model_extra=self.job.extra,
             layout=self.topo.describe(), device=self.device, rank_extra=rank_state)
         for restored in self.modes.each("restored"):
             note = restored(rank_state, self.start)
@@ -161,14 +166,47 @@ class Trainer:
 
     def save(self, done: int) -> Optional[str]:
         """Publish the checkpoint of step ``done`` in --out (with the modes' per-rank state), unless a mode keeps
-        this group from writing it (`Mode.may_save`); returns its path (None then). Collective."""
+        this group from writing it (`Mode.may_save`); returns its path (None then). With --async-save the save first
+        waits for the previous one (`shardfusion.checkpoint.save_checkpoint` does), then returns once this rank's
+        shards are copied off: the write runs behind, in `saving`. Collective.
+
+        Raises:
+            ValueError: on every rank: the save, or the previous asynchronous one, failed (`train_state.save`).
+        """
         if not all(may_save() for may_save in self.modes.each("may_save")):
             return None
         rank_state = self.modes.merged("rank_state", False) if self.modes.has("rank_state") else None
-        return train_state.save(self.model, self.optimizers, self.config.out, step=done, keep=self.checkpoint.keep,
-                                config=self.config, model_extra=self.job.extra, layout=self.topo.describe(),
-                                elapsed_s=self.elapsed(), device=self.device, data_order=self.data_order,
-                                rank_extra=rank_state)
+        previous, self.saving = self.saving, None
+        saved = train_state.save(self.model, self.optimizers, self.config.out, step=done, keep=self.checkpoint.keep,
+                                 settings=self.config.flat(), model_extra=self.job.extra, layout=self.topo.describe(),
+                                 elapsed_s=self.elapsed(), device=self.device, data_order=self.data_order,
+                                 rank_extra=rank_state, async_save=self.checkpoint.async_save)
+        if previous is not None:
+            self._published(previous)  # agreed on by the save above: no collective
+        if isinstance(saved, str):
+            return saved
+        self.saving = saved
+        return saved.path
+
+    def finish_saving(self) -> None:
+        """Wait until the asynchronous save in flight (--async-save), if any, is written by every rank and published,
+        and say so on rank 0. Collective.
+
+        Raises:
+            ValueError: on every rank: its write or publish failed on some rank (`AsyncSave.wait`).
+        """
+        if self.saving is not None:
+            saving, self.saving = self.saving, None
+            self._published(saving, at_end=True)
+
+    def _published(self, saving: sf.checkpoint.AsyncSave, at_end: bool = False) -> None:
+        """Wait for ``saving`` (`AsyncSave.wait`: collective unless the next save agreed on it already) and say so
+        on rank 0 (``at_end``: with the seconds the run waited for it)."""
+        t = time.perf_counter()
+        path = saving.wait()
+        if self.is_main:
+            waited = f"; the run waited {time.perf_counter() - t:.2f} s for it" if at_end else ""
+            tqdm.write(f"step {saving.step:5d}  published {path} (written in the background{waited})")
 
     # ---- the loop ----
 
@@ -233,11 +271,16 @@ class Trainer:
                 self.t_step = time.perf_counter()  # keep evaluation time out of the next step's tokens/s
             save_every = self.checkpoint.save_every
             if (save_every and done % save_every == 0) or (self.save_at_stop and done == self.stop):
+                t_save = time.perf_counter()
                 path = self.save(done)
                 if path is not None:
                     if self.is_main:
-                        tqdm.write(f"step {done:5d}  saved {path} in {time.perf_counter() - self.t_step:.1f} s")
+                        now = time.perf_counter()
+                        tqdm.write(f"step {done:5d}  saving {path} in the background (the loop waited "
+                                   f"{now - t_save:.2f} s)" if self.saving is not None else
+                                   f"step {done:5d}  saved {path} in {now - self.t_step:.1f} s")
                     self.t_step = time.perf_counter()
+        self.finish_saving()  # the last checkpoint is complete before the run ends
         self.bar.close()
         self.train_s = time.perf_counter() - self.t_train
 

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 from tqdm import tqdm
 
+import shardfusion as sf
 from shardfusion.comm import call_on_rank0
 from shardfusion.train import data_config, run_folder
 from shardfusion.train.data import DATA_ORDER_PER_RANK
@@ -48,6 +49,9 @@ def open_run(t: Trainer) -> None:
               "train_tokens": len(t.train_data), "val_tokens": len(t.val_data), "corpus": t.data_info}
     if t.balance is not None:
         record["owner_balance"] = t.balance
+    choice = reshard_choice(t)
+    if choice is not None:  # --reshard-policy auto: the blocks kept gathered, the same on every rank
+        record["reshard_choice"] = choice.as_dict()
     resumed = {"checkpoint": t.resume_from, "step": t.start, "notes": t.notes} if t.resume_from else None
     opened: list[MetricsLog] = []
 
@@ -81,6 +85,9 @@ def _start_lines(t: Trainer, archived: Optional[str]) -> list[str]:
         lines.append(f"--optimizer muon: Muon (lr {t.optim.muon_lr}) on {muon_count} matrices of the blocks, each "
                      f"whole on one owner rank; AdamW (lr {t.optim.lr}) on the rest; owners: "
                      f"{format_balance(t.balance)}")
+    choice = reshard_choice(t)
+    if choice is not None:
+        lines += choice.describe()
     if t.resume_from:
         dropped = f"; {t.log.dropped} later records moved to metrics.dropped.jsonl" if t.log.dropped else ""
         lines.append(f"resuming at step {t.start} from {t.resume_from}{dropped}")
@@ -89,6 +96,12 @@ def _start_lines(t: Trainer, archived: Optional[str]) -> list[str]:
             lines.append(f"{t.resume_from} was written before the global data order: this run keeps its per-rank "
                          f"data order (data_order {t.data_order}; see docs/data-order.md)")
     return lines
+
+
+def reshard_choice(t: Trainer):
+    """Under --reshard-policy auto, the choice `sf.fully_shard` made for the model (`sf.reshard_choice`), else
+    None (a pipeline's list of stages never has one: --pp refuses the policy)."""
+    return sf.reshard_choice(t.model) if isinstance(t.model, torch.nn.Module) else None
 
 
 def log_val(t: Trainer, step: int, val_loss: float, elapsed_s: float) -> None:

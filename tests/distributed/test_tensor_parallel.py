@@ -67,14 +67,16 @@ def sharded(layouts: list[dict]) -> list[dict]:
 
     results = []
     for layout in layouts:
-        topo = sf.Topology(**layout)
+        topo = sf.Topology(**{k: v for k, v in layout.items() if k != "wrap"})
         torch.manual_seed(0)
         model = GPT(_config(4 if topo.ep > 1 else 0), ep_group=topo.get_group("ep") if topo.ep > 1 else None)
         parallelize(model, topo.get_mesh("mp"))
-        model = sf.fully_shard(model, topo, units=(Block,))
+        model = sf.fully_shard(model, topo, units=(Block,), **layout.get("wrap", {}))
         out = train_adamw(model, rank_loss_fn(model, _slice, topo), STEPS, LR, MAX_NORM)
         out["params"] = sf.full_state_dict(model, buffers=False)
         out["layout"] = layout
+        choice = sf.reshard_choice(model)
+        out["kept"] = None if choice is None else choice.kept
         results.append(out)
     return results
 
@@ -83,7 +85,10 @@ def _compare(got: dict, want: dict) -> None:
     assert_run_matches(got, want, str(got["layout"]), PARAM_ATOL)
 
 
-W4_LAYOUTS = [dict(mp=2, sharding=2), dict(mp=2, sharding=2, fsdp_outer_degree=2)]
+W4_LAYOUTS = [dict(mp=2, sharding=2), dict(mp=2, sharding=2, fsdp_outer_degree=2),
+              # the blocks' DTensor views kept gathered from forward to backward: reshard_policy="auto" with a budget
+              # that keeps both blocks (the policy's choice itself: tests/distributed/test_reshard_auto_ranks.py)
+              dict(mp=2, sharding=2, wrap={"reshard_policy": "auto", "memory_budget": 1 << 40})]
 
 
 @pytest.fixture(scope="module")
@@ -112,11 +117,13 @@ def test_tensor_parallel_parity_world8(w8_results, index):
         _compare(w8_results[rank][index], want)
 
 
-@pytest.mark.parametrize("index", range(len(W4_LAYOUTS)), ids=["mp2-inner2", "mp2-outer2"])
+@pytest.mark.parametrize("index", range(len(W4_LAYOUTS)), ids=["mp2-inner2", "mp2-outer2", "mp2-inner2-auto"])
 def test_tensor_parallel_parity_world4(w4_results, dense_reference, index):
     print(W4_LAYOUTS[index], max_errors(w4_results[0][index], dense_reference))
     for rank in range(4):
         _compare(w4_results[rank][index], dense_reference)
+        auto = "wrap" in W4_LAYOUTS[index]
+        assert w4_results[rank][index]["kept"] == (("blocks.0", "blocks.1") if auto else None)
 
 
 def test_parameters_are_dtensors_while_unsharded():

@@ -167,3 +167,38 @@ def test_worked_example_on_sixteen_gloo_ranks():
             for kind, groups in table[ep].items():
                 (expected,) = [g for g in groups if mine["rank"] in g]
                 assert mine[kind] == expected, f"ep {ep} rank {mine['rank']}: {kind} {mine[kind]} != {expected}"
+
+
+def _ranks_per_node_worker() -> dict:
+    import os
+
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    out = {}
+    for name, kw in (("default", dict(sharding=4)), ("two-nodes", dict(sharding=4, ranks_per_node=2)),
+                     ("hsdp", dict(sharding=4, fsdp_outer_degree=2, ranks_per_node=2))):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            topo = Topology(**kw)
+        out[name] = (topo.ranks_per_node, topo.spanning_groups, topo.describe_nodes(),
+                     any("span nodes" in str(w.message) for w in caught))
+    for bad in (3, 0, True):
+        try:
+            Topology(sharding=4, ranks_per_node=bad)
+        except ValueError as error:
+            out[f"bad-{bad}"] = str(error)
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_ranks_per_node_declares_nodes_on_one_machine():
+    """Topology(ranks_per_node=2) on 4 ranks: two nodes, the sharding group of 4 named as spanning them (no warning:
+    declared on purpose); HSDP with inner 2 keeps it in a node; without it and LOCAL_WORLD_SIZE, one node; bad values
+    are one ValueError on every rank."""
+    for r in run_distributed(_ranks_per_node_worker, 4, timeout=60):
+        assert r["default"] == (4, [], "1 node x 4 ranks", False), r["default"]
+        assert r["two-nodes"] == (2, ["fsdp_inner"], "2 nodes x 2 ranks; fsdp_inner groups span nodes (fsdp inner 4)",
+                                  False), r["two-nodes"]
+        assert r["hsdp"] == (2, [], "2 nodes x 2 ranks", False), r["hsdp"]
+        for bad in (3, 0, True):
+            assert r[f"bad-{bad}"] == (f"ranks_per_node must be an int >= 1 that divides world_size(4): nodes of "
+                                       f"equal size, got {bad!r}"), r

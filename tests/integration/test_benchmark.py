@@ -19,6 +19,15 @@ micro-batch), the P2P sends the activation shapes predict, shardfusion's all-gat
 predicts (cross-checked with its own counter), the same counts on every rank of a stage, and the same first loss in
 both variants.
 
+benchmarks/async_save.py runs end to end (2 gloo workers, 2 pairs of saves of the tiny GPT): the saves alternate,
+each asynchronous save has its parts, and one pair of saves of the same state is equal bitwise.
+
+benchmarks/reshard_curve.py runs end to end (2 gloo workers, FSDP over both, the tiny regime with 5 blocks, one
+step per variant) and writes its JSON, markdown and plot: one shardfusion point per distinct need of the cost model
+(0, 1 and all 5 blocks kept), each within its budget, with the all-gathers its choice predicts and more gathered
+parameters alive with all kept; FSDP2 with reshard_after_forward True and False, and DDP; the same first loss in
+every variant. No timing is asserted.
+
 benchmarks/paired_commits.py runs end to end (the working tree against itself as a folder, the tiny regime, one
 round of one step per tree, 4 fresh gloo workers per run) and writes its JSON and markdown: both trees ran the same
 step (the same loss, exactly: the same code, seed and data). No timing is asserted."""
@@ -58,6 +67,14 @@ def test_compare_smoke(tmp_path):
     assert data["regimes"]["tiny"]["variants"]["shardfusion"]["cross_check"]["agree"]
     first = {name: rows[name]["loss_first_last"][0] for name in rows}
     assert max(first.values()) - min(first.values()) < 1e-4, first  # same model, same data
+    assert "Transient memory at the peak" in md
+    for name in rows:  # the breakdown of the peak adds up to it; the transient is what is not kept across steps
+        t = rows[name]["transient_memory"]
+        assert sum(t["parts"].values()) == t["peak"] and t["transient"] == t["peak"] - t["persistent"] > 0, (name, t)
+        assert t["parts"]["activations"] > 0, (name, t)
+    sf = rows["shardfusion"]["transient_memory"]
+    assert set(sf["units"]["full_params"]) >= {""}, sf  # the root unit stays gathered from forward to backward
+    assert 0 < sf["grads_vs_bound"] <= 1.01, sf  # one gradient reduction at a time: within the bound
 
 
 @pytest.mark.timeout(240)
@@ -154,6 +171,49 @@ def test_pipeline_smoke(tmp_path):
                     assert stage["cross_check"]["agree"], stage["cross_check"]
         first = [row["losses"][0] for row in rows.values()]
         assert max(first) - min(first) < 1e-4, (name, first)  # same model, same data
+
+
+@pytest.mark.timeout(150)
+def test_async_save_smoke(tmp_path):
+    """benchmarks/async_save.py runs end to end (2 gloo workers, HSDP 2 x 1, the tiny GPT, 2 pairs of saves a step
+    apart) and writes its JSON and markdown report. No timing is asserted; what is exact is: the saves alternate
+    (the order swapped in the second pair), each asynchronous save has its parts and a background write, the stall
+    is the call plus the wait, and one pair of saves of the same state is equal bitwise."""
+    cmd = [sys.executable, "-m", "benchmarks.async_save", "--preset", "tiny", "--nproc", "2", "--outer", "2",
+           "--pairs", "2", "--every", "1", "--out-dir", str(tmp_path), "--name", "smoke"]
+    proc = run_command(cmd, timeout=140)
+    assert proc.returncode == 0, f"async_save.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    summary = json.loads((tmp_path / "smoke.json").read_text())["summary"]
+    assert [(s["pair"], s["kind"]) for s in summary["saves"]] == [(0, "sync"), (0, "async"), (1, "async"), (1, "sync")]
+    for save in (s for s in summary["saves"] if s["kind"] == "async"):
+        assert save["stall_s"] >= save["call_s"] >= save["staging_s"] > 0 and save["write_s"] > 0, save
+    assert summary["async_equals_sync"] is True
+    assert len(summary["pair_ratios"]) == 2 and summary["ratio"] > 0
+    assert "Stall over synchronous save" in (tmp_path / "smoke.md").read_text()
+
+
+@pytest.mark.timeout(150)
+def test_reshard_curve_smoke(tmp_path):
+    cmd = [sys.executable, "-m", "benchmarks.reshard_curve", "--regime", "tiny", "--n-layer", "5", "--nproc", "2",
+           "--outer", "1", "--repeats", "1", "--warmup", "0", "--steps", "1", "--out-dir", str(tmp_path),
+           "--name", "smoke"]
+    proc = run_command(cmd, timeout=140, env={**clean_env(), "GLOO_SOCKET_IFNAME": "lo"})
+    assert proc.returncode == 0, (f"reshard_curve failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-3000:]}")
+    data = json.loads((tmp_path / "smoke.json").read_text())
+    rows = {r["variant"]: r for r in data["points"] + data["peers"]}
+    assert set(rows) == {"auto-0", "auto-1", "auto-2", "fsdp2-raf-true", "fsdp2-raf-false", "ddp"}
+    points = [rows[f"auto-{i}"] for i in range(3)]
+    assert [p["kept"] for p in points] == [0, 1, 5]  # prefetch 1: 3 resharded blocks count, so 2 kept cost all 5's
+    assert [p["all_gathers"] for p in points] == [1 + 2 * 5, 1 + 2 * 5 - 1, 1 + 5]
+    assert all(p["estimate_mb"] <= p["budget_mb"] for p in points)
+    assert all(low <= p["peak_live_mb"] <= high for p in points for low, high in [p["peak_live_range_mb"]])
+    # all 5 blocks gathered at once, against at most prefetch + 2 = 3
+    assert points[0]["full_params_mb"] < points[-1]["full_params_mb"]
+    first = [r["loss_first"] for r in rows.values()]
+    assert max(first) - min(first) < 1e-4, first  # same model, same data
+    assert (tmp_path / "smoke.png").stat().st_size > 0
+    assert "| shardfusion auto, 1/5 kept | " in (tmp_path / "smoke.md").read_text()
 
 
 @pytest.mark.timeout(150)

@@ -99,7 +99,7 @@ def _samplers(pretrained: Path, corpus: Path, cache: Path, world: int) -> list[B
     """The job's samplers of data-parallel ranks 0..world-1 over the cached stream (global batch 8, seed 42)."""
     config = prepare(JobConfig.from_flat(init_from=str(pretrained), data=str(corpus), data_cache=str(cache)),
                         progress=False)
-    train, val, _ = dc.load_splits(config, tk.load(config.tokenizer))
+    train, val, _ = dc.load_splits(config.corpus, config.model, tk.load(config.tokenizer))
     return [BatchSampler(train=train, val=val, batch_size=8 // world, seq_len=SEQ_LEN, seed=42, dp_rank=r,
                          dp_world=world) for r in range(world)]
 

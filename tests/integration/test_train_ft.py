@@ -118,10 +118,12 @@ def test_all_alive_equals_hsdp_and_waits_for_min_replicas(tmp_path: Path) -> Non
 PARITY_STEPS = 4
 
 
-def _groups_equal_hsdp(tmp_path: Path, extra: list[str], shows: str, train: list[str] = TRAIN) -> None:
+def _groups_equal_hsdp(tmp_path: Path, extra: list[str], shows: str, train: list[str] = TRAIN,
+                       groups_only: tuple[str, ...] = (), groups_show: str = "") -> None:
     """2 replica groups x 2 ranks with the flags ``train`` + ``extra`` against HSDP outer 2 in one job of 4 ranks
     with the same flags (the same global batch), `_assert_equals_reference` after `PARITY_STEPS` steps; ``shows``:
-    a piece of the console's layout line both runs must print (the mode is on)."""
+    a piece of the console's layout line both runs must print (the mode is on); ``groups_only``: flags of the
+    groups alone, which must print ``groups_show``."""
     flags = [*train, "--steps", str(PARITY_STEPS), "--warmup", "2", "--save-every", str(PARITY_STEPS),
              "--eval-every", str(PARITY_STEPS), *extra]
     ref = tmp_path / "hsdp"
@@ -131,10 +133,10 @@ def _groups_equal_hsdp(tmp_path: Path, extra: list[str], shows: str, train: list
     out = tmp_path / "ft"
     with Replicas(out, flags) as run:
         for group in (0, 1):
-            run.start(group, extra=["--ft-min-replicas", "2"])
+            run.start(group, extra=["--ft-min-replicas", "2", *groups_only])
         codes = run.wait(["replica0", "replica1"], TRAIN_TIMEOUT_S)
         assert codes == {"replica0": 0, "replica1": 0}, run.log("replica0")[-3000:] + run.log("replica1")[-3000:]
-        assert shows in run.log("replica0"), run.log("replica0")[-3000:]
+        assert shows in run.log("replica0") and groups_show in run.log("replica0"), run.log("replica0")[-3000:]
     _assert_equals_reference(out, ref, PARITY_STEPS)
 
 
@@ -152,7 +154,9 @@ def test_groups_from_a_pretrained_folder_equal_hsdp(tmp_path: Path) -> None:
     """--init-from a Hugging Face folder (a tiny Llama written by save_pretrained: a Hugging Face model) in each
     replica group against HSDP outer 2 x inner 2 from the same folder in one job: both start from the folder's
     weights (the HSDP run's first loss is a single-process transformers forward of them on the 4 ranks' batches),
-    and the groups end with the same losses and norms and bitwise the same checkpoint."""
+    and the groups end with the same losses and norms and bitwise the same checkpoint. The groups keep the decoder
+    layers gathered from forward to backward by --reshard-policy auto (a budget that fits them all; the HSDP job
+    frees them after forward): the policy moves no value."""
     pytest.importorskip("transformers")
     from pretrained import first_loss, save_tiny_llama
 
@@ -160,7 +164,9 @@ def test_groups_from_a_pretrained_folder_equal_hsdp(tmp_path: Path) -> None:
     save_tiny_llama(folder)
     at = TRAIN.index("--experts")
     train = TRAIN[:at] + TRAIN[at + 2:]  # the folder decides the model
-    _groups_equal_hsdp(tmp_path, ["--init-from", str(folder)], f"LlamaForCausalLM (from {folder})", train=train)
+    _groups_equal_hsdp(tmp_path, ["--init-from", str(folder)], f"LlamaForCausalLM (from {folder})", train=train,
+                       groups_only=("--reshard-policy", "auto", "--max-memory-per-rank", "64GB"),
+                       groups_show="reshard policy auto: ")
     first = json.loads((tmp_path / "hsdp" / "metrics.jsonl").read_text().splitlines()[1])
     batch, seq_len, data_bytes = (int(train[train.index(flag) + 1])
                                   for flag in ("--batch-size", "--seq-len", "--data-bytes"))

@@ -32,6 +32,8 @@ def _flags(mode: str, folder: Path) -> list[str]:
         "hsdp": ["--fsdp-outer-degree", "2"], "diloco": ["--outer-sync", "diloco"],
         "ft": ["--ft-lighthouse", "http://127.0.0.1:9", "--ft-replicas", "2", "--ft-replica-id", "0"],
         "muon": ["--optimizer", "muon"], "hf": ["--hf-model", "llama"], "init_from": ["--init-from", str(folder)],
+        "async_save": ["--async-save"],
+        "reshard_auto": ["--reshard-policy", "auto", "--max-memory-per-rank", "1GB"],
     }[mode]
 
 
@@ -61,9 +63,9 @@ def _argv(a: str, b: str, folder: Path, out: Path) -> list[str]:
 
 
 def test_every_pair_once() -> None:
-    assert len(MODES) == 10
+    assert len(MODES) == 12
     assert set(PAIRS) == {frozenset(p) for p in itertools.combinations(MODES, 2)}
-    assert len(PAIRS) == len(compat.pairs()) == 45
+    assert len(PAIRS) == len(compat.pairs()) == 66
     assert all(isinstance(e, (Works, Refused)) for e in PAIRS.values())  # no third kind
     with pytest.raises(KeyError, match="'sep' is not a mode"):
         compat.entry("sep", "pp")
@@ -81,7 +83,16 @@ def _test_functions(path: str) -> frozenset[str]:
 
 @pytest.mark.parametrize("pair", [p for p in compat.pairs() if isinstance(compat.entry(*p), Works)], ids="+".join)
 def test_works_names_a_test_that_exists(pair: tuple[str, str]) -> None:
-    test = compat.entry(*pair).test
+    _assert_test_exists(compat.entry(*pair).test)
+
+
+@pytest.mark.parametrize("name", list(compat.ORTHOGONAL))
+def test_each_switch_that_is_no_mode_names_a_test_that_exists(name: str) -> None:
+    assert name not in compat.MODES
+    _assert_test_exists(compat.ORTHOGONAL[name].test)
+
+
+def _assert_test_exists(test: str) -> None:
     path, _, name = test.partition("::")
     assert path.startswith("tests/") and path.endswith(".py") and name, test
     assert (REPO / path).is_file(), test

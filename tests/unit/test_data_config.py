@@ -30,6 +30,14 @@ def bpe_folder(tmp_path_factory) -> Path:
     return folder
 
 
+def _spec(config: JobConfig, resuming: bool = False) -> str:
+    return dc.tokenizer_spec(config.corpus, config.model, config.run.out, resuming=resuming)
+
+
+def _check_pretrained(config: JobConfig, tokenizer: tk.Tokenizer) -> str | None:
+    return dc.check_pretrained_tokenizer(config.corpus, config.model, tokenizer)
+
+
 def jsonl(path: Path, texts: list[str]) -> Path:
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
     return path
@@ -70,19 +78,19 @@ def test_tokenizer_spec_defaults(tmp_path: Path, bpe_folder: Path) -> None:
     """Without --tokenizer: bytes; an --init-from folder with a tokenizer gives that folder; one without a tokenizer
     gives bytes if its vocabulary is 256, else a one-line error naming --init-from and its vocabulary; a resumed run
     takes OUT/tokenizer; --tokenizer always wins."""
-    assert dc.tokenizer_spec(JobConfig()) == "bytes"
+    assert _spec(JobConfig()) == "bytes"
     with_tok = pretrained(tmp_path / "with", 300, bpe_folder)
-    assert dc.tokenizer_spec(JobConfig.from_flat(init_from=with_tok)) == with_tok
-    assert dc.tokenizer_spec(JobConfig.from_flat(init_from=pretrained(tmp_path / "b256", 256))) == "bytes"
+    assert _spec(JobConfig.from_flat(init_from=with_tok)) == with_tok
+    assert _spec(JobConfig.from_flat(init_from=pretrained(tmp_path / "b256", 256))) == "bytes"
     big = pretrained(tmp_path / "v1000", 1000)
     with pytest.raises(ValueError) as caught:
-        dc.tokenizer_spec(JobConfig.from_flat(init_from=big))
+        _spec(JobConfig.from_flat(init_from=big))
     assert "\n" not in str(caught.value) and f"--init-from {big}" in str(caught.value) and "1000" in str(caught.value)
-    assert dc.tokenizer_spec(JobConfig.from_flat(init_from=big, tokenizer="bytes")) == "bytes"
+    assert _spec(JobConfig.from_flat(init_from=big, tokenizer="bytes")) == "bytes"
     out = tmp_path / "out"
     tk.load(str(bpe_folder)).save(out / "tokenizer")
-    assert dc.tokenizer_spec(JobConfig.from_flat(out=str(out)), resuming=True) == str(out / "tokenizer")
-    assert dc.tokenizer_spec(JobConfig.from_flat(out=str(out)), resuming=False) == "bytes"
+    assert _spec(JobConfig.from_flat(out=str(out)), resuming=True) == str(out / "tokenizer")
+    assert _spec(JobConfig.from_flat(out=str(out)), resuming=False) == "bytes"
 
 
 def test_check_vocabulary(tmp_path: Path, bpe_folder: Path) -> None:
@@ -91,12 +99,12 @@ def test_check_vocabulary(tmp_path: Path, bpe_folder: Path) -> None:
     t = tk.load(str(bpe_folder))
     small = pretrained(tmp_path / "small", t.vocab_size - 20)
     with pytest.raises(ValueError) as caught:
-        dc.check_vocabulary(JobConfig.from_flat(init_from=small, tokenizer=str(bpe_folder)), t)
+        dc.check_vocabulary(JobConfig.from_flat(init_from=small, tokenizer=str(bpe_folder)).model, t)
     message = str(caught.value)
     assert f"vocab_size {t.vocab_size - 20}" in message and f"has {t.vocab_size} ids" in message, message
-    dc.check_vocabulary(JobConfig.from_flat(init_from=pretrained(tmp_path / "same", t.vocab_size)), t)
-    dc.check_vocabulary(JobConfig.from_flat(init_from=pretrained(tmp_path / "larger", 4096)), t)
-    dc.check_vocabulary(JobConfig(), t)
+    dc.check_vocabulary(JobConfig.from_flat(init_from=pretrained(tmp_path / "same", t.vocab_size)).model, t)
+    dc.check_vocabulary(JobConfig.from_flat(init_from=pretrained(tmp_path / "larger", 4096)).model, t)
+    dc.check_vocabulary(JobConfig().model, t)
 
 
 def test_check_saved(bpe_folder: Path) -> None:
@@ -105,12 +113,12 @@ def test_check_saved(bpe_folder: Path) -> None:
     bpe, byte = tk.load(str(bpe_folder)), tk.byte_tokenizer()
     config = JobConfig.from_flat(out="runs/x")
     with pytest.raises(ValueError, match=r"^--tokenizer: the checkpoint in --out runs/x .* tokenizer bytes"):
-        dc.check_saved(config, bpe, {"lr": 1.0})
+        dc.check_saved(config.run.out, bpe, {"lr": 1.0})
     with pytest.raises(ValueError, match="trained with the tokenizer /old/tok, this run's is bytes"):
-        dc.check_saved(config, byte, {"tokenizer": "/old/tok", "tokenizer_fingerprint": bpe.fingerprint})
-    dc.check_saved(config, byte, {"lr": 1.0})
-    dc.check_saved(config, bpe, {"tokenizer_fingerprint": bpe.fingerprint})
-    dc.check_saved(config, bpe, None)
+        dc.check_saved(config.run.out, byte, {"tokenizer": "/old/tok", "tokenizer_fingerprint": bpe.fingerprint})
+    dc.check_saved(config.run.out, byte, {"lr": 1.0})
+    dc.check_saved(config.run.out, bpe, {"tokenizer_fingerprint": bpe.fingerprint})
+    dc.check_saved(config.run.out, bpe, None)
 
 
 def test_prepare_plain_bytes_keeps_the_old_path(tmp_path: Path) -> None:
@@ -120,8 +128,8 @@ def test_prepare_plain_bytes_keeps_the_old_path(tmp_path: Path) -> None:
     data.write_text("".join(DOCS), encoding="utf-8")
     config = prepare(JobConfig.from_flat(data=str(data), seq_len=16), progress=False)
     assert (config.tokenizer, config.vocab_size, config.tokenizer_fingerprint) == ("bytes", 256, "bytes")
-    assert dc.plain_bytes(config) and not (tmp_path / ".shardfusion-tokens").exists()
-    train, val, info = dc.load_splits(config, tk.byte_tokenizer())
+    assert dc.plain_bytes(config.corpus, config.model) and not (tmp_path / ".shardfusion-tokens").exists()
+    train, val, info = dc.load_splits(config.corpus, config.model, tk.byte_tokenizer())
     assert train.dtype == val.dtype == torch.uint8
     assert bytes(torch.cat([train, val]).tolist()) == data.read_bytes()
     assert info == {"tokens": len(data.read_bytes()), "documents": None, "text_bytes": len(data.read_bytes()),
@@ -137,7 +145,7 @@ def test_prepare_jsonl_with_a_tokenizer(tmp_path: Path, bpe_folder: Path) -> Non
     config = prepare(JobConfig.from_flat(data=str(data), tokenizer=str(bpe_folder), seq_len=16), progress=False)
     assert (config.vocab_size, config.tokenizer_fingerprint) == (t.vocab_size, t.fingerprint)
     assert config.model_config().vocab_size == t.vocab_size
-    train, val, info = dc.load_splits(config, t)
+    train, val, info = dc.load_splits(config.corpus, config.model, t)
     expected = [i for d in DOCS for i in [*t.hf.encode(d, add_special_tokens=False), t.eot_id]]
     assert isinstance(train, np.ndarray) and np.concatenate([train, val]).tolist() == expected
     assert info["documents"] == len(DOCS) and Path(info["cache"]).parent == tmp_path / ".shardfusion-tokens"
@@ -224,7 +232,7 @@ def test_prepare_reads_compressed_data_and_refuses_binary(tmp_path: Path, bpe_fo
     streams = []
     for data in (plain, packed):
         config = prepare(JobConfig.from_flat(data=str(data), tokenizer=str(bpe_folder), seq_len=16), progress=False)
-        train, val, info = dc.load_splits(config, t)
+        train, val, info = dc.load_splits(config.corpus, config.model, t)
         assert info["documents"] == len(DOCS)
         streams.append(np.concatenate([train, val]).tolist())
     assert streams[0] == streams[1]
@@ -269,22 +277,21 @@ def test_tokenizer_that_contradicts_the_pretrained_one(tmp_path: Path, bpe_folde
     theirs.save(tmp_path / "copy")
     for same in (str(bpe_folder), str(bpe_folder / "tokenizer.json"), str(tmp_path / "copy"), None):
         fields = {} if same is None else {"tokenizer": same}
-        assert dc.check_pretrained_tokenizer(JobConfig.from_flat(init_from=model, **fields), tk.load(same or model)) is None
+        assert _check_pretrained(JobConfig.from_flat(init_from=model, **fields), tk.load(same or model)) is None
     bare = pretrained(tmp_path / "bare", 300)
-    assert dc.check_pretrained_tokenizer(JobConfig.from_flat(init_from=bare, tokenizer=str(other_folder)), ours) is None
+    assert _check_pretrained(JobConfig.from_flat(init_from=bare, tokenizer=str(other_folder)), ours) is None
     with pytest.raises(ValueError, match=rf"^--tokenizer bytes \(ids fingerprint \w{{12}}, 256 ids\) maps"):
-        dc.check_pretrained_tokenizer(JobConfig.from_flat(init_from=model, tokenizer="bytes"), tk.byte_tokenizer())
+        _check_pretrained(JobConfig.from_flat(init_from=model, tokenizer="bytes"), tk.byte_tokenizer())
     exported = pretrained(tmp_path / "export", 256)
     tk.byte_tokenizer().save(exported)
-    assert dc.check_pretrained_tokenizer(JobConfig.from_flat(init_from=exported, tokenizer="bytes"),
-                                         tk.byte_tokenizer()) is None
+    assert _check_pretrained(JobConfig.from_flat(init_from=exported, tokenizer="bytes"), tk.byte_tokenizer()) is None
 
 
 def test_tokenizer_override_flag() -> None:
     """--tokenizer-override is a flag of the data section (off by default), documented in --help."""
     from shardfusion.train.config import build_parser, parse_args
-    assert parse_args([]).tokenizer_override is False
-    assert parse_args(["--tokenizer-override"]).tokenizer_override is True
+    assert parse_args([]).corpus.tokenizer_override is False
+    assert parse_args(["--tokenizer-override"]).corpus.tokenizer_override is True
     assert "--init-from folder" in " ".join(build_parser().format_help().split())
 
 
@@ -304,7 +311,7 @@ def test_prepare_a_datasets_folder_as_its_json_lines(tmp_path: Path, bpe_folder:
 
     def splits(data: Path, tokenizer: str | None = None, **flags) -> tuple[list, list, dict]:
         job = prepare(JobConfig.from_flat(data=str(data), tokenizer=tokenizer, seq_len=16, **flags))
-        train, val, info = dc.load_splits(job, tk.load(job.tokenizer))
+        train, val, info = dc.load_splits(job.corpus, job.model, tk.load(job.tokenizer))
         return np.asarray(train).tolist(), np.asarray(val).tolist(), info
 
     for tokenizer in (str(bpe_folder), None):
@@ -334,4 +341,4 @@ def test_split_is_a_resume_and_ft_shared_setting(tmp_path: Path) -> None:
     job = resolve(JobConfig.from_flat(data="d", split="train"), device="cpu", world_size=1)
     assert job.marked("ft_shared")["split"] == "train" and job.marked("resume")["split"] == "train"
     assert "split" not in resolve(JobConfig(), device="cpu", world_size=1).marked("ft_shared")
-    assert dc.where(job) == "--data d --split train"
+    assert dc.where(job.corpus) == "--data d --split train"

@@ -16,7 +16,7 @@ import shardfusion as sf
 from shardfusion.dry_run import kinds_of, link_terms
 from shardfusion.models.gpt import GPT, Block, GPTConfig
 from shardfusion.moe import _even_routing
-from shardfusion.plan import Bandwidth
+from shardfusion.plan import Bandwidth, _size
 from shardfusion.topology import Degrees
 
 CONFIG = GPTConfig(n_layer=3, n_head=2, d_model=64, seq_len=32)
@@ -102,6 +102,51 @@ def test_memory_budget_verdict(w1024) -> None:
     assert "budget" not in w1024.table()  # no budget given: no verdict
 
 
+def test_transient_peak_by_part_and_unit(w1024) -> None:
+    """The transient memory (live bytes beyond parameters, gradients and optimizer state at its peak): what its
+    parts add up to, the units whose full buffers are alive then (the root and the last two blocks at the start of
+    backward: 3 blocks, prefetch 1), one figure whatever the collectives' timing, and its line in the report."""
+    (rank,) = w1024.ranks
+    m, at = rank.memory, rank.transient_peak
+    kept = ("params", "grads", "optimizer")
+    assert m["transient"] == sum(v for k, v in at["parts"].items() if k not in kept) > 0
+    assert m["transient_slow"] == m["transient"] and m["full_grads_slow"] == m["full_grads"]
+    assert set(at["units"]["full_params"]) == {"", "blocks.1", "blocks.2"}, at["units"]
+    assert sum(at["units"]["full_params"].values()) == at["parts"]["full_params"]
+    assert at["parts"]["activations"] > 0
+    assert f"transient {_size(m['transient'])} (a later step peaks at" in w1024.table()
+
+
+def test_live_memory_parts_by_origin() -> None:
+    """LiveMemory counts a storage outside the watched parts where it came from: the phase it was made in, or a
+    collective it was passed to; a watched storage counts in its watched part; a freed one leaves its part."""
+    from shardfusion.live_memory import LiveMemory
+
+    kept = torch.zeros(256)  # 1 KiB
+    tracker = LiveMemory(lambda: {"params": {kept.untyped_storage()._cdata: kept.untyped_storage()}})
+    dist.init_process_group("fake", rank=0, world_size=2)
+    try:
+        with tracker:
+            tracker.phase = "activations"
+            act = torch.ones(512)  # 2 KiB
+            tracker.phase = "optimizer_step"
+            tmp = torch.ones(1024)  # 4 KiB
+            tracker.phase = "other"
+            sent = torch.ones(2048)  # 8 KiB, then passed to a collective
+            dist.all_reduce(sent)
+            parts = tracker.sample().parts
+            assert (parts["params"], parts["activations"], parts["optimizer_step"], parts["comm_buffers"]) == (
+                1024, 2048, 4096, 8192), parts
+            del tmp
+            assert tracker.sample().parts["optimizer_step"] == 0
+            assert tracker.transient_peak.transient == 2048 + 4096 + 8192 + parts["other"]
+        with pytest.raises(ValueError, match="phase must be one of"):
+            tracker.phase = "forward"
+    finally:
+        dist.destroy_process_group()
+    del act, sent
+
+
 def test_cross_node_time_in_latency_and_bandwidth_terms(w1024) -> None:
     """The cost model's time within and across nodes = bytes / bandwidth + ring steps x latency, each term shown;
     the steps counted here from the collectives: G - 1 per all-gather and reduce-scatter on the inner groups of 8
@@ -135,7 +180,34 @@ def test_the_job_passes_its_memory_budget(monkeypatch, capsys) -> None:
     with pytest.raises(ValueError, match="stop here"):
         job_dry_run.run(parse_args(["--dry-run", "--world", "64", "--preset", "tiny", "--max-memory-per-rank", "80GB"]))
     assert seen["max_memory_per_rank"] == 80 * 10**9
-    assert parse_args(["--max-memory-per-rank", "74.5GiB"]).max_memory_per_rank == int(74.5 * 2**30)
+    assert parse_args(["--max-memory-per-rank", "74.5GiB"]).parallelism.max_memory_per_rank == int(74.5 * 2**30)
+
+
+def test_async_save_staging_copy(monkeypatch) -> None:
+    """async_save=True (the job's --async-save): each kind of rank reports the staging copy of an asynchronous
+    checkpoint save, host memory beside the peak: on FSDP (every rank writes its fragments) its shards and their
+    AdamW state, step scalars included; without it, no such figure. The job passes its flag."""
+    from shardfusion.train import job_dry_run
+    from shardfusion.train.config import parse_args
+
+    kwargs = dict(world_size=16, ranks_per_node=8, fully_shard={"units": (Block,)}, bounds=False, plan_model=False)
+    report = sf.dry_run(_build, _step, async_save=True, **kwargs)
+    m = report.ranks[0].memory
+    assert m["staging"] == m["params"] + m["optimizer"] > 0  # no persistent buffers in the GPT
+    assert "async save: staging copy " in report.table() and "for a node of 8 such ranks" in report.table()
+    plain = sf.dry_run(_build, _step, **kwargs)
+    assert "staging" not in plain.ranks[0].memory and "async save" not in plain.table()
+    seen = {}
+
+    def fake_dry_run(build, step, **given):
+        seen.update(given)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(sf, "dry_run", fake_dry_run)
+    for flags, expected in ((["--async-save"], True), ([], False)):
+        with pytest.raises(ValueError, match="stop here"):
+            job_dry_run.run(parse_args(["--dry-run", "--world", "16", "--preset", "tiny", *flags]))
+        assert seen["async_save"] is expected
 
 
 def test_pipeline_stages_are_the_kinds() -> None:

@@ -33,8 +33,9 @@ def test_check_flags_refusals(fields: dict, words: str) -> None:
 def test_defaults_and_units() -> None:
     (JobConfig()).check_section("dry")
     (JobConfig.from_flat(**ON, world=1024, bandwidth_within="900MB", bandwidth_across="12.5GB")).check_section("dry")
-    assert dc.bandwidths(JobConfig.from_flat(bandwidth_within="900MB", bandwidth_across="1GiB")) == (900e6, float(2**30))
-    assert not dc.enabled(JobConfig()) and dc.enabled(JobConfig.from_flat(**ON))
+    given = JobConfig.from_flat(bandwidth_within="900MB", bandwidth_across="1GiB")
+    assert dc.bandwidths(given.dry) == (900e6, float(2**30))
+    assert not dc.enabled(JobConfig().dry) and dc.enabled(JobConfig.from_flat(**ON).dry)
 
 
 @pytest.mark.parametrize("fields, words", [

@@ -67,7 +67,8 @@ def test_spanning_and_the_degree_within_nodes_against_brute_force() -> None:
 def test_default_outer_degree(flags: dict, world: int, rpn, outer: int) -> None:
     config = resolve(JobConfig.from_flat(preset="tiny", **flags), device="cpu", world_size=world, ranks_per_node=rpn)
     assert config.fsdp_outer_degree == outer
-    d = Degrees(world_size=world, pp=config.pp, cp=config.cp, ep=config.ep, fsdp_outer_degree=outer)
+    d = Degrees(world_size=world, pp=config.pipeline.pp, cp=config.parallelism.cp, ep=config.ep,
+                fsdp_outer_degree=outer)
     if not {"ep", "fsdp_outer_degree"} & set(flags) and rpn is not None:
         assert _spanning_brute_force(d, rpn) == []
     default, why = default_outer_degree(config, world, rpn)

@@ -51,8 +51,8 @@ def test_flags_parse_and_defaults() -> None:
     (JobConfig()).check_section("ft")  # off: nothing to check
     config = JobConfig.from_flat(**ON)
     (config).check_section("ft")
-    assert (config.ft_min_replicas, config.ft_timeout, config.ft_join_wait, config.ft_host,
-            config.ft_quorum_timeout, config.ft_max_discards) == (1, 10.0, 30.0, None, 120.0, 20)
+    assert (config.ft.ft_min_replicas, config.ft.ft_timeout, config.ft.ft_join_wait, config.ft.ft_host,
+            config.ft.ft_quorum_timeout, config.ft.ft_max_discards) == (1, 10.0, 30.0, None, 120.0, 20)
     JobConfig.from_flat(**ON, mp=2).check_section("ft")  # tensor parallel inside each replica group
     resolved = resolve(config, device="cpu", world_size=2, ft_host=fc.resolve_host(config.ft))
     assert resolved.fsdp_outer_degree == 1 and fc.resolve_host(JobConfig().ft) is None
@@ -158,14 +158,14 @@ def test_agreement_of_the_quorums_groups(groups: list, words: str | None) -> Non
 def test_data_slices_are_hsdps() -> None:
     """Replica r's inner rank i takes slice r x inner + i of replicas x inner: HSDP's data-parallel ranks."""
     config = JobConfig.from_flat(**ON)  # replica 1 of 3
-    assert [fc.data_slices(config, i, 2) for i in range(2)] == [(2, 6), (3, 6)]
-    assert fc.data_slices(JobConfig(), 1, 4) == (1, 4) and fc.replicas(JobConfig()) == 1
-    assert fc.replicas(config) == 3
+    assert [fc.data_slices(config.ft, i, 2) for i in range(2)] == [(2, 6), (3, 6)]
+    assert fc.data_slices(JobConfig().ft, 1, 4) == (1, 4) and fc.replicas(JobConfig().ft) == 1
+    assert fc.replicas(config.ft) == 3
 
 
 def test_outputs_folder() -> None:
-    assert fc.outputs_folder(JobConfig.from_flat(**ON), "runs/x") == "runs/x/replica-1"
-    assert fc.outputs_folder(JobConfig(), "runs/x") == "runs/x"
+    assert fc.outputs_folder(JobConfig.from_flat(**ON).ft, "runs/x") == "runs/x/replica-1"
+    assert fc.outputs_folder(JobConfig().ft, "runs/x") == "runs/x"
 
 
 def test_batch_world_counts_the_replicas() -> None:

@@ -133,7 +133,7 @@ def test_hf_flags(capsys: pytest.CaptureFixture) -> None:
     assert flag_error(capsys, ["--init-from", "somewhere", "--d-model", "64"]) == (
         "--d-model does not apply to --init-from somewhere: the model's shape comes from its config.json; drop "
         "the flag")
-    assert parse_args(["--hf-model", "llama", "--ep", "1"]).ep == 1
+    assert parse_args(["--hf-model", "llama", "--ep", "1"]).parallelism.ep == 1
     # ep resolves to 1 (the GPT-MoE's default at an even world size is 2), and the layout follows
     for flags in ({"hf_model": "qwen3_moe"}, {"init_from": "somewhere"}):
         resolved = resolve(JobConfig.from_flat(**flags), device="cpu", world_size=4)

@@ -37,10 +37,10 @@ def test_defaults_pass_and_layout_needs_replicas() -> None:
     (JobConfig()).check_section("outer")
     (JobConfig.from_flat(**ON, outer_every=32, outer_fragments=4)).check_section("outer")
     (JobConfig.from_flat(**ON, pp=2, outer_fragments=2)).check_section("outer")  # one outer step per stage
-    assert not oc.enabled(JobConfig()) and oc.enabled(JobConfig.from_flat(**ON))
+    assert not oc.enabled(JobConfig().outer) and oc.enabled(JobConfig.from_flat(**ON).outer)
     def check_layout(**fields) -> None:
         config = JobConfig.from_flat(**fields)
-        oc.check_layout(config.outer, config.fsdp_outer_degree, "--nproc 4")
+        oc.check_layout(config.outer, config.parallelism.fsdp_outer_degree, "--nproc 4")
 
     check_layout(**ON)
     check_layout(fsdp_outer_degree=1)  # every-step: nothing to check
@@ -76,8 +76,8 @@ def test_the_default_outer_optimizer_is_the_measured_one() -> None:
     default, paper = table["diloco"]["outer"], table["diloco-paper"]["outer"]
     config = JobConfig.from_flat(**ON)
     assert (default["lr"], default["momentum"], default["every"]) == (
-        config.outer_lr, config.outer_momentum, config.outer_every)
-    assert (paper["lr"], paper["momentum"], paper["every"]) == (0.7, 0.9, config.outer_every)
+        config.outer.outer_lr, config.outer.outer_momentum, config.outer.outer_every)
+    assert (paper["lr"], paper["momentum"], paper["every"]) == (0.7, 0.9, config.outer.outer_every)
     (JobConfig.from_flat(**ON, outer_lr=0.7, outer_momentum=0.9)).check_section("outer")
     ratio = table["diloco"]["ratio_of_means"]
     assert ratio < table["diloco-paper"]["ratio_of_means"] - 0.05, table

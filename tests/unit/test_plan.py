@@ -214,8 +214,8 @@ def test_parse_bytes() -> None:
 
 def test_job_flags(capsys: pytest.CaptureFixture) -> None:
     config = parse_args(["--fsdp-outer-degree", "auto", "--max-memory-per-rank", "512MiB"])
-    assert (config.fsdp_outer_degree, config.max_memory_per_rank) == ("auto", 512 * 2**20)
-    assert parse_args(["--fsdp-outer-degree", "2"]).fsdp_outer_degree == 2
+    assert (config.parallelism.fsdp_outer_degree, config.parallelism.max_memory_per_rank) == ("auto", 512 * 2**20)
+    assert parse_args(["--fsdp-outer-degree", "2"]).parallelism.fsdp_outer_degree == 2
     for args, flag in ((["--fsdp-outer-degree", "two"], "--fsdp-outer-degree"),
                        (["--max-memory-per-rank", "8XB"], "--max-memory-per-rank")):
         with pytest.raises(SystemExit):
@@ -257,6 +257,38 @@ def test_compressed_outer_all_reduce_bytes():
         assert sent(got.traffic["all_reduce"]) == pytest.approx(sent(base.traffic["all_reduce"]) * size / 4)
     with pytest.raises(ValueError, match="outer_comm_dtype"):
         plan(units, outer_comm_dtype="int4", **kw)
+
+
+def test_quantized_all_gather_bytes():
+    """all_gather_dtype scales the all-gathers' bytes (int8 and fp8: 1 + 4/256 bytes per element, bf16 2 of fp32's
+    4), across nodes too (one sharding group of 4 over 2 nodes), and nothing else."""
+    units = [UnitSize("", numel=4096), UnitSize("b", numel=8192)]
+    kw = dict(world_size=4, local_world_size=2, bandwidth=sf.Bandwidth(1e9, 1e8, 0.0, 0.0),
+              max_memory_per_rank=1 << 40, outer_degrees=[1])
+    base = plan(units, **kw).chosen
+    assert base.traffic["all_gather"].across_bytes > 0
+    for dtype, size in ((torch.bfloat16, 2), ("int8", 1 + 4 / 256), (torch.float8_e4m3fn, 1 + 4 / 256)):
+        got = plan(units, all_gather_dtype=dtype, **kw).chosen
+        assert got.traffic["reduce_scatter"] == base.traffic["reduce_scatter"]
+        for part in ("within_bytes", "across_bytes"):
+            assert getattr(got.traffic["all_gather"], part) == pytest.approx(
+                getattr(base.traffic["all_gather"], part) * size / 4)
+        assert got.memory_bytes == base.memory_bytes  # the gathered buffers stay in param_dtype
+    with pytest.raises(ValueError, match="all_gather_dtype must be None"):
+        plan(units, all_gather_dtype="int4", **kw)
+
+
+def test_sharding_group_spanning_nodes_is_named():
+    """4 ranks as 2 nodes of 2: outer 1 (one sharding group of 4) spans the nodes and the table says so; outer 2
+    keeps each inner group in a node; expert groups are named only when the units hold experts."""
+    kw = dict(world_size=4, local_world_size=2, bandwidth=sf.Bandwidth(1e9, 1e8, 0.0, 0.0),
+              max_memory_per_rank=1 << 40)
+    p = plan([UnitSize("", numel=4096)], **kw)
+    assert [c.spanning for c in p.candidates] == [("inner",), (), ()]
+    lines = p.table().splitlines()
+    assert lines[3].endswith("(inner groups span nodes)") and "span" not in lines[4] + lines[5], lines
+    moe = plan([UnitSize("", numel=4096, expert_numel=4096)], **kw)
+    assert moe.candidates[0].spanning == ("inner", "expert_inner")
 
 
 def test_whole_params_padding_by_hand() -> None:

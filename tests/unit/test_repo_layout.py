@@ -323,3 +323,12 @@ def test_docs_refer_to_files_and_tests_that_exist(page: str) -> None:
 
 def test_readme_is_short() -> None:
     assert len((REPO / "README.md").read_text().splitlines()) <= 200
+
+
+def test_test_files_have_distinct_basenames() -> None:
+    """pytest imports test modules by basename (no packages under tests/): two files of one name in different
+    folders stop the whole suite's collection."""
+    seen: dict[str, Path] = {}
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        assert path.name not in seen, f"{path} and {seen[path.name]} share a basename"
+        seen[path.name] = path

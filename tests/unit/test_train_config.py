@@ -206,8 +206,8 @@ def test_abbreviated_flags_and_zero_steps_rejected(capsys: pytest.CaptureFixture
 
 
 def test_ranks_per_node_flag(capsys: pytest.CaptureFixture) -> None:
-    assert parse_args(["--ranks-per-node", "8"]).ranks_per_node == 8
-    assert parse_args([]).ranks_per_node is None  # LOCAL_WORLD_SIZE at run time
+    assert parse_args(["--ranks-per-node", "8"]).run.ranks_per_node == 8
+    assert parse_args([]).run.ranks_per_node is None  # LOCAL_WORLD_SIZE at run time
     assert flag_error(capsys, ["--ranks-per-node", "0"]) == "--ranks-per-node must be >= 1, got 0"
 
 
@@ -222,7 +222,7 @@ def test_cli_is_generated_from_the_dataclass() -> None:
         assert flag in help_text
     assert "Max global gradient norm" in help_text  # field docstrings become the help
     config = parse_args(["--steps", "7", "--lr", "0.01", "--min-lr", "0.001", "--no-progress"])
-    assert (config.steps, config.lr, config.progress) == (7, 0.01, False)
+    assert (config.schedule.steps, config.optim.lr, config.run.progress) == (7, 0.01, False)
     assert parse_args([]) == JobConfig()
     assert config.model_config().n_layer == 4
     default = JobConfig().model_config()  # the default job is a GPT-MoE
@@ -251,7 +251,7 @@ def test_warmup_longer_than_the_run_is_a_usage_error(capsys: pytest.CaptureFixtu
         "--warmup 500 must be between 0 and --steps 1: the learning rate rises linearly over the warm-up steps, and "
         "a longer warm-up would end the run before it reaches --lr; use --warmup 1 or less (0: none)")
     assert flag_error(capsys, ["--warmup", "-1"]).startswith("--warmup -1 must be between 0 and --steps 200")
-    assert parse_args(["--warmup", "5", "--steps", "5"]).warmup == 5  # ends at --lr on the last step
+    assert parse_args(["--warmup", "5", "--steps", "5"]).schedule.warmup == 5  # ends at --lr on the last step
 
     def warmup(saved=None, **fields) -> int:
         return resolve(JobConfig.from_flat(**fields), device="cpu", world_size=4, saved=saved).warmup

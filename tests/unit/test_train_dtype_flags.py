@@ -1,10 +1,10 @@
 """The training job's dtype flags (shardfusion/train/dtype_flags.py) in one process: every documented value of
---param-dtype, --grad-comm-dtype and --outer-comm-dtype (README.md, docs/slow-links.md,
-docs/compressed-all-reduce.md) in every mode, through the job's own path: the command line (`parse_args`), the
-checks against the world size (`resolve`, `check_run`), and the arguments the workers hand to the library
-(`dtype_flags.mixed_precision`, `dtype_flags.outer_comm_dtype`; with --outer-sync diloco `job_outer.OuterRun`'s
-`DiLoCo`, with --dry-run `job_dry_run.run`'s `sf.dry_run`), compared with torch's dtypes written out here. A mode
-that refuses a value says so in one usage-error line. A whole DiLoCo run with --outer-comm-dtype bf16:
+--param-dtype, --grad-comm-dtype, --outer-comm-dtype and --all-gather-dtype (README.md, docs/slow-links.md,
+docs/compressed-all-reduce.md, docs/quantized-all-gather.md) in every mode, through the job's own path: the command line
+(`parse_args`), the checks against the world size (`resolve`, `check_run`), and the arguments the workers hand to the
+library (`dtype_flags.mixed_precision`, `dtype_flags.outer_comm_dtype`; with --outer-sync diloco `job_outer.OuterRun`'s
+`DiLoCo`, with --dry-run `job_dry_run.run`'s `sf.dry_run`), compared with torch's dtypes written out here. A mode that
+refuses a value says so in one usage-error line. A whole DiLoCo run with --outer-comm-dtype bf16:
 tests/integration/test_train_diloco.py."""
 
 from __future__ import annotations
@@ -16,17 +16,19 @@ import torch
 
 import shardfusion as sf
 from shardfusion._runtime.compress import validate_outer_comm_dtype
-from shardfusion.policies import DTYPE_NAMES, MixedPrecisionPolicy, dtype_named, dtype_names
+from shardfusion.policies import ALL_GATHER_DTYPE_NAMES, DTYPE_NAMES, MixedPrecisionPolicy, dtype_named, dtype_names
 from shardfusion.train import dtype_flags, job_dry_run, job_outer
 from shardfusion.train.config import check_run, parse_args, resolve
 
 USAGE_ERROR = "shardfusion-train: error: "
 
-MEANS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": "int8"}
+MEANS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": "int8",
+         "fp8": torch.float8_e4m3fn}
 """What each documented value stands for (torch's dtypes, written out: the reference)."""
 
 DOCUMENTED = {"--param-dtype": ("fp32", "bf16", "fp16"), "--grad-comm-dtype": ("fp32", "bf16", "fp16"),
-              "--outer-comm-dtype": ("fp32", "bf16", "fp16", "int8")}
+              "--outer-comm-dtype": ("fp32", "bf16", "fp16", "int8"),
+              "--all-gather-dtype": ("int8", "bf16", "fp16", "fp8")}
 
 LIGHTHOUSE = ["--ft-lighthouse", "http://127.0.0.1:29510", "--ft-replicas", "2", "--ft-replica-id", "0"]
 MODES = {  # mode: (its flags, world size)
@@ -72,10 +74,11 @@ def test_every_documented_value_in_every_mode(mode: str, flag: str, value: str, 
     else:
         config = resolve(config, device="cpu", world_size=world)
         check_run(config, world=f"--nproc {world}")
-    policy, wire = dtype_flags.mixed_precision(config), dtype_flags.outer_comm_dtype(config)
+    policy, wire = dtype_flags.mixed_precision(config.precision), dtype_flags.outer_comm_dtype(config.precision)
     param = MEANS[value] if flag == "--param-dtype" else torch.float32  # --param-dtype's default is fp32
     comm = MEANS[value] if flag == "--grad-comm-dtype" else None
-    assert (policy.param_dtype, policy.grad_comm_dtype) == (param, comm), (flag, value)
+    gather = MEANS[value] if flag == "--all-gather-dtype" else None
+    assert (policy.param_dtype, policy.grad_comm_dtype, policy.all_gather_dtype) == (param, comm, gather), (flag, value)
     assert wire == (MEANS[value] if flag == "--outer-comm-dtype" else None)
     assert validate_outer_comm_dtype(wire) == wire  # as fully_shard and DiLoCo take it
 
@@ -88,8 +91,8 @@ def test_every_documented_value_in_every_mode(mode: str, flag: str, value: str, 
                 self.replica_group = None
 
         monkeypatch.setattr(job_outer, "DiLoCo", Recorder)
-        job_outer.OuterRun(config, model=None, topo=None, optimizers=[])
-        assert seen["comm_dtype"] == wire and seen["fragments"] == config.outer_fragments
+        job_outer.OuterRun(config.outer, config.precision, config.schedule.steps, model=None, topo=None, optimizers=[])
+        assert seen["comm_dtype"] == wire and seen["fragments"] == config.outer.outer_fragments
     if mode == "dry-run":  # what the dry run hands sf.dry_run, which is stubbed: nothing is played
         def record(build, step, **kwargs):
             seen.update(kwargs["fully_shard"])
@@ -103,7 +106,8 @@ def test_every_documented_value_in_every_mode(mode: str, flag: str, value: str, 
 
 def test_one_table_of_names() -> None:
     """The library's names (`shardfusion.policies`), which the job's flags take, and torch's own names."""
-    assert DTYPE_NAMES == {k: v for k, v in MEANS.items() if k != "int8"}
+    assert DTYPE_NAMES == {k: v for k, v in MEANS.items() if k not in ("int8", "fp8")}
+    assert ALL_GATHER_DTYPE_NAMES == {k: MEANS[k] for k in DOCUMENTED["--all-gather-dtype"]}
     assert dtype_names() == ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
     for short, full in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")):
         assert dtype_named(short) is dtype_named(full) is getattr(torch, full)
@@ -112,6 +116,7 @@ def test_one_table_of_names() -> None:
             dtype_named(bad)
     assert MixedPrecisionPolicy(param_dtype=dtype_named("bf16")).param_dtype is torch.bfloat16
     assert dtype_flags.VALUES["outer_comm_dtype"] == ("fp32", "bf16", "fp16", "int8")
+    assert dtype_flags.VALUES["all_gather_dtype"] == ("int8", "bf16", "fp16", "fp8")
 
 
 @pytest.mark.parametrize("flag", list(DOCUMENTED))

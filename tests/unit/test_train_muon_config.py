@@ -17,8 +17,8 @@ from shardfusion.train.resume import check_optimizer
 
 def test_optimizer_flags() -> None:
     config = parse_args(["--optimizer", "muon", "--muon-lr", "0.05"])
-    assert (config.optimizer, config.muon_lr) == ("muon", 0.05)
-    assert (parse_args([]).optimizer, parse_args([]).muon_lr) == ("adamw", 0.05)
+    assert (config.optim.optimizer, config.optim.muon_lr) == ("muon", 0.05)
+    assert (parse_args([]).optim.optimizer, parse_args([]).optim.muon_lr) == ("adamw", 0.05)
     with pytest.raises(ValueError, match=r"^--optimizer must be one of adamw, muon, got 'sgd'$"):
         JobConfig.from_flat(optimizer="sgd").validate()
     with pytest.raises(ValueError, match=r"^--muon-lr must be >= 0, got -0.1$"):
@@ -78,7 +78,7 @@ def test_each_optimizer_gets_its_scaled_lr() -> None:
         list(model.parameters()))
     group = muon.param_groups[0]
     assert (group["momentum"], group["nesterov"], group["weight_decay"], group["adjust_lr_fn"]) == (
-        0.95, True, config.weight_decay, "original")
+        0.95, True, config.optim.weight_decay, "original")
     for step in (0, 1, 5, 9):
         lr = set_learning_rates([muon, adamw], config.schedule, config.optim, step)
         assert lr == lr_at(config, step) and all(g["lr"] == lr for g in adamw.param_groups)

@@ -20,9 +20,10 @@ def test_pipeline_flags_are_generated_from_their_section() -> None:
     # the section's flags come after JobConfig's own
     assert help_text.index("--pp INT Pipeline") > help_text.index("--progress, --no-progress")
     config = parse_args(["--pp", "2", "--no-tie-embeddings", "--pp-schedule", "gpipe", "--microbatches", "4"])
-    assert (config.pp, config.pp_schedule, config.microbatches, config.tie_embeddings) == (2, "gpipe", 4, False)
+    pipe = config.pipeline
+    assert (pipe.pp, pipe.pp_schedule, pipe.microbatches, config.model.tie_embeddings) == (2, "gpipe", 4, False)
     assert config.model_config().tie_embeddings is False and JobConfig().model_config().tie_embeddings is True
-    assert parse_args([]) == JobConfig() and JobConfig().pp == 1
+    assert parse_args([]) == JobConfig() and JobConfig().pipeline.pp == 1
 
 
 def test_defaults_per_stage() -> None:
@@ -30,15 +31,17 @@ def test_defaults_per_stage() -> None:
         return resolve(JobConfig.from_flat(preset="tiny", tie_embeddings=False, **fields), device="cpu", world_size=world)
 
     moe = resolved(4, pp=2)  # the default GPT-MoE: each stage's 2 ranks are its sharding group, ep 2 inside it
-    assert (moe.stages_per_rank, moe.microbatches, moe.ep, moe.fsdp_outer_degree) == (1, 2, 2, 1)
-    assert (moe.batch_size, moe.global_batch_size) == (16, 32)  # the data-parallel world of a stage: 2
+    assert (moe.pipeline.stages_per_rank, moe.pipeline.microbatches) == (1, 2)
+    assert (moe.parallelism.ep, moe.parallelism.fsdp_outer_degree) == (2, 1)
+    assert (moe.schedule.batch_size, moe.schedule.global_batch_size) == (16, 32)  # a stage's data-parallel world: 2
     dense = resolved(8, pp=2, experts=0)  # 4 ranks per stage: HSDP 2 x 2 inside each
-    assert (dense.ep, dense.fsdp_outer_degree, data_parallel_size(dense, 8)) == (1, 2, 4)
-    assert resolved(4, pp=2, experts=0).fsdp_outer_degree == 1  # 2 ranks per stage: plain FSDP
+    assert (dense.parallelism.ep, dense.parallelism.fsdp_outer_degree, data_parallel_size(dense, 8)) == (1, 2, 4)
+    assert resolved(4, pp=2, experts=0).parallelism.fsdp_outer_degree == 1  # 2 ranks per stage: plain FSDP
     interleaved = resolved(4, pp=2, n_layer=4, pp_schedule="interleaved", grad_accum=3)
-    assert (interleaved.stages_per_rank, interleaved.microbatches) == (2, 6)
+    assert (interleaved.pipeline.stages_per_rank, interleaved.pipeline.microbatches) == (2, 6)
     plain = resolved(4)
-    assert (plain.stages_per_rank, plain.microbatches, data_parallel_size(plain, 4)) == (None, None, 4)
+    assert (plain.pipeline.stages_per_rank, plain.pipeline.microbatches) == (None, None)
+    assert data_parallel_size(plain, 4) == 4
 
 
 @pytest.mark.parametrize("pp, schedule, per_rank, accum, want", [
@@ -48,7 +51,7 @@ def test_defaults_per_stage() -> None:
 ])
 def test_default_microbatches(pp: int, schedule: str, per_rank: int, accum: int, want: int) -> None:
     config = JobConfig.from_flat(pp=pp, pp_schedule=schedule, stages_per_rank=per_rank, tie_embeddings=False)
-    assert default_microbatches(config, accum) == want >= num_stages(config)
+    assert default_microbatches(config.pipeline, accum) == want >= num_stages(config.pipeline)
     assert want % accum == 0
 
 
