@@ -1,12 +1,23 @@
-"""The speed regression guard: a stored `compare.py` result against a fresh run of the same configuration.
+"""The speed regression guard: today's step against an earlier commit's, and a stored `compare.py` result against a
+fresh run of the same configuration.
 
+    python -m benchmarks.regress --against-commit d677f4a          # paired: that commit's step against this tree's
     python -m benchmarks.regress                                   # fresh run of the baseline's config, compare
     python -m benchmarks.regress --fresh benchmarks/results/X.json # compare an existing run instead
     python -m benchmarks.regress --baseline benchmarks/results/cpu-fp32-comm-after_backward.json
 
+``--against-commit REV`` is the sensitive one: `benchmarks/paired_commits.py` checks REV out into a temporary git
+worktree and times the same shardfusion step of both trees in interleaved rounds of fresh processes (comm regime,
+HSDP 2 x 2, fp32, 4 gloo ranks by default); it flags ``slower`` when the median of the per-round ratios (this tree /
+REV) of the step's CPU time exceeds ``1 + --tolerance`` (default 3 %; ``--judge wall`` for the wall time). The
+stored-baseline comparison below sets ratios against the peers of two runs made at different times, which move with
+the load by more than the slowdowns it should catch (issue 36: +0.8 % where a 4-round paired measurement had seen
++5.4 %; docs/benchmarks.md, "Regression guard").
+
 Run it after every change of the step path (the runtime, the scheduler, the collectives, the flat buffers) and put
 its table in docs/benchmarks.md, "Regression guard". It is not a test: times move with the machine's load, so it
-asserts nothing and always exits 0 unless ``--strict``; it flags what a reviewer should look at:
+asserts nothing and always exits 0 unless ``--strict``; without ``--against-commit`` it flags what a reviewer should
+look at:
 
 - ``slower``: a variant's paired ratio against a peer rose by more than ``--time-tolerance`` (default 10 %). The paired
   ratio (each repeat's median against the peer's, in the same interleaved round) is compared, not the absolute time:
@@ -142,16 +153,40 @@ def _fresh_run(baseline: dict, name: str) -> Path:
     return REPO / "benchmarks" / "results" / f"{name}.json"
 
 
+def _against_commit(args, argv: list[str]) -> int:
+    """``--against-commit``: the paired run of `benchmarks/paired_commits.py`, stored as results/<name>."""
+    from benchmarks import paired_commits
+
+    try:
+        opts = paired_commits.opts_of(args)
+    except ValueError as e:
+        raise SystemExit(f"regress.py: {e}") from None
+    name = args.name or f"regress-vs-{args.against_commit.replace('/', '_')}"
+    result = paired_commits.run({"baseline": args.against_commit, "candidate": None}, opts, args.rounds,
+                                args.tolerance, name, REPO / "benchmarks" / "results", argv,
+                                command="python -m benchmarks.regress")
+    return 1 if args.strict and result["summary"]["flag"] == "slower" else 0
+
+
 def main(argv=None) -> int:
+    from benchmarks import paired_commits
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--against-commit", default=None, metavar="REV",
+                   help="paired mode: this tree's step against REV's (benchmarks/paired_commits.py)")
+    paired_commits.add_run_flags(p)
     p.add_argument("--baseline", default=str(DEFAULT_BASELINE), help="a stored compare.py result (.json)")
     p.add_argument("--fresh", default=None, help="a compare.py result to check (default: run one now)")
-    p.add_argument("--name", default=None, help="name of the fresh run (default: <baseline>-fresh)")
+    p.add_argument("--name", default=None, help="name of the fresh run (default: <baseline>-fresh; paired: "
+                                                "regress-vs-<REV>)")
     p.add_argument("--time-tolerance", type=float, default=0.10, help="paired-ratio rise flagged as slower")
     p.add_argument("--out", default=None, help="write the markdown here (default: results/<fresh>-regress.md)")
-    p.add_argument("--strict", action="store_true", help="exit 1 when anything is flagged")
+    p.add_argument("--strict", action="store_true", help="exit 1 when anything is flagged (paired: slower)")
     p.add_argument("--all", action="store_true", help="list every figure compared, not only the flagged ones")
     args = p.parse_args(argv)
+    if args.against_commit:
+        return _against_commit(args, argv)
     baseline_path = Path(args.baseline)
     baseline = json.loads(baseline_path.read_text())
     fresh_path = Path(args.fresh) if args.fresh else _fresh_run(baseline, args.name or f"{baseline_path.stem}-fresh")

@@ -26,7 +26,11 @@ benchmarks/reshard_curve.py runs end to end (2 gloo workers, FSDP over both, the
 step per variant) and writes its JSON, markdown and plot: one shardfusion point per distinct need of the cost model
 (0, 1 and all 5 blocks kept), each within its budget, with the all-gathers its choice predicts and more gathered
 parameters alive with all kept; FSDP2 with reshard_after_forward True and False, and DDP; the same first loss in
-every variant. No timing is asserted."""
+every variant. No timing is asserted.
+
+benchmarks/paired_commits.py runs end to end (the working tree against itself as a folder, the tiny regime, one
+round of one step per tree, 4 fresh gloo workers per run) and writes its JSON and markdown: both trees ran the same
+step (the same loss, exactly: the same code, seed and data). No timing is asserted."""
 
 from __future__ import annotations
 
@@ -210,3 +214,19 @@ def test_reshard_curve_smoke(tmp_path):
     assert max(first) - min(first) < 1e-4, first  # same model, same data
     assert (tmp_path / "smoke.png").stat().st_size > 0
     assert "| shardfusion auto, 1/5 kept | " in (tmp_path / "smoke.md").read_text()
+
+
+@pytest.mark.timeout(150)
+def test_paired_commits_smoke(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [sys.executable, "-m", "benchmarks.paired_commits", "--against", str(REPO), "--candidate", str(REPO),
+           "--regime", "tiny", "--rounds", "1", "--warmup", "0", "--steps", "1", "--name", "paired",
+           "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, f"paired_commits failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    data = json.loads((tmp_path / "paired.json").read_text())
+    trees = data["rounds"][0]["trees"]
+    assert set(trees) == {"baseline", "candidate"}
+    assert trees["baseline"]["loss_last"] == trees["candidate"]["loss_last"]
+    assert all(t["median_s"] > 0 and t["median_cpu_s"] > 0 for t in trees.values())
+    assert "| candidate |" in (tmp_path / "paired.md").read_text()

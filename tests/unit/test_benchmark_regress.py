@@ -53,3 +53,81 @@ def test_settings_that_differ_are_named() -> None:
     assert config_differences(BASE, fresh) == ["warmup: 2 -> 1"]
     text = markdown(compare(BASE, fresh), BASE, fresh, "a.json", "b.json")
     assert "**differ** (warmup: 2 -> 1)" in text
+
+
+# ---- the paired mode (benchmarks/paired_commits.py, regress.py --against-commit) ----------------------------------
+from benchmarks import paired_commits  # noqa: E402
+
+
+def _rounds(candidate_factor: float, n: int = 8) -> list[dict]:
+    """``n`` rounds whose baseline steps wobble by +-4 % from round to round (the load), the candidate's by the same
+    amount times ``candidate_factor``."""
+    rows = []
+    for r in range(n):
+        load = 1.0 + 0.04 * (-1) ** r * (r % 3) / 2
+        base = [0.2 * load * (1 + 0.001 * i) for i in range(5)]
+        cand = [t * candidate_factor for t in base]
+        trees = {"baseline": {"step_s": base, "cpu_s": base}, "candidate": {"step_s": cand, "cpu_s": cand}}
+        for t in trees.values():
+            t["median_s"] = t["median_cpu_s"] = sorted(t["step_s"])[2]
+        for t in trees.values():
+            t["ratio"] = t["median_s"] / trees["baseline"]["median_s"]
+            t["cpu_ratio"] = t["median_cpu_s"] / trees["baseline"]["median_cpu_s"]
+        rows.append({"round": r, "trees": trees})
+    return rows
+
+
+def test_paired_flags_a_five_percent_slowdown_that_the_load_hides() -> None:
+    s = paired_commits.summarize(_rounds(1.05))
+    assert s["flag"] == "slower"
+    assert abs(s["trees"]["candidate"]["median_round_ratio"] - 1.05) < 1e-9
+    assert s["trees"]["candidate"]["rounds_slower"] == 8
+    assert paired_commits.summarize(_rounds(1.0))["flag"] == ""
+    assert paired_commits.summarize(_rounds(0.95))["flag"] == "faster"
+    assert paired_commits.summarize(_rounds(1.05), tolerance=0.06)["flag"] == ""
+    assert paired_commits.summarize(_rounds(1.05), judge="wall")["flag"] == "slower"
+
+
+def test_paired_trees_are_commits_or_folders(tmp_path) -> None:
+    (tmp_path / "shardfusion").mkdir()
+    with paired_commits.checkout(str(tmp_path)) as folder:  # a folder holding shardfusion/: used as it is
+        assert folder == tmp_path.resolve()
+    try:
+        with paired_commits.checkout("no-such-revision-xyz"):
+            raise AssertionError("a bad revision was checked out")
+    except ValueError as e:
+        assert "'no-such-revision-xyz' is neither a commit" in str(e)
+
+
+def test_paired_flag_errors_are_one_line() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    paired_commits.add_run_flags(p)
+    for flags, message in ((["--rounds", "0"], "--rounds must be >= 1, got 0"),
+                           (["--cpus", "0,x"], "--cpus takes CPU numbers separated by commas, got '0,x'"),
+                           (["--candidate-spin", "-1"], "--candidate-spin must be >= 0, got -1.0"),
+                           (["--candidate-env", "X"], "--candidate-env takes NAME=VALUE items, got 'X'")):
+        try:
+            paired_commits.opts_of(p.parse_args(flags))
+            raise AssertionError(f"{flags} accepted")
+        except ValueError as e:
+            assert str(e) == message, e
+
+
+def test_regress_against_commit_runs_the_paired_mode(monkeypatch) -> None:
+    from benchmarks import regress
+
+    seen = {}
+
+    def fake_run(trees, opts, rounds, tolerance, name, out_dir, argv, command):
+        seen.update(trees=trees, opts=opts, rounds=rounds, tolerance=tolerance, name=name, command=command)
+        return {"summary": {"flag": "slower"}}
+
+    monkeypatch.setattr(paired_commits, "run", fake_run)
+    assert regress.main(["--against-commit", "d677f4a", "--rounds", "6", "--strict"]) == 1
+    assert seen["trees"] == {"baseline": "d677f4a", "candidate": None}  # None: the working tree
+    assert (seen["rounds"], seen["tolerance"], seen["name"]) == (6, 0.03, "regress-vs-d677f4a")
+    assert seen["opts"]["judge"] == "cpu" and seen["opts"]["regime"] == "comm"
+    assert seen["command"] == "python -m benchmarks.regress"
+    assert regress.main(["--against-commit", "d677f4a"]) == 0  # flagged, but not --strict
