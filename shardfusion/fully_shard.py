@@ -46,6 +46,7 @@ def fully_shard(
     outer_comm_dtype: Union[None, torch.dtype, str] = None,
     whole_params: Optional[Callable[[str, nn.Parameter], bool]] = None,
     memory_budget: Optional[int] = None,
+    secondary_shard: bool = False,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP (``fsdp_outer_degree == 1``) or HSDP (``> 1``) and return it.
 
@@ -201,6 +202,17 @@ def fully_shard(
             ``max_memory_per_rank``: this rank's shards and sharded gradients, the optimizer state (AdamW's two fp32
             values per trainable shard element), the full buffers (every unit kept gathered, the ``prefetch + 2``
             largest resharded ones, the 2 largest full gradient buffers); not activations, not DiLoCo's state.
+        secondary_shard: ZeRO++'s hpZ (Wang et al., 2023): where a buffer's sharding group spans nodes (node
+            boundaries: ``topology.ranks_per_node``), a unit resharded after forward keeps, from its forward's
+            all-gather to its backward's, a copy of the gathered buffer in the all-gather's wire format
+            (``mp_policy.all_gather_dtype``, else ``param_dtype``) sharded over the group's ranks on this rank's
+            node (``L`` of them: ``1/L`` of it per rank), and its backward all-gathers that copy within the node
+            (one process group per node slice, made here on every rank). The backward computes with bitwise the
+            forward's parameters; shards, gradients and checkpoints are unchanged. Dense and expert buffers, owner
+            layouts (``whole_params``) and tensor-parallel buffers alike. It changes nothing for a group within one
+            node, a buffer kept whole, or a unit kept gathered until backward (``reshard_policy="after_backward"``,
+            units ``"auto"`` keeps). Default False. See ``docs/secondary-shard.md`` and [Note: secondary shard] in
+            ``shardfusion/_runtime/secondary_shard.py``.
 
     Returns:
         ``model``, changed in place.
@@ -210,7 +222,8 @@ def fully_shard(
             ``reshard_policy`` (not in :data:`RESHARD_POLICIES`), ``reshard_filter``, ``mp_policy``,
             ``replicate_filter``, ``expert_filter``, ``expert_policy`` (not in :data:`EXPERT_POLICIES`),
             ``memory_budget`` (missing under ``"auto"``, not an int > 0, or given with another policy),
-            ``prefetch`` or ``outer_comm_dtype``, ``device`` (not a device, or ``"meta"``), ``init_fn`` (not callable); a model that is
+            ``prefetch`` or ``outer_comm_dtype``, ``secondary_shard`` (not a bool, or a sharding group with unequal
+            numbers of ranks on its nodes), ``device`` (not a device, or ``"meta"``), ``init_fn`` (not callable); a model that is
             already sharded, or that is inside a sharded module; a module with meta tensors of its own and no
             ``reset_parameters()`` when no ``init_fn`` is given, or ranks that disagree on which tensors are on
             meta (after one small all-reduce, so on every rank); an ``init_fn`` that leaves a tensor on meta or
@@ -224,7 +237,7 @@ def fully_shard(
     options = wrap.WrapOptions(topology, MixedPrecisionPolicy() if mp_policy is None else mp_policy,
                                replicate_filter, broadcast_buffers, expert_filter, expert_policy, prefetch,
                                reshard_policy, reshard_filter, compress.validate_outer_comm_dtype(outer_comm_dtype),
-                               whole_params)
+                               whole_params, secondary_shard=secondary_shard)
     wrap.check_args(model, options, units, comm_unit_size)
     reshard_budget.check_budget(reshard_policy, memory_budget)
     device = materialize.check_device_args(device, init_fn)

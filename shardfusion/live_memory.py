@@ -11,7 +11,8 @@ allocator's slack (fragmentation, a CUDA allocator's rounding to 512 bytes), are
 
 Each sample also splits the live bytes into parts (``parts``, :data:`PARTS`): the storages of the parameters, of
 their gradients, of the optimizer state, of the units' gathered (full) parameter buffers and of their full gradient
-buffers, read from the model at each sample (``watch``); the rest by where it comes from: a storage passed to a
+buffers, of the secondary copies of ``fully_shard(..., secondary_shard=True)`` (hpZ: held from a unit's forward to
+its backward, ``shardfusion/_runtime/secondary_shard.py``), read from the model at each sample (``watch``); the rest by where it comes from: a storage passed to a
 collective (a reduce-scatter's receive buffer or cast input, an all-gather's cast input) is ``comm_buffers`` from
 that op on; any other counts in the part the caller set as the ``phase`` when the op that made it ran:
 ``activations`` (made during forward: what backward keeps, the loss, the logits), ``optimizer_step`` (made by the
@@ -34,10 +35,10 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = ["LiveMemory", "MemorySample", "model_storages"]
 
-PARTS = ("params", "grads", "optimizer", "full_params", "full_grads", "activations", "comm_buffers", "optimizer_step",
-         "other")
+PARTS = ("params", "grads", "optimizer", "full_params", "full_grads", "secondary_params", "activations", "comm_buffers",
+         "optimizer_step", "other")
 """The parts of a sample, in report order (bytes each; see [Note: live tensor bytes])."""
-WATCHED = PARTS[:5]
+WATCHED = PARTS[:6]
 """The parts read from the model at each sample (``watch``); the others go by where a storage comes from."""
 PHASES = ("activations", "optimizer_step", "other")
 """The parts a ``phase`` can name: where a storage made outside the watched parts counts."""
@@ -75,7 +76,7 @@ def _storages(tensors: Iterable) -> dict[int, torch.UntypedStorage]:
 
 def model_storages(model, optimizer: Optional[torch.optim.Optimizer] = None) -> Callable[[], dict[str, dict]]:
     """A function that returns ``{part: {storage id: storage}}`` for the parts ``params``, ``grads``, ``optimizer``,
-    ``full_params`` and ``full_grads`` of a model (sharded by ``fully_shard`` or not; or a list of them, e.g. the
+    ``full_params``, ``full_grads`` and ``secondary_params`` (hpZ's copies) of a model (sharded by ``fully_shard`` or not; or a list of them, e.g. the
     pipeline stages of a rank) and its optimizer, as they are when it is called. The parameters (a sharded model's
     fragments live in its shards) and flat buffers are listed once, here; the gradients (and the flat buffers'
     sharded gradients, kept from step to step whether ``.grad`` is set or not), the full buffers (a unit's
@@ -96,10 +97,10 @@ def model_storages(model, optimizer: Optional[torch.optim.Optimizer] = None) -> 
         if entries != optim["seen"]:  # new state (tensors made one by one: count them all)
             optim["seen"] = entries
             optim["storages"] = _storages(v for s in optimizer.state.values() for v in s.values())
-        full, grads, labels = {}, {}, {}
+        full, grads, secondary, labels = {}, {}, {}, {}
         for fb in buffers:
             for part, t in ((full, fb.full if fb.full is not fb.shard else None), (grads, fb.grad_full),
-                            (grads, fb.grad_acc)):
+                            (grads, fb.grad_acc), (secondary, getattr(fb.secondary, "copy", None))):
                 for key, st in _storages([t] if t is not None else []).items():
                     part[key] = st
                     labels[key] = fb.unit_name
@@ -107,7 +108,7 @@ def model_storages(model, optimizer: Optional[torch.optim.Optimizer] = None) -> 
         grad_storages = _storages([p.grad for p in params if p.grad is not None]
                             + [fb.grad_shard for fb in buffers if fb.grad_shard is not None])
         return {"params": fixed, "grads": grad_storages, "optimizer": optim["storages"], "full_params": full,
-                "full_grads": grads}
+                "full_grads": grads, "secondary_params": secondary}
 
     parts.labels = {}
     return parts

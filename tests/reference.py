@@ -77,6 +77,8 @@ class Case:
     grad_comm_dtype: Optional[str] = None
     outer_comm_dtype: Optional[str] = None  # fully_shard's outer_comm_dtype: "bf16" / "fp16" / "int8"
     all_gather_dtype: Optional[str] = None  # MixedPrecisionPolicy.all_gather_dtype: "int8" or a torch dtype's name
+    secondary_shard: bool = False  # fully_shard's secondary_shard (hpZ)
+    ranks_per_node: Optional[int] = None  # Topology's ranks_per_node (None: LOCAL_WORLD_SIZE, else one node)
 
     @property
     def data_parallel(self) -> int:
@@ -183,10 +185,10 @@ def get_topology(case: Case):
     """One Topology per layout per worker (group creation is collective and not free)."""
     import shardfusion as sf
 
-    key = (case.dp, case.sharding, case.mp, case.outer, case.ep)
+    key = (case.dp, case.sharding, case.mp, case.outer, case.ep, case.ranks_per_node)
     if key not in _TOPOLOGIES:
         _TOPOLOGIES[key] = sf.Topology(dp=case.dp, sharding=case.sharding, mp=case.mp, fsdp_outer_degree=case.outer,
-                                       ep=case.ep)
+                                       ep=case.ep, ranks_per_node=case.ranks_per_node)
     return _TOPOLOGIES[key]
 
 
@@ -213,6 +215,8 @@ def wrap_kwargs(case: Case) -> dict:
         kw["mp_policy"] = sf.MixedPrecisionPolicy(**dtypes)
     if case.outer_comm_dtype is not None:
         kw["outer_comm_dtype"] = case.outer_comm_dtype
+    if case.secondary_shard:
+        kw["secondary_shard"] = True
     if case.units == "class":
         kw["units"] = UNIT_CLASSES[case.model]
     elif case.units == "experts":

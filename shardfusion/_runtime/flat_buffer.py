@@ -220,6 +220,7 @@ class FlatBuffer:
         self._gather_work = None
         self._gather_input: Optional[torch.Tensor] = None  # (S,) the shard cast to param_dtype, while gathering
         self._gather_wire: Optional[torch.Tensor] = None  # the gathered shards in all_gather_dtype, until the wait
+        self.secondary = None  # a SecondaryShard with fully_shard(secondary_shard=True): [Note: secondary shard]
         self.is_unsharded = self.full is self.shard
 
         self.grad_full: Optional[torch.Tensor] = None
@@ -309,24 +310,30 @@ class FlatBuffer:
         return f"{op} of unit {self.unit_name!r} ({shown})"
 
     # ---- unshard / reshard -------------------------------------------------------------------------------------
-    def unshard(self, async_op: bool = False) -> None:
-        """Start (``async_op``) or complete the all-gather of ``full`` over ``shard_group``. Idempotent."""
+    def unshard(self, async_op: bool = False, keep_secondary: bool = False) -> None:
+        """Start (``async_op``) or complete the all-gather of ``full`` over ``shard_group`` (in backward, with a
+        secondary copy held, over the node slice: [Note: secondary shard] in ``secondary_shard.py``; a forward's
+        gather with ``keep_secondary`` may leave one). Idempotent."""
         if self.is_unsharded or self._gather_work is not None:
             if not async_op:
                 self.wait_unshard()
             return
         self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
+        from_copy = self.secondary is not None and self.secondary.begin_gather(keep_secondary)  # reads grad mode
         with torch.no_grad():
             send, out, n = self.shard, self.full, comm.group_size(self.shard_group)
-            if self.all_gather_dtype is not None and n > 1:  # [Note: quantized weight all-gather]
-                send = self._gather_input = gather_wire.quantize(self.shard, self.all_gather_dtype)
-                out = self._gather_wire = gather_wire.gather_buffer(self.shard.numel(), n, self.all_gather_dtype,
-                                                                    self.shard.device)
-            elif self.shard.dtype != self.full.dtype and n > 1:
-                send = self._gather_input = self.shard.to(self.full.dtype)  # (S,) kept alive until the wait
-            self._gather_work = comm.all_gather(out, send, self.shard_group, async_op=True)
+            if from_copy:
+                self._gather_work, self._gather_wire = self.secondary.all_gather(self.full)
+            else:
+                if self.all_gather_dtype is not None and n > 1:  # [Note: quantized weight all-gather]
+                    send = self._gather_input = gather_wire.quantize(self.shard, self.all_gather_dtype)
+                    out = self._gather_wire = gather_wire.gather_buffer(self.shard.numel(), n,
+                                                                        self.all_gather_dtype, self.shard.device)
+                elif self.shard.dtype != self.full.dtype and n > 1:
+                    send = self._gather_input = self.shard.to(self.full.dtype)  # (S,) kept alive until the wait
+                self._gather_work = comm.all_gather(out, send, self.shard_group, async_op=True)
         if self._gather_work is None:  # a group of one: nothing was issued
-            self.is_unsharded = True
+            self._finish_gather()
         elif not async_op:
             self.wait_unshard()
 
@@ -335,17 +342,27 @@ class FlatBuffer:
         if self._gather_work is not None:
             comm.wait(self._gather_work, self._collective("all_gather"))
             self._gather_work = None
-            self._gather_input = None
-            if self._gather_wire is not None:
-                with torch.no_grad():
-                    gather_wire.dequantize_into(self._gather_wire, self.full, comm.group_size(self.shard_group),
-                                                self.all_gather_dtype)
-                self._gather_wire = None
-            self.is_unsharded = True
+            self._finish_gather()
 
-    def reshard(self) -> None:
-        """Free ``full`` (waiting for an in-flight all-gather first). A kept-whole group stays as it is."""
+    def _finish_gather(self) -> None:
+        """The all-gather arrived: dequantize a wire format into ``full``; the buffer is unsharded."""
+        self._gather_input = None
+        if self.secondary is not None:
+            self.secondary.gathered(self._gather_wire)
+        if self._gather_wire is not None:
+            with torch.no_grad():
+                gather_wire.dequantize_into(self._gather_wire, self.full, comm.group_size(self.shard_group),
+                                            self.all_gather_dtype)
+            self._gather_wire = None
+        self.is_unsharded = True
+
+    def reshard(self, keep_secondary: bool = False) -> None:
+        """Free ``full`` (waiting for an in-flight all-gather first). A kept-whole group stays as it is. With
+        ``keep_secondary`` (a unit's reshard after its forward) the secondary copy, if armed, stays for the
+        backward; otherwise it is freed."""
         self.wait_unshard()
+        if self.secondary is not None:
+            self.secondary.resharded(self.full if self.is_unsharded else None, keep_secondary)
         if self.full is self.shard or not self.is_unsharded:
             return
         self.full.untyped_storage().resize_(0)

@@ -285,7 +285,7 @@ class Scheduler:
         @torch.compiler.disable
         def hook(module, args, output):
             if unit.reshard_after_forward and not _in_backward():
-                self._reshard(unit)
+                self._reshard(unit, keep_secondary=True)  # hpZ: [Note: secondary shard] in secondary_shard.py
             if torch.is_grad_enabled():
                 self._register_pre_backward(unit, output)
 
@@ -342,12 +342,12 @@ class Scheduler:
         live = sum(1 for u in self.units[1:] if u.is_unsharded)
         self.peak_unsharded_units = max(self.peak_unsharded_units, live)
 
-    def _reshard(self, unit: Unit) -> None:
+    def _reshard(self, unit: Unit, keep_secondary: bool = False) -> None:
         """Reshard ``unit`` unless a create_graph backward's graph may still be differentiated (it holds views of the
         full buffers: see ``_post_backward``) or a pipeline keeps it gathered between micro-batches
         (``keep_gathered``)."""
         if not (self._graph_kept or self._creates_graph or self.keep_gathered):
-            unit.reshard()
+            unit.reshard(keep_secondary=keep_secondary)
 
     def _make_pre_accumulate(self, group, view_index: int):
         @torch.compiler.disable

@@ -122,24 +122,25 @@ class Unit:
     def prefetch(self) -> None:
         """Issue the asynchronous all-gathers of every flat buffer (no-op when already gathered or in flight)."""
         for g in self.groups:
-            g.unshard(async_op=True)
+            g.unshard(async_op=True, keep_secondary=self.reshard_after_forward)
 
     def unshard(self) -> None:
         """SHARDED -> UNSHARDED: complete the all-gathers and register the full-shape views."""
         for g in self.groups:
-            g.unshard(async_op=False)
+            g.unshard(async_op=False, keep_secondary=self.reshard_after_forward)
         if self.state is ShardedState.SHARDED:
             self._sync_requires_grad()
             self._put(use_full=True)
             self.state = ShardedState.UNSHARDED
 
-    def reshard(self) -> None:
-        """UNSHARDED -> SHARDED: register the fragments again and free the full buffers."""
+    def reshard(self, keep_secondary: bool = False) -> None:
+        """UNSHARDED -> SHARDED: register the fragments again and free the full buffers; ``keep_secondary`` (after
+        forward) keeps their secondary copies ([Note: secondary shard] in ``secondary_shard.py``)."""
         if self.state is ShardedState.UNSHARDED:
             self._put(use_full=False)
             self.state = ShardedState.SHARDED
         for g in self.groups:
-            g.reshard()
+            g.reshard(keep_secondary=keep_secondary)
 
     def grad_arrived(self, count: int = 1) -> bool:
         """Count ``count`` accumulated gradients; returns True when the unit just became READY."""

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardfusion import comm
-from shardfusion._runtime import materialize
+from shardfusion._runtime import materialize, secondary_shard
 from shardfusion._runtime import tensor_parallel as tp
 from shardfusion._runtime.flat_buffer import FlatBuffer
 from shardfusion._runtime.layout import build_carried_owner_layout, build_layout, row_groups
@@ -50,11 +50,12 @@ class WrapOptions:
     reshard_filter: ReshardFilter  # per unit: may differ between nested calls
     outer_comm_dtype: object = None  # validated: None, a float dtype or "int8" (compress.validate_outer_comm_dtype)
     whole_params: Optional[Callable] = None  # (name, param) -> bool: whole in one owner rank's shard
+    secondary_shard: bool = False  # hpZ: [Note: secondary shard] in secondary_shard.py
 
 
 # Options a nested call must share with the call that absorbs it (the reshard policy is per unit and may differ).
 MUST_AGREE = ("topology", "mp_policy", "replicate_filter", "broadcast_buffers", "expert_filter", "expert_policy",
-              "prefetch", "outer_comm_dtype", "whole_params")
+              "prefetch", "outer_comm_dtype", "whole_params", "secondary_shard")
 
 
 # ---- checks ----------------------------------------------------------------------------------------------------------
@@ -86,6 +87,10 @@ def check_args(model, options: WrapOptions, units, comm_unit_size) -> None:
                          f"got {options.reshard_filter!r}")
     if options.expert_policy not in EXPERT_POLICIES:
         raise ValueError(f"expert_policy must be one of {EXPERT_POLICIES}, got {options.expert_policy!r}")
+    if not isinstance(options.secondary_shard, bool):
+        raise ValueError(f"secondary_shard must be True or False, got {options.secondary_shard!r}")
+    if options.secondary_shard:
+        secondary_shard.check(topology)
     prefetch = options.prefetch
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0 (units gathered ahead), got {prefetch!r}")
@@ -375,6 +380,8 @@ class _GroupPlan:
         # The cost each rank of a shard group owns so far in owner layouts (by group: dense and expert groups differ),
         # carried from unit to unit so that owners balance over the whole model.
         self.owner_load: dict[int, list[int]] = {}
+        # hpZ: per kind of shard group, this rank's node slice (None: no group spans nodes); made on every rank
+        self.node_plans = secondary_shard.node_plans(self.topology) if options.secondary_shard else {}
 
     def layout(self, members: list, shard_group, placement: str, align: int):
         """The :class:`FlatLayout` of a buffer of these members (an owner layout for ``placement == "owner"``)."""
@@ -395,6 +402,14 @@ class _GroupPlan:
         placement = "replicate" if replicate else "owner" if owner else "shard"
         return (p.dtype, materialize.target_device(p, self.device), p.requires_grad, placement,
                 tp.is_tensor_parallel(p), bool(self.expert_filter(name, p)))
+
+    def node_plan(self, placement: str, expert: bool) -> Optional[secondary_shard.NodePlan]:
+        """The node slice of the shard group of a buffer of this kind with ``secondary_shard`` (None: off, kept
+        whole, or no group of its kind spans nodes)."""
+        if placement == "replicate":
+            return None
+        kind = ("moe_sharding" if self.expert_policy == "shard" else "expert_inner") if expert else "fsdp_inner"
+        return self.node_plans.get(kind)
 
     def groups(self, placement: str, expert: bool) -> tuple:
         """``(shard_group, reduce_group, replicate_group, broadcast_group)`` for a buffer of this kind."""
@@ -455,6 +470,10 @@ def _flat_buffer(unit: Unit, kind: tuple, members: list, plan: _GroupPlan) -> Fl
         # within a replica a buffer kept whole is held by each of its inner ranks: the first of them counts it
         is_replica_primary=(tensor_parallel or topology.mp_rank == 0) and (
             placement != "replicate" or comm.group_rank(topology.get_fsdp_inner_group(is_expert=expert)) == 0))
+    node = plan.node_plan(placement, expert)
+    if node is not None and layout.padded_numel:
+        buffer.secondary = secondary_shard.SecondaryShard(node, layout.shard_count, layout.shard_numel,
+                                                          buffer.all_gather_dtype, unit.name)
     for name, p, _ in members:
         REPLACED_PARAMS[p] = name
     return buffer
