@@ -1,5 +1,5 @@
 """The parallelism section of the training job's settings (`--ep`, `--expert-policy`, `--mp`, `--cp`,
-`--fsdp-outer-degree`, `--max-memory-per-rank`, `--reshard-policy`, `--prefetch`) and its checks: this module owns
+`--fsdp-outer-degree`, `--max-memory-per-rank`, `--reshard-policy`, `--prefetch`, `--secondary-shard`) and its checks: this module owns
 them; `shardfusion.train.config.JobConfig` composes the section and calls `check_flags` with the other sections'
 checks. `shardfusion.train.parallelize` maps the resolved section to `sf.Topology` and `sf.fully_shard`.
 """
@@ -87,6 +87,12 @@ class ParallelismConfig:
     docs/pipeline-benchmark.md)."""
     prefetch: int = 1
     """Units all-gathered ahead of the running one, in forward and backward; 0 turns prefetching off (default 1)."""
+    secondary_shard: bool = False
+    """ZeRO++'s hpZ: where a sharding group spans nodes (nodes of --ranks-per-node ranks, default LOCAL_WORLD_SIZE),
+    each block freed after forward keeps a copy of its gathered parameters (in --all-gather-dtype's format) sharded
+    over its group's ranks on the node, so the backward's all-gather stays within the node; bitwise the same
+    results, more memory (the copy), fewer bytes across nodes. Changes nothing when the groups sit within a node or
+    the blocks stay gathered (--reshard-policy after_backward); see docs/secondary-shard.md (default off)."""
 
 
 def check_flags(parallelism: ParallelismConfig, model: ModelConfig) -> None:

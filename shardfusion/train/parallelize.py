@@ -39,22 +39,29 @@ def topology_degrees(parallelism: ParallelismConfig, pipeline: PipelineConfig) -
             "cp": parallelism.cp, "pp": pipeline.pp}
 
 
-def topology(parallelism: ParallelismConfig, pipeline: PipelineConfig) -> sf.Topology:
-    """The rank grid of the resolved sections over the default process group (collective: it makes the groups).
+def topology(parallelism: ParallelismConfig, pipeline: PipelineConfig,
+             ranks_per_node: int | None = None) -> sf.Topology:
+    """The rank grid of the resolved sections over the default process group (collective: it makes the groups);
+    ``ranks_per_node``: --ranks-per-node, the node boundaries (None: LOCAL_WORLD_SIZE, else one node).
 
     Raises:
-        ValueError: the degrees do not fit the world (`sf.Topology`'s message).
+        ValueError: the degrees do not fit the world (`sf.Topology`'s message), or --ranks-per-node does not divide
+            the world size.
     """
-    return sf.Topology(**topology_degrees(parallelism, pipeline))
+    if ranks_per_node is not None and dist.get_world_size() % ranks_per_node:
+        raise ValueError(f"--ranks-per-node {ranks_per_node} must divide the world size {dist.get_world_size()}")
+    return sf.Topology(**topology_degrees(parallelism, pipeline), ranks_per_node=ranks_per_node)
 
 
 def shard_options(parallelism: ParallelismConfig, precision: PrecisionConfig) -> dict[str, Any]:
     """The `sf.fully_shard` keywords the sections decide: reshard_policy, expert_policy, prefetch, mp_policy
     (--param-dtype, --grad-comm-dtype, --all-gather-dtype) and outer_comm_dtype; with --reshard-policy auto, memory_budget
-    (--max-memory-per-rank)."""
+    (--max-memory-per-rank); with --secondary-shard, secondary_shard."""
     options = {"reshard_policy": parallelism.reshard_policy, "expert_policy": parallelism.expert_policy,
                "prefetch": parallelism.prefetch, "mp_policy": dtype_flags.mixed_precision(precision),
                "outer_comm_dtype": dtype_flags.outer_comm_dtype(precision)}
+    if parallelism.secondary_shard:
+        options["secondary_shard"] = True
     if parallelism.reshard_policy == "auto":
         options["memory_budget"] = parallelism.max_memory_per_rank
     return options
