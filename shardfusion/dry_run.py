@@ -250,8 +250,8 @@ class DryRun:
                                                                  if k != "world_size") + ")")
             out.append("  memory: " + ", ".join(
                 f"{k} {_size(m[k])}" + (f" (slow: {_size(m[k + '_slow'])})" if k + "_slow" in m else "")
-                for k in ("params", "grads", "optimizer", "full_params", "full_grads", "activations", "other_peak",
-                          "peak")))
+                for k in ("params", "grads", "optimizer", "full_params", "full_grads", "secondary_params",
+                          "activations", "other_peak", "peak") if k != "secondary_params" or m.get(k)))
             persistent = m["params"] + m["grads"] + m["optimizer"]
             out.append(f"  persistent (params + grads + optimizer) {_size(persistent)}; largest unit gathered "
                        f"{_size(m['largest_full_unit'])}")
@@ -396,6 +396,8 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
         candidate, plan_error = _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batches,
                                          backend, bandwidth, figures[0].reshard)
     notes = _layout_notes(degrees, ranks_per_node)
+    if fs_kwargs.get("secondary_shard"):
+        notes.append(_secondary_note(figures[0]))
     if any(c["op"] == "all_to_all" and c["label"] == "ep" for f in figures for c in f.collectives):
         notes.append("MoE all-to-alls and expert activations assume an even router (1/E of the assignments each)")
         if candidate is not None:
@@ -405,6 +407,19 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
                   plan_error, notes, max_memory_per_rank)
 
 
+def _secondary_note(fig: RankFigures) -> str:
+    """What ``secondary_shard=True`` did on the first played rank: the backward's all-gathers on node groups and the
+    copies' peak, or that it changed nothing (no sharding group spans nodes, or no unit is gathered again)."""
+    local = [c for c in fig.collectives if c["op"] == "all_gather" and c["label"].endswith("_node")]
+    peak = fig.memory.get("secondary_params", 0)
+    if not local and not peak:
+        return ("secondary_shard changes nothing here: no sharding group spans nodes, or no unit is resharded after "
+                "forward (after_backward keeps them gathered)")
+    groups = ", ".join(f"{c['label']} ({c['group_size']} ranks)" for c in local) or "of one rank: local copies"
+    return (f"secondary_shard: the backward's all-gathers of the units resharded after forward run within the node, "
+            f"on {groups}; their copies peak at {_size(peak)} per rank (memory: secondary_params)")
+
+
 def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_kwargs, optimizer, micro_batches,
           max_norm, bounds, step_runs_backward, async_save=False) -> tuple[RankFigures, str]:
     """One rank: fake group, topology, then :func:`measure_step` on fake tensors, with the collectives complete as
@@ -412,7 +427,7 @@ def _play(rank, kind, world_size, ranks_per_node, build, step, topo_kwargs, fs_k
     t = time.perf_counter()
     dist.init_process_group("fake", rank=rank, world_size=world_size)
     try:
-        topo = Topology(**topo_kwargs)
+        topo = Topology(**{"ranks_per_node": ranks_per_node, **topo_kwargs})  # the nodes played (hpZ's node groups)
         topology_s = time.perf_counter() - t
         runs = []
         for at_once in (True, False) if bounds else (True,):
@@ -522,7 +537,7 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
         seconds["step"] = time.perf_counter() - t
     memory = {p: after.parts[p] for p in ("params", "grads", "optimizer")}
     memory.update(full_params=tracker.part_peaks["full_params"], full_grads=tracker.part_peaks["full_grads"],
-                  activations=activations, other_peak=tracker.unwatched_peak, peak=tracker.peak.total,
+                  secondary_params=tracker.part_peaks["secondary_params"], activations=activations, other_peak=tracker.unwatched_peak, peak=tracker.peak.total,
                   transient=tracker.transient_peak.transient, largest_full_unit=largest_unit)
     if async_save:
         memory["staging"] = staging_bytes(model, opt)
@@ -608,6 +623,7 @@ def _predict(build, degrees, world_size, ranks_per_node, fs_kwargs, micro_batche
                     max_memory_per_rank=2**62, micro_batches=micro_batches, dp=degrees.dp, ep=degrees.ep,
                     param_dtype=getattr(mp, "param_dtype", None), grad_comm_dtype=getattr(mp, "grad_comm_dtype", None),
                     all_gather_dtype=getattr(mp, "all_gather_dtype", None),
+                    secondary_shard=bool(fs_kwargs.get("secondary_shard")),
                     backend=backend, outer_degrees=[degrees.fsdp_outer_degree], **kwargs)
         return p.chosen, ""
     except (ValueError, TypeError) as e:

@@ -9,7 +9,8 @@ from shardfusion.probe import Bandwidth
 from shardfusion.topology import Degrees, _inner_kinds_spanning_nodes, outer_degree_within_nodes
 
 
-PART_NAMES = {"full_params": "gathered params", "full_grads": "full gradient buffers", "activations": "activations",
+PART_NAMES = {"full_params": "gathered params", "full_grads": "full gradient buffers",
+              "secondary_params": "secondary shards (hpZ)", "activations": "activations",
               "comm_buffers": "collective buffers", "optimizer_step": "optimizer step temporaries",
               "other": "backward temporaries"}
 """How the report names the parts of ``shardfusion.live_memory.PARTS`` that are not kept from step to step."""

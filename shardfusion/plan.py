@@ -14,6 +14,10 @@ logical bytes):
 - all-gather over the inner group, ``N = P * gather bytes``, ``(G-1)/G * N`` per rank; ``m`` times per step, ``2m``
   for a unit resharded after forward (gathered again in backward); gather bytes: the param dtype's, or those of
   ``all_gather_dtype`` (bf16/fp16 2; int8 and fp8 ``1 + 4/256``: a byte and a scale per block of 256);
+- with ``secondary_shard`` (hpZ) and an inner group that spans nodes, the backward's all-gather of a unit resharded
+  after forward runs over the group's ``L`` ranks on the node instead: ``(L-1)/L * N``, all within the node (none
+  for ``L = 1``), and the unit holds a copy of ``N / L`` bytes from its forward to its backward (memory part
+  ``secondary``, every resharded unit's copy at once);
 - reduce-scatter over the inner group, ``N = P * grad_comm bytes``, ``(G-1)/G * N``; ``m`` times per step;
 - all-reduce over the replicate group (``dp x outer``), ``N = P / inner * grad_comm bytes``, ``2(G-1)/G * N``; once
   per step.
@@ -151,7 +155,8 @@ class Candidate:
         serial_s: ``within_s + across_s``: the step's communication with nothing overlapped.
         step_s: the predicted communication time per step (the last backward's all-reduces overlapped, see [Note:
             the outer-degree cost model]); the candidates are ranked by it.
-        memory: bytes per rank by part: ``params``, ``grads``, ``optimizer``, ``unsharded``, ``other``, and with
+        memory: bytes per rank by part: ``params``, ``grads``, ``optimizer``, ``unsharded``, ``other``, with
+            ``secondary_shard`` where it acts ``secondary`` (hpZ's copies), and with
             DiLoCo ``outer`` (the snapshot and the momentum on the shards).
         memory_bytes: their sum.
         fits: ``memory_bytes <= max_memory_per_rank``.
@@ -179,6 +184,9 @@ class Candidate:
     sync_step_s: Optional[float] = None
     reshard: Optional[ReshardChoice] = None
     spanning: tuple = ()
+    secondary: str = ""
+    """With ``secondary_shard``: what hpZ does at this degree (the backward's all-gathers within the node and the
+    copies' bytes, or why it changes nothing); empty without it."""
 
 
 @dataclass(frozen=True)
@@ -227,7 +235,8 @@ class Plan:
             lines.append(f"{c.outer:5d} {c.inner:5d} | {c.within_bytes / 1e6:14.3f} {c.across_bytes / 1e6:15.3f} | "
                          f"{c.within_s:8.4f} {c.across_s:9.4f} {c.step_s:9.4f} | {_size(c.memory_bytes):>11}  "
                          f"{'yes' if c.fits else 'no':>4}{mark}"
-                         + (f"  ({' and '.join(c.spanning)} groups span nodes)" if c.spanning else ""))
+                         + (f"  ({' and '.join(c.spanning)} groups span nodes)" if c.spanning else "")
+                         + (f"  [{c.secondary}]" if c.secondary else ""))
         lines.append(f"chosen: {self.reason}")
         return "\n".join(lines)
 
@@ -335,6 +344,7 @@ class _Group:
         _, per_node = torch.unique(torch.arange(groups)[:, None] * (int(nodes.max()) + 1) + nodes, return_counts=True)
         off = ranks * self.size - int((per_node * per_node).sum())
         self.spans = bool((nodes[:, 0] != nodes[:, -1]).any())  # ascending rows: first and last on other nodes
+        self.node_size = int(per_node.min())  # L: a group's ranks on one node (hpZ's node slice)
         self.a2a_across = off / (ranks * (self.size - 1)) if self.size > 1 else 0.0
 
 
@@ -388,7 +398,7 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
          outer_degrees: Optional[Sequence[int]] = None, prefer: Optional[int] = None,
          tie_tolerance: float = 0.01,
          whole_params: Optional[Callable[[str, nn.Parameter], bool]] = None,
-         outer_every: Optional[int] = None, outer_fragments: int = 1) -> Plan:
+         outer_every: Optional[int] = None, outer_fragments: int = 1, secondary_shard: bool = False) -> Plan:
     """Predict bytes, time and memory per step for every outer degree and choose one (see [Note: the outer-degree
     cost model] above for every formula).
 
@@ -442,6 +452,10 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
             The pseudo-gradients travel in ``outer_comm_dtype``, or the shard's dtype when it is None.
         outer_fragments: with ``outer_every``: streaming DiLoCo's fragments (1 .. H): each outer step's bytes are
             spread over that many steps (``sync_step_s`` carries 1/fragments of them).
+        secondary_shard: ``fully_shard``'s (hpZ, docs/secondary-shard.md): where a candidate's sharding group spans
+            nodes, the backward all-gather of a unit resharded after forward runs over its ``L`` ranks on the node
+            (``(L-1)/L`` of the same bytes, none across nodes), and each such unit's copy (``P * gather bytes /
+            L``) counts in the memory part ``secondary``; ``Candidate.secondary`` says what it does at that degree.
 
     Returns:
         A :class:`Plan`.
@@ -523,7 +537,7 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
     model = _Model(sizes, world_size, local, dp, ep, m, prefetch, expert_policy, sizes_b, align, optim_states,
                    shard_dtype != param_dtype, other_bytes, bandwidth, overlap, backend,
                    (outer_every, outer_fragments) if outer_every is not None else None,
-                   auto=reshard_policy == "auto")
+                   auto=reshard_policy == "auto", secondary=bool(secondary_shard))
     candidates = tuple(model.candidate(o, budget) for o in degrees)
     return _choose(candidates, budget, prefer, tie_tolerance, bandwidth, world_size, local, m)
 
@@ -532,13 +546,15 @@ class _Model:
     """The cost model of one :func:`plan` call; ``candidate(outer, budget)`` evaluates one outer degree."""
 
     def __init__(self, sizes, world_size, local, dp, ep, m, prefetch, expert_policy, nbytes, align, optim_states,
-                 cast, other_bytes, bandwidth, overlap, backend, diloco=None, auto: bool = False) -> None:
+                 cast, other_bytes, bandwidth, overlap, backend, diloco=None, auto: bool = False,
+                 secondary: bool = False) -> None:
         self.sizes, self.world_size, self.local, self.dp, self.ep, self.m = sizes, world_size, local, dp, ep, m
         self.prefetch, self.expert_policy, self.nbytes, self.align = prefetch, expert_policy, nbytes, align
         self.optim_states, self.cast, self.other_bytes = optim_states, cast, other_bytes
         self.bw, self.overlap, self.backend = bandwidth, overlap, backend
         self.diloco = diloco  # (H, fragments), or None: the all-reduce every step
         self.auto = auto  # reshard_policy="auto": the units kept gathered are chosen per candidate within the budget
+        self.secondary = secondary  # secondary_shard (hpZ): backward all-gathers within the node where groups span
 
     def _groups(self, outer: int) -> dict[str, _Group]:
         kinds = {"inner": "fsdp_inner", "replicate": "replicate"}
@@ -592,8 +608,21 @@ class _Model:
         full = sum(padded * nb["param"] for padded, g, _ in buffers if g.size > 1 or self.cast)
         gather = sum((Fraction((g.size - 1) * padded * nb["param"], g.size) for padded, g, _ in buffers
                       if g.size > 1), Fraction(0))
+        secondary = sum(math.ceil(padded * nb["gather"] / g.node_size) for padded, g, _ in buffers
+                        if self._hpz(g)) if self.secondary else 0
         return UnitBytes(name, shard * nb["shard"], shard * nb["shard"], shard, full,
-                         sum(padded * nb["param"] for padded, _, _ in buffers), gather)
+                         sum(padded * nb["param"] for padded, _, _ in buffers), gather, secondary)
+
+    def _hpz(self, group: _Group) -> bool:
+        """Whether hpZ moves the backward all-gathers of a buffer sharded over ``group`` into the node."""
+        return self.secondary and group.size > 1 and group.spans
+
+    def _node_cost(self, nbytes: float, group: _Group) -> tuple[float, float, float, float]:
+        """(within bytes, across bytes, within s, across s) of hpZ's all-gather of ``nbytes`` over the ``L`` ranks of
+        ``group`` on one node (nothing for ``L = 1``: a local copy)."""
+        n = group.node_size
+        within = (n - 1) / n * nbytes
+        return within, 0.0, (within / self.bw.within + (n - 1) * self.bw.latency_within) if n > 1 else 0.0, 0.0
 
     def _reshard(self, facts: list[UnitBytes], budget: int, outer_bytes: int) -> Optional[ReshardChoice]:
         """With ``reshard_policy="auto"``: the units kept gathered within ``budget`` (the choice of
@@ -654,10 +683,21 @@ class _Model:
                          across_bytes=sum(t.across_bytes for t in traffic.values()), within_s=within_s,
                          across_s=across_s, serial_s=serial, step_s=step, memory=memory, memory_bytes=need,
                          fits=need <= budget, sync_step_s=sync_step, reshard=choice,
+                         secondary=self._secondary_note(groups, reshard, memory),
                          spanning=tuple(k for k in ("inner", "expert_inner")
                                         if groups[k].spans and groups[k].size > 1
                                         and (k == "inner" or any(u.expert_numel or u.expert_whole_shapes
                                                                  for u in self.sizes))))
+
+    def _secondary_note(self, groups: dict, reshard: list[bool], memory: dict) -> str:
+        """``Candidate.secondary``: what hpZ does at this degree, or why it changes nothing."""
+        if not self.secondary:
+            return ""
+        if not any(self._hpz(groups[k]) for k in ("inner", "expert_inner")):
+            return "secondary_shard changes nothing: no sharding group spans nodes"
+        if not memory.get("secondary"):
+            return "secondary_shard changes nothing: no unit is resharded after forward"
+        return f"hpZ: backward all-gathers within the node, copies {_size(memory['secondary'])}"
 
     def _traffic(self, per_unit: list, reshard: list[bool]) -> tuple[dict, list[float], list[list[float]]]:
         """Per op ``[count, within B, across B, within s, across s]`` per step; the last backward's inner
@@ -676,7 +716,16 @@ class _Model:
         for buffers, resharded in zip(per_unit, reshard):
             unit_reduce = [0.0, 0.0]
             for padded, g_shard, g_rep in buffers:
-                if g_shard.size > 1:
+                if g_shard.size > 1 and resharded and self._hpz(g_shard):  # the backward's within the node
+                    ag = self._cost("all_gather", padded * nb["gather"], g_shard)
+                    node = self._node_cost(padded * nb["gather"], g_shard)
+                    rs = self._cost("reduce_scatter", padded * nb["comm"], g_shard)
+                    add("all_gather", ag, self.m)
+                    add("all_gather", node, self.m if g_shard.node_size > 1 else 0)
+                    add("reduce_scatter", rs, self.m)
+                    last_bwd_inner[0] += node[2] + rs[2]
+                    last_bwd_inner[1] += node[3] + rs[3]
+                elif g_shard.size > 1:
                     gathers = 2 if resharded else 1
                     ag = self._cost("all_gather", padded * nb["gather"], g_shard)
                     rs = self._cost("reduce_scatter", padded * nb["comm"], g_shard)

@@ -63,6 +63,9 @@ class UnitBytes:
         grad_bytes: the full-size gradient buffers of its trainable buffers.
         gather_bytes: what one all-gather of the unit sends per rank, ``(G-1)/G x full bytes`` summed over its
             buffers sharded over ``G > 1`` ranks (exact, so equal units tie exactly).
+        secondary_bytes: with ``secondary_shard`` (hpZ), the copy one rank holds from the unit's forward to its
+            backward when it reshards after forward (``secondary_shard.copy_bytes`` of each buffer whose group spans
+            nodes; 0 otherwise).
     """
 
     name: str
@@ -72,6 +75,7 @@ class UnitBytes:
     full_bytes: int
     grad_bytes: int
     gather_bytes: Fraction = Fraction(0)
+    secondary_bytes: int = 0
 
     @property
     def ratio(self) -> Fraction:
@@ -84,13 +88,17 @@ def memory_parts(units: Sequence[UnitBytes], reshard_after_forward: Sequence[boo
     """The plan's memory estimate of one rank (see [Note: the outer-degree cost model] in ``shardfusion.plan``), in
     bytes by part: ``params`` (shards), ``grads`` (sharded gradients), ``optimizer``, ``unsharded`` (the full
     buffers of the units kept gathered, the ``prefetch + 2`` largest resharded ones and the 2 largest full gradient
-    buffers) and ``other`` (``other_bytes``: what the caller adds, e.g. activations)."""
+    buffers), ``other`` (``other_bytes``: what the caller adds, e.g. activations) and, when any unit has
+    ``secondary_bytes`` (hpZ), ``secondary``: the copies of every unit resharded after forward (all alive at the
+    end of a forward)."""
     resharded = sorted((u.full_bytes for u, r in zip(units, reshard_after_forward) if r), reverse=True)
     kept = sum(u.full_bytes for u, r in zip(units, reshard_after_forward) if not r)
     grads = sorted((u.grad_bytes for u in units), reverse=True)
     return {"params": sum(u.shard_bytes for u in units), "grads": sum(u.grad_shard_bytes for u in units),
             "optimizer": sum(u.optim_elems for u in units) * optim_bytes * optim_states,
-            "unsharded": kept + sum(resharded[:prefetch + 2]) + sum(grads[:2]), "other": other_bytes}
+            "unsharded": kept + sum(resharded[:prefetch + 2]) + sum(grads[:2]), "other": other_bytes,
+            **({"secondary": sum(u.secondary_bytes for u, r in zip(units, reshard_after_forward) if r)}
+               if any(u.secondary_bytes for u in units) else {})}
 
 
 @dataclass(frozen=True)
@@ -217,9 +225,14 @@ def check_budget(reshard_policy: str, memory_budget: Optional[int]) -> None:
 def unit_bytes(unit) -> UnitBytes:
     """The :class:`UnitBytes` of a built unit (``shardfusion._runtime.unit.Unit``), from its flat buffers' layouts:
     padded length ``P``, shard count ``G``, the shard's and the full buffer's element sizes."""
-    shard = grad_shard = optim = full = grad = 0
+    from shardfusion._runtime.secondary_shard import copy_bytes
+
+    shard = grad_shard = optim = full = grad = secondary = 0
     gather = Fraction(0)
     for g in unit.groups:
+        if getattr(g, "secondary", None) is not None:  # hpZ: [Note: secondary shard]
+            secondary += copy_bytes(g.layout.padded_numel, g.layout.shard_count, g.secondary.plan.size,
+                                    g.all_gather_dtype, g.param_dtype.itemsize)
         P, S, G = g.layout.padded_numel, g.layout.shard_numel, g.layout.shard_count
         param_bytes = g.param_dtype.itemsize
         shard += S * g.shard.element_size()
@@ -231,7 +244,7 @@ def unit_bytes(unit) -> UnitBytes:
             full += P * param_bytes
             if G > 1:
                 gather += Fraction((G - 1) * P * param_bytes, G)
-    return UnitBytes(unit.name, shard, grad_shard, optim, full, grad, gather)
+    return UnitBytes(unit.name, shard, grad_shard, optim, full, grad, gather, secondary)
 
 
 def apply(units: Sequence, decided: Sequence[bool], budget: int, *, prefetch: int, group,

@@ -128,6 +128,7 @@ def plan_outer_degree(config: ResolvedJob, device: torch.device, world: int) -> 
                          param_dtype=mp_policy.param_dtype, grad_comm_dtype=mp_policy.grad_comm_dtype,
                          all_gather_dtype=mp_policy.all_gather_dtype,
                          outer_comm_dtype=dtype_flags.outer_comm_dtype(config.precision),
+                         secondary_shard=config.parallelism.secondary_shard,
                          reshard_policy=config.reshard_policy,  # auto: the blocks kept gathered per candidate
                          backend="nccl" if "nccl" in str(dist.get_backend()) else "gloo", prefer=prefer)
     except ValueError as error:
