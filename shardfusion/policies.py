@@ -88,8 +88,8 @@ class MixedPrecisionPolicy:
 
     Raises:
         ValueError: ``param_dtype`` neither ``None`` nor one of ``torch.float32``, ``torch.bfloat16``,
-            ``torch.float16``; ``grad_comm_dtype`` none of these nor ``"int8"``; ``all_gather_dtype`` not one of :data:`ALL_GATHER_DTYPES` or
-            ``None`` (the message names the field, the value and the accepted values).
+            ``torch.float16``; ``grad_comm_dtype`` none of these nor ``"int8"``; ``all_gather_dtype`` not one of
+            :data:`ALL_GATHER_DTYPES` or ``None`` (the message names the field, the value and the accepted values).
     """
 
     param_dtype: Optional[torch.dtype] = None

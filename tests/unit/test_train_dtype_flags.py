@@ -1,11 +1,11 @@
 """The training job's dtype flags (shardfusion/train/dtype_flags.py) in one process: every documented value of
 --param-dtype, --grad-comm-dtype, --outer-comm-dtype and --all-gather-dtype (README.md, docs/slow-links.md,
 docs/compressed-all-reduce.md, docs/quantized-all-gather.md, docs/quantized-reduce-scatter.md) in every mode, through
-the job's own path: the command line (`parse_args`), the checks against the world size (`resolve`, `check_run`), and the arguments the workers hand to the
-library (`dtype_flags.mixed_precision`, `dtype_flags.outer_comm_dtype`; with --outer-sync diloco `job_outer.OuterRun`'s
-`DiLoCo`, with --dry-run `job_dry_run.run`'s `sf.dry_run`), compared with torch's dtypes written out here. A mode that
-refuses a value says so in one usage-error line. A whole DiLoCo run with --outer-comm-dtype bf16:
-tests/integration/test_train_diloco.py."""
+the job's own path: the command line (`parse_args`), the checks against the world size (`resolve`, `check_run`), and
+the arguments the workers hand to the library (`dtype_flags.mixed_precision`, `dtype_flags.outer_comm_dtype`; with
+--outer-sync diloco `job_outer.OuterRun`'s `DiLoCo`, with --dry-run `job_dry_run.run`'s `sf.dry_run`), compared with
+torch's dtypes written out here. A mode that refuses a value says so in one usage-error line. A whole DiLoCo run with
+--outer-comm-dtype bf16: tests/integration/test_train_diloco.py."""
 
 from __future__ import annotations
 
