@@ -9,8 +9,9 @@ tiny transformer, fp32 shards and compute; all cases in one spawned job.
   |x| of rank ``r``'s block holding the element: blocks of 256 from the start of each rank's chunk, as
   shardfusion/_runtime/grad_wire.py states), plus the division's rounding; not bitwise (something was quantized);
   the fp32 reduce-scatter (``None``) within fp32 rounding, 100 x below the int8 bound's scale. Also on the MoE GPT at
-  ep 2 (expert buffers over their own groups) and with ``whole_params`` (owner layouts: whole matrices, padded
-  shards).
+  ep 2 (expert buffers over their own groups), with ``whole_params`` (owner layouts: whole matrices, padded
+  shards), with bf16 compute (a bf16 gradient buffer quantized) and on the GPT split over mp 2 (tensor-parallel
+  pieces in the buffers, sharding 2).
 * Training, 6 AdamW steps against the fp32 single-process reference: the losses within ``LOSS_RTOL`` relative and
   every parameter within ``PARAM_RTOL`` relative in norm after the last step (measured values at the constants);
   the losses are not ``None``'s (something was quantized). ``None`` trains at parity with the reference, and
@@ -46,7 +47,24 @@ TRAIN_CASES = [_BASE.with_(name="none"), _BASE.with_(name="fp32", grad_comm_dtyp
                _BASE.with_(name="int8-accum2", grad_comm_dtype="int8", micro=2, no_sync=True, steps=2)]
 REDUCE_CASES = [(_BASE.with_(name="none"), False), (_BASE.with_(name="int8", grad_comm_dtype="int8"), False),
                 (_BASE.with_(name="moe-ep2-int8", model="moe", ep=2, grad_comm_dtype="int8"), False),
-                (_BASE.with_(name="whole-int8", grad_comm_dtype="int8"), True)]
+                (_BASE.with_(name="whole-int8", grad_comm_dtype="int8"), True),
+                (_BASE.with_(name="bf16-int8", param_dtype="bfloat16", grad_comm_dtype="int8"), False),
+                (_BASE.with_(name="tp-int8", model="gpt-tp", mp=2, sharding=2, grad_comm_dtype="int8"), False)]
+
+
+def _tp_model(topo, case: Case):
+    """The dense GPT split over mp (``gpt_parallel.parallelize``), sharded; and its loss on this rank's batch."""
+    import shardfusion as sf
+    from reference import token_batch, wrap_kwargs
+    from shardfusion.models import GPT, Block, GPTConfig
+    from shardfusion.models.gpt_parallel import parallelize
+
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=16, fused_qkv=False, tie_embeddings=True)
+    model = parallelize(GPT(config), topo.get_mesh("mp"))
+    kwargs = {k: v for k, v in wrap_kwargs(case.with_(units="none")).items()}
+    model = sf.fully_shard(model, topo, units=(Block,), **kwargs)
+    return model, lambda: model(*token_batch(1000 + topo.data_parallel_rank, 4, 16))[1]
 
 
 def _reduced(case: Case, whole: bool) -> dict:
@@ -59,17 +77,24 @@ def _reduced(case: Case, whole: bool) -> dict:
     from reference import DATA_SEED, draw_batch, get_topology, wrap_kwargs
 
     topo = get_topology(case)
-    model = build_model(case.model, seed=MODEL_SEED, ep_group=topo.get_group("ep"))
-    extra = {"whole_params": lambda name, p: p.dim() == 2} if whole else {}
-    sf.fully_shard(model, topo, **wrap_kwargs(case), **extra)
+    if case.mp > 1:
+        model, loss = _tp_model(topo, case)
+    else:
+        model = build_model(case.model, seed=MODEL_SEED, ep_group=topo.get_group("ep"))
+        extra = {"whole_params": lambda name, p: p.dim() == 2} if whole else {}
+        sf.fully_shard(model, topo, **wrap_kwargs(case), **extra)
+        gen = torch.Generator().manual_seed(DATA_SEED + topo.data_parallel_rank + 1)
+        loss = lambda: loss_fn(case.model, model, draw_batch(case, gen))  # noqa: E731
     sf.set_requires_gradient_sync(model, False)  # the backward keeps each buffer's full gradient
-    gen = torch.Generator().manual_seed(DATA_SEED + topo.data_parallel_rank + 1)
-    loss_fn(case.model, model, draw_batch(case, gen)).backward()
+    loss().backward()
     out = []
     for unit in sf.get_units(model):
         for g in unit.trainable_groups:
             P = g.layout.padded_numel
-            given = g.grad_full.clone() if g.grad_full is not None else torch.zeros(P)
+            given = torch.zeros(P)  # what reduce_scatter sends: grad_acc (mixed precision, sync off) + grad_full
+            for held in (g.grad_acc, g.grad_full):
+                if held is not None:
+                    given += held.float()
             g.reduce_scatter()
             g.finish_reduce_scatter()
             out.append({"input": given, "reduced": g.grad_shard.clone(), "S": g.layout.shard_numel,
@@ -136,7 +161,7 @@ def _check_buffer(what: str, wire, bufs: list[dict]) -> tuple[float, float]:
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
-@pytest.mark.parametrize("name", ["int8", "moe-ep2-int8", "whole-int8"])
+@pytest.mark.parametrize("name", ["int8", "moe-ep2-int8", "whole-int8", "bf16-int8", "tp-int8"])
 def test_reduced_shards_within_bound(results, name):
     per_rank = case_results(results, "reduce-" + name)
     errors = []
