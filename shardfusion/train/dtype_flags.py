@@ -45,7 +45,8 @@ class PrecisionConfig:
     docs/quantized-reduce-scatter.md."""
     outer_comm_dtype: str | None = field(default=None, metadata=meta(resume=True))
     """Wire format of the HSDP outer (cross-node) all-reduce only: fp32, bf16, fp16, or int8 (block-wise, about a
-    quarter of fp32's bytes; see docs/compressed-all-reduce.md) (default: --grad-comm-dtype)."""
+    quarter of fp32's bytes; see docs/compressed-all-reduce.md) (default: --grad-comm-dtype; fp32 when that is
+    int8)."""
     all_gather_dtype: str | None = field(default=None, metadata=meta(resume=True, ft_shared=FT_SHARED_UNLESS_DEFAULT))
     """Wire format of the parameter all-gather only (ZeRO++'s quantized weights): int8 (block-wise, about a quarter
     of fp32's bytes), bf16, fp16 or fp8 (e4m3 with a scale per block); the gathered parameters are dequantized to
@@ -64,9 +65,9 @@ def torch_dtype(name: str | None) -> torch.dtype | None:
 def mixed_precision(config: PrecisionConfig) -> MixedPrecisionPolicy:
     """The `MixedPrecisionPolicy` of --param-dtype, --grad-comm-dtype and --all-gather-dtype, as every mode's
     `fully_shard` takes it (--grad-comm-dtype int8: ``grad_comm_dtype="int8"``)."""
-    wire = config.all_gather_dtype
+    wire, comm = config.all_gather_dtype, config.grad_comm_dtype
     return MixedPrecisionPolicy(param_dtype=torch_dtype(config.param_dtype),
-                                grad_comm_dtype=GRAD_COMM_DTYPE_NAMES.get(config.grad_comm_dtype),
+                                grad_comm_dtype=None if comm is None else GRAD_COMM_DTYPE_NAMES[comm],
                                 all_gather_dtype=None if wire is None else ALL_GATHER_DTYPE_NAMES[wire])
 
 
