@@ -40,7 +40,9 @@ elements of that shard; other blocks are unaffected.
 Error feedback (carrying each rank's quantization error into its next step's gradient) is not implemented: it
 needs a persistent ``(P,)`` fp32 residual per buffer and rank, a full gradient buffer's size kept alive across
 steps, which is what sharding exists to avoid; the error above is unbiased rounding of each element, without
-feedback. Written here from the paper's description.
+feedback. ZeRO++'s hierarchical variant (fp32 within the node first, int8 across nodes) is not implemented either:
+it needs two dependent collectives per reduction (docs/quantized-reduce-scatter.md, "Not done"). Written here from
+the paper's description.
 """
 
 from __future__ import annotations
