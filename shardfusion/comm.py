@@ -450,6 +450,29 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Optional[Proc
     return _issue(record, _reduce_scatter_base, shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+def reduce_scatter_exchange(received: torch.Tensor, send: torch.Tensor, group: ProcessGroup,
+                            async_op: bool = False):
+    """The all-to-all of a reduce-scatter that sums its pieces itself, after they travelled in another format (the
+    quantized gradient reduce-scatter, ``_runtime/grad_wire.py``): ``send`` and ``received`` are 1-D tensors of one
+    dtype and length ``G*k``; chunk ``i`` of ``send`` goes to group rank ``i``, chunk ``i`` of ``received`` is what
+    group rank ``i`` sent. Recorded as the ``"reduce_scatter"`` it stands for (its category on ``group``), of
+    ``send`` (``numel``: its elements, bytes for int8) with the all-to-all's split, as gloo's reduce-scatter is
+    (:func:`reduce_scatter`): ``wire_bytes`` ``(G-1) * k * element_size``, and the bytes across nodes exact. Returns
+    the work handle when ``async_op`` (a group of more than one rank is required).
+
+    Raises:
+        ValueError: the tensors are not 1-D of one dtype and one length divisible by the group size.
+    """
+    size = group_size(group)
+    if (send.dim() != 1 or received.dim() != 1 or send.numel() != received.numel() or send.dtype != received.dtype
+            or send.numel() % size):
+        raise ValueError(f"reduce_scatter_exchange: send and received must be 1-D of one dtype and one length "
+                         f"divisible by the group size ({size}), got {send.shape=} {send.dtype=}, "
+                         f"{received.shape=} {received.dtype=}")
+    record = _record("reduce_scatter", group, send, [send.numel() // size] * size)
+    return _issue(record, dist.all_to_all_single, received, send, group=group, async_op=async_op)
+
+
 class _SumShards:
     """A reduce-scatter done as all-to-all + local sum: ``wait()`` waits for the all-to-all, then sums the G received
     pieces of this rank's shard, in source-rank order, into ``shard`` (once)."""

@@ -141,7 +141,8 @@ def fully_shard(
             selects it); units of earlier calls under a fixed policy keep their setting.
         mp_policy: mixed precision, a :class:`MixedPrecisionPolicy` (``param_dtype``: the dtype of the gathered
             parameters and so of the compute; ``grad_comm_dtype``: the dtype of the gradient reduce-scatter and
-            all-reduce); ``None`` or ``MixedPrecisionPolicy()``: off.
+            all-reduce, or ``"int8"``: the reduce-scatter block-quantized, docs/quantized-reduce-scatter.md);
+            ``None`` or ``MixedPrecisionPolicy()``: off.
         replicate_filter: optional ``(name, parameter) -> bool``; parameters for which it is true are kept whole on
             every rank (not sharded) and their gradients all-reduced over the data-parallel group.
         broadcast_buffers: broadcast module buffers (e.g. BatchNorm running statistics) from the first data-parallel

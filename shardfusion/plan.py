@@ -19,6 +19,9 @@ logical bytes):
   for ``L = 1``), and the unit holds a copy of ``N / L`` bytes from its forward to its backward (memory part
   ``secondary``, every resharded unit's copy at once);
 - reduce-scatter over the inner group, ``N = P * grad_comm bytes``, ``(G-1)/G * N``; ``m`` times per step;
+  ``grad_comm_dtype="int8"``: ``1 + 4/256`` bytes (a byte and a scale per block of 256), sent as an all-to-all
+  whatever the backend ([Note: quantized gradient reduce-scatter] in ``_runtime/grad_wire.py``), and the
+  all-reduce below then in ``shard_dtype`` unless ``outer_comm_dtype``;
 - all-reduce over the replicate group (``dp x outer``), ``N = P / inner * grad_comm bytes``, ``2(G-1)/G * N``; once
   per step.
 
@@ -70,7 +73,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from shardfusion._runtime import compress
+from shardfusion._runtime import compress, grad_wire
 from shardfusion.probe import (Bandwidth, _check_int, _check_seconds, check_bandwidth,  # noqa: F401 (re-exported)
                                measure_bandwidth)
 from shardfusion.policies import EXPERT_POLICIES, RESHARD_FILTERS, RESHARD_POLICIES, MixedPrecisionPolicy
@@ -392,7 +395,8 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
          units: Optional[Sequence[type]] = None, comm_unit_size: Optional[int] = None,
          reshard_policy: str = "after_forward", prefetch: int = 1, expert_policy: str = "replicate",
          shard_dtype: torch.dtype = torch.float32, param_dtype: Optional[torch.dtype] = None,
-         grad_comm_dtype: Optional[torch.dtype] = None, outer_comm_dtype: Union[None, torch.dtype, str] = None,
+         grad_comm_dtype: Union[None, torch.dtype, str] = None,
+         outer_comm_dtype: Union[None, torch.dtype, str] = None,
          all_gather_dtype: Union[None, torch.dtype, str] = None, optim_dtype: torch.dtype = torch.float32,
          optim_states: int = 2, other_bytes: int = 0, overlap: bool = True, backend: str = "nccl",
          outer_degrees: Optional[Sequence[int]] = None, prefer: Optional[int] = None,
@@ -429,7 +433,8 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
         shard_dtype: the parameters' own dtype (the shards, the sharded gradients).
         param_dtype, grad_comm_dtype: as in :class:`shardfusion.MixedPrecisionPolicy` (all-gathers in
             ``param_dtype``; reduce-scatters and the all-reduce in ``grad_comm_dtype``); default ``shard_dtype`` and
-            ``param_dtype``.
+            ``param_dtype``. ``grad_comm_dtype="int8"``: the reduce-scatters in 1 + 4/256 bytes per element, as an
+            all-to-all; the all-reduce in ``shard_dtype``.
         outer_comm_dtype: ``fully_shard``'s: the wire format of the replicate all-reduce (None: ``grad_comm_dtype``;
             a float dtype; ``"int8"``: 1 + 4/256 bytes per element, the int8 values and a scale per block).
         all_gather_dtype: :class:`shardfusion.MixedPrecisionPolicy`'s: the wire format of the parameter
@@ -495,7 +500,11 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
         raise ValueError(f"reshard_policy must be one of {RESHARD_POLICIES}, got {reshard_policy!r}")
     shard_dtype = _check_dtype("shard_dtype", shard_dtype)
     param_dtype = _check_dtype("param_dtype", param_dtype if param_dtype is not None else shard_dtype)
-    grad_comm_dtype = _check_dtype("grad_comm_dtype", grad_comm_dtype if grad_comm_dtype is not None else param_dtype)
+    if isinstance(grad_comm_dtype, str):
+        MixedPrecisionPolicy(grad_comm_dtype=grad_comm_dtype)  # validates: the message names the accepted values
+    reduce_int8 = grad_wire.is_quantized(grad_comm_dtype)  # the reduce-scatter block-quantized, the rest in shard_dtype
+    grad_comm_dtype = _check_dtype("grad_comm_dtype", shard_dtype if reduce_int8 else (
+        grad_comm_dtype if grad_comm_dtype is not None else param_dtype))
     optim_dtype = _check_dtype("optim_dtype", optim_dtype)
     base = Degrees(world_size=world_size, dp=dp, ep=ep)  # the degree errors, named
     moe_sharding = base.moe_sharding
@@ -528,7 +537,8 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
         raise ValueError(f"prefer({prefer!r}) is not a candidate outer degree; candidates: {degrees}")
 
     sizes_b = {"shard": _element_size(shard_dtype), "param": _element_size(param_dtype),
-               "comm": _element_size(grad_comm_dtype), "optim": _element_size(optim_dtype),
+               "comm": 1 + 4 / compress.DEFAULT_BLOCK_SIZE if reduce_int8 else _element_size(grad_comm_dtype),
+               "optim": _element_size(optim_dtype),
                "gather": _gather_element_size(all_gather_dtype, param_dtype),
                # DiLoCo all-reduces the pseudo-gradients in the shard's dtype unless a wire format is given
                "outer": _outer_element_size(outer_comm_dtype,
@@ -537,7 +547,8 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
     model = _Model(sizes, world_size, local, dp, ep, m, prefetch, expert_policy, sizes_b, align, optim_states,
                    shard_dtype != param_dtype, other_bytes, bandwidth, overlap, backend,
                    (outer_every, outer_fragments) if outer_every is not None else None,
-                   auto=reshard_policy == "auto", secondary=bool(secondary_shard))
+                   auto=reshard_policy == "auto", secondary=bool(secondary_shard),
+                   reduce_all_to_all=reduce_int8)
     candidates = tuple(model.candidate(o, budget) for o in degrees)
     return _choose(candidates, budget, prefer, tie_tolerance, bandwidth, world_size, local, m)
 
@@ -547,7 +558,7 @@ class _Model:
 
     def __init__(self, sizes, world_size, local, dp, ep, m, prefetch, expert_policy, nbytes, align, optim_states,
                  cast, other_bytes, bandwidth, overlap, backend, diloco=None, auto: bool = False,
-                 secondary: bool = False) -> None:
+                 secondary: bool = False, reduce_all_to_all: bool = False) -> None:
         self.sizes, self.world_size, self.local, self.dp, self.ep, self.m = sizes, world_size, local, dp, ep, m
         self.prefetch, self.expert_policy, self.nbytes, self.align = prefetch, expert_policy, nbytes, align
         self.optim_states, self.cast, self.other_bytes = optim_states, cast, other_bytes
@@ -555,6 +566,7 @@ class _Model:
         self.diloco = diloco  # (H, fragments), or None: the all-reduce every step
         self.auto = auto  # reshard_policy="auto": the units kept gathered are chosen per candidate within the budget
         self.secondary = secondary  # secondary_shard (hpZ): backward all-gathers within the node where groups span
+        self.reduce_all_to_all = reduce_all_to_all or backend == "gloo"  # reduce-scatters sent as all-to-alls
 
     def _groups(self, outer: int) -> dict[str, _Group]:
         kinds = {"inner": "fsdp_inner", "replicate": "replicate"}
@@ -569,7 +581,7 @@ class _Model:
         """(within bytes, across bytes, within s, across s) of one collective of ``nbytes`` logical bytes."""
         g = group.size
         wire = (2 if op == "all_reduce" else 1) * (g - 1) / g * nbytes
-        share = group.a2a_across if (op == "reduce_scatter" and self.backend == "gloo") else group.ring_across
+        share = group.a2a_across if (op == "reduce_scatter" and self.reduce_all_to_all) else group.ring_across
         across, within = wire * share, wire * (1 - share)
         steps = (2 if op == "all_reduce" else 1) * (g - 1)
         within_s = (within / self.bw.within if within else 0.0) + (0.0 if group.spans else steps * self.bw.latency_within)

@@ -47,6 +47,16 @@ ALL_GATHER_DTYPE_TEXT = 'None, "int8", torch.bfloat16, torch.float16 or torch.fl
 """The accepted values of ``all_gather_dtype``, as error messages write them."""
 
 
+GRAD_COMM_DTYPE_NAMES: dict[str, object] = {**DTYPE_NAMES, "int8": "int8"}
+"""The short name of each value :attr:`MixedPrecisionPolicy.grad_comm_dtype` takes besides ``None``, and the value
+it stands for: the float dtypes of :data:`DTYPE_NAMES`, and ``"int8"`` (the reduce-scatter sent block-quantized,
+ZeRO++'s qgZ: [Note: quantized gradient reduce-scatter] in ``shardfusion/_runtime/grad_wire.py``); the training
+job's ``--grad-comm-dtype`` takes these names."""
+
+GRAD_COMM_DTYPE_TEXT = 'None, torch.float32, torch.bfloat16, torch.float16 or "int8"'
+"""The accepted values of ``grad_comm_dtype``, as error messages write them."""
+
+
 _NAMED: dict[str, torch.dtype] = {**DTYPE_NAMES, **{str(d).removeprefix("torch."): d for d in DTYPE_NAMES.values()}}
 
 
@@ -77,9 +87,9 @@ class MixedPrecisionPolicy:
     Only floating-point parameters are cast.
 
     Raises:
-        ValueError: ``param_dtype`` or ``grad_comm_dtype`` neither ``None`` nor one of ``torch.float32``,
-            ``torch.bfloat16``, ``torch.float16``; ``all_gather_dtype`` not one of :data:`ALL_GATHER_DTYPES` or
-            ``None`` (the message names the field, the value and the accepted values).
+        ValueError: ``param_dtype`` neither ``None`` nor one of ``torch.float32``, ``torch.bfloat16``,
+            ``torch.float16``; ``grad_comm_dtype`` none of these nor ``"int8"``; ``all_gather_dtype`` not one of
+            :data:`ALL_GATHER_DTYPES` or ``None`` (the message names the field, the value and the accepted values).
     """
 
     param_dtype: Optional[torch.dtype] = None
@@ -88,10 +98,19 @@ class MixedPrecisionPolicy:
     forward are cast to it (FSDP2's ``cast_forward_inputs``). Gradients accumulated over micro-batches with gradient
     sync off are summed in the parameters' dtype (fp32), never in ``param_dtype``."""
 
-    grad_comm_dtype: Optional[torch.dtype] = None
+    grad_comm_dtype: Optional[object] = None
     """The dtype of the reduce-scatter and of the replicate all-reduce (``None``: ``param_dtype`` if given, else the
     parameters' dtype). Reduced gradients are added into the fp32 sharded gradient; below 32 bits they are divided
-    by ``dp * sharding`` before the reduction (no overflow in fp16)."""
+    by ``dp * sharding`` before the reduction (no overflow in fp16). ``"int8"`` (ZeRO++'s quantized gradients, qgZ:
+    Wang et al., 2023): the reduce-scatter over the sharding group sends block-wise int8 (one fp32 scale per 256
+    elements, 1 + 4/256 bytes per element, about a quarter of fp32): each rank quantizes its gradient buffer once,
+    one all-to-all moves the quantized pieces, each rank dequantizes the pieces of its shard and sums them in fp32
+    (the error does not compound over hops, as requantizing each partial sum of a ring would); the replicate
+    all-reduce then runs in the parameters' dtype (fp32) unless ``fully_shard(outer_comm_dtype=)`` says otherwise,
+    and buffers kept whole (no reduce-scatter) are all-reduced in it too. Error per element of the reduced
+    gradient (before the division by ``dp * sharding``): at most ``sum_r (1 + 2**-14) * a_r / 254`` plus fp32
+    rounding of the sum, ``a_r`` the max |gradient| of rank ``r`` over the element's block ([Note: quantized
+    gradient reduce-scatter] in ``shardfusion/_runtime/grad_wire.py``; docs/quantized-reduce-scatter.md)."""
 
     all_gather_dtype: Optional[object] = None
     """The wire format of the parameter all-gather only (ZeRO++'s quantized weights, qwZ: Wang et al., 2023): each
@@ -106,11 +125,14 @@ class MixedPrecisionPolicy:
     quantizes nothing."""
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "grad_comm_dtype"):
-            value = getattr(self, name)
-            if value is not None and not any(value is d for d in MIXED_PRECISION_DTYPES):
-                raise ValueError(f"MixedPrecisionPolicy: {name} must be None, torch.float32, torch.bfloat16 or "
-                                 f"torch.float16, got {value!r}")
+        value = self.param_dtype
+        if value is not None and not any(value is d for d in MIXED_PRECISION_DTYPES):
+            raise ValueError(f"MixedPrecisionPolicy: param_dtype must be None, torch.float32, torch.bfloat16 or "
+                             f"torch.float16, got {value!r}")
+        value = self.grad_comm_dtype
+        if value is not None and not (isinstance(value, str) and value == "int8") and not any(
+                value is d for d in MIXED_PRECISION_DTYPES):
+            raise ValueError(f"MixedPrecisionPolicy: grad_comm_dtype must be {GRAD_COMM_DTYPE_TEXT}, got {value!r}")
         value = self.all_gather_dtype
         if value is not None and not (isinstance(value, str) and value == "int8") and not any(
                 value is d for d in ALL_GATHER_DTYPES[1:]):

@@ -74,7 +74,7 @@ class Case:
     expert_policy: str = "replicate"  # fully_shard's expert_policy
     measure_norms: tuple = ()  # norm types measured (max_norm=inf) before clipping, every step
     param_dtype: Optional[str] = None  # mixed precision: "bfloat16" / "float16" (the reference always runs fp32)
-    grad_comm_dtype: Optional[str] = None
+    grad_comm_dtype: Optional[str] = None  # a torch dtype's name, or "int8" (the quantized reduce-scatter)
     outer_comm_dtype: Optional[str] = None  # fully_shard's outer_comm_dtype: "bf16" / "fp16" / "int8"
     all_gather_dtype: Optional[str] = None  # MixedPrecisionPolicy.all_gather_dtype: "int8" or a torch dtype's name
     secondary_shard: bool = False  # fully_shard's secondary_shard (hpZ)
@@ -205,7 +205,9 @@ def coordinates(topo) -> dict:
 def wrap_kwargs(case: Case) -> dict:
     kw: dict[str, Any] = {"reshard_policy": case.reshard_policy, "expert_policy": case.expert_policy}
     dtypes = {key: getattr(torch, getattr(case, key)) for key in ("param_dtype", "grad_comm_dtype")
-              if getattr(case, key) is not None}
+              if getattr(case, key) not in (None, "int8")}
+    if case.grad_comm_dtype == "int8":  # the quantized reduce-scatter: a wire format, not a torch dtype
+        dtypes["grad_comm_dtype"] = "int8"
     if case.all_gather_dtype is not None:
         dtypes["all_gather_dtype"] = (case.all_gather_dtype if case.all_gather_dtype == "int8"
                                       else getattr(torch, case.all_gather_dtype))

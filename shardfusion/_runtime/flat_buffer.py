@@ -52,7 +52,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from shardfusion import comm
-from shardfusion._runtime import compress, gather_wire
+from shardfusion._runtime import compress, gather_wire, grad_wire
 from shardfusion._runtime import tensor_parallel as tp
 from shardfusion._runtime.replicate_sync import OverlappedSync
 from shardfusion._runtime.layout import FlatLayout, fragment_shape, owned_shape
@@ -107,6 +107,8 @@ class FlatBuffer:
         param_dtype: dtype of the full buffer, the compute and ``grad_full`` (``None``: the parameters' dtype).
         grad_comm_dtype: dtype of the reduce-scatter and the replicate all-reduce (``None``: ``full``'s dtype).
             Below fp32 the gradient is divided by ``grad_divisor`` before it is reduced (no overflow in fp16).
+            ``"int8"``: the reduce-scatter sent block-quantized ([Note: quantized gradient reduce-scatter] in
+            ``grad_wire.py``), the replicate all-reduce in the shard's dtype (``reduce_wire``).
         overlap_replicate: whether the replicate all-reduce may be overlapped with backward (``hand_off_sync``):
             only when ``replicate_group`` carries no other collective (see ``replicate_sync.py``); off when it has
             one rank (nothing to all-reduce).
@@ -181,7 +183,10 @@ class FlatBuffer:
         self.param_attrs = [dict(vars(p)) for p in params]
         dtype = params[0].dtype
         self.param_dtype = param_dtype or dtype
-        self.grad_comm_dtype = grad_comm_dtype or self.param_dtype
+        self.reduce_wire = grad_wire.INT8 if grad_wire.is_quantized(grad_comm_dtype) else None
+        """``"int8"``: the reduce-scatter's wire format (``grad_comm_dtype`` then is the shard's dtype, that of the
+        replicate all-reduce); None: the reduce-scatter in ``grad_comm_dtype``."""
+        self.grad_comm_dtype = dtype if self.reduce_wire else (grad_comm_dtype or self.param_dtype)
         self.all_gather_dtype = None if all_gather_dtype == self.param_dtype else all_gather_dtype
         P, S = layout.padded_numel, layout.shard_numel
         if P == 0:  # only zero-element parameters: nothing to communicate, on every rank alike
@@ -424,7 +429,7 @@ class FlatBuffer:
 
     def reduce_scatter(self) -> None:
         """Issue the asynchronous reduce-scatter of ``grad_full`` (zeros if no gradient arrived on this rank), plus
-        ``grad_acc`` if held, in ``grad_comm_dtype``."""
+        ``grad_acc`` if held, in ``grad_comm_dtype`` (or block-quantized: ``reduce_wire``)."""
         self.ensure_grad_full()
         comm_dtype = self.grad_comm_dtype
         with torch.no_grad():
@@ -433,6 +438,10 @@ class FlatBuffer:
                 grad, self.grad_acc = self.grad_acc.add_(grad), None
             if self._predivide:  # in the wider dtype, before the cast (grad_full / grad_acc are dropped anyway)
                 grad.div_(self.grad_divisor)
+            if self.reduce_wire is not None and comm.group_size(self.reduce_group) > 1:  # the sum comes in fp32
+                self._reduce_out = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=grad.device)
+                self._reduce_work = grad_wire.reduce_scatter(self._reduce_out, grad, self.reduce_group)
+                return  # [Note: quantized gradient reduce-scatter] in grad_wire.py
             if grad.dtype != comm_dtype:
                 grad = grad.to(comm_dtype)  # (P,)
             self._reduce_in = grad  # alive until the reduce-scatter completes

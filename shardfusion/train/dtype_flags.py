@@ -3,7 +3,8 @@ and what every mode's workers make of them.
 
 The names are the library's (`shardfusion.policies.DTYPE_NAMES`: fp32, bf16, fp16; and
 `shardfusion._runtime.compress.INT8` for the outer wire format; `shardfusion.policies.ALL_GATHER_DTYPE_NAMES`: int8,
-bf16, fp16, fp8 for the parameter all-gather's), never a table of the job's own. `check_flags` checks
+bf16, fp16, fp8 for the parameter all-gather's; `shardfusion.policies.GRAD_COMM_DTYPE_NAMES`: fp32, bf16, fp16, int8
+for the reduce-scatter's), never a table of the job's own. `check_flags` checks
 them with the other sections' checks (`JobConfig.validate`); `mixed_precision` and `outer_comm_dtype` turn them into the
 arguments the library takes, and every mode builds from these two: plain HSDP (`shardfusion.train.job`), the pipeline
 stages (`job_pipeline`), DiLoCo and streaming DiLoCo (`job_outer`: the pseudo-gradients' wire format) and the dry run
@@ -19,10 +20,12 @@ from typing import Any
 import torch
 
 from shardfusion._runtime.compress import INT8, OuterCommDtype, validate_outer_comm_dtype
-from shardfusion.policies import ALL_GATHER_DTYPE_NAMES, DTYPE_NAMES, MixedPrecisionPolicy, dtype_named
+from shardfusion.policies import (ALL_GATHER_DTYPE_NAMES, DTYPE_NAMES, GRAD_COMM_DTYPE_NAMES, MixedPrecisionPolicy,
+                                  dtype_named)
 from shardfusion.train.sections import FT_SHARED_UNLESS_DEFAULT, meta
 
-VALUES: dict[str, tuple[str, ...]] = {"param_dtype": tuple(DTYPE_NAMES), "grad_comm_dtype": tuple(DTYPE_NAMES),
+VALUES: dict[str, tuple[str, ...]] = {"param_dtype": tuple(DTYPE_NAMES),
+                                      "grad_comm_dtype": tuple(GRAD_COMM_DTYPE_NAMES),
                                       "outer_comm_dtype": (*DTYPE_NAMES, INT8),
                                       "all_gather_dtype": tuple(ALL_GATHER_DTYPE_NAMES)}
 """Each dtype field of `PrecisionConfig` and the values its flag takes (``None``, the default, is accepted too)."""
@@ -36,10 +39,14 @@ class PrecisionConfig:
     """Compute dtype of the gathered parameters: fp32, bf16 or fp16; shards and optimizer state stay fp32
     (default fp32)."""
     grad_comm_dtype: str | None = field(default=None, metadata=meta(resume=True, ft_shared=True))
-    """Dtype of the reduce-scatter and the outer all-reduce: fp32, bf16 or fp16 (default: --param-dtype)."""
+    """Dtype of the reduce-scatter and the outer all-reduce: fp32, bf16 or fp16 (default: --param-dtype); or int8:
+    the reduce-scatter sent block-quantized (ZeRO++'s quantized gradients: an all-to-all of int8 pieces summed in
+    fp32, about a quarter of fp32's bytes), the outer all-reduce then in fp32 unless --outer-comm-dtype; see
+    docs/quantized-reduce-scatter.md."""
     outer_comm_dtype: str | None = field(default=None, metadata=meta(resume=True))
     """Wire format of the HSDP outer (cross-node) all-reduce only: fp32, bf16, fp16, or int8 (block-wise, about a
-    quarter of fp32's bytes; see docs/compressed-all-reduce.md) (default: --grad-comm-dtype)."""
+    quarter of fp32's bytes; see docs/compressed-all-reduce.md) (default: --grad-comm-dtype; fp32 when that is
+    int8)."""
     all_gather_dtype: str | None = field(default=None, metadata=meta(resume=True, ft_shared=FT_SHARED_UNLESS_DEFAULT))
     """Wire format of the parameter all-gather only (ZeRO++'s quantized weights): int8 (block-wise, about a quarter
     of fp32's bytes), bf16, fp16 or fp8 (e4m3 with a scale per block); the gathered parameters are dequantized to
@@ -57,10 +64,10 @@ def torch_dtype(name: str | None) -> torch.dtype | None:
 
 def mixed_precision(config: PrecisionConfig) -> MixedPrecisionPolicy:
     """The `MixedPrecisionPolicy` of --param-dtype, --grad-comm-dtype and --all-gather-dtype, as every mode's
-    `fully_shard` takes it."""
-    wire = config.all_gather_dtype
+    `fully_shard` takes it (--grad-comm-dtype int8: ``grad_comm_dtype="int8"``)."""
+    wire, comm = config.all_gather_dtype, config.grad_comm_dtype
     return MixedPrecisionPolicy(param_dtype=torch_dtype(config.param_dtype),
-                                grad_comm_dtype=torch_dtype(config.grad_comm_dtype),
+                                grad_comm_dtype=None if comm is None else GRAD_COMM_DTYPE_NAMES[comm],
                                 all_gather_dtype=None if wire is None else ALL_GATHER_DTYPE_NAMES[wire])
 
 

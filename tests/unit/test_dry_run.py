@@ -86,6 +86,23 @@ def test_bytes_equal_the_cost_model(w1024) -> None:
     assert "world 1024 = 128 nodes x 8 ranks" in text and "predicted step" in text
 
 
+def test_quantized_reduce_scatter_bytes_equal_the_cost_model() -> None:
+    """grad_comm_dtype="int8" on a sharding group over 2 nodes: the reduce-scatters recorded in int8 (a byte and a
+    scale per block of each rank's shard, the all-to-all's split: across nodes the bytes to the other node's ranks),
+    against sf.plan's formulas (1 + 4/256 bytes per element; the plan ignores a shard's partial last block)."""
+    mp = sf.MixedPrecisionPolicy(grad_comm_dtype="int8")
+    runs = [sf.dry_run(_build, _step, world_size=16, ranks_per_node=8, topology={"fsdp_outer_degree": 1},
+                       fully_shard={"units": (Block,), **kw}) for kw in ({}, {"mp_policy": mp})]
+    fp32, int8 = ({c["op"]: c for c in r.ranks[0].collectives} for r in runs)
+    assert int8["reduce_scatter"]["count"] == fp32["reduce_scatter"]["count"] == CONFIG.n_layer + 1
+    ratio = int8["reduce_scatter"]["wire_bytes"] / fp32["reduce_scatter"]["wire_bytes"]
+    assert 0.25 < ratio < 0.26
+    assert int8["reduce_scatter"]["across_bytes"] == pytest.approx(8 / 15 * int8["reduce_scatter"]["wire_bytes"])
+    bulk = [c for c in runs[1].ranks[0].collectives if c["label"] != "world"]
+    for part in ("within_bytes", "across_bytes"):
+        assert sum(c[part] for c in bulk) == pytest.approx(getattr(runs[1].plan, part), rel=1e-4)
+
+
 def test_memory_budget_verdict(w1024) -> None:
     """--max-memory-per-rank / max_memory_per_rank: each kind of rank's peak against the budget, by how much, and the
     largest parts of the peak (the parts the live-memory sample at the peak adds up from)."""

@@ -291,6 +291,31 @@ def test_sharding_group_spanning_nodes_is_named():
     assert moe.candidates[0].spanning == ("inner", "expert_inner")
 
 
+def test_quantized_reduce_scatter_bytes():
+    """grad_comm_dtype="int8" sends the reduce-scatters in 1 + 4/256 bytes per element, as an all-to-all whatever
+    the backend (its share across nodes is the peers' on other nodes: gloo's share already), and leaves the
+    all-gathers and the replicate all-reduce (then in the shard's dtype, fp32) as they are."""
+    units = [UnitSize("", numel=4096), UnitSize("b", numel=8192)]
+    kw = dict(world_size=8, local_world_size=2, bandwidth=sf.Bandwidth(1e9, 1e8, 0.0, 0.0),
+              max_memory_per_rank=1 << 40, outer_degrees=[2])
+    for backend in ("gloo", "nccl"):
+        base = plan(units, backend=backend, **kw).chosen
+        a2a = plan(units, backend="gloo", **kw).chosen  # fp32, sent as an all-to-all
+        got = plan(units, backend=backend, grad_comm_dtype="int8", **kw).chosen
+        assert base.traffic["reduce_scatter"].across_bytes > 0 and got.traffic["all_reduce"].across_bytes > 0
+        assert got.traffic["all_gather"] == base.traffic["all_gather"]
+        assert got.traffic["all_reduce"] == base.traffic["all_reduce"]  # fp32, not int8
+        for part in ("within_bytes", "across_bytes"):
+            assert getattr(got.traffic["reduce_scatter"], part) == pytest.approx(
+                getattr(a2a.traffic["reduce_scatter"], part) * (1 + 4 / 256) / 4)
+        assert got.memory_bytes == base.memory_bytes
+    bf16 = plan(units, param_dtype=torch.bfloat16, **kw).chosen  # the all-reduce in bf16 (grad_comm = param)
+    int8 = plan(units, param_dtype=torch.bfloat16, grad_comm_dtype="int8", **kw).chosen
+    assert int8.traffic["all_reduce"].across_bytes == pytest.approx(2 * bf16.traffic["all_reduce"].across_bytes)
+    with pytest.raises(ValueError, match='grad_comm_dtype must be None, torch.float32, .* or "int8"'):
+        plan(units, grad_comm_dtype="int4", **kw)
+
+
 def test_whole_params_padding_by_hand() -> None:
     """One unit of three whole matrices (16 x 4, 16 x 4, 8 x 4; Newton-Schulz costs 256, 256, 128): owners by cost,
     equal shards. Inner 4: one matrix a shard, the fullest 64 elements; inner 2: 16x4 + 8x4 on one shard, 96;

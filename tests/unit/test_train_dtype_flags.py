@@ -1,11 +1,11 @@
 """The training job's dtype flags (shardfusion/train/dtype_flags.py) in one process: every documented value of
 --param-dtype, --grad-comm-dtype, --outer-comm-dtype and --all-gather-dtype (README.md, docs/slow-links.md,
-docs/compressed-all-reduce.md, docs/quantized-all-gather.md) in every mode, through the job's own path: the command line
-(`parse_args`), the checks against the world size (`resolve`, `check_run`), and the arguments the workers hand to the
-library (`dtype_flags.mixed_precision`, `dtype_flags.outer_comm_dtype`; with --outer-sync diloco `job_outer.OuterRun`'s
-`DiLoCo`, with --dry-run `job_dry_run.run`'s `sf.dry_run`), compared with torch's dtypes written out here. A mode that
-refuses a value says so in one usage-error line. A whole DiLoCo run with --outer-comm-dtype bf16:
-tests/integration/test_train_diloco.py."""
+docs/compressed-all-reduce.md, docs/quantized-all-gather.md, docs/quantized-reduce-scatter.md) in every mode, through
+the job's own path: the command line (`parse_args`), the checks against the world size (`resolve`, `check_run`), and
+the arguments the workers hand to the library (`dtype_flags.mixed_precision`, `dtype_flags.outer_comm_dtype`; with
+--outer-sync diloco `job_outer.OuterRun`'s `DiLoCo`, with --dry-run `job_dry_run.run`'s `sf.dry_run`), compared with
+torch's dtypes written out here. A mode that refuses a value says so in one usage-error line. A whole DiLoCo run with
+--outer-comm-dtype bf16: tests/integration/test_train_diloco.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import torch
 
 import shardfusion as sf
 from shardfusion._runtime.compress import validate_outer_comm_dtype
-from shardfusion.policies import ALL_GATHER_DTYPE_NAMES, DTYPE_NAMES, MixedPrecisionPolicy, dtype_named, dtype_names
+from shardfusion.policies import (ALL_GATHER_DTYPE_NAMES, DTYPE_NAMES, GRAD_COMM_DTYPE_NAMES, MixedPrecisionPolicy,
+                                  dtype_named, dtype_names)
 from shardfusion.train import dtype_flags, job_dry_run, job_outer
 from shardfusion.train.config import check_run, parse_args, resolve
 
@@ -26,7 +27,7 @@ MEANS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "
          "fp8": torch.float8_e4m3fn}
 """What each documented value stands for (torch's dtypes, written out: the reference)."""
 
-DOCUMENTED = {"--param-dtype": ("fp32", "bf16", "fp16"), "--grad-comm-dtype": ("fp32", "bf16", "fp16"),
+DOCUMENTED = {"--param-dtype": ("fp32", "bf16", "fp16"), "--grad-comm-dtype": ("fp32", "bf16", "fp16", "int8"),
               "--outer-comm-dtype": ("fp32", "bf16", "fp16", "int8"),
               "--all-gather-dtype": ("int8", "bf16", "fp16", "fp8")}
 
@@ -117,6 +118,8 @@ def test_one_table_of_names() -> None:
     assert MixedPrecisionPolicy(param_dtype=dtype_named("bf16")).param_dtype is torch.bfloat16
     assert dtype_flags.VALUES["outer_comm_dtype"] == ("fp32", "bf16", "fp16", "int8")
     assert dtype_flags.VALUES["all_gather_dtype"] == ("int8", "bf16", "fp16", "fp8")
+    assert GRAD_COMM_DTYPE_NAMES == {k: MEANS[k] for k in DOCUMENTED["--grad-comm-dtype"]}
+    assert dtype_flags.VALUES["grad_comm_dtype"] == ("fp32", "bf16", "fp16", "int8")
 
 
 @pytest.mark.parametrize("flag", list(DOCUMENTED))
