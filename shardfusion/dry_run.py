@@ -131,7 +131,7 @@ class RankFigures:
             (the largest unit's gathered parameters). These with every collective complete as soon as issued
             (communication keeps up); with ``dry_run(bounds=True)`` also ``full_grads_slow``, ``other_peak_slow``,
             ``peak_slow``, ``transient_slow``: with none complete before it is waited for. A sharded model frees
-            its buffers at points fixed by the program ([Note: one gradient reduction at a time] in
+            its buffers at points fixed by the program ([Note: gradient reductions in flight] in
             ``shardfusion/_runtime/scheduler.py``), so the two ends agree and a real run measures the same figures;
             they differ only where a step's own code frees on a collective's completion.
         collectives: one row per (op, group label, group size): ``count``, ``bytes`` (logical), ``wire_bytes`` (sent

@@ -165,7 +165,10 @@ def fully_shard(
             backward (default 1; 0: a unit is gathered only when it runs). With ``reshard_policy="after_forward"``
             at most ``prefetch + 1`` non-root units hold a full buffer at once in forward, ``prefetch + 2`` in
             backward (the running unit, the prefetched ones, and the previous one until its last gradient lands);
-            units that are not resharded after forward keep theirs until their backward.
+            units that are not resharded after forward keep theirs until their backward. In backward, also how
+            many units' gradient reduce-scatters stay in flight while the next unit computes (their full gradient
+            buffers alive beside the accumulating one: ``prefetch + 1`` at most; 0: each reduction completes before
+            the next unit's backward starts, no overlap).
 
         device: where the shards (and every runtime buffer) live. ``None``: each tensor's own device, and for meta
             tensors ``cuda:LOCAL_RANK`` under NCCL, ``cpu`` under gloo. Given: tensors elsewhere are copied to it

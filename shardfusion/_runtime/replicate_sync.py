@@ -15,7 +15,7 @@ handed off right after its reduce-scatter is issued (``FlatBuffer.hand_off_sync`
   wait for the reduce-scatter, add its output into the step's gradient, issue the all-reduce (asynchronously, so the
   next unit's can follow it onto the link at once; a compressed one, a sequence of collectives, runs to its end).
   The backward's thread waits for a job's reduce-scatter part only (``wait_reduced``, at the fixed points of
-  [Note: one gradient reduction at a time] in ``scheduler.py``), never for its all-reduce; only the worker issues
+  [Note: gradient reductions in flight] in ``scheduler.py``), never for its all-reduce; only the worker issues
   collectives on the replicate group until ``join`` (the step boundary), and the all-reduces are waited for where
   their buffer takes the result back;
 - for device tensors (NCCL) the same runs inline at the hand-off: waits there only order streams, the host goes on;

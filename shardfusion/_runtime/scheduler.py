@@ -15,16 +15,20 @@ own, so every rank issues the same sequence whatever gradients it got (docs/desi
 queued on the autograd engine flushes the rest at the end of backward: units that got no gradient reduce-scatter
 zeros (in their turn when the backward's graph says so at its start, see the note below).
 
-[Note: one gradient reduction at a time]
+[Note: gradient reductions in flight]
 A unit's full gradient buffer (``FlatBuffer.grad_full``, ``(P,)``) is allocated at its first gradient, and it is the
 input of its reduce-scatter, so it lives until that reduce-scatter completes (on gloo with a ``(P,)`` receive buffer
 beside it, ``comm.reduce_scatter``). Left to complete whenever the collective finishes, a communication-bound
 backward piles them up (measured: three blocks' buffers and two receive buffers at once). So a backward completes the
 reduce-scatters it has issued, blocking, at two points fixed by the program: in a unit's pre-backward hook (after
-the all-gathers up to that unit are issued, before its prefetches) and before a unit's gradient buffer is allocated.
-In a backward that meets its units in reverse unit order (a stack of blocks), at any moment at most the root's
-buffer, one unit's accumulating buffer and one reduction in flight are alive; in any backward the buffers alive at
-each point are the same in every run (so a dry run predicts the peak). Blocking is safe when every rank can issue
+the all-gathers up to that unit are issued, before its prefetches) and before a unit's gradient buffer is allocated;
+all of them but the last ``prefetch`` issued, which stay in flight while the next unit computes its backward (the
+overlap of gradient reduction with compute: with ``prefetch=0`` a unit's backward starts only once the previous
+unit's reduction has completed, on CUDA the compute stream waits for it). In a backward that meets its units in
+reverse unit order (a stack of blocks), at any moment at most the root's buffer and ``1 + prefetch`` units' buffers
+(one accumulating, the others' reductions in flight) are alive: the same ``1 + prefetch`` as the gathered parameter
+buffers; in any backward the buffers alive at each point are the same in every run (so a dry run predicts the peak).
+Blocking is safe when every rank can issue
 the awaited reduce-scatter with the all-gathers this rank has issued: it waits only for units whose reduce order
 prefix lies within them (``_finish_issued_reduces``). And a unit whose trainable views get no gradient on a rank
 would be ready there only at the end of backward, so the views that will get none (read from the backward's graph,
@@ -314,7 +318,7 @@ class Scheduler:
         pos = order.index(unit) if unit in order else None
         if pos is not None:
             self._issue_gathers(pos + 1)
-        self._finish_issued_reduces()  # [Note: one gradient reduction at a time], before the prefetches
+        self._finish_issued_reduces()  # [Note: gradient reductions in flight], before the prefetches
         if pos is not None:
             self._issue_gathers(pos + 1 + self.prefetch)  # prefetch the next units of the backward order
         unit.unshard()
@@ -433,7 +437,7 @@ class Scheduler:
             self._next_reduce += 1
             if self._overlapping(block=False):
                 self._hand_off_syncs(self._next_reduce)
-            # else: completed at the next fixed point ([Note: one gradient reduction at a time]), not when it ends
+            # else: completed at the next fixed point ([Note: gradient reductions in flight]), not when it ends
 
     def _overlapping(self, block: bool) -> bool:
         """Whether this backward hands off its replicate all-reduces now: it was taken for the step's last, and no
@@ -462,11 +466,11 @@ class Scheduler:
         all-gathers to compute it."""
         self._start_backward_order()
         safe = bisect.bisect_left(self._reduce_reach, self._gathers_issued)  # reach is non-decreasing
-        upto = min(self._next_reduce, safe)
+        upto = min(self._next_reduce - self.prefetch, safe)  # the last `prefetch` issued stay in flight
         if self._next_all_reduce < upto:
             self._complete_reduces(upto)
         for index, job in self._handed_off:
-            if index < safe:
+            if index < upto:
                 job.wait_reduced()
 
     def _hand_off_syncs(self, upto: int) -> None:
@@ -497,7 +501,7 @@ class Scheduler:
         """Count as arrived the trainable full views that get no gradient in the starting backward (decided from
         its graph, so at the same point on every rank whatever gradients each gets), and issue the reduce-scatters
         this makes ready: a unit whose outputs got no gradient on this rank reduces in its turn, as on the ranks
-        where they did, not at the end of backward ([Note: one gradient reduction at a time]). Inside
+        where they did, not at the end of backward ([Note: gradient reductions in flight]). Inside
         ``autograd.grad``, which accumulates into no leaf, nothing is counted (its reductions run at the end)."""
         ready = False
         for u in self._reduce_order:

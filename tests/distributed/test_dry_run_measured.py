@@ -7,7 +7,7 @@ activations, every collective's count and bytes (within and across the 2 pretend
 sends; on the other ranks of its kind the same, but for the optimizer state of their own rows of each parameter.
 For the sharded models (FSDP over 4 ranks, HSDP 2 x 2), also the full gradient buffers, the peak and the transient
 memory (the live bytes beyond parameters, gradients and optimizer state), part by part and unit by unit at its peak:
-the runtime frees its buffers at points fixed by the program ([Note: one gradient reduction at a time] in
+the runtime frees its buffers at points fixed by the program ([Note: gradient reductions in flight] in
 shardfusion/_runtime/scheduler.py), so a dry run predicts them exactly. A pipeline step's full gradient buffers and
 peak: within the dry run's range (5 % either side; every collective complete as soon as issued .. none before it is
 waited for).
