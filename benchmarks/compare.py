@@ -79,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "gathered again for backward) or after its backward (FSDP2: reshard_after_forward=False)")
     p.add_argument("--prefetch", type=int, default=1,
                    help="shardfusion's prefetch depth (units gathered ahead; fully_shard's default is 1)")
+    p.add_argument("--units", default="block", choices=("block", "linear"),
+                   help="unit granularity of shardfusion and FSDP2: one per block, or one per linear layer of the "
+                        "blocks (DeepSpeed ZeRO-3's granularity); see benchmarks.variants.UNITS")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads per worker, the same for every variant (default: cores / workers, at least 1)")
     p.add_argument("--seed", type=int, default=42)
@@ -229,7 +232,7 @@ def _run_regime(name: str, regime: Regime, variants: list[str], opts: dict, ctx)
 
     rank, device = dist.get_rank(), ctx.device
     config = GPTConfig(n_layer=regime.n_layer, n_head=regime.n_head, d_model=regime.d_model, seq_len=regime.seq)
-    root, blocks = unit_sizes(config)
+    root, blocks = unit_sizes(config, opts["units"])
     batches = _batches(regime, opts["warmup"] + opts["steps"], opts["seed"], rank, device)
     res = {v: {"step_s": [], "losses": []} for v in variants}
     for r in range(opts["repeats"]):
@@ -327,7 +330,7 @@ def worker(opts: dict) -> dict | None:
     mesh = init_device_mesh(device.type, (outer, inner), mesh_dim_names=("replicate", "shard"))
     dtype = torch.bfloat16 if opts["param_dtype"] == "bf16" else None
     ctx = Context(device=device, topo=topo, mesh=mesh, param_dtype=dtype, reshard_policy=opts["reshard"],
-                  prefetch=opts["prefetch"], seed=opts["seed"])
+                  prefetch=opts["prefetch"], seed=opts["seed"], units=opts["units"])
     groups = {"inner": _ranks(topo.get_fsdp_inner_group()) if inner > 1 else (dist.get_rank(),),
               "outer": _ranks(topo.get_replicate_group()) if outer > 1 else (dist.get_rank(),),
               "world": tuple(range(world))}
@@ -358,6 +361,7 @@ def main(argv=None) -> int:
     opts = {"regimes": args.regimes.split(","), "variants": args.variants.split(","), "repeats": args.repeats,
             "warmup": args.warmup, "steps": args.steps, "device": device, "outer": args.outer,
             "param_dtype": args.param_dtype, "reshard": args.reshard, "prefetch": args.prefetch, "seed": args.seed,
+            "units": args.units,
             "profile": args.profile, "name": name,
             "out_dir": args.out_dir}
     with RunRecord() as record:

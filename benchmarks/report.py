@@ -363,7 +363,7 @@ def markdown(raw: dict, summary: dict) -> str:
         " vs DeepSpeed" if set(cfg.get("variants", ())) & set(DEEPSPEED_VARIANTS) else "")
     lines = [f"# {title}: {raw['name']}", "",
              f"{cfg['world_size']} ranks ({cfg['device']}, {cfg['backend']}), HSDP inner {cfg['inner']} x outer "
-             f"{cfg['outer']}, blocks resharded {cfg.get('reshard', 'after_forward')}, shardfusion prefetch "
+             f"{cfg['outer']}, units: {'one per ' + cfg.get('units', 'block')}, resharded {cfg.get('reshard', 'after_forward')}, shardfusion prefetch "
              f"{cfg.get('prefetch_depth', 1)}; parameters {cfg['param_dtype']}; AdamW, clip 1.0; random token ids "
              f"(seed {cfg['seed']}, the same batches for every variant). {cfg['repeats']} repeats x ({cfg['warmup']} "
              f"warm-up + {cfg['steps']} timed steps) per variant, variants interleaved (rotated each repeat). Step "

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 import shardfusion as sf
-from shardfusion.models.gpt import GPT, Block, GPTConfig
+from shardfusion.models.gpt import GPT, Block, GPTConfig, NormalLinear
 
 from benchmarks.measure import local_tensor, optimizer_state_tensors, persistent_bytes
 
@@ -61,6 +61,7 @@ class Context:
     reshard_policy: str = "after_forward"  # of the sharded variants' blocks (FSDP2: reshard_after_forward)
     prefetch: int = 1  # shardfusion's prefetch depth
     seed: int = 42
+    units: str = "block"  # the sharded variants' unit granularity, one of UNITS
 
 
 @dataclass
@@ -83,12 +84,38 @@ class Built:
     persistent_groups: Optional[Callable[[], dict[str, list]]] = None
 
 
-def unit_sizes(config: GPTConfig) -> tuple[int, list[int]]:
-    """Parameter elements of the root unit and of each block (unpadded; a tied weight counts once); counted on a
-    model built on the meta device, so nothing is allocated."""
+UNITS = ("block", "linear")
+"""The unit granularities of the sharded variants (``Context.units``): ``"block"``, one unit per transformer block;
+``"linear"``, one unit per linear layer inside the blocks (attention's qkv and output projection, the MLP's two
+layers: DeepSpeed ZeRO-3's granularity, which gathers each module's parameters when it runs); the blocks' norms then
+belong to the root unit. Finer units hold less at once (the transient peak: one unit's full parameters and
+gradients, docs/benchmarks.md) for more, smaller collectives."""
+
+
+def unit_modules(model: GPT, units: str) -> list[nn.Module]:
+    """The modules that form units under granularity ``units`` (:data:`UNITS`), in forward order (root excluded)."""
+    if units == "block":
+        return list(model.blocks)
+    if units == "linear":
+        return [m for b in model.blocks for m in b.modules() if isinstance(m, NormalLinear)]
+    raise ValueError(f"units must be one of {UNITS}, got {units!r}")
+
+
+def unit_classes(units: str) -> tuple[type, ...]:
+    """The ``units=`` classes of ``sf.fully_shard`` for granularity ``units`` (:data:`UNITS`). ``NormalLinear``
+    also matches the head, whose weight is tied to the embedding: a parameter shared between units belongs to the
+    unit of their lowest common ancestor, the root, so the head forms no unit of its own."""
+    if units not in UNITS:
+        raise ValueError(f"units must be one of {UNITS}, got {units!r}")
+    return (Block,) if units == "block" else (NormalLinear,)
+
+
+def unit_sizes(config: GPTConfig, units: str = "block") -> tuple[int, list[int]]:
+    """Parameter elements of the root unit and of each other unit under granularity ``units`` (unpadded; a tied
+    weight counts once); counted on a model built on the meta device, so nothing is allocated."""
     with torch.device("meta"):
         model = GPT(config)
-    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    blocks = [sum(p.numel() for p in m.parameters()) for m in unit_modules(model, units)]
     total = sum(p.numel() for p in model.parameters())
     return total - sum(blocks), blocks
 
@@ -135,7 +162,7 @@ def _build_shardfusion(model: GPT, ctx: Context, last_backward: Optional[bool] =
     mp_policy = sf.MixedPrecisionPolicy()
     if ctx.param_dtype is not None:  # as FSDP2's MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32) below
         mp_policy = sf.MixedPrecisionPolicy(param_dtype=ctx.param_dtype, grad_comm_dtype=torch.float32)
-    sf.fully_shard(model, ctx.topo, units=(Block,), reshard_policy=ctx.reshard_policy, mp_policy=mp_policy,
+    sf.fully_shard(model, ctx.topo, units=unit_classes(ctx.units), reshard_policy=ctx.reshard_policy, mp_policy=mp_policy,
                    prefetch=ctx.prefetch, **fully_shard_kwargs)
     note = "set_is_last_backward not called: the library's default for the outer all-reduce"
     if last_backward is not None:
@@ -170,10 +197,10 @@ def _build_fsdp2(model: GPT, ctx: Context) -> Built:
     mp = MixedPrecisionPolicy()
     if ctx.param_dtype is not None:
         mp = MixedPrecisionPolicy(param_dtype=ctx.param_dtype, reduce_dtype=torch.float32)
-    for block in model.blocks:
+    for block in unit_modules(model, ctx.units):
         fully_shard(block, mesh=ctx.mesh, reshard_after_forward=ctx.reshard_policy == "after_forward", mp_policy=mp)
     fully_shard(model, mesh=ctx.mesh, mp_policy=mp)  # root: default, i.e. kept unsharded from forward to backward
-    groups = _fsdp2_groups(model)
+    groups = _fsdp2_groups(model, ctx.units)
     return Built("fsdp2", model, _adamw(model),
                  lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM),
                  sample_transient=lambda: _fsdp2_transient(groups),
@@ -181,9 +208,9 @@ def _build_fsdp2(model: GPT, ctx: Context) -> Built:
                       "and their gradients, reduce-scatter input); best effort")
 
 
-def _fsdp2_groups(model: nn.Module) -> list[tuple[bool, object]]:
-    """``(is the root, FSDPParamGroup)`` of the root and of each block wrapped by FSDP2's ``fully_shard``."""
-    return [(m is model, pg) for m in [model, *model.blocks]
+def _fsdp2_groups(model: nn.Module, units: str = "block") -> list[tuple[bool, object]]:
+    """``(is the root, FSDPParamGroup)`` of the root and of each unit wrapped by FSDP2's ``fully_shard``."""
+    return [(m is model, pg) for m in [model, *unit_modules(model, units)]
             if (pg := getattr(m._get_fsdp_state(), "_fsdp_param_group", None)) is not None]
 
 
@@ -463,7 +490,7 @@ def library_tensors(b: Built) -> list[torch.Tensor]:
     elif b.name in DEEPSPEED_VARIANTS:
         out += _deepspeed_buckets(b.optimizer)
     elif b.name == "fsdp2":
-        for _, pg in _fsdp2_groups(b.model):
+        for _, pg in _fsdp2_groups(b.model, _units_of(b.model)):
             out.append(getattr(getattr(pg, "_all_gather_result", None), "all_gather_output", None))
             out.append(getattr(pg, "_partial_reduce_output", None))
             ctx = getattr(pg, "comm_ctx", None)
@@ -544,10 +571,18 @@ def memory_watch(b: Built) -> Callable[[], dict[str, dict]]:
     raise ValueError(f"unknown variant {b.name!r}")
 
 
+def _units_of(model: GPT) -> str:
+    """The granularity FSDP2 was applied with: ``"linear"`` when a block's first linear layer has FSDP state."""
+    first = unit_modules(model, "linear")[0]
+    return "linear" if hasattr(first, "_get_fsdp_state") else "block"
+
+
 def _fsdp2_parts(b: Built) -> dict[str, list]:
     params = list(b.model.parameters())
     full, grads = [], []
-    for name, m in [("", b.model)] + [(f"blocks.{i}", blk) for i, blk in enumerate(b.model.blocks)]:
+    names = {m: n for n, m in b.model.named_modules()}
+    for m in [b.model, *unit_modules(b.model, _units_of(b.model))]:
+        name = names[m]
         pg = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
         if pg is None:
             continue
