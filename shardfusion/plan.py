@@ -64,9 +64,10 @@ Megatron-FSDP's ``outer_dp_sharding_strategy`` discussion; the formulas and the 
 
 from __future__ import annotations
 
+import copy
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Callable, Optional, Sequence, Union
 
@@ -204,6 +205,10 @@ class Plan:
         max_memory_per_rank: the budget, bytes.
         world_size, local_world_size: the layout (``local_world_size`` ranks per node).
         micro_batches: micro-batches per optimizer step.
+        suggestion: where the chosen candidate's sharding groups span nodes and ZeRO++'s three options are not all
+            on: the same degree with all three (``all_gather_dtype="int8"``, ``secondary_shard=True``,
+            ``grad_comm_dtype="int8"``; docs/secondary-shard.md and the quantized pages): its bytes across nodes and its step's communication time
+            against the chosen one's (whether it fits the budget too). Empty otherwise.
     """
 
     candidates: tuple
@@ -214,6 +219,7 @@ class Plan:
     world_size: int
     local_world_size: int
     micro_batches: int
+    suggestion: str = ""
 
     @property
     def fsdp_outer_degree(self) -> int:
@@ -241,6 +247,8 @@ class Plan:
                          + (f"  ({' and '.join(c.spanning)} groups span nodes)" if c.spanning else "")
                          + (f"  [{c.secondary}]" if c.secondary else ""))
         lines.append(f"chosen: {self.reason}")
+        if self.suggestion:
+            lines.append(f"suggested: {self.suggestion}")
         return "\n".join(lines)
 
 
@@ -550,7 +558,30 @@ def plan(model_or_units: Union[nn.Module, Sequence[UnitSize]], *, world_size: in
                    auto=reshard_policy == "auto", secondary=bool(secondary_shard),
                    reduce_all_to_all=reduce_int8)
     candidates = tuple(model.candidate(o, budget) for o in degrees)
-    return _choose(candidates, budget, prefer, tie_tolerance, bandwidth, world_size, local, m)
+    chosen = _choose(candidates, budget, prefer, tie_tolerance, bandwidth, world_size, local, m)
+    on = (sizes_b["gather"] == sizes_b["comm"] == 1 + 4 / compress.DEFAULT_BLOCK_SIZE and model.secondary)
+    if not chosen.chosen.spanning or on:
+        return chosen
+    return replace(chosen, suggestion=_zeropp_suggestion(model, chosen.chosen, budget, outer_comm_dtype is None
+                                                         and outer_every is None))
+
+
+def _zeropp_suggestion(model: "_Model", chosen: Candidate, budget: int, outer_follows_grads: bool) -> str:
+    """``Plan.suggestion``: ``chosen``'s degree re-evaluated with ZeRO++'s three options on (the int8 all-gather,
+    hpZ, the int8 reduce-scatter; the replicate all-reduce then in the shard's dtype unless ``outer_comm_dtype``)."""
+    q = 1 + 4 / compress.DEFAULT_BLOCK_SIZE
+    alt = copy.copy(model)
+    alt.nbytes = {**model.nbytes, "gather": q, "comm": q}
+    if outer_follows_grads:
+        alt.nbytes["outer"] = model.nbytes["shard"]
+    alt.secondary, alt.reduce_all_to_all = True, True
+    c = alt.candidate(chosen.outer, budget)
+    return (f"{' and '.join(chosen.spanning)} groups span nodes: with all_gather_dtype='int8', secondary_shard=True, "
+            f"grad_comm_dtype='int8' (ZeRO++; --all-gather-dtype int8 --secondary-shard --grad-comm-dtype int8) "
+            f"outer {c.outer}: across {chosen.across_bytes / 1e6:.3f} -> {c.across_bytes / 1e6:.3f} MB/step, step "
+            f"{chosen.step_s:.4f} -> {c.step_s:.4f} s, memory {_size(c.memory_bytes)} per rank "
+            f"({'fits' if c.fits else 'does not fit'}); gathers and gradients then carry int8 rounding "
+            f"(docs/quantized-all-gather.md, docs/quantized-reduce-scatter.md)")
 
 
 class _Model:

@@ -291,6 +291,26 @@ def test_sharding_group_spanning_nodes_is_named():
     assert moe.candidates[0].spanning == ("inner", "expert_inner")
 
 
+def test_zeropp_suggested_where_the_chosen_group_spans_nodes():
+    """A chosen sharding group that spans nodes gets the suggestion of ZeRO++'s three options at its degree, with
+    the across-node bytes and step time they give (each option's bytes are tested on its own above): equal to a
+    plan made with the three options on; none when the group stays in a node or the options are already on."""
+    units = [UnitSize("", numel=4096, reshard_after_forward=False),
+             *(UnitSize(f"b{i}", numel=65536) for i in range(4))]
+    kw = dict(world_size=4, local_world_size=2, bandwidth=sf.Bandwidth(1e9, 1e8, 0.0, 0.0),
+              max_memory_per_rank=1 << 40)
+    spanning = plan(units, outer_degrees=[1], **kw)
+    on = plan(units, outer_degrees=[1], all_gather_dtype="int8", secondary_shard=True, grad_comm_dtype="int8", **kw)
+    assert on.suggestion == "" and on.chosen.across_bytes < 0.3 * spanning.chosen.across_bytes
+    c, z = spanning.chosen, on.chosen
+    assert (f"across {c.across_bytes / 1e6:.3f} -> {z.across_bytes / 1e6:.3f} MB/step" in spanning.suggestion
+            and f"step {c.step_s:.4f} -> {z.step_s:.4f} s" in spanning.suggestion), spanning.suggestion
+    assert "--secondary-shard" in spanning.suggestion and "fits" in spanning.suggestion
+    assert spanning.table().splitlines()[-1] == f"suggested: {spanning.suggestion}"
+    assert plan(units, outer_degrees=[2], **kw).suggestion == ""  # inner groups of 2 within a node
+    assert plan(units, **{**kw, "local_world_size": 4}).suggestion == ""  # one node
+
+
 def test_quantized_reduce_scatter_bytes():
     """grad_comm_dtype="int8" sends the reduce-scatters in 1 + 4/256 bytes per element, as an all-to-all whatever
     the backend (its share across nodes is the peers' on other nodes: gloo's share already), and leaves the
