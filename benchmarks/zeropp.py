@@ -1,10 +1,11 @@
 """ZeRO++'s three ideas across an emulated slow link: one sharding group of 4 ranks over 2 nodes x 2 ranks.
 
-    python -m benchmarks.zeropp                                  # the full run: 200mbit, 1gbit, unlimited; 3 rounds
-    python -m benchmarks.zeropp --quick --name zeropp-cpu-quick  # 1 round, 1 warm-up + 2 timed steps
+    python -m benchmarks.zeropp      # the full run: 200mbit, 1gbit, unlimited; 3 rounds; then the loss curves
+    python -m benchmarks.zeropp --quick --name zeropp-cpu-quick  # 1 round, 1 warm-up + 2 timed steps, no curves
     python -m benchmarks.zeropp --rates 200mbit --variants sf-fsdp,sf-qwz --out-dir /tmp/x
 
-Results: ``benchmarks/results/<name>.{json,md}`` (``zeropp_report``); the theory of the link bytes:
+Results: ``benchmarks/results/<name>.{json,md}`` (``zeropp_report``), then (``--loss-steps``, default 200) the loss
+curves of ``benchmarks/zeropp_loss.py`` as ``<loss-name>.{json,md,png}``; the theory of the link bytes:
 ``benchmarks/zeropp_theory.py``; the page: docs/zeropp.md. Needs root (network namespaces, docs/network-emulation.md).
 
 The model, batches and step are ``benchmarks/link.py``'s (the dense GPT of 8 blocks x d 256, 6.4M parameters,
@@ -260,7 +261,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every variant at every rate")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4, help="timed steps per variant per round")
-    p.add_argument("--quick", action="store_true", help="1 round, 1 warm-up step, 2 timed steps")
+    p.add_argument("--quick", action="store_true", help="1 round, 1 warm-up step, 2 timed steps, no loss curves")
+    p.add_argument("--loss-steps", type=int, default=200, help="then benchmarks.zeropp_loss with this many steps "
+                   "(0: not)")
+    p.add_argument("--loss-name", default="zeropp-loss")
     p.add_argument("--regime", default="comm", help="a regime of benchmarks/compare.py")
     p.add_argument("--shape", default=None, help="a JSON Regime instead of --regime (the tests' tiny GPT)")
     p.add_argument("--seed", type=int, default=42)
@@ -269,7 +273,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args(argv)
     if args.quick:
-        args.rounds, args.warmup, args.steps = 1, 1, 2
+        args.rounds, args.warmup, args.steps, args.loss_steps = 1, 1, 2, 0
     for v in args.variants.split(","):
         if v not in VARIANTS:
             p.error(f"--variants: unknown variant {v!r}; pick from {','.join(VARIANTS)}")
@@ -365,6 +369,11 @@ def main(argv=None) -> int:
     raw["summary"] = summarize(raw)
     write_result(Path(args.out_dir), args.name, raw, markdown(raw))
     print(f"wrote {Path(args.out_dir) / args.name}.json and .md")
+    if args.loss_steps:
+        from benchmarks import zeropp_loss
+
+        return zeropp_loss.main(["--steps", str(args.loss_steps), "--name", args.loss_name, "--out-dir",
+                                 args.out_dir])
     return 0
 
 

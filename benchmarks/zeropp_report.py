@@ -65,6 +65,15 @@ def _ratios(rows: dict, unlimited: dict) -> None:
         row["link_vs_fsdp"] = row["link_mb"] / ref["link_mb"] if ref and ref["link_mb"] else None
 
 
+TABLE_FIGURES = ("median_step_s", "vs_fsdp_paired", "vs_ds_best_paired", "vs_unlimited_paired", "link_mb",
+                 "accounting_mb", "theory_mb", "link_vs_fsdp")
+"""The figures of each record of ``summary["table"]`` (rounded to 3 decimals; ``"-"`` where there is none)."""
+
+
+def _shown(x: Optional[float]) -> Any:
+    return "-" if x is None else round(x, 3)
+
+
 def summarize(raw: dict) -> dict:
     """Per rate the rows (`_row`, `_ratios`), the table for the docs and the targets."""
     steps = raw["config"]["steps"]
@@ -75,9 +84,8 @@ def summarize(raw: dict) -> dict:
     unlimited = per_rate.get(UNLIMITED, {})
     for rows in per_rate.values():
         _ratios(rows, unlimited)
-    table = [{"rate": rate, **{k: row.get(k) for k in ("variant", "label", "median_step_s", "vs_fsdp_paired",
-                                                         "vs_ds_best_paired", "vs_unlimited_paired", "link_mb",
-                                                         "theory_mb", "link_vs_fsdp")}}
+    table = [{"rate": rate, "variant": row["variant"], "label": row["label"],
+              **{k: _shown(row.get(k)) for k in TABLE_FIGURES}}
              for rate, rows in per_rate.items() for row in rows.values()]
     return {"rates": per_rate, "table": table, "targets": targets(per_rate)}
 
