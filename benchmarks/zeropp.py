@@ -293,15 +293,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 def available(variants: list[str]) -> tuple[list[str], dict[str, str]]:
     """``(the variants that can run here, {skipped variant: why})``: a shardfusion variant whose flags the job
     rejects (``flag not available``), the DeepSpeed variants without DeepSpeed."""
+    import importlib.util
+
     runnable, skipped = [], {}
-    try:
-        import deepspeed  # noqa: F401
-        ds_missing = None
-    except ImportError as e:
-        ds_missing = f"deepspeed not importable ({e}); pip install -e '.[bench]'"
+    ds_missing = (None if importlib.util.find_spec("deepspeed") is not None
+                  else "deepspeed is not installed; pip install -e '.[bench]'")
     for v in variants:
         lib = VARIANTS[v][0]
-        problem = flag_problem(VARIANTS[v][1]) if lib == "shardfusion" else (ds_missing if lib == "deepspeed" else None)
+        problem = None
+        if lib == "shardfusion":
+            problem = flag_problem(VARIANTS[v][1])
+        elif lib == "deepspeed":
+            problem = ds_missing
         if problem is None:
             runnable.append(v)
         else:
