@@ -62,6 +62,7 @@ class Context:
     prefetch: int = 1  # shardfusion's prefetch depth
     seed: int = 42
     units: str = "block"  # the sharded variants' unit granularity, one of UNITS
+    deepspeed_zero: dict = field(default_factory=dict)  # more zero_optimization keys of the DeepSpeed variants
 
 
 @dataclass
@@ -306,6 +307,7 @@ def deepspeed_config(name: str, ctx: Context, block_numel: int) -> dict:
         zero["zero_hpz_partition_size"] = inner
     elif name == "ds-mics":
         zero["mics_shard_size"] = inner
+    zero.update(ctx.deepspeed_zero)  # e.g. benchmarks/zeropp.py's ZeRO++ flags
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": MAX_NORM,
             "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 2**31 - 1,
             "wall_clock_breakdown": False}
@@ -338,10 +340,11 @@ def _build_deepspeed(name: str, model: GPT, ctx: Context) -> Built:
                                   "needs NCCL")
     # hpZ's secondary group is a process-wide global of DeepSpeed's, created by the first hpZ engine; a plain
     # ZeRO-3 engine built after it would pick it up, so it is set for hpZ engines only.
-    ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = _HPZ_GROUPS.get(inner) if name == "ds-hpz" else None
+    hpz = config["zero_optimization"].get("zero_hpz_partition_size", 1)
+    ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = _HPZ_GROUPS.get(hpz) if hpz > 1 else None
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_adamw(model), config=config)
-    if name == "ds-hpz":
-        _HPZ_GROUPS[inner] = ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP
+    if hpz > 1:
+        _HPZ_GROUPS[hpz] = ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP
     module = engine.module
     blocks = [list(b.parameters()) for b in module.blocks]
     in_blocks = {id(p) for ps in blocks for p in ps}

@@ -321,7 +321,7 @@ def dry_run(build: Build, step: Step, *, world_size: int, ranks_per_node: int, t
             pipeline schedule's ``step``, whose ``build`` returns the stages, sharded).
         world_size: ranks of the job played (>= 1); ``ranks_per_node``: consecutive ranks per node (divides it).
         topology: keyword arguments of :class:`~shardfusion.Topology` (``dp``, ``pp``, ``sharding``, ``ep``,
-            ``fsdp_outer_degree``, ...).
+            ``fsdp_outer_degree``, ...); its ``ranks_per_node`` is the argument's.
         fully_shard: keyword arguments of :func:`~shardfusion.fully_shard` (``units``, ``mp_policy``,
             ``reshard_policy``, ``prefetch``, ...; not ``device``).
         optimizer: ``optimizer(params) -> torch.optim.Optimizer`` (default: AdamW, lr 1e-3, its default

@@ -485,6 +485,10 @@ def _check_layout(config: ResolvedJob, world: str) -> None:
                              "tensor- and context-parallel traffic yet; give the outer degree as an int")
     if world_size % (mp * cp):
         raise ValueError(f"--mp {mp} x --cp {cp} = {mp * cp} must divide the {world_size} ranks ({world})")
+    rpn = config.run.ranks_per_node
+    if rpn is not None and rpn < world_size and world_size % rpn:
+        raise ValueError(f"--ranks-per-node {rpn} must divide the {world_size} ranks ({world}): nodes of equal size "
+                         f"(or {world_size} or more: one node)")
     if cp > 1:
         seq_len = config.model_config().seq_len
         if seq_len % cp:

@@ -14,7 +14,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -31,26 +31,36 @@ from shardfusion.train.dtype_flags import PrecisionConfig
 from shardfusion.train.optim import muon_matrices
 from shardfusion.train.parallel_config import ParallelismConfig
 from shardfusion.train.pipeline_config import PipelineConfig
+from shardfusion.train.run_config import RunConfig
 
 
-def topology_degrees(parallelism: ParallelismConfig, pipeline: PipelineConfig) -> dict[str, int]:
-    """The `sf.Topology` keywords of the resolved sections: ep, mp, cp, pp and the outer degree (an int)."""
-    return {"fsdp_outer_degree": parallelism.fsdp_outer_degree, "ep": parallelism.ep, "mp": parallelism.mp,
-            "cp": parallelism.cp, "pp": pipeline.pp}
+def topology_degrees(parallelism: ParallelismConfig, pipeline: PipelineConfig,
+                     ranks_per_node: int | None = None) -> dict[str, int]:
+    """The `sf.Topology` keywords of the resolved sections: ep, mp, cp, pp and the outer degree (an int); with
+    ``ranks_per_node`` (`topology_ranks_per_node`) also where the node boundaries are."""
+    degrees = {"fsdp_outer_degree": parallelism.fsdp_outer_degree, "ep": parallelism.ep, "mp": parallelism.mp,
+               "cp": parallelism.cp, "pp": pipeline.pp}
+    return degrees if ranks_per_node is None else {**degrees, "ranks_per_node": ranks_per_node}
 
 
-def topology(parallelism: ParallelismConfig, pipeline: PipelineConfig,
-             ranks_per_node: int | None = None) -> sf.Topology:
-    """The rank grid of the resolved sections over the default process group (collective: it makes the groups);
-    ``ranks_per_node``: --ranks-per-node, the node boundaries (None: LOCAL_WORLD_SIZE, else one node).
+def topology_ranks_per_node(run: RunConfig, world: int) -> int | None:
+    """The ``ranks_per_node`` the job's `sf.Topology` gets: --ranks-per-node, one node (``world``) when it is at
+    least the world size; None without the flag (the topology then reads LOCAL_WORLD_SIZE itself). A value that
+    does not divide a larger world is refused before any worker starts (`config.check_run`)."""
+    return None if run.ranks_per_node is None else min(run.ranks_per_node, world)
+
+
+def topology(parallelism: ParallelismConfig, pipeline: PipelineConfig, ranks_per_node: int | None = None
+             ) -> sf.Topology:
+    """The rank grid of the resolved sections over the default process group (collective: it makes the groups),
+    with nodes of ``ranks_per_node`` consecutive ranks (`topology_ranks_per_node`; None: LOCAL_WORLD_SIZE), so that
+    one machine can declare several nodes and the library knows which groups span them.
 
     Raises:
-        ValueError: the degrees do not fit the world (`sf.Topology`'s message), or --ranks-per-node does not divide
-            the world size.
+        ValueError: the degrees do not fit the world (`sf.Topology`'s message; a --ranks-per-node that does not
+            divide the world size is refused before any worker starts, by `config.check_run`).
     """
-    if ranks_per_node is not None and dist.get_world_size() % ranks_per_node:
-        raise ValueError(f"--ranks-per-node {ranks_per_node} must divide the world size {dist.get_world_size()}")
-    return sf.Topology(**topology_degrees(parallelism, pipeline), ranks_per_node=ranks_per_node)
+    return sf.Topology(**topology_degrees(parallelism, pipeline, ranks_per_node))
 
 
 def shard_options(parallelism: ParallelismConfig, precision: PrecisionConfig) -> dict[str, Any]:
@@ -73,6 +83,34 @@ def shard(module: nn.Module, topo: sf.Topology, parallelism: ParallelismConfig, 
     module classes that each form a unit; ``library``: the keywords that are not the flags' (init_fn, whole_params,
     replicate_filter)."""
     return sf.fully_shard(module, topo, units=units, device=device, **shard_options(parallelism, precision), **library)
+
+
+ZERO_PP: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
+    ("all_gather_dtype", "qwZ", lambda value: value is not None),
+    ("secondary_shard", "hpZ", bool),
+    ("grad_comm_dtype", "qgZ", lambda value: value == "int8"),
+)
+"""ZeRO++'s three ideas (Wang et al., 2023) as the job's flags: (flag name, the idea's name, whether a value turns
+it on). A flag this build does not have is left out of `zero_pp_line`; a new option is one more row."""
+
+
+def zero_pp_line(flags: dict[str, Any], topo: sf.Topology) -> str | None:
+    """Rank 0's start line on the ZeRO++ options of the run (``flags``: `ResolvedJob.flat`) and whether the
+    sharding groups span nodes (``topo``'s ``ranks_per_node``: `topology_ranks_per_node`), e.g. ``ZeRO++: qwZ on
+    (--all-gather-dtype int8), qgZ off; 2 nodes x 2 ranks; fsdp_inner groups span nodes (fsdp inner 4)``; None on
+    one node with every option off (nothing to say)."""
+    states = []
+    for name, idea, on in ZERO_PP:
+        if name not in flags:
+            continue
+        value, flag = flags[name], "--" + name.replace("_", "-")
+        states.append(f"{idea} on ({flag if isinstance(value, bool) else f'{flag} {value}'})" if on(value)
+                      else f"{idea} off")
+    several = topo.world_size > topo.ranks_per_node
+    if not several and not any(s.endswith(")") for s in states):
+        return None
+    within = "" if topo.spanning_groups or not several else "; every sharding group within a node"
+    return f"ZeRO++: {', '.join(states)}; {topo.describe_nodes()}{within}"
 
 
 def comm_layout(config: ResolvedJob, world: int) -> dict[str, Any]:

@@ -20,10 +20,11 @@ class RunConfig:
     nproc: int | None = None
     """Worker processes on this node (default: 4 on CPU, the number of GPUs on CUDA); ignored under torchrun."""
     ranks_per_node: int | None = None
-    """Ranks per node for the communication accounting: rank r is on node r // ranks-per-node, and the bytes sent
-    between nodes are reported apart. It places no rank; use it to see what a multi-node layout would send across
-    nodes. Below the world size it also sets the default --fsdp-outer-degree, as nodes would (default:
-    LOCAL_WORLD_SIZE, which torchrun and the local launcher set: one node for a local run)."""
+    """Ranks per node: rank r is on node r // ranks-per-node, for the communication accounting (the bytes sent
+    between nodes are reported apart) and for the library's topology (which sharding groups span nodes; the ranks
+    of a node for options that keep traffic inside it). It places no rank; use it to play a multi-node layout on one
+    machine. Below the world size it must divide it, and it also sets the default --fsdp-outer-degree, as nodes
+    would (default: LOCAL_WORLD_SIZE, which torchrun and the local launcher set: one node for a local run)."""
     out: str | None = None
     """Output folder for metrics.jsonl, config.json, loss.png, summary.json and checkpoints/ (default
     runs/<timestamp>). A run whose --out holds a checkpoint resumes from the latest one."""

@@ -118,7 +118,8 @@ class Trainer:
         """The topology, the model's description (`job_model.build`) and the sharded model, which the model mode
         builds (`Mode.shard`); --init-from's weights unless a checkpoint is resumed."""
         config = self.config
-        self.topo = topo = parallelize.topology(self.parallelism, config.pipeline, config.run.ranks_per_node)
+        self.topo = topo = parallelize.topology(self.parallelism, config.pipeline,
+                                                parallelize.topology_ranks_per_node(config.run, self.world))
         self.job = job_model.build(config, topo.get_group("ep"), self.device, mp_mesh=topo.get_mesh("mp"),
                                    context_group=topo.get_group("context"))
         self.matrices = muon_matrices(self.job.module, self.job.units) if self.optim.optimizer == "muon" else None

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 import shardfusion as sf
 from shardfusion.comm import call_on_rank0
-from shardfusion.train import data_config, run_folder
+from shardfusion.train import data_config, parallelize, run_folder
 from shardfusion.train.data import DATA_ORDER_PER_RANK
 from shardfusion.train.metrics import MetricsLog, comm_step_record, expert_balance, format_summary, plot_losses, \
     summarize
@@ -76,6 +76,9 @@ def _start_lines(t: Trainer, archived: Optional[str]) -> list[str]:
                if job.moe else "")
     lines = [f"{job.name}; {t.topo.describe()}; {job.num_params:,} parameters{experts}; {len(t.train_data):,} train "
              f"/ {len(t.val_data):,} val tokens ({t.tokenizer.describe()}); output in {t.out}"]
+    zero_pp = parallelize.zero_pp_line(t.config.flat(), t.topo)
+    if zero_pp:
+        lines.append(zero_pp)
     if archived:
         lines.append(f"{t.out} held the outputs of a run without a checkpoint: moved to {archived}")
     for describe in t.modes.each("describe"):

@@ -133,6 +133,24 @@ def test_under_torchrun(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(TRAIN_TIMEOUT_S + 30)
+def test_sharding_group_across_pretended_nodes(tmp_path: Path) -> None:
+    # --ranks-per-node 2 reaches the library's topology: with one sharding group of 4 (--fsdp-outer-degree 1) the
+    # job names it as spanning the 2 pretended nodes (no LOCAL_WORLD_SIZE warning: declared on purpose) and prints
+    # the ZeRO++ options; the accounting sees the gathers cross.
+    out = tmp_path / "run"
+    result = run_train([*TINY_RUN, "--nproc", "4", "--ranks-per-node", "2", "--fsdp-outer-degree", "1",
+                        "--all-gather-dtype", "int8", "--experts", "0", "--steps", "1", "--eval-every", "100",
+                        "--sample-tokens", "0", "--out", str(out)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("shardfusion: ZeRO++: ")]
+    assert len(lines) == 1 and lines[0].startswith("shardfusion: ZeRO++: qwZ on (--all-gather-dtype int8), "), lines
+    assert lines[0].endswith("; 2 nodes x 2 ranks; fsdp_inner groups span nodes (fsdp inner 4)"), lines
+    assert "groups span nodes (LOCAL_WORLD_SIZE" not in result.stdout + result.stderr
+    train, _ = read_metrics(out / "metrics.jsonl")
+    assert train[0]["comm"]["inner_all_gather"]["cross_node_bytes"] > 0
+
+
+@pytest.mark.timeout(TRAIN_TIMEOUT_S + 30)
 def test_outer_degree_auto(tmp_path: Path) -> None:
     # --fsdp-outer-degree auto on 4 gloo ranks as 2 pretended nodes of 2 (--ranks-per-node 2): the job probes the
     # links, prints the cost model's table on rank 0, trains with the chosen degree and writes it to config.json as

@@ -211,6 +211,24 @@ def test_ranks_per_node_flag(capsys: pytest.CaptureFixture) -> None:
     assert flag_error(capsys, ["--ranks-per-node", "0"]) == "--ranks-per-node must be >= 1, got 0"
 
 
+def test_ranks_per_node_against_the_world(tmp_path: Path) -> None:
+    # The topology's ranks_per_node: the flag, one node when it is the world or more, None (LOCAL_WORLD_SIZE) without
+    # it; a value below the world that does not divide it is refused before any worker starts.
+    from shardfusion.train.parallelize import topology_ranks_per_node
+
+    def checked(rpn: int | None) -> int | None:
+        config = resolve(JobConfig.from_flat(preset="tiny", out=str(tmp_path / "run"), ranks_per_node=rpn),
+                         device="cpu", world_size=4, world="--nproc 4")
+        check_run(config, world="--nproc 4")
+        return topology_ranks_per_node(config.run, 4)
+
+    assert [checked(rpn) for rpn in (None, 1, 2, 4, 8)] == [None, 1, 2, 4, 4]
+    with pytest.raises(ValueError) as error:
+        checked(3)
+    assert str(error.value) == ("--ranks-per-node 3 must divide the 4 ranks (--nproc 4): nodes of equal size (or 4 "
+                                "or more: one node)")
+
+
 def test_cli_is_generated_from_the_dataclass() -> None:
     parser = build_parser()
     help_text = parser.format_help()

@@ -1,6 +1,7 @@
 """The training job's outputs and metrics in one process: the expert-balance and communication figures of the
 summary, metrics.jsonl across a resume (records after the checkpoint moved aside, a torn last line dropped),
-config.json of a resumed run, and the files of an earlier run moved aside by a new one."""
+config.json of a resumed run, the files of an earlier run moved aside by a new one, and the start line on the ZeRO++
+options (whole runs print it: tests/integration/test_train.py)."""
 
 import json
 from pathlib import Path
@@ -11,6 +12,7 @@ from shardfusion.accounting import CATEGORIES
 from shardfusion.train.metrics import (COMM_FIELDS, MetricsLog, comm_per_step, comm_step_record, expert_balance,
                                        format_comm, read_metrics)
 from shardfusion.train.outputs import open_outputs, write_config
+from shardfusion.train.parallelize import ZERO_PP, zero_pp_line
 
 
 def test_expert_balance() -> None:
@@ -95,3 +97,28 @@ def test_metrics_log_drops_a_torn_line(tmp_path: Path) -> None:
     resumed = MetricsLog(tmp_path, resume_step=1)
     assert [r["step"] for r in resumed.train] == [1] and resumed.dropped == 1
     assert (tmp_path / "metrics.dropped.jsonl").read_text() == '{"step": 2, "loss": 4.5, "grad_n\n'
+
+
+class _Nodes:
+    """The part of `sf.Topology` the ZeRO++ line reads (a real one needs a process group: the whole runs use one)."""
+
+    def __init__(self, world_size: int, ranks_per_node: int, spanning: list[str]) -> None:
+        self.world_size, self.ranks_per_node, self.spanning_groups = world_size, ranks_per_node, spanning
+
+    def describe_nodes(self) -> str:
+        nodes = self.world_size // self.ranks_per_node
+        return f"{nodes} nodes x {self.ranks_per_node} ranks" + ("; spans" if self.spanning_groups else "")
+
+
+def test_zero_pp_start_line() -> None:
+    two_nodes, hsdp, one_node = _Nodes(4, 2, ["fsdp_inner"]), _Nodes(4, 2, []), _Nodes(4, 4, [])
+    off = {"all_gather_dtype": None, "grad_comm_dtype": None}  # a build without --secondary-shard: left out
+    assert zero_pp_line(off, one_node) is None  # one node, nothing on: no line
+    assert zero_pp_line(off, two_nodes) == "ZeRO++: qwZ off, qgZ off; 2 nodes x 2 ranks; spans"
+    assert zero_pp_line(off, hsdp) == "ZeRO++: qwZ off, qgZ off; 2 nodes x 2 ranks; every sharding group within a node"
+    on = {"all_gather_dtype": "int8", "secondary_shard": True, "grad_comm_dtype": "int8"}
+    assert zero_pp_line(on, one_node) == ("ZeRO++: qwZ on (--all-gather-dtype int8), hpZ on (--secondary-shard), "
+                                          "qgZ on (--grad-comm-dtype int8); 1 nodes x 4 ranks")
+    assert zero_pp_line({**on, "secondary_shard": False, "grad_comm_dtype": "bf16"}, two_nodes) == (
+        "ZeRO++: qwZ on (--all-gather-dtype int8), hpZ off, qgZ off; 2 nodes x 2 ranks; spans")
+    assert [name for name, _, _ in ZERO_PP] == ["all_gather_dtype", "secondary_shard", "grad_comm_dtype"]
