@@ -50,7 +50,11 @@ TRAIN_CASES = [_BASE.with_(name="none"),
                _BASE.with_(name="hsdp-none", outer=2),
                _BASE.with_(name="hsdp-int8", outer=2, grad_comm_dtype="int8"),
                _BASE.with_(name="none-accum2", micro=2, no_sync=True, steps=2),
-               _BASE.with_(name="int8-accum2", grad_comm_dtype="int8", micro=2, no_sync=True, steps=2)]
+               _BASE.with_(name="int8-accum2", grad_comm_dtype="int8", micro=2, no_sync=True, steps=2),
+               # ZeRO++'s three ideas at once on a sharding group over 2 pretended nodes of 2 ranks (hpZ acts)
+               _BASE.with_(name="zeropp-int8", grad_comm_dtype="int8", all_gather_dtype="int8", secondary_shard=True,
+                           ranks_per_node=2),
+               _BASE.with_(name="zeropp-none", secondary_shard=True, ranks_per_node=2)]
 REDUCE_CASES = [(_BASE.with_(name="none"), False), (_BASE.with_(name="fp32", grad_comm_dtype="float32"), False),
                 (_BASE.with_(name="int8", grad_comm_dtype="int8"), False),
                 (_BASE.with_(name="moe-ep2-int8", model="moe", ep=2, grad_comm_dtype="int8"), False),
@@ -207,13 +211,14 @@ def test_off_is_todays_reduce_scatter(results):
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
-@pytest.mark.parametrize("name", ["int8", "hsdp-int8"])
+@pytest.mark.parametrize("name", ["int8", "hsdp-int8", "zeropp-int8"])
 def test_training_tracks_fp32_reference(results, name):
     from reference import assemble_all
 
     case = next(c for c in TRAIN_CASES if c.name == name)
     rs = case_results(results, name)
-    ref = reference_train(case.with_(grad_comm_dtype=None, count_comm=False))
+    ref = reference_train(case.with_(grad_comm_dtype=None, all_gather_dtype=None, secondary_shard=False,
+                                     ranks_per_node=None, count_comm=False))
     got, want = torch.tensor(rs[0]["losses"], dtype=torch.float64), torch.tensor(ref["losses"], dtype=torch.float64)
     assert got[0] == pytest.approx(want[0].item(), rel=1e-5), "step 0: the weights are exact, so is the loss"
     rel = ((got - want).abs() / want.abs()).max().item()
@@ -261,7 +266,8 @@ def test_accumulation_tracks_reference(results):
     from reference import assemble_all
 
     case = next(c for c in TRAIN_CASES if c.name == "int8-accum2")
-    ref = reference_train(case.with_(grad_comm_dtype=None, count_comm=False))
+    ref = reference_train(case.with_(grad_comm_dtype=None, all_gather_dtype=None, secondary_shard=False,
+                                     ranks_per_node=None, count_comm=False))
     got = torch.tensor(case_results(results, "int8-accum2")[0]["losses"], dtype=torch.float64)
     want = torch.tensor(ref["losses"], dtype=torch.float64)
     assert ((got - want).abs() / want).max().item() <= LOSS_RTOL
