@@ -43,6 +43,10 @@ B = 256
 # its update's sign). Step 0's loss is exact (the weights are).
 LOSS_RTOL = 1e-3
 PARAM_RTOL = 0.03
+# With ZeRO++'s three ideas at once the int8 all-gather's error comes on top (test_all_gather_dtype.py's int8
+# tolerances, loss and parameters: the gathered weights are no longer exact, step 0's loss included; measured: loss
+# 7.2e-3, parameters 1.4e-2, at the int8 all-gather's own values: the reduce-scatter's error is the smaller one).
+ALL_THREE_GATHER_RTOL = (0.02, 0.03)
 
 _BASE = Case(name="", model="transformer", world=4, sharding=4, outer=1, optim="adamw", steps=6, count_comm=True)
 TRAIN_CASES = [_BASE.with_(name="none"),
@@ -220,16 +224,20 @@ def test_training_tracks_fp32_reference(results, name):
     ref = reference_train(case.with_(grad_comm_dtype=None, all_gather_dtype=None, secondary_shard=False,
                                      ranks_per_node=None, count_comm=False))
     got, want = torch.tensor(rs[0]["losses"], dtype=torch.float64), torch.tensor(ref["losses"], dtype=torch.float64)
-    assert got[0] == pytest.approx(want[0].item(), rel=1e-5), "step 0: the weights are exact, so is the loss"
+    loss_rtol, param_rtol = LOSS_RTOL, PARAM_RTOL
+    if case.all_gather_dtype is None:
+        assert got[0] == pytest.approx(want[0].item(), rel=1e-5), "step 0: the weights are exact, so is the loss"
+    else:  # the int8 all-gather's tolerances (tests/distributed/test_all_gather_dtype.py) added to this file's
+        loss_rtol, param_rtol = loss_rtol + ALL_THREE_GATHER_RTOL[0], param_rtol + ALL_THREE_GATHER_RTOL[1]
     rel = ((got - want).abs() / want.abs()).max().item()
-    assert rel <= LOSS_RTOL, f"{name}: loss differs from fp32 by {rel:.2e} relative (max over {case.steps} steps)"
+    assert rel <= loss_rtol, f"{name}: loss differs from fp32 by {rel:.2e} relative (max over {case.steps} steps)"
     off = case_results(results, name.replace("int8", "none"))[0]["losses"]
     assert rs[0]["losses"] != off, f"{name}: the losses of None: not quantized"
     assert got[-1] < 0.8 * got[0], f"{name}: did not train: {got.tolist()}"
     shapes = {n: tuple(t.shape) for n, t in ref["params"][-1].items()}
     full = assemble_all(rs, "params", case.steps - 1, shapes)
     worst = max(((full[n] - t).norm() / t.norm()).item() for n, t in ref["params"][-1].items())
-    assert worst <= PARAM_RTOL, f"{name}: parameter relative error {worst:.3e} after {case.steps} steps"
+    assert worst <= param_rtol, f"{name}: parameter relative error {worst:.3e} after {case.steps} steps"
 
 
 def _reduce_records(rs: list[dict]) -> list[list]:
