@@ -88,3 +88,34 @@ def test_dry_run_counts_the_copies_and_says_so() -> None:
                           **{**kwargs, "ranks_per_node": 8})
     assert one_node.ranks[0].memory["secondary_params"] == 0
     assert any("secondary_shard changes nothing" in n for n in one_node.notes)
+
+
+@pytest.mark.parametrize("mode", ["hsdp", "fsdp-tp", "diloco", "streaming-diloco", "pp", "ft", "dry-run"])
+def test_job_flag_reaches_the_library_in_every_mode(mode: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--secondary-shard in every mode of the job (the modes of tests/unit/test_train_dtype_flags.py), through the
+    job's own path: the command line, the checks against the world, and the `fully_shard` keywords every mode builds
+    its model with (`parallelize.shard_options`; the dry run's, handed to `sf.dry_run`, which is stubbed)."""
+    from test_train_dtype_flags import MODES
+
+    from shardfusion.train import job_dry_run, parallelize
+    from shardfusion.train.config import check_run, parse_args, resolve
+
+    extra, world = MODES[mode]
+    argv = ["--preset", "tiny", "--out", str(tmp_path / "run"), *extra, "--secondary-shard"]
+    if mode == "dry-run":
+        seen: dict = {}
+
+        def record(build, step, **kwargs):
+            seen.update(kwargs["fully_shard"])
+            raise StopIteration
+
+        monkeypatch.setattr(sf, "dry_run", record)
+        with pytest.raises(StopIteration):
+            job_dry_run.run(parse_args(argv))
+        assert seen["secondary_shard"] is True
+        return
+    config = resolve(parse_args(argv), device="cpu", world_size=world)
+    check_run(config, world=f"--nproc {world}")
+    assert parallelize.shard_options(config.parallelism, config.precision)["secondary_shard"] is True
+    off = resolve(parse_args(argv[:-1]), device="cpu", world_size=world)
+    assert "secondary_shard" not in parallelize.shard_options(off.parallelism, off.precision)  # off: as before
