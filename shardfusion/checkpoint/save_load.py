@@ -508,9 +508,13 @@ def save_checkpoint(model: _Model, optimizer: _Optimizer, root: str, step: int,
     folder, which :func:`latest_checkpoint` ignores: the previous checkpoint stays the latest.
 
     ``async_save=True`` (see [Note: asynchronous saves] in :mod:`shardfusion.checkpoint.background`): the call
-    returns once this rank's tensors are copied off to host memory (the staging copy: pinned for CUDA tensors, kept
-    and reused by the next save, so held from the first asynchronous save on: :func:`staging_bytes`); rank
-    0's preparation of the folder, the write, the commit and rank 0's publish run on a background thread, with
+    returns once the copy of this rank's tensors to host memory has begun (the staging copy: pinned for CUDA
+    tensors, kept and reused by the next save, so held from the first asynchronous save on: :func:`staging_bytes`).
+    The parameters' fragments and optimizer state in host memory of the parameters ``optimizer`` updates are copied
+    on a staging thread while the loop goes on: a forward and a backward may run beside it, each ``step()`` of
+    ``optimizer`` waits for it (a step pre-hook), as do the next save, ``wait()``, :func:`load` and
+    :func:`load_full_state`; any other in-place change of them must call the handle's ``wait_staged()`` first. The
+    rest is copied before the call returns. Rank 0's preparation of the folder, the write, the commit and rank 0's publish run on a background thread, with
     their collectives on a process group of their own (created by the first asynchronous save). The checkpoint is
     published only after every rank's write has ended, as above. Every save first waits for the asynchronous save in
     flight, if any, and every rank learns its outcome (in the gather of the arguments' check): one save at a time.
