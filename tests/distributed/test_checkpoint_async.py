@@ -16,6 +16,10 @@ slowed staging thread: an optimizer step right after the save (its pre-hook wait
 (it waits), and a change by hand after ``AsyncSave.wait_staged()`` must not reach the checkpoint: each asynchronous
 checkpoint equals a synchronous save of the same state, bitwise; the copy was still held back when each began.
 
+The call's collectives on the default group: one all-gather (``comm.all_gather_object`` with a capacity: the
+arguments' check, the previous save's outcome and ``meta`` in one round), two when a rank's part does not fit; the
+objects gathered equal those sent, with and without a capacity.
+
 Failures, a ValueError on every rank with no rank left waiting: a write that fails on rank 1 (raised by the next
 save, and by ``wait()``, naming rank 1; not published, the previous checkpoint stays the latest), a staging copy
 that fails on rank 2 (the others' writes are not left waiting for it), a publish that fails on rank 0, a root
@@ -173,6 +177,37 @@ def _staging_case(root: str) -> dict:
     return out
 
 
+def _gather_case(root: str) -> dict:
+    """All-gathers on the default group (``comm._all_gather_base`` counted) of an asynchronous ``save_checkpoint``
+    after another (which agrees on it), and of ``all_gather_object`` with a capacity that every rank's object fits,
+    that rank 3's does not fit, and none; the objects gathered."""
+    import torch.distributed as dist
+    import shardfusion as sf
+    from shardfusion import checkpoint as ckpt, comm
+    rank, counted, out = dist.get_rank(), [], {}
+    base = comm._all_gather_base
+
+    def counting(*args, **kwargs):
+        counted.append(kwargs.get("group"))
+        return base(*args, **kwargs)
+    models, opts = _build("fsdp4", sf.Topology(sharding=4, timeout=60))
+    _step(models, opts, 1)
+    ckpt.save_checkpoint(models, opts, f"{root}/gathers", 1, async_save=True)
+    comm._all_gather_base = counting
+    try:
+        handle = ckpt.save_checkpoint(models, opts, f"{root}/gathers", 2, async_save=True)
+        out["save"] = sum(1 for group in counted if group is None)
+        mine = {"rank": rank, "text": "x" * (100 if rank != 3 else 5000)}
+        for capacity in (10000, 1000, 0):
+            counted.clear()
+            out[f"objects-{capacity}"] = comm.all_gather_object(mine, None, "a test", capacity=capacity)
+            out[f"gathers-{capacity}"] = len(counted)
+    finally:
+        comm._all_gather_base = base
+    handle.wait()
+    return out
+
+
 def _error(fn) -> str:
     """``"<type>: <message>"`` of what ``fn()`` raises, or ``"None: None"``."""
     return "{}: {}".format(*raised(fn))
@@ -233,6 +268,7 @@ def _failure_cases(root: str) -> dict:
 def async_job(root: str) -> dict:
     out = {name: _layout_case(name, root) for name in LAYOUTS}
     out["staging"] = _staging_case(root)
+    out["gathers"] = _gather_case(root)
     out["failures"] = _failure_cases(root)
     return out
 
@@ -279,6 +315,19 @@ def test_the_staging_copy_behind_the_loop_is_waited_for(runs) -> None:
         assert sync.keys() == asynchronous.keys()
         for key in sync:
             assert torch.equal(sync[key], asynchronous[key]), (step, key)
+
+
+def test_a_save_gathers_in_one_round(runs) -> None:
+    """An asynchronous save makes one all-gather on the default group (after its arrival check), the previous
+    save's agreement included; all_gather_object with a capacity: one round when every object fits, two otherwise,
+    the same objects as without."""
+    _, results = runs
+    sent = [{"rank": r, "text": "x" * (100 if r != 3 else 5000)} for r in range(4)]
+    for rank, r in enumerate(results):
+        g = r["gathers"]
+        assert g["save"] == 1, (rank, g["save"])
+        assert g["objects-10000"] == g["objects-1000"] == g["objects-0"] == sent, rank
+        assert (g["gathers-10000"], g["gathers-1000"], g["gathers-0"]) == (1, 2, 2), (rank, g)
 
 
 def test_staging_bytes_are_the_staged_tensors(runs) -> None:
