@@ -13,8 +13,11 @@ does), ranks aligned by a barrier before each save:
 
 - ``sync_s``: the seconds ``save_checkpoint`` takes (the step loop stops for all of it);
 - ``stall_s``: what an asynchronous save stops the loop for: its ``save_checkpoint`` call (``call_s``; of it the
-  staging copy, ``staging_s``) plus the wait for its write in the next save (``wait_s``; about 0 when the write
-  had ended; the last save's: the wait at the end of the run);
+  staging copy made on the calling thread, ``staging_s``: the tensors not copied behind), the optimizer steps'
+  waits for the staging copy made behind the loop (``staged_wait_s``: the step pre-hook's ``wait_staged``), and
+  the wait for its write in the next save (``wait_s``; about 0 when the write had ended; the last save's: the wait
+  at the end of the run);
+- ``behind_s``: the seconds of the staging copy made behind the loop, on the staging thread;
 - ``write_s``: from the call to the end of the background write and DCP's commit on that rank.
 
 Also the step seconds of steps that began while a background write ran and of the others (the write shares the CPU
@@ -56,6 +59,37 @@ def _timed_staging(times: list[float]) -> None:
         finally:
             times.append(time.perf_counter() - t)
     background._Stager.stage = timed
+
+
+def _timed_behind() -> None:
+    """Record on each handle the seconds of its staging copy made behind the loop (``behind_s``: the stager's
+    staging thread; 0 when nothing was copied behind)."""
+    from shardfusion.checkpoint import background
+    behind = background._Stager._behind_loop
+
+    def timed(self, *args):
+        t = time.perf_counter()
+        try:
+            return behind(self, *args)
+        finally:
+            self._handle.behind_s = time.perf_counter() - t
+    background._Stager._behind_loop = timed
+    background.AsyncSave.behind_s = 0.0
+
+
+def _timed_staged_waits() -> None:
+    """Record on each handle the seconds its waits for the staging copy took (``staged_wait_s``:
+    ``AsyncSave.wait_staged``, which the optimizer step's pre-hook calls)."""
+    from shardfusion.checkpoint import background
+    wait_staged = background.AsyncSave.wait_staged
+
+    def timed(self):
+        t = time.perf_counter()
+        try:
+            return wait_staged(self)
+        finally:
+            self.staged_wait_s = getattr(self, "staged_wait_s", 0.0) + time.perf_counter() - t
+    background.AsyncSave.wait_staged = timed
 
 
 def _timed_writes() -> None:
@@ -103,6 +137,8 @@ class _Run:
         self.staging: list[float] = []
         self.waits: list[float] = []
         _timed_staging(self.staging)
+        _timed_behind()
+        _timed_staged_waits()
         _timed_writes()
         _timed_waits(self.waits)
         self.saves: list[dict[str, Any]] = []
@@ -162,6 +198,8 @@ class _Run:
         if self.pending is not None:
             record, handle = self.pending
             record["wait_s"], record["write_s"] = waited, handle.written_at - record["t0"]
+            record["staged_wait_s"] = getattr(handle, "staged_wait_s", 0.0)
+            record["behind_s"] = handle.behind_s
             self.pending = None
 
 
@@ -203,11 +241,12 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     saves = []
     for i, first in enumerate(per_rank[0]["saves"]):
         every = [r["saves"][i] for r in per_rank]
-        keys = ("sync_s",) if first["kind"] == "sync" else ("call_s", "staging_s", "wait_s", "write_s")
+        keys = ("sync_s",) if first["kind"] == "sync" else ("call_s", "staging_s", "wait_s", "staged_wait_s",
+                                                            "behind_s", "write_s")
         save = {"kind": first["kind"], "pair": first["pair"], "step": first["step"],
                 **{k: max(s[k] for s in every) for k in keys}}
         if first["kind"] == "async":
-            save["stall_s"] = max(s["call_s"] + s["wait_s"] for s in every)
+            save["stall_s"] = max(s["call_s"] + s["wait_s"] + s["staged_wait_s"] for s in every)
         saves.append(save)
     pairs = []
     for pair in sorted({s["pair"] for s in saves}):
@@ -215,7 +254,7 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         pairs.append({"pair": pair, "sync_s": sync["sync_s"], "stall_s": asynchronous["stall_s"],
                       "ratio": asynchronous["stall_s"] / sync["sync_s"]})
     median = {k: statistics.median(s[k] for s in saves if k in s)
-              for k in ("sync_s", "stall_s", "call_s", "staging_s", "wait_s", "write_s")}
+              for k in ("sync_s", "stall_s", "call_s", "staging_s", "staged_wait_s", "behind_s", "wait_s", "write_s")}
     steps = {k: statistics.median(t for r in per_rank for t in r["steps"][k]) if any(r["steps"][k] for r in per_rank)
              else None for k in ("writing", "idle")}
     return {"saves": saves, "pairs": pairs, "median": median, "ratio": median["stall_s"] / median["sync_s"],
@@ -238,10 +277,12 @@ def markdown(result: dict[str, Any]) -> str:
              "Seconds per save, the slowest rank's, median over the saves:", "",
              "| figure | seconds |", "|---|---|",
              f"| synchronous save (the loop stops for all of it) | {m['sync_s']:.3f} |",
-             f"| asynchronous save: the loop's stall (call + wait) | {m['stall_s']:.3f} |",
+             f"| asynchronous save: the loop's stall (call + waits) | {m['stall_s']:.3f} |",
              f"| of it the call (checks and gathers, staging copy, the write started) | {m['call_s']:.3f} |",
-             f"| of the call the staging copy | {m['staging_s']:.3f} |",
+             f"| of the call the staging copy on the calling thread | {m['staging_s']:.3f} |",
+             f"| of it the optimizer steps' wait for the staging copy made behind | {m['staged_wait_s']:.3f} |",
              f"| of it the wait at the next save | {m['wait_s']:.3f} |",
+             f"| the staging copy made behind the loop (its thread) | {m['behind_s']:.3f} |",
              f"| the background write (from the call to the end of DCP's commit) | {m['write_s']:.3f} |", "",
              f"Stall over synchronous save: {s['ratio']:.3f} (goal <= {s['goal']:.2f}); per pair: "
              + ", ".join(f"{r:.3f}" for r in s["pair_ratios"]) + ".", "",

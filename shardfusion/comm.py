@@ -679,18 +679,35 @@ def _unpickled(data: torch.Tensor, length: int) -> Any:
     return pickle.loads(ctypes.string_at(data.data_ptr(), length))
 
 
-def all_gather_object(obj: Any, group: Optional[ProcessGroup], what: str) -> list:
+def all_gather_object(obj: Any, group: Optional[ProcessGroup], what: str, capacity: int = 0) -> list:
     """``obj`` of every rank of ``group`` (None: the default group), in group-rank order. Two all-gathers of the
     default or given group, the bytes' lengths ((G,) int64) then the bytes padded to the longest ((G * longest,)
     uint8), without numpy ([Note: host objects without numpy]); not recorded by a CommCounter. A timeout names
-    ``what`` and the likely cause (:func:`timeout_error`). ``obj`` must be picklable."""
+    ``what`` and the likely cause (:func:`timeout_error`). ``obj`` must be picklable.
+
+    ``capacity`` > 0 (bytes, the same on every rank): one all-gather instead of two when every rank's bytes fit,
+    each rank sending its length and its bytes in ``8 + capacity`` bytes ((G * (8 + capacity),) uint8); a rank
+    whose bytes do not fit sends its length only, and then, every rank seeing it, the bytes go in a second
+    all-gather padded to the longest. For calls whose every collective round counts (a save in the step loop)."""
     size = dist.get_world_size(group)
     device = _object_device(group)
     mine = _pickled(obj, device)  # (n,)
-    lengths = torch.empty(size, dtype=torch.int64, device=device)  # (G,)
-    _issue(None, _all_gather_base, lengths, torch.tensor([mine.numel()], dtype=torch.int64, device=device),
-           group=group, what=f"all-gather of the sizes of {what}")
-    counts = lengths.tolist()
+    if capacity > 0:
+        slot = torch.zeros(8 + capacity, dtype=torch.uint8, device=device)  # (8 + capacity,): length, bytes
+        slot[:8] = torch.tensor([mine.numel()], dtype=torch.int64, device=device).view(torch.uint8)
+        if mine.numel() <= capacity:
+            slot[8:8 + mine.numel()] = mine
+        every = torch.empty(size * (8 + capacity), dtype=torch.uint8, device=device)  # [group rank, slot byte]
+        _issue(None, _all_gather_base, every, slot, group=group, what=f"all-gather of {what}")
+        slots = every.view(size, 8 + capacity)
+        counts = slots[:, :8].contiguous().view(torch.int64).view(-1).tolist()
+        if max(counts) <= capacity:
+            return [_unpickled(slots[i, 8:], n) for i, n in enumerate(counts)]
+    else:
+        lengths = torch.empty(size, dtype=torch.int64, device=device)  # (G,)
+        _issue(None, _all_gather_base, lengths, torch.tensor([mine.numel()], dtype=torch.int64, device=device),
+               group=group, what=f"all-gather of the sizes of {what}")
+        counts = lengths.tolist()
     longest = max(counts)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)  # (longest,)
     padded[:mine.numel()] = mine

@@ -218,6 +218,16 @@ def model_info(model, optimizer=None, rank_state: Optional[dict] = None, unreada
     ``unreadable``: why this rank could not read the checkpoint (gathered under ``"unreadable"``). ``model``: a
     sharded model or a checked list of them (:func:`model_list`). The caller's ``problems`` that several ranks
     found alike are named once with their ranks (:func:`by_ranks`)."""
+    every = [local_info(model, optimizer, rank_state, unreadable, problems)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = comm.all_gather_object(every[0], None, "what every rank holds (checkpoint)")
+    return merged_info(every)
+
+
+def local_info(model, optimizer=None, rank_state: Optional[dict] = None, unreadable: Optional[str] = None,
+               problems: Sequence[str] = ()) -> dict:
+    """This rank's part of :func:`model_info` (the same arguments), picklable, for a caller that gathers it with
+    other things (``save_checkpoint`` gathers it with the arguments' check). Local: no collective."""
     models = list(model) if isinstance(model, (list, tuple)) else [model]
     topo = sharded_state(models[0]).topology
     rank, mp_rank = global_rank(), topo.mp_rank
@@ -257,9 +267,11 @@ def model_info(model, optimizer=None, rank_state: Optional[dict] = None, unreada
         if not isinstance(key, str) or not torch.is_tensor(value):
             mine["problems"].append(f"rank {rank}: rank_state[{key!r}] must be a tensor under a str key, got "
                                     f"{type(value).__name__}")
-    every = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        every = comm.all_gather_object(mine, None, "what every rank holds (checkpoint)")
+    return mine
+
+
+def merged_info(every: list[dict]) -> dict:
+    """:func:`model_info` from every rank's :func:`local_info` (in rank order): the same on every rank."""
     out: dict[str, Any] = {"shapes": {}, "buffer_shapes": {}, "optim_state": {}, "problems": [], "unreadable": [],
                            "nonpersistent": set()}
     for part in every:

@@ -99,10 +99,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from shardfusion.checkpoint import background
 from shardfusion.checkpoint.background import AsyncSave
 from shardfusion.checkpoint.folder import prepare, publish
-from shardfusion.checkpoint.inventory import (NUMBER_DTYPES, by_ranks, global_rank, merged_state, mismatch,
-                                              model_info, model_list, named_buffers, named_fragments, named_parameters,
-                                              names_text, optimizer_list, optimizer_problems, scalar_tensor,
-                                              state_kind)
+from shardfusion.checkpoint.inventory import (NUMBER_DTYPES, by_ranks, global_rank, local_info, merged_info,
+                                              merged_state, mismatch, model_info, model_list, named_buffers,
+                                              named_fragments, named_parameters, names_text, optimizer_list,
+                                              optimizer_problems, scalar_tensor, state_kind)
 from shardfusion.checkpoint.planners import FragmentLoadPlanner, FragmentSavePlanner
 from shardfusion.checkpoint.read import failure_text, open_checkpoint, read_error
 from shardfusion._runtime.state import is_sharded, sharded_state
@@ -154,12 +154,15 @@ def save(model: _Model, optimizer: _Optimizer, path: str, extra: Optional[dict] 
             on every rank: a rank could not write its files (disk full, not writable: ``checkpoint <path> cannot be
             written: rank r: ...``), and the folder is then incomplete.
     """
-    models, optimizers = _meet(model, optimizer, "save")
-    _save(models, optimizers, path, extra, rank_state)
+    models, optimizers, info = _meet(model, optimizer, "save", held=rank_state)
+    _write(*_state_dict(models, optimizers, path, extra, rank_state, info), path)
 
 
-def _meet(model: _Model, optimizer: _Optimizer, call: str,
-          in_flight: Optional[AsyncSave] = None) -> tuple[list[nn.Module], list]:
+_NOTHING_HELD = object()  # _meet's default: gather no local_info
+
+
+def _meet(model: _Model, optimizer: _Optimizer, call: str, in_flight: Optional[AsyncSave] = None,
+          held: Any = _NOTHING_HELD) -> tuple[list[nn.Module], list, Optional[dict]]:
     """The start of every checkpoint call: the arrival check of every rank of the default group (a call made on some
     ranks only fails here, within the arrival deadline, naming the call and the absent ranks, before anything is
     written or read: ``arrival.check``), then
@@ -167,7 +170,9 @@ def _meet(model: _Model, optimizer: _Optimizer, call: str,
     and the problems of every rank gathered (one ``all_gather_object``), so that a bad argument on one rank raises
     on every rank. With ``in_flight`` (the asynchronous save in flight, every rank's) each rank first waits for its
     own part of that save and the same gather carries its outcome, on which the ranks agree (no collective more).
-    Returns ``(models, optimizers)`` as lists.
+    With ``held`` (a save's ``rank_state``, None included) the same gather also carries this rank's
+    :func:`local_info` (what a save's ``meta`` and checks need: no collective more). Returns ``(models,
+    optimizers, info)``: the lists, and :func:`model_info` merged from every rank's part (None without ``held``).
 
     Raises:
         ValueError: on every rank: the save ``in_flight`` failed (as ``AsyncSave.wait``); ``sf.checkpoint.<call>:
@@ -185,34 +190,31 @@ def _meet(model: _Model, optimizer: _Optimizer, call: str,
         problems.append(str(error))
     if models and not problems:
         problems += optimizer_problems(models, optimizers)
-    mine = problems if in_flight is None else (problems, in_flight.local_outcome())
-    every = [mine]
+    part = local_info(models, optimizers, held) if held is not _NOTHING_HELD and not problems else None
+    outcome = in_flight.local_outcome() if in_flight is not None else None
+    every = [(problems, outcome, part)]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        every = comm.all_gather_object(mine, None, f"the arguments of sf.checkpoint.{call}")
+        size = dist.get_world_size()  # one round when every rank's part fits: at most 4 MiB in all past 64 ranks
+        every = comm.all_gather_object(every[0], None, f"the arguments of sf.checkpoint.{call}",
+                                       capacity=max(4096, min(65536, 2 ** 22 // size)))
     if in_flight is not None:
-        in_flight.settle([outcome for _, outcome in every])
-        every = [found for found, _ in every]
-    found = by_ranks(every)
+        in_flight.settle([outcome for _, outcome, _ in every])
+    found = by_ranks([mine for mine, _, _ in every])
     if found:
         raise ValueError(f"sf.checkpoint.{call}: " + "; ".join(found))
-    return models, optimizers
-
-
-def _save(models: list[nn.Module], optimizers: list, path: str, extra: Optional[dict],
-          rank_state: Optional[dict[str, torch.Tensor]]) -> None:
-    _write(*_state_dict(models, optimizers, path, extra, rank_state), path)
+    return models, optimizers, None if held is _NOTHING_HELD else merged_info([part for _, _, part in every])
 
 
 def _state_dict(models: list[nn.Module], optimizers: list, path: str, extra: Optional[dict],
-                rank_state: Optional[dict[str, torch.Tensor]]) -> tuple[dict[str, Any], dict[str, tuple[list, int]]]:
+                rank_state: Optional[dict[str, torch.Tensor]],
+                info: dict) -> tuple[dict[str, Any], dict[str, tuple[list, int]]]:
     """What this rank writes to ``path`` (keys: see the module docstring) and the fragment keys' ``(runs, global
     numel)`` for :class:`FragmentSavePlanner`. The tensors are the model's and the optimizer's own (views, not
-    copies). Collective (:func:`model_info`'s ``all_gather_object``).
+    copies). ``info``: :func:`model_info` of these arguments, gathered by :func:`_meet`. Local: no collective.
 
     Raises:
-        ValueError: on every rank: the problems :func:`model_info` gathered.
+        ValueError: on every rank (``info`` is the same on every rank): the problems ``info`` holds.
     """
-    info = model_info(models, optimizers, rank_state)
     if info["problems"]:
         raise ValueError(f"cannot save checkpoint {path!r}: " + "; ".join(info["problems"]))
     sd, fragments = _tensors(models, optimizers, rank_state)
@@ -251,6 +253,25 @@ def _tensors(models: list[nn.Module], optimizers: list, rank_state: Optional[dic
     for key, value in (rank_state or {}).items():
         sd[f"rank/{global_rank()}/{key}"] = value.detach()
     return sd, fragments
+
+
+def _copied_behind(sd: dict[str, Any], models: list[nn.Module], optimizers: list) -> frozenset[str]:
+    """The keys of ``sd`` whose staging copy an asynchronous save may make behind the step loop (see [Note:
+    asynchronous saves]): those in host memory of the parameters that ``optimizers`` update, their fragments and
+    their optimizer state (only an optimizer step changes them, and it waits for the copy)."""
+    stepped = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    names = {name for name, p, *_ in named_fragments(models) if id(p) in stepped}
+    keys = []
+    for key, value in sd.items():  # model/<name> and optim/<name>/<state key>: a name holds dots, never a slash
+        if key.startswith("model/"):
+            name = key[len("model/"):]
+        elif key.startswith("optim/"):
+            name = key[len("optim/"):key.rindex("/")]
+        else:
+            continue
+        if name in names and value.device.type == "cpu":
+            keys.append(key)
+    return frozenset(keys)
 
 
 def _write(sd: dict[str, Any], fragments: dict[str, tuple[list, int]], path: str) -> None:
@@ -411,7 +432,8 @@ def load(model: _Model, optimizer: _Optimizer, path: str,
             ``checkpoint <path> cannot be read: ...`` on one line naming the damaged files, their keys and each failed
             rank's error; the model and optimizer are then partly loaded.
     """
-    models, optimizers = _meet(model, optimizer, "load")
+    background.wait_staged()  # the loaded values must not reach the staging copy of an asynchronous save
+    models, optimizers, _ = _meet(model, optimizer, "load")
     try:
         reader, meta = open_checkpoint(path)
         unreadable = None
@@ -488,9 +510,13 @@ def save_checkpoint(model: _Model, optimizer: _Optimizer, root: str, step: int,
     folder, which :func:`latest_checkpoint` ignores: the previous checkpoint stays the latest.
 
     ``async_save=True`` (see [Note: asynchronous saves] in :mod:`shardfusion.checkpoint.background`): the call
-    returns once this rank's tensors are copied off to host memory (the staging copy: pinned for CUDA tensors, kept
-    and reused by the next save, so held from the first asynchronous save on: :func:`staging_bytes`); rank
-    0's preparation of the folder, the write, the commit and rank 0's publish run on a background thread, with
+    returns once the copy of this rank's tensors to host memory has begun (the staging copy: pinned for CUDA
+    tensors, kept and reused by the next save, so held from the first asynchronous save on: :func:`staging_bytes`).
+    The parameters' fragments and optimizer state in host memory of the parameters ``optimizer`` updates are copied
+    on a staging thread while the loop goes on: a forward and a backward may run beside it, each ``step()`` of
+    ``optimizer`` waits for it (a step pre-hook), as do the next save, ``wait()``, :func:`load` and
+    :func:`load_full_state`; any other in-place change of them must call the handle's ``wait_staged()`` first. The
+    rest is copied before the call returns. Rank 0's preparation of the folder, the write, the commit and rank 0's publish run on a background thread, with
     their collectives on a process group of their own (created by the first asynchronous save). The checkpoint is
     published only after every rank's write has ended, as above. Every save first waits for the asynchronous save in
     flight, if any, and every rank learns its outcome (in the gather of the arguments' check): one save at a time.
@@ -519,12 +545,13 @@ def save_checkpoint(model: _Model, optimizer: _Optimizer, root: str, step: int,
     if async_save:
         background.write_delay()  # a bad value is refused before anything is written
     final, tmp = os.path.join(root, f"step-{step}"), os.path.join(root, f"tmp-step-{step}")
-    models, optimizers = _meet(model, optimizer, "save_checkpoint", background.in_flight())
+    models, optimizers, info = _meet(model, optimizer, "save_checkpoint", background.in_flight(), rank_state)
+    sd, fragments = _state_dict(models, optimizers, tmp, extra, rank_state, info)
     if async_save:  # rank 0 prepares the folder in the write's plan, between every rank's plan and any file
-        sd, fragments = _state_dict(models, optimizers, tmp, extra, rank_state)
-        return background.start(sd, fragments, root, step, keep, sharded_state(models[0]).topology)
+        return background.start(sd, fragments, root, step, keep, sharded_state(models[0]).topology, optimizers,
+                                _copied_behind(sd, models, optimizers))
     call_on_rank0(lambda: prepare(root, step), f"cannot prepare {tmp!r}")
-    _save(models, optimizers, tmp, extra, rank_state)
+    _write(sd, fragments, tmp)
     call_on_rank0(lambda: publish(root, step, keep), f"cannot publish {tmp!r} as {final!r}")
     return final
 
@@ -561,7 +588,8 @@ def load_full_state(model: _Model, state_dict: dict[str, torch.Tensor]) -> None:
             ``state_dict``, a key that is no parameter or buffer of the model on any rank, or a shape that differs
             (each named).
     """
-    models, _ = _meet(model, None, "load_full_state")
+    background.wait_staged()  # as load
+    models, _, _ = _meet(model, None, "load_full_state")
     shapes = model_info(models)["shapes"]
     buffers = dict(named_buffers(models))
     nonpersistent = {n for m in models for n, _ in m.named_buffers()} - set(buffers)  # ignored if given (older exports)

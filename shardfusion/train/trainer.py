@@ -168,8 +168,9 @@ class Trainer:
     def save(self, done: int) -> Optional[str]:
         """Publish the checkpoint of step ``done`` in --out (with the modes' per-rank state), unless a mode keeps
         this group from writing it (`Mode.may_save`); returns its path (None then). With --async-save the save first
-        waits for the previous one (`shardfusion.checkpoint.save_checkpoint` does), then returns once this rank's
-        shards are copied off: the write runs behind, in `saving`. Collective.
+        waits for the previous one (`shardfusion.checkpoint.save_checkpoint` does), then returns once the copy of
+        this rank's shards has begun (the next optimizer step waits for it): the write runs behind, in `saving`.
+        Collective.
 
         Raises:
             ValueError: on every rank: the save, or the previous asynchronous one, failed (`train_state.save`).

@@ -11,6 +11,15 @@ Checked in this process: every key of both roots' checkpoints equal bitwise (``r
 the published folders and ``latest`` the same; loading either checkpoint gives the same model and optimizer.
 ``staging_bytes`` equals the bytes of the tensors written by the rank (its data file, less DCP's headers).
 
+The staging copy made behind the loop (the parameters and optimizer state of the optimizers given), held back by a
+slowed staging thread: an optimizer step right after the save (its pre-hook waits), a ``load`` right after the save
+(it waits), and a change by hand after ``AsyncSave.wait_staged()`` must not reach the checkpoint: each asynchronous
+checkpoint equals a synchronous save of the same state, bitwise; the copy was still held back when each began.
+
+The call's collectives on the default group: one all-gather (``comm.all_gather_object`` with a capacity: the
+arguments' check, the previous save's outcome and ``meta`` in one round), two when a rank's part does not fit; the
+objects gathered equal those sent, with and without a capacity.
+
 Failures, a ValueError on every rank with no rank left waiting: a write that fails on rank 1 (raised by the next
 save, and by ``wait()``, naming rank 1; not published, the previous checkpoint stays the latest), a staging copy
 that fails on rank 2 (the others' writes are not left waiting for it), a publish that fails on rank 0, a root
@@ -20,6 +29,7 @@ folder that cannot be made (a file is in the way), a bad ``SHARDFUSION_TEST_SAVE
 from __future__ import annotations
 
 import os
+import time
 import zlib
 
 import pytest
@@ -37,6 +47,7 @@ LAYOUTS = {"fsdp4": dict(sharding=4), "hsdp2x2": dict(sharding=4, fsdp_outer_deg
            "muon": dict(sharding=4)}
 SAVES = (1, 2)
 DELAY_S = "0.3"
+STAGING_DELAY_S = 1.0  # the staging thread's sleep before its copy: longer than a step of the small GPT
 
 
 def _gpt(seed: int = 0):
@@ -109,6 +120,7 @@ def _layout_case(name: str, root: str) -> dict:
         background.staged = lambda value, into=None: _counted(staged(value, into), copies)
         handle = ckpt.save_checkpoint(models, opts, f"{root}/{name}/async", step, keep=2, extra=extra,
                                       async_save=True)
+        handle.wait_staged()  # the copy behind the loop counted too
         background.staged = staged
         out["handles"].append((type(handle).__name__, handle.path))
         out["staging"].append(ckpt.staging_bytes(models, opts))
@@ -122,6 +134,77 @@ def _layout_case(name: str, root: str) -> dict:
         fresh, fresh_opts = _build(name, topo, seed=1)
         ckpt.load(fresh, fresh_opts, f"{root}/{name}/{kind}/step-{SAVES[-1]}")
         out[f"loaded-{kind}"] = _full(fresh, fresh_opts)
+    return out
+
+
+def _staging_case(root: str) -> dict:
+    """Asynchronous saves whose staging copy behind the loop is held back (the staging thread sleeps
+    STAGING_DELAY_S first), each beside a synchronous save of the same state: an optimizer step right after the save,
+    a load right after it, a change by hand after ``wait_staged()``. ``held_back``: the copy had not begun when the
+    step, the load or ``wait_staged`` began (else the case would prove nothing)."""
+    import shardfusion as sf
+    from shardfusion import checkpoint as ckpt
+    from shardfusion.checkpoint import background
+    topo = sf.Topology(**LAYOUTS["hsdp2x2"], timeout=60)
+    models, opts = _build("hsdp2x2", topo)
+    behind, where, out = background._Stager._behind_loop, f"{root}/staging", {"held_back": []}
+
+    def late(self, *args):
+        time.sleep(STAGING_DELAY_S)
+        return behind(self, *args)
+    background._Stager._behind_loop = late
+
+    def saved(step: int):
+        ckpt.save_checkpoint(models, opts, f"{where}/sync", step)
+        handle = ckpt.save_checkpoint(models, opts, f"{where}/async", step, async_save=True)
+        out["held_back"].append(not handle._copied.is_set())
+        return handle
+    _step(models, opts, 1)
+    handle = saved(1)
+    _step(models, opts, 2)  # waits for the copy (the optimizers' step pre-hook)
+    handle.wait()
+    handle = saved(2)
+    ckpt.load(models, opts, f"{where}/sync/step-1")  # waits for the copy: step 1's values must not reach step-2
+    handle.wait()
+    _step(models, opts, 3)
+    handle = saved(3)
+    handle.wait_staged()
+    with torch.no_grad():
+        for p in (p for m in models for p in m.parameters()):
+            p.add_(1.0)
+    out["waited"] = handle.wait()
+    background._Stager._behind_loop = behind
+    return out
+
+
+def _gather_case(root: str) -> dict:
+    """All-gathers on the default group (``comm._all_gather_base`` counted) of an asynchronous ``save_checkpoint``
+    after another (which agrees on it), and of ``all_gather_object`` with a capacity that every rank's object fits,
+    that rank 3's does not fit, and none; the objects gathered."""
+    import torch.distributed as dist
+    import shardfusion as sf
+    from shardfusion import checkpoint as ckpt, comm
+    rank, counted, out = dist.get_rank(), [], {}
+    base = comm._all_gather_base
+
+    def counting(*args, **kwargs):
+        counted.append(kwargs.get("group"))
+        return base(*args, **kwargs)
+    models, opts = _build("fsdp4", sf.Topology(sharding=4, timeout=60))
+    _step(models, opts, 1)
+    ckpt.save_checkpoint(models, opts, f"{root}/gathers", 1, async_save=True)
+    comm._all_gather_base = counting
+    try:
+        handle = ckpt.save_checkpoint(models, opts, f"{root}/gathers", 2, async_save=True)
+        out["save"] = sum(1 for group in counted if group is None)
+        mine = {"rank": rank, "text": "x" * (100 if rank != 3 else 5000)}
+        for capacity in (10000, 1000, 0):
+            counted.clear()
+            out[f"objects-{capacity}"] = comm.all_gather_object(mine, None, "a test", capacity=capacity)
+            out[f"gathers-{capacity}"] = len(counted)
+    finally:
+        comm._all_gather_base = base
+    handle.wait()
     return out
 
 
@@ -184,6 +267,8 @@ def _failure_cases(root: str) -> dict:
 
 def async_job(root: str) -> dict:
     out = {name: _layout_case(name, root) for name in LAYOUTS}
+    out["staging"] = _staging_case(root)
+    out["gathers"] = _gather_case(root)
     out["failures"] = _failure_cases(root)
     return out
 
@@ -215,6 +300,34 @@ def test_async_save_equals_sync_save(runs, name: str) -> None:
         assert r["waited"] == r["waited_again"] == f"{root}/{name}/async/step-{SAVES[-1]}"
         assert_bitwise(r["loaded-async"]["model"], r["loaded-sync"]["model"], f"{name} rank {rank}")
         assert r["loaded-async"]["steps"] == r["loaded-sync"]["steps"] == [2.0 * SAVES[-1] - 1]  # a step between saves
+
+
+def test_the_staging_copy_behind_the_loop_is_waited_for(runs) -> None:
+    """An optimizer step, a load, a change by hand after wait_staged(): none reaches the checkpoint of the
+    asynchronous save before it (bitwise equal to the synchronous save of the same state)."""
+    from shardfusion.checkpoint import read_all
+    root, results = runs
+    for rank, r in enumerate(results):
+        assert r["staging"]["held_back"] == [True, True, True], (rank, r["staging"])
+        assert r["staging"]["waited"] == f"{root}/staging/async/step-3"
+    for step in (1, 2, 3):
+        sync, asynchronous = (read_all(f"{root}/staging/{kind}/step-{step}") for kind in ("sync", "async"))
+        assert sync.keys() == asynchronous.keys()
+        for key in sync:
+            assert torch.equal(sync[key], asynchronous[key]), (step, key)
+
+
+def test_a_save_gathers_in_one_round(runs) -> None:
+    """An asynchronous save makes one all-gather on the default group (after its arrival check), the previous
+    save's agreement included; all_gather_object with a capacity: one round when every object fits, two otherwise,
+    the same objects as without."""
+    _, results = runs
+    sent = [{"rank": r, "text": "x" * (100 if r != 3 else 5000)} for r in range(4)]
+    for rank, r in enumerate(results):
+        g = r["gathers"]
+        assert g["save"] == 1, (rank, g["save"])
+        assert g["objects-10000"] == g["objects-1000"] == g["objects-0"] == sent, rank
+        assert (g["gathers-10000"], g["gathers-1000"], g["gathers-0"]) == (1, 2, 2), (rank, g)
 
 
 def test_staging_bytes_are_the_staged_tensors(runs) -> None:

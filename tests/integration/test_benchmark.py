@@ -177,8 +177,9 @@ def test_pipeline_smoke(tmp_path):
 def test_async_save_smoke(tmp_path):
     """benchmarks/async_save.py runs end to end (2 gloo workers, HSDP 2 x 1, the tiny GPT, 2 pairs of saves a step
     apart) and writes its JSON and markdown report. No timing is asserted; what is exact is: the saves alternate
-    (the order swapped in the second pair), each asynchronous save has its parts and a background write, the stall
-    is the call plus the wait, and one pair of saves of the same state is equal bitwise."""
+    (the order swapped in the second pair), each asynchronous save has its parts (a staging copy on the calling
+    thread and one behind the loop) and a background write, the stall is the call plus the waits, and one pair of
+    saves of the same state is equal bitwise."""
     cmd = [sys.executable, "-m", "benchmarks.async_save", "--preset", "tiny", "--nproc", "2", "--outer", "2",
            "--pairs", "2", "--every", "1", "--out-dir", str(tmp_path), "--name", "smoke"]
     proc = run_command(cmd, timeout=140)
@@ -187,6 +188,7 @@ def test_async_save_smoke(tmp_path):
     assert [(s["pair"], s["kind"]) for s in summary["saves"]] == [(0, "sync"), (0, "async"), (1, "async"), (1, "sync")]
     for save in (s for s in summary["saves"] if s["kind"] == "async"):
         assert save["stall_s"] >= save["call_s"] >= save["staging_s"] > 0 and save["write_s"] > 0, save
+        assert save["behind_s"] > 0 and save["stall_s"] >= save["call_s"] + save["staged_wait_s"], save
     assert summary["async_equals_sync"] is True
     assert len(summary["pair_ratios"]) == 2 and summary["ratio"] > 0
     assert "Stall over synchronous save" in (tmp_path / "smoke.md").read_text()
