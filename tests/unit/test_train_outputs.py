@@ -1,9 +1,11 @@
 """The training job's outputs and metrics in one process: the expert-balance and communication figures of the
 summary, metrics.jsonl across a resume (records after the checkpoint moved aside, a torn last line dropped),
-config.json of a resumed run, and the files of an earlier run moved aside by a new one."""
+config.json of a resumed run, the files of an earlier run moved aside by a new one, and the line of a run with
+nothing left to train."""
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,6 +13,7 @@ from shardfusion.accounting import CATEGORIES
 from shardfusion.train.metrics import (COMM_FIELDS, MetricsLog, comm_per_step, comm_step_record, expert_balance,
                                        format_comm, read_metrics)
 from shardfusion.train.outputs import open_outputs, write_config
+from shardfusion.train.trainer_outputs import nothing_to_train
 
 
 def test_expert_balance() -> None:
@@ -95,3 +98,20 @@ def test_metrics_log_drops_a_torn_line(tmp_path: Path) -> None:
     resumed = MetricsLog(tmp_path, resume_step=1)
     assert [r["step"] for r in resumed.train] == [1] and resumed.dropped == 1
     assert (tmp_path / "metrics.dropped.jsonl").read_text() == '{"step": 2, "loss": 4.5, "grad_n\n'
+
+
+def test_nothing_to_train_names_the_stop_and_how_to_go_on() -> None:
+    """The line of a resumed run whose checkpoint is at its stop (the job's runs: tests/integration/
+    test_train_resume.py): the stop it reached, --stop-after's or --steps', and a way on only after --stop-after."""
+    def line(stop_after: int | None, steps: int) -> str:
+        schedule = SimpleNamespace(stop_after=stop_after, steps=steps)
+        trainer = SimpleNamespace(schedule=schedule, stop=stop_after or steps, start=stop_after or steps,
+                                  resume_from="OUT/checkpoints/step-4", out="OUT")
+        return nothing_to_train(trainer)
+
+    stopped = line(4, 30)
+    assert stopped.startswith("shardfusion: nothing to train: OUT/checkpoints/step-4 is at step 4, and this run "
+                              "stops at --stop-after 4") and stopped.endswith("; outputs in OUT are kept")
+    assert "to go on, run again with a larger --stop-after, or without it" in stopped
+    finished = line(None, 6)
+    assert "nothing to train" in finished and "this run stops at --steps 6" in finished and "to go on" not in finished
