@@ -220,10 +220,12 @@ def test_killed_worker_restarts_from_latest_checkpoint(reference: Path, tmp_path
 @pytest.mark.timeout(150)
 def test_torchrun_restarts_need_an_unshared_store(tmp_path: Path) -> None:
     # without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 a restart cannot work (launch.restart_problem): refused up front,
-    # by every worker before it joins the process group (one worker shows it as well as four)
+    # by every worker before it joins the process group (one worker shows it as well as four, and one restart as
+    # well as two: torchrun starts the refused worker again for each)
     nproc = FLAGS.index("--nproc")
     one_worker = [*TORCHRUN[:-1]]
     one_worker[one_worker.index("--nproc-per-node") + 1] = "1"
+    one_worker[one_worker.index("--max-restarts") + 1] = "1"
     result = run_train([*FLAGS[:nproc], *FLAGS[nproc + 2:], "--out", str(tmp_path)], launcher=one_worker)
     assert result.returncode != 0
     assert "torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in result.stdout + result.stderr
