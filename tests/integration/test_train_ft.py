@@ -178,9 +178,10 @@ def test_groups_from_a_pretrained_folder_equal_hsdp(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_a_hung_then_killed_replica_group_is_survived_and_recovers(tmp_path: Path) -> None:
     ok, _ = netns_available()
-    steps, hang_at, kill_at = 600, 10, 60
+    steps, hang_at, kill_at = 160, 10, 60
     train = [*TRAIN[:TRAIN.index("--ft-timeout")], "--ft-timeout", str(FT_TIMEOUT_S)]
     # hold_at: the survivor cannot end the run before the restarted group has started, however loaded the machine
+    # (so the run needs no more steps than the hold's 80 and as many together after it)
     scenario = dict(steps=steps, hang_at=hang_at, kill_at=kill_at, restart_after=0, hold_at=steps // 2, train=train,
                     heartbeat_ms=int(HEARTBEAT_S * 1000), timeout=240)
     if ok:

@@ -3,13 +3,16 @@ order of older runs) and the context-parallel slice, one process."""
 
 from pathlib import Path
 
+import os
+import sysconfig
+
 import numpy as np
 import pytest
 import torch
 
 from shardfusion.train.data import (DATA_ORDER_PER_RANK, VAL_FRACTION, BatchSampler, context_parallel_slice,
                                     context_parallel_span, corpus_size, load_corpus, min_corpus_bytes, split_corpus,
-                                    split_sizes, stdlib_files)
+                                    python_files, split_sizes, stdlib_files)
 
 
 def make_sampler(dp_rank: int = 0, dp_world: int = 4, seed: int = 0, batch_size: int = 4,
@@ -30,6 +33,34 @@ def test_stdlib_corpus_is_deterministic_and_capped() -> None:
     assert torch.equal(a, b)
     assert bytes(a[:200].tolist()) == files[0].read_bytes()[:200]
     assert corpus_size(max_bytes=100_000) == 100_000
+
+
+def _glob_definition(root: Path) -> tuple[Path, ...]:
+    """The corpus's files as defined (pathlib's glob, filtered and sorted), against which the walk is checked."""
+    skipped = {"site-packages", "dist-packages", "__pycache__"}
+    files = [p for p in root.rglob("*.py") if p.is_file() and not skipped & set(p.relative_to(root).parts[:-1])]
+    return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
+
+
+def test_python_files_are_the_glob_of_the_definition(tmp_path: Path) -> None:
+    """`python_files` (os.walk) lists what ``rglob("*.py")`` with the filter lists, in the same order: on a tree
+    whose names sort differently folder by folder than as whole paths ("a-b/", "a.py", "a/"), with skipped folders
+    at any depth, a folder named like a file, links to a folder (not entered) and to a file (kept), and on the
+    standard library itself (the default corpus: its order is the data order of every run on it)."""
+    for rel in ("a.py", "a/x.py", "a-b/y.py", "a/site-packages/no.py", "b/c/__pycache__/no.py", "b/c/d.py",
+                "dist-packages/no.py", "z.txt", ".hidden.py", "b/c/deeper/e.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("pass\n")
+    (tmp_path / "folder.py").mkdir()
+    os.symlink(tmp_path / "b", tmp_path / "link_to_b")
+    os.symlink(tmp_path / "a.py", tmp_path / "link.py")
+    os.symlink(tmp_path / "missing.py", tmp_path / "broken.py")
+    ours = python_files(tmp_path)
+    assert ours == _glob_definition(tmp_path)
+    assert [p.relative_to(tmp_path).as_posix() for p in ours] == [
+        ".hidden.py", "a-b/y.py", "a.py", "a/x.py", "b/c/d.py", "b/c/deeper/e.py", "link.py"]
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    assert python_files(stdlib) == _glob_definition(stdlib) == tuple(stdlib_files())
 
 
 def test_split_is_fixed() -> None:

@@ -1,10 +1,11 @@
 """The training job's outputs and metrics in one process: the expert-balance and communication figures of the
 summary, metrics.jsonl across a resume (records after the checkpoint moved aside, a torn last line dropped),
-config.json of a resumed run, the files of an earlier run moved aside by a new one, and the start line on the ZeRO++
-options (whole runs print it: tests/integration/test_train.py)."""
+config.json of a resumed run, the files of an earlier run moved aside by a new one, the line of a run with nothing
+left to train, and the start line on the ZeRO++ options (whole runs print it: tests/integration/test_train.py)."""
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,6 +14,7 @@ from shardfusion.train.metrics import (COMM_FIELDS, MetricsLog, comm_per_step, c
                                        format_comm, read_metrics)
 from shardfusion.train.outputs import open_outputs, write_config
 from shardfusion.train.parallelize import ZERO_PP, zero_pp_line
+from shardfusion.train.trainer_outputs import nothing_to_train
 
 
 def test_expert_balance() -> None:
@@ -122,3 +124,20 @@ def test_zero_pp_start_line() -> None:
     assert zero_pp_line({**on, "secondary_shard": False, "grad_comm_dtype": "bf16"}, two_nodes) == (
         "ZeRO++: qwZ on (--all-gather-dtype int8), hpZ off, qgZ off; 2 nodes x 2 ranks; spans")
     assert [name for name, _, _ in ZERO_PP] == ["all_gather_dtype", "secondary_shard", "grad_comm_dtype"]
+
+
+def test_nothing_to_train_names_the_stop_and_how_to_go_on() -> None:
+    """The line of a resumed run whose checkpoint is at its stop (the job's runs: tests/integration/
+    test_train_resume.py): the stop it reached, --stop-after's or --steps', and a way on only after --stop-after."""
+    def line(stop_after: int | None, steps: int) -> str:
+        schedule = SimpleNamespace(stop_after=stop_after, steps=steps)
+        trainer = SimpleNamespace(schedule=schedule, stop=stop_after or steps, start=stop_after or steps,
+                                  resume_from="OUT/checkpoints/step-4", out="OUT")
+        return nothing_to_train(trainer)
+
+    stopped = line(4, 30)
+    assert stopped.startswith("shardfusion: nothing to train: OUT/checkpoints/step-4 is at step 4, and this run "
+                              "stops at --stop-after 4") and stopped.endswith("; outputs in OUT are kept")
+    assert "to go on, run again with a larger --stop-after, or without it" in stopped
+    finished = line(None, 6)
+    assert "nothing to train" in finished and "this run stops at --steps 6" in finished and "to go on" not in finished
