@@ -404,17 +404,22 @@ def all_to_all_equal(output: torch.Tensor, input: torch.Tensor, group: Optional[
     """
     _check_category(category)
     size = group_size(group)
-    if (input.dim() != 1 or output.dim() != 1 or input.numel() != output.numel() or input.dtype != output.dtype
-            or input.numel() % size):
-        raise ValueError(f"all_to_all_equal: input and output must be 1-D of one dtype and one length divisible by "
-                         f"the group size ({size}), got {input.shape=} {input.dtype=}, {output.shape=} "
-                         f"{output.dtype=}")
+    _check_equal_split("all_to_all_equal", ("input", input), ("output", output), size)
     if size == 1:
         output.copy_(input)
         return
     rows = [input.numel() // size] * size
     _issue(_record("all_to_all", group, input, rows, category=category), dist.all_to_all_single, output, input,
            group=group)
+
+
+def _check_equal_split(call: str, a: tuple[str, torch.Tensor], b: tuple[str, torch.Tensor], size: int) -> None:
+    """ValueError unless the named tensors ``a`` and ``b`` are 1-D, of one dtype and one length divisible by ``size``
+    (an all-to-all in equal chunks)."""
+    (na, x), (nb, y) = a, b
+    if x.dim() != 1 or y.dim() != 1 or x.numel() != y.numel() or x.dtype != y.dtype or x.numel() % size:
+        raise ValueError(f"{call}: {na} and {nb} must be 1-D of one dtype and one length divisible by the group size "
+                         f"({size}), got {na} {tuple(x.shape)} {x.dtype}, {nb} {tuple(y.shape)} {y.dtype}")
 
 
 def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Optional[ProcessGroup], async_op: bool = False,
@@ -464,11 +469,7 @@ def reduce_scatter_exchange(received: torch.Tensor, send: torch.Tensor, group: P
         ValueError: the tensors are not 1-D of one dtype and one length divisible by the group size.
     """
     size = group_size(group)
-    if (send.dim() != 1 or received.dim() != 1 or send.numel() != received.numel() or send.dtype != received.dtype
-            or send.numel() % size):
-        raise ValueError(f"reduce_scatter_exchange: send and received must be 1-D of one dtype and one length "
-                         f"divisible by the group size ({size}), got {send.shape=} {send.dtype=}, "
-                         f"{received.shape=} {received.dtype=}")
+    _check_equal_split("reduce_scatter_exchange", ("send", send), ("received", received), size)
     record = _record("reduce_scatter", group, send, [send.numel() // size] * size)
     return _issue(record, dist.all_to_all_single, received, send, group=group, async_op=async_op)
 

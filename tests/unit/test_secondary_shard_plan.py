@@ -95,24 +95,15 @@ def test_job_flag_reaches_the_library_in_every_mode(mode: str, tmp_path, monkeyp
     """--secondary-shard in every mode of the job (the modes of tests/unit/test_train_dtype_flags.py), through the
     job's own path: the command line, the checks against the world, and the `fully_shard` keywords every mode builds
     its model with (`parallelize.shard_options`; the dry run's, handed to `sf.dry_run`, which is stubbed)."""
-    from test_train_dtype_flags import MODES
+    from test_train_dtype_flags import MODES, dry_run_fully_shard
 
-    from shardfusion.train import job_dry_run, parallelize
+    from shardfusion.train import parallelize
     from shardfusion.train.config import check_run, parse_args, resolve
 
     extra, world = MODES[mode]
     argv = ["--preset", "tiny", "--out", str(tmp_path / "run"), *extra, "--secondary-shard"]
     if mode == "dry-run":
-        seen: dict = {}
-
-        def record(build, step, **kwargs):
-            seen.update(kwargs["fully_shard"])
-            raise StopIteration
-
-        monkeypatch.setattr(sf, "dry_run", record)
-        with pytest.raises(StopIteration):
-            job_dry_run.run(parse_args(argv))
-        assert seen["secondary_shard"] is True
+        assert dry_run_fully_shard(argv, monkeypatch)["secondary_shard"] is True
         return
     config = resolve(parse_args(argv), device="cpu", world_size=world)
     check_run(config, world=f"--nproc {world}")

@@ -95,14 +95,23 @@ def test_every_documented_value_in_every_mode(mode: str, flag: str, value: str, 
         job_outer.OuterRun(config.outer, config.precision, config.schedule.steps, model=None, topo=None, optimizers=[])
         assert seen["comm_dtype"] == wire and seen["fragments"] == config.outer.outer_fragments
     if mode == "dry-run":  # what the dry run hands sf.dry_run, which is stubbed: nothing is played
-        def record(build, step, **kwargs):
-            seen.update(kwargs["fully_shard"])
-            raise StopIteration
-
-        monkeypatch.setattr(sf, "dry_run", record)
-        with pytest.raises(StopIteration):
-            job_dry_run.run(parse_args(argv))
+        seen = dry_run_fully_shard(argv, monkeypatch)
         assert seen["mp_policy"] == policy and seen["outer_comm_dtype"] == wire
+
+
+def dry_run_fully_shard(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> dict:
+    """The `fully_shard` keywords the job's dry run (`job_dry_run.run`) hands `sf.dry_run` for ``argv``; `sf.dry_run`
+    is stubbed, so nothing is played."""
+    seen: dict = {}
+
+    def record(build, step, **kwargs):
+        seen.update(kwargs["fully_shard"])
+        raise StopIteration
+
+    monkeypatch.setattr(sf, "dry_run", record)
+    with pytest.raises(StopIteration):
+        job_dry_run.run(parse_args(argv))
+    return seen
 
 
 def test_one_table_of_names() -> None:
