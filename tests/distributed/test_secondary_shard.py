@@ -63,10 +63,42 @@ def _memory(case: Case) -> dict:
             "counted_backward": counted_backward}
 
 
+def _whole_params(case: Case) -> dict:
+    """Worker: 2 AdamW steps of the model with its 2-D weights in owner layouts (``whole_params``), without and with
+    hpZ: losses, parameters, and how many buffers held a secondary copy after the first forward."""
+    import torch.distributed as dist
+
+    import shardfusion as sf
+    from models import MODEL_SEED, build_model, loss_fn
+    from reference import DATA_SEED, draw_batch, get_topology, wrap_kwargs
+
+    topo = get_topology(case)
+    out = {}
+    for hpz in (False, True):
+        model = build_model(case.model, seed=MODEL_SEED, ep_group=topo.get_group("ep"))
+        sf.fully_shard(model, topo, **wrap_kwargs(case.with_(secondary_shard=hpz)),
+                       whole_params=lambda name, p: p.dim() == 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(DATA_SEED + dist.get_rank() + 1)
+        losses, copies = [], None
+        for _ in range(2):
+            loss = loss_fn(case.model, model, draw_batch(case, gen))
+            if copies is None:
+                copies = sum(g.secondary is not None for u in sf.get_units(model) for g in u.groups)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[hpz] = {"losses": losses, "copies": copies,
+                    "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return out
+
+
 def _job() -> dict:
     results = run_cases(CASES)
     for name in ("none", "int8"):
         results["memory-" + name] = _memory(PAIRS[name].with_(secondary_shard=True))
+    results["whole-params"] = _whole_params(_BASE.with_(micro=1))
     return results
 
 
@@ -171,3 +203,15 @@ def test_memory_holds_the_copy_between_forward_and_backward(results, wire):
             total += want
         assert total > 0 and r["counted_forward"] == total
         assert r["after_backward"] and not any(r["after_backward"]) and r["counted_backward"] == 0
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+def test_owner_layouts_bitwise_the_run_without_it(results):
+    """whole_params (each 2-D weight whole on one owner rank) with hpZ: the copies are made (the owner layouts'
+    buffers all-gather like the others) and the run is bitwise the one without."""
+    for rank, r in enumerate(results):
+        got = r["whole-params"]
+        assert got[False]["copies"] == 0 and got[True]["copies"] > 0, (rank, got[False]["copies"], got[True]["copies"])
+        assert got[True]["losses"] == got[False]["losses"], rank
+        for n, t in got[False]["params"].items():
+            assert torch.equal(t, got[True]["params"][n]), (rank, n)
