@@ -125,15 +125,12 @@ class MixedPrecisionPolicy:
     quantizes nothing."""
 
     def __post_init__(self) -> None:
-        value = self.param_dtype
-        if value is not None and not any(value is d for d in MIXED_PRECISION_DTYPES):
-            raise ValueError(f"MixedPrecisionPolicy: param_dtype must be None, torch.float32, torch.bfloat16 or "
-                             f"torch.float16, got {value!r}")
-        value = self.grad_comm_dtype
-        if value is not None and not (isinstance(value, str) and value == "int8") and not any(
-                value is d for d in MIXED_PRECISION_DTYPES):
-            raise ValueError(f"MixedPrecisionPolicy: grad_comm_dtype must be {GRAD_COMM_DTYPE_TEXT}, got {value!r}")
-        value = self.all_gather_dtype
-        if value is not None and not (isinstance(value, str) and value == "int8") and not any(
-                value is d for d in ALL_GATHER_DTYPES[1:]):
-            raise ValueError(f"MixedPrecisionPolicy: all_gather_dtype must be {ALL_GATHER_DTYPE_TEXT}, got {value!r}")
+        for name, accepted, int8, text in (
+                ("param_dtype", MIXED_PRECISION_DTYPES, False, "None, torch.float32, torch.bfloat16 or torch.float16"),
+                ("grad_comm_dtype", MIXED_PRECISION_DTYPES, True, GRAD_COMM_DTYPE_TEXT),
+                ("all_gather_dtype", ALL_GATHER_DTYPES[1:], True, ALL_GATHER_DTYPE_TEXT)):
+            value = getattr(self, name)
+            if value is None or (int8 and isinstance(value, str) and value == "int8") or any(
+                    value is d for d in accepted):
+                continue
+            raise ValueError(f"MixedPrecisionPolicy: {name} must be {text}, got {value!r}")

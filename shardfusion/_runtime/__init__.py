@@ -12,4 +12,7 @@
 - ``optimizer_hook``: the optimizer step pre-hook (gradient sync, refusals).
 - ``state``: the one accessor for a sharded model's runtime state.
 - ``compress``: the compressed (bf16 / fp16 / block-wise int8) replicate all-reduce.
+- ``gather_wire``, ``grad_wire``: the wire formats of the parameter all-gather (qwZ) and of the gradient
+  reduce-scatter (int8, qgZ).
+- ``secondary_shard``: hpZ's copy of a gathered buffer sharded within the node, and ``in_backward``.
 """

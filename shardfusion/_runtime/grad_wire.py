@@ -53,6 +53,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from shardfusion import comm
+from shardfusion._runtime import gather_wire
 from shardfusion._runtime.compress import DEFAULT_BLOCK_SIZE, INT8, _dequantize_into, _quantize_rows
 
 
@@ -62,8 +63,9 @@ def is_quantized(grad_comm_dtype: object) -> bool:
 
 
 def row_bytes(shard_numel: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
-    """Bytes of one packed chunk: ``S + 4 * ceil(S / block_size)`` (the int8 values and one fp32 scale per block)."""
-    return shard_numel + 4 * -(-shard_numel // block_size)
+    """Bytes of one packed chunk: ``S + 4 * ceil(S / block_size)`` (the int8 values and one fp32 scale per block),
+    the row of qwZ's int8 wire format (``gather_wire.row_bytes``)."""
+    return gather_wire.row_bytes(shard_numel, INT8, 1, block_size)
 
 
 def wire_bytes(shard_numel: int, group_size: int, block_size: int = DEFAULT_BLOCK_SIZE) -> float:

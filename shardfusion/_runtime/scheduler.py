@@ -86,6 +86,7 @@ from shardfusion import comm
 from shardfusion._runtime.local_state_dict import persistent_buffers
 from shardfusion._runtime.optimizer_hook import install_optimizer_hook
 from shardfusion._runtime.replicate_sync import ReplicateSyncQueue
+from shardfusion._runtime.secondary_shard import in_backward as _in_backward
 from shardfusion._runtime.unit import ReduceState, Unit
 
 
@@ -628,7 +629,3 @@ def _check_not_in_flight(group, index: int) -> None:
     goes to the buffer's late gradient, all-reduced at the step boundary (``FlatBuffer.sync_replicas``)."""
     if group.sync_in_flight:
         group.discard_if_reset()
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1

@@ -299,7 +299,7 @@ class _Stager(AsyncStager):
             self._thread.join()
 
     def close(self) -> None:
-        pass
+        """DCP's stager interface: nothing to release (the copy is kept for the next save)."""
 
 
 class _Writer(FileSystemWriter):
@@ -314,16 +314,19 @@ class _Writer(FileSystemWriter):
         self._root, self._step, self._stager, self._delay = root, step, stager, delay
 
     def prepare_local_plan(self, plan):
+        """DCP's local plan, after raising this rank's staging failure (DCP gathers it from every rank)."""
         if self._stager.error is not None:
             raise self._stager.error
         return super().prepare_local_plan(plan)
 
     def prepare_global_plan(self, plans):
+        """On the coordinator: prepare ``tmp-step-<step>`` (every rank has planned, none has written), then DCP's."""
         prepare(self._root, self._step)
         self.fs.mkdir(self.path)
         return super().prepare_global_plan(plans)
 
     def write_data(self, plan, planner):
+        """DCP's write, after the test-only delay (``SHARDFUSION_TEST_SAVE_DELAY_S``)."""
         if self._delay > 0:
             time.sleep(self._delay)
         return super().write_data(plan, planner)
