@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from shardfusion.cpu_memory import keep_freed_memory
+
 
 def under_torchrun() -> bool:
     """Whether torchrun (or another elastic agent) started this process."""
@@ -54,9 +56,11 @@ def end_process(code: int = 0) -> None:
 
 
 def join(device: str) -> torch.device:
-    """Join the default process group (gloo on CPU, NCCL on CUDA); returns this worker's device."""
+    """Join the default process group (gloo on CPU, NCCL on CUDA); returns this worker's device. On CPU the process
+    keeps freed memory for reuse first (:func:`shardfusion.cpu_memory.keep_freed_memory`), whatever the variant."""
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if device != "cuda":
+        keep_freed_memory()  # every variant alike: freed buffers reused, not page-faulted in again (cpu_memory.py)
         dist.init_process_group("gloo")
         return torch.device("cpu")
     local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

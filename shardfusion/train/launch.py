@@ -32,6 +32,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from shardfusion.cpu_memory import keep_freed_memory
+
 
 UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """Set to 1 in the elastic agent's environment, it gives the workers of each restart a new rendezvous store."""
@@ -175,7 +177,8 @@ def _exit_now_after(worker: Callable[..., Any], *args: Any) -> Any:
 
 
 def init_worker(device: str) -> torch.device:
-    """Join the default process group (gloo on CPU, NCCL on CUDA) and limit CPU threads; returns this rank's device."""
+    """Join the default process group (gloo on CPU, NCCL on CUDA) and limit CPU threads; on CPU, keep freed memory in
+    the process for reuse (:func:`shardfusion.cpu_memory.keep_freed_memory`). Returns this rank's device."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if "OMP_NUM_THREADS" not in os.environ:
@@ -186,6 +189,7 @@ def init_worker(device: str) -> torch.device:
         torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
         return torch.device("cuda", local_rank)
+    keep_freed_memory()  # the CPU counterpart of CUDA's caching allocator: shardfusion/cpu_memory.py
     dist.init_process_group("gloo")
     return torch.device("cpu")
 
