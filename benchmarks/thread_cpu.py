@@ -31,8 +31,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def thread_cpu_s() -> dict[str, tuple[str, float]]:
-    """``{thread id: (kind, CPU seconds so far)}`` of this process; kind ``main`` for the calling process's first
-    thread, else the thread's name (Linux ``/proc``)."""
+    """``{thread id: (kind, CPU seconds so far)}`` of this process (Linux ``/proc``); kind ``main`` for the process's
+    first thread, the thread's name for gloo's and torch's named threads (``gloo_*``, ``pt_*``), ``python`` for the
+    rest (threads started by Python code: shardfusion's replicate-sync thread)."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for tid in os.listdir("/proc/self/task"):
@@ -43,7 +44,7 @@ def thread_cpu_s() -> dict[str, tuple[str, float]]:
             continue
         name = stat[stat.index("(") + 1:stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2:].split()
-        kind = "main" if tid == str(os.getpid()) else ("python" if name.startswith("python") else name)
+        kind = "main" if tid == str(os.getpid()) else (name if name.startswith(("gloo", "pt_")) else "python")
         out[tid] = (kind, (int(fields[11]) + int(fields[12])) / tick)  # utime + stime, clock ticks
     return out
 
