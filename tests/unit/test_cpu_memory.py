@@ -12,25 +12,27 @@ import pytest
 
 from shardfusion.cpu_memory import keep_freed_memory
 
-# A sharded step's allocation pattern in miniature: nine 3 MB "full parameter" buffers gathered and nine "gradient"
-# buffers zeroed, all freed at the step's end; the faults of 20 steps after 3 warm-up steps.
+# A sharded step's allocation pattern: "full parameter" buffers gathered and "gradient" buffers zeroed, all freed at
+# the step's end; the page faults per step of 5 steps after 2 warm-up steps. Buffers of 40 MB: above glibc's largest
+# adaptive mmap threshold (32 MiB), so with glibc's defaults each is mapped on its own and unmapped when freed,
+# whatever the heap's history (smaller blocks may or may not be given back, depending on how the heap lies).
 _STEPS = """
 import resource, sys, torch
 from shardfusion.cpu_memory import keep_freed_memory
 took = keep_freed_memory() if sys.argv[1] == "keep" else None
-n = 750_000
+n = 10_000_000
 def step():
-    params = [torch.empty(n) for _ in range(9)]
+    params = [torch.empty(n) for _ in range(2)]
     for p in params:
         p.fill_(1.0)
-    grads = [torch.zeros(n) for _ in range(9)]
+    grads = [torch.zeros(n) for _ in range(2)]
     del params, grads
-for _ in range(3):
+for _ in range(2):
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
+for _ in range(5):
     step()
-print(took, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20)
+print(took, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5)
 """
 
 
@@ -48,10 +50,12 @@ def _faults_per_step(mode: str) -> tuple[str, float]:
 def test_freed_buffers_are_reused_without_page_faults():
     took, kept = _faults_per_step("keep")
     _, default = _faults_per_step("default")
-    pages = 18 * 750_000 * 4 / 4096  # 4 KiB pages written per step
+    pages = 4 * 10_000_000 * 4 / 4096  # 4 KiB pages written per step
     assert took == "True"
-    assert kept < 0.01 * pages, (kept, default, pages)
-    assert default > 10 * max(kept, 1.0), (kept, default)  # glibc's defaults give the blocks back every step
+    # kept: none in most runs; up to a fifth of one buffer in some (where the heap's blocks fall shifts), never more
+    assert kept < 0.1 * pages, (kept, default, pages)
+    # glibc's defaults unmap every block when freed: at least a fault per 2 MiB (huge) page written, each step
+    assert default >= pages / 512 and default > 10 * max(kept, 1.0), (kept, default)
 
 
 @pytest.mark.parametrize("kwargs,name", [({"mmap_threshold_bytes": 0}, "mmap_threshold_bytes"),
