@@ -6,9 +6,10 @@ On CUDA, PyTorch's caching allocator hands a freed block to the next request of 
 from the C library's ``malloc``, and glibc's defaults give large blocks back to the kernel: a block above the mmap
 threshold is unmapped when freed, and free memory at the top of the heap above the trim threshold is released. The
 next allocation of that size then takes one page fault per 4 KiB page as it is first written (the kernel zeroes
-each page). Measured on the benchmark's machine (2 cores): 18 allocations of 3 MB per step took about 5,400 page
-faults and 35 ms per step with the defaults, none with the thresholds raised (the test
-``tests/unit/test_cpu_memory.py`` counts the faults). DDP, which keeps its gradient buckets for the whole run, never
+each page). Measured on the benchmark's machine (2 cores): 18 allocations of 3 MB per step took 1,400 to 6,700
+page faults per step with the defaults (the adaptive thresholds make it depend on the heap's history); four of
+40 MB (above any adaptive threshold) 39,064, every page, and none in most runs with the thresholds raised
+(``tests/unit/test_cpu_memory.py`` counts them). DDP, which keeps its gradient buckets for the whole run, never
 pays this; a sharded step pays it for every gathered and every reduced byte.
 
 :func:`keep_freed_memory` raises both thresholds (``mallopt``), so that freed blocks stay in the process heap and are
