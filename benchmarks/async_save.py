@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):
@@ -47,75 +47,45 @@ GOAL = 0.10
 """The issue's goal: an asynchronous save stops the step loop for at most this fraction of a synchronous one."""
 
 
-def _timed_staging(times: list[float]) -> None:
-    """Record the seconds of each staging copy (the stager's ``stage``) in ``times``."""
-    from shardfusion.checkpoint import background
-    stage = background._Stager.stage
-
-    def timed(self, state_dict):
-        t = time.perf_counter()
-        try:
-            return stage(self, state_dict)
-        finally:
-            times.append(time.perf_counter() - t)
-    background._Stager.stage = timed
-
-
-def _timed_behind() -> None:
-    """Record on each handle the seconds of its staging copy made behind the loop (``behind_s``: the stager's
-    staging thread; 0 when nothing was copied behind)."""
-    from shardfusion.checkpoint import background
-    behind = background._Stager._behind_loop
+def _time_calls(owner: type, name: str, record: Callable[[Any, float], None]) -> None:
+    """Replace the method ``owner.name`` by one that also passes each call's seconds to ``record(self, seconds)``
+    (after the call, also when it raised)."""
+    method = getattr(owner, name)
 
     def timed(self, *args):
         t = time.perf_counter()
         try:
-            return behind(self, *args)
+            return method(self, *args)
         finally:
-            self._handle.behind_s = time.perf_counter() - t
-    background._Stager._behind_loop = timed
+            record(self, time.perf_counter() - t)
+    setattr(owner, name, timed)
+
+
+def _instrument(staging: list[float], waits: list[float]) -> None:
+    """Time the asynchronous save's parts:
+
+    - each staging copy on the calling thread (the stager's ``stage``), appended to ``staging``;
+    - on each handle, its staging copy made behind the loop (``behind_s``: the stager's staging thread; 0 when
+      nothing was copied behind) and the sum of its waits for that copy (``staged_wait_s``:
+      ``AsyncSave.wait_staged``, which the optimizer step's pre-hook calls);
+    - on each handle, the time its background write and commit ended (``written_at``, before the publish);
+    - each wait for a save's own part (``AsyncSave.local_outcome``: inside the next save, or in ``wait()``),
+      appended to ``waits``.
+    """
+    from shardfusion.checkpoint import background
+
+    _time_calls(background._Stager, "stage", lambda _, s: staging.append(s))
+    _time_calls(background._Stager, "_behind_loop", lambda stager, s: setattr(stager._handle, "behind_s", s))
     background.AsyncSave.behind_s = 0.0
-
-
-def _timed_staged_waits() -> None:
-    """Record on each handle the seconds its waits for the staging copy took (``staged_wait_s``:
-    ``AsyncSave.wait_staged``, which the optimizer step's pre-hook calls)."""
-    from shardfusion.checkpoint import background
-    wait_staged = background.AsyncSave.wait_staged
-
-    def timed(self):
-        t = time.perf_counter()
-        try:
-            return wait_staged(self)
-        finally:
-            self.staged_wait_s = getattr(self, "staged_wait_s", 0.0) + time.perf_counter() - t
-    background.AsyncSave.wait_staged = timed
-
-
-def _timed_writes() -> None:
-    """Record on each handle the time its background write and commit ended (``written_at``, before the publish)."""
-    from shardfusion.checkpoint import background
+    _time_calls(background.AsyncSave, "wait_staged",
+                lambda handle, s: setattr(handle, "staged_wait_s", getattr(handle, "staged_wait_s", 0.0) + s))
+    _time_calls(background.AsyncSave, "local_outcome", lambda _, s: waits.append(s))
     written = background.AsyncSave._written
 
-    def timed(self, future) -> None:
+    def timed_write(self, future) -> None:
         self.written_at = time.perf_counter()
         written(self, future)
-    background.AsyncSave._written = timed
-
-
-def _timed_waits(waits: list[float]) -> None:
-    """Record in ``waits`` the seconds each wait for a save's own part takes (``AsyncSave.local_outcome``: inside
-    the next save, or in ``wait()``)."""
-    from shardfusion.checkpoint import background
-    local = background.AsyncSave.local_outcome
-
-    def timed(self):
-        t = time.perf_counter()
-        try:
-            return local(self)
-        finally:
-            waits.append(time.perf_counter() - t)
-    background.AsyncSave.local_outcome = timed
+    background.AsyncSave._written = timed_write
 
 
 class _Run:
@@ -136,11 +106,7 @@ class _Run:
         self.seq, self.step = PRESETS[args.preset].seq_len, 0
         self.staging: list[float] = []
         self.waits: list[float] = []
-        _timed_staging(self.staging)
-        _timed_behind()
-        _timed_staged_waits()
-        _timed_writes()
-        _timed_waits(self.waits)
+        _instrument(self.staging, self.waits)
         self.saves: list[dict[str, Any]] = []
         self.steps: dict[str, list[float]] = {"writing": [], "idle": []}
         self.pending: Optional[tuple] = None  # (record, handle) of the asynchronous save in flight
