@@ -47,8 +47,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardfusion import accounting, comm
-from shardfusion.checkpoint import staging_bytes
+from shardfusion import accounting, checkpoint, comm
 from shardfusion.clip import clip_grad_norm_
 from shardfusion.fully_shard import fully_shard as fully_shard_model
 from shardfusion.fully_shard import get_units, reshard_choice, set_is_last_backward
@@ -540,7 +539,7 @@ def measure_step(build: Build, step: Step, topo, *, ranks_per_node: int, fully_s
                   secondary_params=tracker.part_peaks["secondary_params"], activations=activations, other_peak=tracker.unwatched_peak, peak=tracker.peak.total,
                   transient=tracker.transient_peak.transient, largest_full_unit=largest_unit)
     if async_save:
-        memory["staging"] = staging_bytes(model, opt)
+        memory["staging"] = checkpoint.staging_bytes(model, opt)  # imports DCP (shardfusion.checkpoint)
     choices = [c.as_dict() for m in models if (c := reshard_choice(m)) is not None]
     at = tracker.transient_peak
     return RankFigures(topo.rank, coords, kind, memory, _collectives(counter, ranks_per_node) + p2p.rows(),

@@ -60,7 +60,12 @@ WORKER_ENV = {
 
 # Variables of a job's `env` that a forked worker can still apply after torch was imported (the rest need spawn).
 _APPLIED_AFTER_IMPORT = {"TORCH_DISTRIBUTED_DEBUG"}  # re-read by torch.distributed.set_debug_level_from_env()
-_PRELOAD = ["torch", "torch.distributed", "shardfusion"]
+# What the forkserver imports once for every job's ranks. torch._dynamo before shardfusion: the hooks then get
+# torch.compiler.disable at once (shardfusion/_runtime/compile_disable.py) instead of importing Dynamo in each rank at
+# its first forward. The checkpoint and pipeline modules are imported by shardfusion when first used, so per rank
+# without them here.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "shardfusion", "shardfusion.checkpoint.save_load",
+            "shardfusion.pipeline"]
 
 # Seconds the parent waits for the other ranks' reports once one rank has failed (they are usually stuck).
 _GRACE_AFTER_FAILURE_S = 3.0

@@ -4,6 +4,7 @@
 - ``flat_buffer``: :class:`FlatBuffer`, one flat buffer of a unit: its tensors, their lifetimes, its collectives.
 - ``unit``: :class:`Unit`, the parameters gathered and reduced together, and its state machine.
 - ``scheduler``: :class:`Scheduler`, the hooks and when units all-gather, reshard, reduce-scatter and all-reduce.
+- ``compile_disable``: the hooks' ``torch.compiler.disable``, importing ``torch._dynamo`` at their first call.
 - ``wrap``: what ``fully_shard`` builds: units, parameter placement, the groups of each buffer, the checks.
 - ``nested``: absorbing the units of earlier ``fully_shard`` calls on submodules (FSDP2's idiom).
 - ``local_state_dict``: ``model.state_dict()`` / ``load_state_dict`` conventions of a sharded model.

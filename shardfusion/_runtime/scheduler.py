@@ -54,7 +54,8 @@ buffer's late gradient (``FlatBuffer.late_grad``), all-reduced by itself at the 
 for each such buffer in that step, and the sum of two all-reduces instead of one (rounding may differ in the last
 bits from the synchronous path; with a correct prediction the additions are the same, and so is every bit).
 
-``torch.compile``: every hook is excluded from tracing (``torch.compiler.disable``). They resize storages, issue
+``torch.compile``: every hook is excluded from tracing (``torch.compiler.disable``, applied by ``compile_disable``,
+which imports ``torch._dynamo`` at the first hook call instead of at import). They resize storages, issue
 collectives and keep Python state, which Inductor cannot lower (its ``resize_storage_bytes_`` lowering needs static
 sizes). Dynamo breaks the graph at each hook, so the compute of each unit between two hooks is one compiled graph
 and the hooks run eagerly, as without compile (``tests/distributed/test_compile.py``).
@@ -83,6 +84,7 @@ from torch.autograd.graph import get_gradient_edge, register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from shardfusion import comm
+from shardfusion._runtime.compile_disable import compile_disable
 from shardfusion._runtime.local_state_dict import persistent_buffers
 from shardfusion._runtime.optimizer_hook import install_optimizer_hook
 from shardfusion._runtime.replicate_sync import ReplicateSyncQueue
@@ -192,7 +194,7 @@ class Scheduler:
             handle.remove()
         self.hook_handles = []
 
-    @torch.compiler.disable
+    @compile_disable
     def _root_pre_forward(self, module, args, kwargs):
         saving = self.__dict__.get("local_state_dict")
         if saving is not None:
@@ -223,7 +225,7 @@ class Scheduler:
             return x.to(self.param_dtype)
         return x
 
-    @torch.compiler.disable
+    @compile_disable
     def _root_post_forward(self, module, args, output):
         if not _in_backward():
             ran = list(dict.fromkeys(u for u in self._ran if u is not self.units[0]))
@@ -241,7 +243,7 @@ class Scheduler:
                     self._reshard(u)
 
     def _make_pre_forward(self, unit: Unit):
-        @torch.compiler.disable
+        @compile_disable
         def hook(module, args, kwargs):
             self._pre_forward(unit)
             if unit.holds_frozen and torch.is_grad_enabled() and not _in_backward():
@@ -287,7 +289,7 @@ class Scheduler:
         self._note_unsharded()
 
     def _make_post_forward(self, unit: Unit):
-        @torch.compiler.disable
+        @compile_disable
         def hook(module, args, output):
             if unit.reshard_after_forward and not _in_backward():
                 self._reshard(unit, keep_secondary=True)  # hpZ: [Note: secondary shard] in secondary_shard.py
@@ -297,7 +299,7 @@ class Scheduler:
         return hook
 
     def _make_backward_hook_only(self, unit: Unit):
-        @torch.compiler.disable
+        @compile_disable
         def hook(module, args, output):
             if torch.is_grad_enabled():
                 self._register_pre_backward(unit, output)
@@ -312,7 +314,7 @@ class Scheduler:
         if not _in_backward():
             self._grad_order.append(unit)
 
-    @torch.compiler.disable
+    @compile_disable
     def _pre_backward(self, unit: Unit) -> None:
         self._queue_callback()
         order = self._start_backward_order()
@@ -355,7 +357,7 @@ class Scheduler:
             unit.reshard(keep_secondary=keep_secondary)
 
     def _make_pre_accumulate(self, group, view_index: int):
-        @torch.compiler.disable
+        @compile_disable
         def hook(grad):
             self._queue_callback()
             _check_not_in_flight(group, view_index)
@@ -367,7 +369,7 @@ class Scheduler:
         return hook
 
     def _make_post_accumulate(self, unit: Unit, group, view_index: int):
-        @torch.compiler.disable
+        @compile_disable
         def hook(param):
             self._views_accumulated = True
             group.keep_grad_in_buffer(view_index)
@@ -382,7 +384,7 @@ class Scheduler:
     def _make_fragment_pre_accumulate(self, group, index: int):
         """Autograd is about to accumulate a gradient into a fragment itself (a loss term computed from
         ``model.parameters()``): set the fragment's ``.grad`` aside so that the new gradient can be taken out."""
-        @torch.compiler.disable
+        @compile_disable
         def hook(grad):
             self._queue_callback()  # this backward may reach only fragments: every rank still runs its collectives
             group.stash_fragment_grad(index)
@@ -392,7 +394,7 @@ class Scheduler:
     def _make_fragment_post_accumulate(self, group, index: int):
         """Autograd accumulated a direct gradient into a fragment (not in ``autograd.grad``, which accumulates
         nothing): take it out into the group's direct gradient and give the fragment its ``.grad`` back."""
-        @torch.compiler.disable
+        @compile_disable
         def hook(param):
             grad = group.unstash_fragment_grad(index)
             _check_not_in_flight(group, index)
@@ -524,7 +526,7 @@ class Scheduler:
             return self.is_last_backward
         return self._backwards_last_step is not None and self._backwards_this_step + 1 == self._backwards_last_step
 
-    @torch.compiler.disable
+    @compile_disable
     def _post_backward(self) -> None:
         """End of backward: reduce-scatter what is left, in order, wait for all, free full buffers.
 
@@ -617,7 +619,7 @@ class _InputsGradDone(torch.autograd.Function):
         return tensors
 
     @staticmethod
-    @torch.compiler.disable
+    @compile_disable
     def backward(ctx, *grads):
         ctx.scheduler._inputs_grad_done(ctx.unit, ctx)
         return (None, None, *grads)

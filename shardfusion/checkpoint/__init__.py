@@ -24,14 +24,38 @@ The package, one module per concern:
   writes beside the weights, as the checkpoint's ``extra`` names it (the program that saved it fills the record).
 
 See ``docs/checkpoints.md``.
+
+``torch.distributed.checkpoint`` (DCP) is imported with the first name that needs it (:func:`save`, :func:`load`,
+:func:`read_meta`, :class:`AsyncSave`, ...: the modules ``save_load``, ``background``, ``read`` and ``planners``),
+not with the package: DCP and the DTensor it imports cost about 0.6 s of CPU, which ``import shardfusion`` paid in
+every process, also in those that never save or load (the training job's launcher). ``folder`` and ``streaming``
+need no DCP and are imported with the package.
 """
 
-from shardfusion.checkpoint.background import AsyncSave
+from importlib import import_module as _import_module
+
 from shardfusion.checkpoint.folder import checkpoint_bytes, latest_checkpoint
-from shardfusion.checkpoint.read import load_full, read_all, read_meta
-from shardfusion.checkpoint.save_load import (FORMAT_VERSION, load, load_full_state, save, save_checkpoint,
-                                              staging_bytes)
 from shardfusion.checkpoint.streaming import LoadResult, load_safetensors
+
+_NEEDS_DCP = {"AsyncSave": "background", "load_full": "read", "read_all": "read", "read_meta": "read",
+              "FORMAT_VERSION": "save_load", "load": "save_load", "load_full_state": "save_load",
+              "save": "save_load", "save_checkpoint": "save_load", "staging_bytes": "save_load"}
+"""The names of this package that come from a module importing DCP: name -> module, imported at first use."""
+
+
+def __getattr__(name: str):
+    """The public names of the modules that import DCP, imported at their first use (PEP 562)."""
+    module = _NEEDS_DCP.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # the next access is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_NEEDS_DCP))
+
 
 __all__ = ["AsyncSave", "FORMAT_VERSION", "LoadResult", "checkpoint_bytes", "latest_checkpoint", "load", "load_full",
            "load_full_state", "load_safetensors", "read_all", "read_meta", "save", "save_checkpoint", "staging_bytes"]

@@ -174,6 +174,20 @@ def _saved_qkv_layout(config: JobConfig) -> bool | None:
     return fused
 
 
+def worker_preload(job: ResolvedJob) -> list[str]:
+    """The modules that the workers of ``job`` import beyond `launch.PRELOAD`, for the forkserver to import once
+    (`launch`'s ``preload``): the checkpoint modules (``torch.distributed.checkpoint``) when the run saves or
+    resumes, the pipeline stages' (``torch.distributed.pipelining``) with --pp > 1. Each costs a worker about 30 ms of
+    CPU (measured with Dynamo imported); runs that need neither do not pay them in the forkserver either."""
+    modules = []
+    resumes = sf.checkpoint.latest_checkpoint(os.path.join(job.out, train_state.CHECKPOINT_DIR)) is not None
+    if job.checkpoint.save_every or resumes:
+        modules.append("shardfusion.checkpoint.save_load")
+    if job.pipeline.pp > 1:
+        modules.append("shardfusion.train.job_pipeline")
+    return modules
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse and check the flags, then train: directly under torchrun, else in --nproc workers started here.
 
@@ -202,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         exit_now(1 if error else 0)  # not a normal exit, which can abort in torch's teardown (shardfusion.train.launch)
     threads = threads_per_worker(config.run.nproc) if config.run.device == "cpu" else 1
     results = launch(worker, (config,), config.run.nproc, threads, max_restarts=config.checkpoint.max_restarts,
-                     device=config.run.device)
+                     device=config.run.device, preload=worker_preload(config))
     error = worker_error(results)
     if error:
         print(f"shardfusion: error: {error}", flush=True)

@@ -25,7 +25,7 @@ import signal
 import socket
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -111,8 +111,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-PRELOAD = ["torch", "torch.distributed", "shardfusion.train.job"]
-"""Modules the forkserver imports once before it forks CPU workers (`start_method`)."""
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "shardfusion.train.job"]
+"""Modules the forkserver imports once before it forks CPU workers (`start_method`), in this order. Every worker
+needs ``torch._dynamo``: imported before shardfusion, the scheduler's hooks get ``torch.compiler.disable`` at once
+(`shardfusion._runtime.compile_disable`), instead of importing Dynamo in each worker at its first forward. The
+launching process imports neither Dynamo nor the modules that only some runs need (`launch`'s ``preload``)."""
 
 
 def start_method(device: str) -> str:
@@ -122,20 +125,22 @@ def start_method(device: str) -> str:
 
 
 def launch(worker: Callable[..., Any], args: tuple, nproc: int, threads_per_worker: int,
-           max_restarts: int = 0, device: str = "cpu") -> dict[int, Any] | None:
+           max_restarts: int = 0, device: str = "cpu", preload: Sequence[str] = ()) -> dict[int, Any] | None:
     """Run worker(*args) in nproc local processes; returns {rank: return value}, or None if a worker failed and the
     `max_restarts` restarts of all workers (torchrun's --max-restarts) did not end in success.
 
     worker must be a module-level function (it is pickled into the workers; a worker re-imports its module, so
     the caller's changes to it do not carry over). OMP_NUM_THREADS is set for the children (unless already set) so
     that workers sharing a few cores do not oversubscribe them. ``device``: the workers' ("cpu" or "cuda"), which
-    picks `start_method`. A worker that returns ends its process with `exit_now(0)` once its return value has been
-    handed back (see the module doc); one that raises exits as usual, non-zero.
+    picks `start_method`. ``preload``: modules this run's workers import beyond `PRELOAD` (e.g. the checkpoint
+    modules of a run that saves), imported once by the forkserver after it. A worker that returns ends its process
+    with `exit_now(0)` once its return value has been handed back (see the module doc); one that raises exits as
+    usual, non-zero.
     """
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker))
     method = start_method(device)
     if method == "forkserver":  # before the server starts (at the first worker), with the environment above
-        multiprocessing.set_forkserver_preload(PRELOAD)
+        multiprocessing.set_forkserver_preload([*PRELOAD, *preload])
     if max_restarts:
         os.environ[UNSHARED_STORE] = "1"  # a store of its own per restart (see `restart_problem`)
     config = LaunchConfig(

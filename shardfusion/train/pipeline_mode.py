@@ -1,18 +1,24 @@
 """The pipeline model mode of the `Trainer` (--pp > 1): this rank's stages of `job_pipeline.PipelineRun`, a step
 run through torch's pipeline schedule, evaluation forward only through the pipeline, the summary's ``pipeline``
-record (docs/train-pipeline.md)."""
+record (docs/train-pipeline.md).
+
+`job_pipeline` (and with it `shardfusion.pipeline` and ``torch.distributed.pipelining``, which imports
+``torch._dynamo``: about 0.5 s of CPU) is imported when the stages are built, not with this module: the trainer
+imports this module in every run, and in the job's launching process, which builds no stage."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn as nn
 
 from shardfusion.train import pipeline_config
-from shardfusion.train.job_pipeline import PipelineRun
 from shardfusion.train.mode import Mode, StepFigures, StepSums, Trainer
 from shardfusion.train.pipeline_config import PipelineConfig
+
+if TYPE_CHECKING:
+    from shardfusion.train.job_pipeline import PipelineRun
 
 
 class PipelineMode(Mode):
@@ -23,6 +29,8 @@ class PipelineMode(Mode):
         self.run: Optional[PipelineRun] = None
 
     def shard(self, trainer: Trainer) -> list[nn.Module]:
+        from shardfusion.train.job_pipeline import PipelineRun  # the stages' imports: see the module doc
+
         rpn = trainer.comm_layout["ranks_per_node"]
         job = trainer.config
         self.run = PipelineRun(trainer.topo, trainer.device, pipeline=self.pipeline, schedule=trainer.schedule,

@@ -1,21 +1,55 @@
 """The job's local launcher (shardfusion.train.launch): workers forked from a preloaded forkserver return their
-results, and the forkserver does not outlive the launch (it would hold the job's output open while it tears down)."""
+results, and the forkserver does not outlive the launch (it would hold the job's output open while it tears down).
+The forkserver imports `PRELOAD` (Dynamo included) and what the run asks for (`launch`'s ``preload``, from
+`job.worker_preload`), and nothing else: the checkpoint and pipeline modules only for the runs that use them."""
 
 import os
+import sys
 from multiprocessing import forkserver
 
+import pytest
+
+from shardfusion.train.config import JobConfig, resolve
+from shardfusion.train.job import worker_preload
 from shardfusion.train.launch import launch
 
+_WATCHED = ("torch._dynamo", "shardfusion.checkpoint.save_load", "torch.distributed.checkpoint",
+            "shardfusion.train.job_pipeline", "torch.distributed.pipelining")
 
-def _rank_times(factor: int) -> int:
-    return int(os.environ["RANK"]) * factor
+
+def _rank_times(factor: int) -> tuple[int, dict[str, bool]]:
+    """RANK x factor, and which of `_WATCHED` the worker holds as it starts (imported by its forkserver)."""
+    return int(os.environ["RANK"]) * factor, {m: m in sys.modules for m in _WATCHED}
 
 
 def test_launch_returns_every_rank_and_stops_its_forkserver():
     results = launch(_rank_times, (3,), nproc=2, threads_per_worker=1)
-    assert results == {0: 0, 1: 3}
+    assert {r: v[0] for r, v in results.items()} == {0: 0, 1: 3}
+    for _, held in results.values():  # PRELOAD only: Dynamo, not the checkpoint or pipeline modules
+        assert held == {m: m == "torch._dynamo" for m in _WATCHED}
     server = forkserver._forkserver
     assert server._forkserver_pid is None and server._forkserver_alive_fd is None
-    # the next launch starts a server again
-    assert launch(_rank_times, (5,), nproc=2, threads_per_worker=1) == {0: 0, 1: 5}
+    # the next launch starts a server again, with the next launch's preload
+    results = launch(_rank_times, (5,), nproc=2, threads_per_worker=1, preload=["shardfusion.checkpoint.save_load"])
+    assert {r: v[0] for r, v in results.items()} == {0: 0, 1: 5}
+    for _, held in results.values():
+        assert held == {m: m in _WATCHED[:3] for m in _WATCHED}  # Dynamo, the checkpoint modules and DCP
     assert server._forkserver_pid is None
+
+
+@pytest.mark.parametrize("flags, resumes, modules", [
+    ({}, False, []),
+    ({"save_every": 2}, False, ["shardfusion.checkpoint.save_load"]),
+    ({}, True, ["shardfusion.checkpoint.save_load"]),
+    ({"pp": 2, "tie_embeddings": False}, False, ["shardfusion.train.job_pipeline"]),
+])
+def test_the_forkserver_preloads_what_the_run_uses(tmp_path, flags: dict, resumes: bool, modules: list) -> None:
+    """`job.worker_preload`: the checkpoint modules for a run that saves or resumes (a checkpoint is published in
+    --out), the pipeline stages' for --pp > 1, nothing more for a plain run."""
+    if resumes:
+        (tmp_path / "checkpoints" / "step-2").mkdir(parents=True)
+        (tmp_path / "checkpoints" / "step-2" / ".metadata").write_bytes(b"")
+        (tmp_path / "checkpoints" / "latest").write_text("step-2")
+    config = resolve(JobConfig.from_flat(preset="tiny", out=str(tmp_path), **flags), device="cpu", world_size=2,
+                     nproc=2)
+    assert worker_preload(config) == modules
