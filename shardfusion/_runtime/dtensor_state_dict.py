@@ -30,7 +30,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from shardfusion import comm
 from shardfusion._runtime import tensor_parallel as tp
@@ -78,6 +77,8 @@ def buffer_mesh(buffer, cache: dict) -> Optional[DeviceMesh]:
 
 
 def _placements(mesh: DeviceMesh, ndim: int, spec) -> list:
+    from torch.distributed.tensor import Replicate, Shard  # imported here: tensor_parallel.is_dtensor
+
     out = []
     for name in mesh.mesh_dim_names:
         if name == "shard" and ndim > 0:
@@ -95,6 +96,8 @@ def as_full_dtensor(full: torch.Tensor, mesh: Optional[DeviceMesh], spec=None) -
     full = full.detach()
     if mesh is None:
         return full.clone()
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     placements = _placements(mesh, full.dim(), spec)
     dt = distribute_tensor(full, mesh, placements, src_data_rank=None)
     return DTensor.from_local(dt.to_local().clone(), mesh, placements, run_check=False, shape=dt.shape,
@@ -129,7 +132,7 @@ def fragment_of(t: torch.Tensor, offset: int, numel: int, frag_shape: tuple[int,
     """This rank's fragment of ``t`` (a parameter's global shape; a DTensor is gathered first with
     ``full_tensor()``, collective over its mesh): this mp rank's piece, flattened, ``[offset, offset + numel)``, in
     ``frag_shape``. A view of ``t`` when ``t`` is a plain tensor."""
-    if isinstance(t, DTensor):
+    if tp.is_dtensor(t):
         t = t.full_tensor()
     piece = t if spec is None else tp.local_piece(t, spec)
     return piece.reshape(-1)[offset:offset + numel].view(frag_shape)

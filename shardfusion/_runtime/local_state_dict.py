@@ -57,10 +57,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from shardfusion import arrival, comm
 from shardfusion._runtime import dtensor_state_dict as dsd
+from shardfusion._runtime.tensor_parallel import is_dtensor
 from shardfusion._runtime.state import flat_buffers, fragment_holders, fragment_registrations, named_fragments
 
 META_KEY = "shardfusion"  # key of our entry in a state dict's ``_metadata[prefix]``
@@ -195,7 +195,7 @@ class LocalStateDict:
                 for attr, p in own.items():
                     t = state_dict.get(prefix + attr)
                     if isinstance(t, torch.Tensor) and tuple(t.shape) == p.full_shape and (
-                            isinstance(t, DTensor) or p.full_shape != p.frag_shape):
+                            is_dtensor(t) or p.full_shape != p.frag_shape):
                         state_dict[prefix + attr] = dsd.fragment_of(t, p.offset, p.numel, p.frag_shape, p.tp_spec)
             else:
                 raise ValueError(
@@ -215,7 +215,7 @@ class LocalStateDict:
         out = []
         for alias, p in self.by_alias.items():
             t = state_dict.get(prefix + alias)
-            if isinstance(t, DTensor) and saved is not None and (saved.get("rank"), saved.get("world_size")) != (
+            if is_dtensor(t) and saved is not None and (saved.get("rank"), saved.get("world_size")) != (
                     self.rank, self.world_size):
                 out.append(f"{prefix + alias!r} is a DTensor saved by rank {saved.get('rank')} of "
                            f"{saved.get('world_size')}, loaded on rank {self.rank} of {self.world_size}: its local "

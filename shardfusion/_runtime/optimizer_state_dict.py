@@ -20,11 +20,11 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from shardfusion import arrival, comm
 from shardfusion._runtime import dtensor_state_dict as dsd
 from shardfusion._runtime.state import fragment_owner, fragments_by_buffer
+from shardfusion._runtime.tensor_parallel import is_dtensor
 
 _HOOKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
@@ -40,7 +40,7 @@ def install(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state.get(p)
-            if state and fragment_owner(p) is not None and any(isinstance(t, DTensor) for t in state.values()):
+            if state and fragment_owner(p) is not None and any(is_dtensor(t) for t in state.values()):
                 optimizer.state[p] = _fragment_state(p, state)
 
 
@@ -52,7 +52,7 @@ def _keyed_params(optimizer, state_dict) -> list[tuple[object, torch.Tensor]]:
 
 
 def _is_per_element(t, frag: torch.Tensor) -> bool:
-    return isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() > 0 and t.shape == frag.shape
+    return isinstance(t, torch.Tensor) and not is_dtensor(t) and t.dim() > 0 and t.shape == frag.shape
 
 
 def _to_dtensors(optimizer, state_dict: dict) -> dict:
@@ -130,7 +130,7 @@ def _fragment_state(p: torch.Tensor, state: dict) -> dict:
     info = fragment_owner(p).local_state_dict.by_fragment[id(p)]
     values = dict(state)
     for name, t in values.items():
-        if not isinstance(t, torch.Tensor) or (not isinstance(t, DTensor) and (t.dim() == 0 or t.shape == p.shape)):
+        if not isinstance(t, torch.Tensor) or (not is_dtensor(t) and (t.dim() == 0 or t.shape == p.shape)):
             continue  # a plain scalar (``step``), or already this rank's fragment; a DTensor of shape () is the
             # state of a 0-dim parameter and is cut like any other
         if tuple(t.shape) != info.full_shape:

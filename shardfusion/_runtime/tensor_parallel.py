@@ -19,13 +19,24 @@ also reads.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+
+def is_dtensor(t: object) -> bool:
+    """``isinstance(t, DTensor)``, without importing ``torch.distributed.tensor`` (about 0.5 s of CPU after torch,
+    which ``import shardfusion`` paid in every process): a DTensor exists only once that module is imported, by
+    whoever made it. The placement classes (``Shard``, ``Replicate``) are imported where a DTensor is at hand."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, getattr(module, "DTensor", ()))
 
 
 @dataclass(frozen=True)
@@ -40,26 +51,30 @@ class TensorParallelSpec:
     @property
     def shard_dim(self) -> Optional[int]:
         """The tensor dim split over the mesh (``Shard(d)``), or ``None`` for a replicated parameter."""
+        from torch.distributed.tensor import Shard  # a spec is made from a DTensor: imported (see is_dtensor)
+
         placement = self.placements[0]
         return placement.dim if isinstance(placement, Shard) else None
 
 
 def spec_of(p: torch.Tensor) -> Optional[TensorParallelSpec]:
     """The :class:`TensorParallelSpec` of a DTensor parameter, ``None`` for a plain tensor."""
-    if not isinstance(p, DTensor):
+    if not is_dtensor(p):
         return None
     return TensorParallelSpec(p.device_mesh, tuple(p.placements), tuple(p.shape), tuple(p.stride()))
 
 
 def local(p: torch.Tensor) -> torch.Tensor:
     """This rank's piece of ``p`` (``p`` itself for a plain tensor), without autograd history."""
-    return p.to_local().detach() if isinstance(p, DTensor) else p
+    return p.to_local().detach() if is_dtensor(p) else p
 
 
 def is_tensor_parallel(p: torch.Tensor) -> bool:
     """Whether ``p`` differs across mp ranks: a DTensor sharded over its mesh, or a plain tensor marked
     ``tensor_model_parallel = True`` (Megatron's convention)."""
-    if isinstance(p, DTensor):
+    if is_dtensor(p):
+        from torch.distributed.tensor import Shard
+
         return any(isinstance(pl, Shard) for pl in p.placements)
     return bool(getattr(p, "tensor_model_parallel", False))
 
@@ -72,8 +87,10 @@ def check_param(name: str, p: torch.Tensor, topology) -> None:
         ValueError: another mesh (its ranks and the mp group's are named), a ``Partial`` or other placement, a meta
             DTensor.
     """
-    if not isinstance(p, DTensor):
+    if not is_dtensor(p):
         return
+    from torch.distributed.tensor import Replicate, Shard
+
     mesh = p.device_mesh
     mp_ranks = dist.get_process_group_ranks(topology.get_group("mp"))
     ranks = mesh.mesh.flatten().tolist()
@@ -100,6 +117,8 @@ def as_param(alias: torch.Tensor, spec: Optional[TensorParallelSpec], requires_g
 
 def as_dtensor(tensor: torch.Tensor, spec: TensorParallelSpec) -> DTensor:
     """``tensor`` (this rank's piece, e.g. a view of ``grad_full``) as a DTensor with ``spec``, sharing storage."""
+    from torch.distributed.tensor import DTensor
+
     with torch.no_grad():
         return DTensor.from_local(tensor, spec.mesh, spec.placements, run_check=False, shape=torch.Size(spec.shape),
                                   stride=spec.stride)
@@ -109,7 +128,7 @@ def same_storage(grad: Optional[torch.Tensor], alias: torch.Tensor) -> bool:
     """Whether ``grad`` (a view's ``.grad``, plain or DTensor) still lies on ``alias``."""
     if grad is None:
         return False
-    piece = grad._local_tensor if isinstance(grad, DTensor) else grad
+    piece = grad._local_tensor if is_dtensor(grad) else grad
     return piece is alias or (piece.data_ptr() == alias.data_ptr() and piece.shape == alias.shape)
 
 

@@ -1,9 +1,11 @@
 """The job's local launcher (shardfusion.train.launch): workers forked from a preloaded forkserver return their
 results, and the forkserver does not outlive the launch (it would hold the job's output open while it tears down).
 The forkserver imports `PRELOAD` (Dynamo included) and what the run asks for (`launch`'s ``preload``, from
-`job.worker_preload`), and nothing else: the checkpoint and pipeline modules only for the runs that use them."""
+`job.worker_preload`), and nothing else: the checkpoint and pipeline modules only for the runs that use them. The
+launching process itself imports none of torch's heavy modules that the job's library imports at first use."""
 
 import os
+import subprocess
 import sys
 from multiprocessing import forkserver
 
@@ -12,6 +14,8 @@ import pytest
 from shardfusion.train.config import JobConfig, resolve
 from shardfusion.train.job import worker_preload
 from shardfusion.train.launch import launch
+
+from harness import REPO, clean_env
 
 _WATCHED = ("torch._dynamo", "shardfusion.checkpoint.save_load", "torch.distributed.checkpoint",
             "shardfusion.train.job_pipeline", "torch.distributed.pipelining")
@@ -53,3 +57,15 @@ def test_the_forkserver_preloads_what_the_run_uses(tmp_path, flags: dict, resume
     config = resolve(JobConfig.from_flat(preset="tiny", out=str(tmp_path), **flags), device="cpu", world_size=2,
                      nproc=2)
     assert worker_preload(config) == modules
+
+
+def test_the_launching_process_imports_none_of_the_heavy_modules() -> None:
+    """`python -m shardfusion.train` imports the job (and with it shardfusion) without Dynamo, DCP, DTensor or
+    torch's pipelining (about 1.2 s of CPU together): its workers' forkserver imports what they need."""
+    heavy = ["torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.tensor",
+             "torch.distributed.pipelining"]
+    code = f"import sys, shardfusion.train.job; print([m for m in {heavy!r} if m in sys.modules])"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[]"
