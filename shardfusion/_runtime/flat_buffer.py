@@ -54,7 +54,7 @@ from torch.distributed import ProcessGroup
 from shardfusion import comm
 from shardfusion._runtime import compress, gather_wire, grad_wire
 from shardfusion._runtime import tensor_parallel as tp
-from shardfusion._runtime.replicate_sync import OverlappedSync
+from shardfusion._runtime.replicate_sync import OverlappedSync, add_reduced
 from shardfusion._runtime.layout import FlatLayout, fragment_shape, owned_shape
 
 
@@ -466,31 +466,35 @@ class FlatBuffer:
             self._reduce_work = None
         out, self._reduce_out, self._reduce_in = self._reduce_out, None, None
         with torch.no_grad():
-            if not self._predivide:
-                out.div_(self.grad_divisor)
-            self._step_grad_buffer().add_(out)  # upcast into the shard's dtype
+            target, fresh = self._step_grad_buffer(fresh_ok=True)
+            add_reduced(target, out, self.grad_divisor, self._predivide, fresh)
         for view in self.full_views:
             view.grad = None
         self.grad_full, self.grad_views = None, []
 
-    def _step_grad_buffer(self) -> torch.Tensor:
-        """This step's accumulator: ``grad_shard`` if the user reset gradients, else a zeroed temporary; while this
-        step's all-reduce is in flight, ``late_grad``."""
+    def _step_grad_buffer(self, fresh_ok: bool = False) -> tuple[torch.Tensor, bool]:
+        """This step's accumulator and whether it is fresh: ``grad_shard`` if the user reset gradients, else a
+        temporary; while this step's all-reduce is in flight, ``late_grad``. A newly taken accumulator is zeroed,
+        or with ``fresh_ok`` left as it is and returned with ``fresh`` True: the caller overwrites it at once (the
+        first reduce-scatter output of a step, ``add_reduced``), so that the zero-fill is not a pass of its own."""
         self.discard_if_reset()
         if self._sync_started:
-            return self._late_buffer()
+            return self._late_buffer(), False
         if self.step_grad is not None:
-            return self.step_grad
-        if self.grad_shard is None:
-            self.grad_shard = torch.zeros_like(self.shard)  # (S,)
+            return self.step_grad, False
+        new = torch.empty_like if fresh_ok else torch.zeros_like
+        created = self.grad_shard is None
+        if created:
+            self.grad_shard = new(self.shard)  # (S,)
         user_grads = [f.grad for f in self.fragments if f.grad is not None]
-        if not user_grads or not self.grad_shard.any():
-            self.grad_shard.zero_()
+        if created or not user_grads or not self.grad_shard.any():
+            if not fresh_ok:
+                self.grad_shard.zero_()
             self._attach_fragment_grads()
             self.step_grad = self.grad_shard
         else:
-            self.step_grad = torch.zeros_like(self.shard)  # (S,)
-        return self.step_grad
+            self.step_grad = new(self.shard)  # (S,)
+        return self.step_grad, fresh_ok
 
     def _late_buffer(self) -> torch.Tensor:
         if self.late_grad is None:
@@ -639,9 +643,10 @@ class FlatBuffer:
         completes). None if nothing is pending or the all-reduce was already issued."""
         if self._sync_started or (self._reduce_out is None and self.step_grad is None):
             return None
-        target = self._step_grad_buffer()
+        # fresh only with a reduce-scatter output to write and no direct gradient to add first
+        target, fresh = self._step_grad_buffer(fresh_ok=self._reduce_out is not None and self.direct_grad is None)
         self.fold_direct_grad()
-        job = OverlappedSync(self, target, self._reduce_work, self._reduce_out)
+        job = OverlappedSync(self, target, self._reduce_work, self._reduce_out, fresh)
         self._reduce_work = self._reduce_out = self._reduce_in = None
         for view in self.full_views:
             view.grad = None

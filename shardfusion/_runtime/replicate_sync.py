@@ -38,6 +38,26 @@ import torch
 from shardfusion import comm
 
 
+def add_reduced(target: torch.Tensor, out: torch.Tensor, divisor: float, predivided: bool, fresh: bool) -> None:
+    """Add a reduce-scatter's output into a step's gradient: ``target += out / divisor`` (``out`` as it is when
+    ``predivided``). ``fresh``: ``target`` holds nothing yet (allocated or taken for this step without being
+    zeroed) and is overwritten, ``target = out / divisor``: one pass over the shard instead of three (zero-fill,
+    divide, add), with the same values (``0 + x == x``).
+
+    ``target`` and ``out`` are ``(S,)``: ``target`` in the shard's dtype, ``out`` in the gradient's communication
+    dtype (upcast on the way in); ``out`` may be modified.
+    """
+    if fresh:
+        if predivided:
+            target.copy_(out)
+        else:
+            torch.div(out, divisor, out=target)
+        return
+    if not predivided:
+        out.div_(divisor)
+    target.add_(out)  # upcast into the shard's dtype
+
+
 class SyncedBuffer(Protocol):
     """What :class:`OverlappedSync` reads of its buffer, a ``flat_buffer.FlatBuffer`` (declared here, not imported:
     ``flat_buffer`` imports this module)."""
@@ -69,11 +89,15 @@ class OverlappedSync:
             it before the all-reduce.
         reduce_work: the reduce-scatter's work handle, or None (already waited for).
         reduce_out: ``(S,)`` the reduce-scatter's output in ``grad_comm_dtype``, or None (already added).
+        fresh: ``target`` was taken for this step without being zeroed: the output is written into it, not added
+            (:func:`add_reduced`); requires ``reduce_out``.
     """
 
     def __init__(self, buffer: SyncedBuffer, target: torch.Tensor, reduce_work: Any,
-                 reduce_out: Optional[torch.Tensor]) -> None:
-        self.buffer, self.target = buffer, target
+                 reduce_out: Optional[torch.Tensor], fresh: bool = False) -> None:
+        if fresh and reduce_out is None:
+            raise ValueError("OverlappedSync: fresh=True needs reduce_out (an unwritten target would be all-reduced)")
+        self.buffer, self.target, self._fresh = buffer, target, fresh
         self._reduce_work, self._reduce_out = reduce_work, reduce_out
         self._done = threading.Event()
         self._reduced = threading.Event()  # the reduce-scatter is complete and its buffers released
@@ -89,9 +113,7 @@ class OverlappedSync:
                 if self._reduce_work is not None:
                     comm.wait(self._reduce_work, b._collective("reduce_scatter"))
                 if self._reduce_out is not None:
-                    if not b._predivide:
-                        self._reduce_out.div_(b.grad_divisor)
-                    self.target.add_(self._reduce_out)  # upcast into the shard's dtype
+                    add_reduced(self.target, self._reduce_out, b.grad_divisor, b._predivide, self._fresh)
                 self._reduce_work = self._reduce_out = None
                 self._reduced.set()
                 self._result, self._work = b.start_all_reduce_replicas(self.target)
