@@ -558,7 +558,8 @@ class _SendRecorder(TorchDispatchMode):
                     "within_bytes": 0.0, "across_bytes": 0.0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.c10d.send.default:  # (tensors, process group, peer's group rank, tag)
+        # (tensors, process group, peer's group rank, tag); not those of a collective run as sends (comm.py)
+        if func is torch.ops.c10d.send.default and not comm.sends_are_parts():
             tensors, group, peer = args[0], args[1], args[2]
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
             pg = dist.ProcessGroup.unbox(group) if hasattr(dist.ProcessGroup, "unbox") else group
