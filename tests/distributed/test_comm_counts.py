@@ -10,7 +10,10 @@ and per optimizer step, however many micro-batches: 1 all-reduce per unit on the
 none when that group has one rank. Every record has nbytes == numel * 4 (fp32); an all-gather's numel is the unit's
 padded flat buffer F (sum of its parameters' numel <= F, F % I == 0), a reduce-scatter's too, an all-reduce's F / I.
 Every rank issues the same sequence of (op, numel). The totals are cross-checked with
-torch.distributed.tensor.debug.CommDebugMode, which counts the c10d ops independently of shardfusion's counter.
+torch.distributed.tensor.debug.CommDebugMode, which counts the c10d ops independently of shardfusion's counter; on
+gloo the all-gathers and the reduce-scatters over pairs run as sends and receives (comm.py, [Note: gloo collectives
+as sends and receives]), which CommDebugMode does not count: a dispatch mode of this file counts the c10d sends per
+group instead (an all-gather over I ranks sends I - 1 pieces, a reduce-scatter over a pair 1).
 """
 
 from __future__ import annotations
@@ -48,6 +51,46 @@ def _debug_counts(mode) -> dict[str, int]:
                else "all_reduce" if short in _AR_OPS else f"other:{short}")
         out[key] += n
     return dict(out)
+
+
+def _send_counter(gather_group, reduce_group):
+    """A dispatch mode counting the c10d sends on the inner gather group and the inner reduce group, read back as
+    collectives (``.counts()``): each all-gather over I ranks sends I - 1 pieces, each reduce-scatter over a pair
+    one (larger reduce-scatters run as all-to-alls, which CommDebugMode counts)."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    assert gather_group.group_name != reduce_group.group_name  # the sends are told apart by their group
+
+    def unboxed(group):
+        return dist.ProcessGroup.unbox(group) if hasattr(dist.ProcessGroup, "unbox") else group
+
+    class SendCounter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sends = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.c10d.send.default:  # (tensors, process group, peer's group rank, tag)
+                name = unboxed(args[1]).group_name
+                kind = ("all_gather" if name == gather_group.group_name else
+                        "reduce_scatter" if name == reduce_group.group_name else f"other_send:{name}")
+                self.sends[kind] += 1
+            return func(*args, **(kwargs or {}))
+
+        def counts(self) -> dict[str, int]:
+            per_call = {"all_gather": gather_group.size() - 1, "reduce_scatter": 1}
+            return {k: n // per_call.get(k, 1) for k, n in self.sends.items()}
+
+    return SendCounter()
+
+
+def _merged(*counts: dict) -> dict:
+    out = Counter()
+    for c in counts:
+        out.update(c)
+    return {k: n for k, n in out.items() if n}
 
 
 class _NoModuleTracking:
@@ -123,7 +166,8 @@ def count_job(configs: list) -> dict:
             micro = []
             handed_off = model._sf_state.handed_off_syncs
             mode_checks, store_ops = topo.forward_mode_checks, store.ops
-            with sf.comm.CommCounter() as step_cc, _comm_debug_mode() as mode:
+            sends = _send_counter(topo.get_fsdp_inner_group(), topo.get_fsdp_inner_reduce_group())
+            with sf.comm.CommCounter() as step_cc, _comm_debug_mode() as mode, sends:
                 for m in range(K):
                     if no_sync:
                         sf.set_requires_gradient_sync(model, m == K - 1)
@@ -137,7 +181,7 @@ def count_job(configs: list) -> dict:
                     opt.step()
                 opt.zero_grad()
             steps.append({"records": step_cc.records, "micro": micro, "opt": opt_cc.records,
-                          "debug": _debug_counts(mode),
+                          "debug": _merged(_debug_counts(mode), sends.counts()),
                           "handed_off": model._sf_state.handed_off_syncs - handed_off,
                           "mode_checks": topo.forward_mode_checks - mode_checks,
                           "store_ops": store.ops - store_ops,
