@@ -149,6 +149,14 @@ def _dispatching_subclass(t: type) -> bool:
             and getattr(t, "__torch_dispatch__", None) is not torch._C._disabled_torch_dispatch_impl)
 
 
+def _parts_of() -> Callable[[], Optional[tuple]]:
+    try:
+        from shardfusion.comm import collective_of_parts
+    except ImportError:  # an older shardfusion (benchmarks.paired_commits times older trees): no such sends
+        return lambda: None
+    return collective_of_parts
+
+
 class CollectiveRecorder(TorchDispatchMode):
     """Record every collective issued while active; optionally call ``on_op()`` after every op (memory sampling)."""
 
@@ -156,18 +164,34 @@ class CollectiveRecorder(TorchDispatchMode):
         super().__init__()
         self.collectives: list[Collective] = []
         self.on_op = on_op
+        self._part_call: Optional[int] = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if any(_dispatching_subclass(t) for t in types):
             return NotImplemented  # let DTensor desugar into plain ops (and collectives) first
         c = describe_op(func, args, kwargs)
+        if c is not None and c.kind in ("p2p_send", "p2p_recv"):
+            c = self._as_collective(c)
         if c is not None:
             self.collectives.append(c)
         out = func(*args, **kwargs)
         if self.on_op is not None:
             self.on_op()
         return out
+
+    def _as_collective(self, c: Collective) -> Optional[Collective]:
+        """A send or receive that is part of a shardfusion collective run as sends and receives on gloo
+        (``shardfusion.comm``, [Note: gloo collectives as sends and receives]): the whole collective, once per call
+        (``None`` for its other parts); any other send or receive as it is."""
+        parts = _parts_of()()
+        if parts is None:
+            return c
+        call, op, full = parts
+        if call == self._part_call:
+            return None
+        self._part_call = call
+        return Collective(op, c.ranks, full.numel(), full.element_size())
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

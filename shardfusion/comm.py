@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import math
 import pickle
+import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -508,23 +509,33 @@ _p2p_tags: dict[ProcessGroup, int] = {}
 _parts = threading.local()
 
 
+_part_calls = itertools.count()
+
+
+def collective_of_parts() -> Optional[tuple[int, str, torch.Tensor]]:
+    """The collective whose sends and receives the calling thread is issuing now (the gloo all-gather or
+    reduce-scatter below), as ``(call id, op, full tensor)``: ``op`` ``"all_gather"`` or ``"reduce_scatter"``, the
+    full tensor the gathered output or the reduce-scatter's input (``(G*S,)``), the id distinct per call; else
+    None. A recorder of c10d ops (the dry run's pipeline sends, a benchmark's library-neutral count) reads its sends
+    as that one collective, not as point-to-point traffic."""
+    return getattr(_parts, "current", None)
+
+
 def sends_are_parts() -> bool:
-    """Whether the calling thread is issuing the sends and receives of a collective recorded as a whole (the gloo
-    all-gather or reduce-scatter below): a recorder of point-to-point traffic (the dry run's pipeline sends) skips
-    them, their bytes being the collective's."""
-    return getattr(_parts, "on", False)
+    """Whether the calling thread is issuing the sends and receives of a collective (:func:`collective_of_parts`)."""
+    return collective_of_parts() is not None
 
 
 def _exchange(sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.Tensor, int]], group: ProcessGroup,
-              tag: int) -> list:
+              tag: int, op: str, full: torch.Tensor) -> list:
     """Post the receives ``(tensor, source group rank)``, then the sends ``(tensor, destination group rank)``, all
-    with ``tag``; their work handles."""
-    _parts.on = True
+    with ``tag``, as the parts of collective ``op`` of ``full``; their work handles."""
+    _parts.current = (next(_part_calls), op, full)
     try:
         works = [dist.irecv(t, group=group, group_src=src, tag=tag) for t, src in receives]
         return works + [dist.isend(t, group=group, group_dst=dst, tag=tag) for t, dst in sends]
     finally:
-        _parts.on = False
+        _parts.current = None
 
 
 def _next_tag(group: ProcessGroup) -> int:
@@ -569,7 +580,8 @@ def _gloo_all_gather(full: torch.Tensor, shard: torch.Tensor, group: ProcessGrou
     slice of ``full``, this rank's own copied in."""
     me, size, n, tag = dist.get_rank(group), dist.get_world_size(group), shard.numel(), _next_tag(group)
     peers = [i for i in range(size) if i != me]
-    works = _exchange([(shard, i) for i in peers], [(full[i * n:(i + 1) * n], i) for i in peers], group, tag)
+    works = _exchange([(shard, i) for i in peers], [(full[i * n:(i + 1) * n], i) for i in peers], group, tag,
+                      "all_gather", full)
     full[me * n:(me + 1) * n].copy_(shard)
     return _finish(_AllWorks(works), async_op)
 
@@ -581,7 +593,7 @@ def _gloo_reduce_scatter_pair(shard: torch.Tensor, full: torch.Tensor, group: Pr
     me, n, tag = dist.get_rank(group), shard.numel(), _next_tag(group)
     peer = 1 - me
     received = torch.empty_like(shard)  # (S,)
-    works = _exchange([(full[peer * n:(peer + 1) * n], peer)], [(received, peer)], group, tag)
+    works = _exchange([(full[peer * n:(peer + 1) * n], peer)], [(received, peer)], group, tag, "reduce_scatter", full)
     own = full[me * n:(me + 1) * n]
     return _finish(_AllWorks(works, lambda: torch.add(own, received, out=shard)), async_op)
 
