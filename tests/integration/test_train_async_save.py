@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import REPO, TRAIN_TIMEOUT_S, clean_env, run_train
+from harness import REPO, TRAIN_TIMEOUT_S, clean_env, run_train, run_trains
 from shardfusion.checkpoint import latest_checkpoint, read_all
 from shardfusion.train.metrics import read_metrics
 
@@ -115,8 +115,9 @@ def test_async_save_equals_sync_save_under_diloco_from_a_pretrained_folder(tmp_p
              "--eval-batches", "2", "--batch-size", "2", "--seq-len", "32", "--warmup", "1", "--data-bytes", "300000",
              "--sample-tokens", "0", "--no-progress"]
     sync, background = tmp_path / "sync", tmp_path / "async"
-    _ok(run_train([*flags, "--out", str(sync)]))
-    stdout = _ok(run_train([*flags, "--async-save", "--out", str(background)]))
+    results = run_trains([*flags, "--out", str(sync)], [*flags, "--async-save", "--out", str(background)])
+    _ok(results[0])
+    stdout = _ok(results[1])
     assert "LlamaForCausalLM" in stdout and "outer2 x inner1" in stdout, stdout[-3000:]
     assert "step     2  saving" in stdout and "step     4  published" in stdout, stdout[-3000:]
     for step in (2, 4):
