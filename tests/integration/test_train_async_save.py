@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import REPO, TRAIN_TIMEOUT_S, clean_env, run_train, run_trains
+from harness import REPO, TRAIN_TIMEOUT_S, clean_env, run_train, run_trains, start_train
 from shardfusion.checkpoint import latest_checkpoint, read_all
 from shardfusion.train.metrics import read_metrics
 
@@ -79,7 +79,8 @@ def _run_until(command: list[str], env: dict, log: Path, ready) -> tuple[bool, i
 @pytest.mark.timeout(3 * TRAIN_TIMEOUT_S + 60)
 def test_killed_during_a_background_write_resumes_from_the_complete_checkpoint(tmp_path: Path) -> None:
     reference, out = tmp_path / "reference", tmp_path / "run"
-    _ok(run_train([*FLAGS, "--out", str(reference)]))
+    # the uninterrupted run goes on beside the killed one (the kill waits on a write held for DELAY_S, not on speed)
+    uninterrupted = start_train([*FLAGS, "--out", str(reference)])
     root = out / "checkpoints"
 
     def writing_step_4() -> bool:  # step 2 published, the write of step 4 begun (its folder made by DCP's plan)
@@ -97,6 +98,7 @@ def test_killed_during_a_background_write_resumes_from_the_complete_checkpoint(t
     assert f"resuming at step 2 from {root / 'step-2'}" in resumed and "not an exact resume" not in resumed, \
         resumed[-3000:]
     assert "step     6  published" in resumed, resumed[-3000:]
+    _ok(uninterrupted.finish())
     _same_checkpoint(root / f"step-{STEPS}", reference / "checkpoints" / f"step-{STEPS}")
     _same_metrics(out, reference, after=2)
     published = sorted(p.name for p in root.iterdir())
