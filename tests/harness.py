@@ -306,6 +306,14 @@ class Started:
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
+    def __enter__(self) -> "Started":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Leaving a ``with start_command(...) as job:`` block stops the command if it still runs (a test that
+        failed before it called ``finish()``)."""
+        self.stop()
+
 
 def start_command(command: list[str], timeout: float, env: dict[str, str] | None = None) -> Started:
     """Start `command` from `REPO` with `env` (default `clean_env()`) in a session of its own, its output captured

@@ -96,9 +96,9 @@ ranks is HSDP's replicate all-reduce of them). The other runs train the dense GP
 @pytest.mark.timeout(3 * TRAIN_TIMEOUT_S)
 def test_all_alive_equals_hsdp_and_waits_for_min_replicas(tmp_path: Path) -> None:
     ref = tmp_path / "hsdp"
-    reference = start_train([*FLAGS, *MOE, "--nproc", "4", "--fsdp-outer-degree", "2", "--out", str(ref)])
     out = tmp_path / "ft"
-    with Replicas(out, [*FLAGS, *MOE], heartbeat_ms=PARITY_HEARTBEAT_MS) as run:
+    with start_train([*FLAGS, *MOE, "--nproc", "4", "--fsdp-outer-degree", "2", "--out", str(ref)]) as reference, \
+            Replicas(out, [*FLAGS, *MOE], heartbeat_ms=PARITY_HEARTBEAT_MS) as run:
         run.start(0, extra=["--ft-min-replicas", "2"])
         run.until(lambda: "waiting at step 0" in run.log("replica0"), TRAIN_TIMEOUT_S, "replica group 0 waiting")
         time.sleep(2.0)
@@ -108,7 +108,7 @@ def test_all_alive_equals_hsdp_and_waits_for_min_replicas(tmp_path: Path) -> Non
         codes = run.wait(["replica0", "replica1"], TRAIN_TIMEOUT_S)
         assert codes == {"replica0": 0, "replica1": 0}, run.log("replica0")[-3000:] + run.log("replica1")[-3000:]
         assert "; ep2" in run.log("replica0"), run.log("replica0")[-3000:]
-    result = reference.finish()
+        result = reference.finish()
     assert result.returncode == 0, result.stderr[-3000:]
     assert "; ep2" in result.stdout, result.stdout[-3000:]
     _assert_equals_reference(out, ref, STEPS)
@@ -136,15 +136,15 @@ def _groups_equal_hsdp(tmp_path: Path, extra: list[str], shows: str, train: list
     flags = [*train, "--steps", str(PARITY_STEPS), "--warmup", "2", "--save-every", str(PARITY_STEPS),
              "--eval-every", str(PARITY_STEPS), *extra]
     ref = tmp_path / "hsdp"
-    reference = start_train([*flags, "--nproc", "4", "--fsdp-outer-degree", "2", "--out", str(ref)])
     out = tmp_path / "ft"
-    with Replicas(out, flags, heartbeat_ms=PARITY_HEARTBEAT_MS) as run:
+    with start_train([*flags, "--nproc", "4", "--fsdp-outer-degree", "2", "--out", str(ref)]) as reference, \
+            Replicas(out, flags, heartbeat_ms=PARITY_HEARTBEAT_MS) as run:
         for group in (0, 1):
             run.start(group, extra=["--ft-min-replicas", "2", *groups_only])
         codes = run.wait(["replica0", "replica1"], TRAIN_TIMEOUT_S)
         assert codes == {"replica0": 0, "replica1": 0}, run.log("replica0")[-3000:] + run.log("replica1")[-3000:]
         assert shows in run.log("replica0") and groups_show in run.log("replica0"), run.log("replica0")[-3000:]
-    result = reference.finish()
+        result = reference.finish()
     assert result.returncode == 0, result.stderr[-3000:]
     assert shows in result.stdout, result.stdout[-3000:]
     _assert_equals_reference(out, ref, PARITY_STEPS)
