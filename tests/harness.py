@@ -24,6 +24,8 @@ The integration tests run whole commands instead (`python -m shardfusion.train`,
 
     result = run_command([sys.executable, "-m", "shardfusion.train", *flags], timeout=150)   # CompletedProcess
     result = run_train(flags)                                                                  # the same
+    ours, reference = run_trains(flags, reference_flags)     # independent runs started together (one core each)
+    reference = start_train(reference_flags)   # going on while the test runs others; reference.finish() collects it
 
 in a session of their own (a hung command is killed with its children), with `clean_env()`, from the repository
 root `REPO`.
@@ -276,20 +278,64 @@ def clean_env() -> dict[str, str]:
     return env
 
 
+class Started:
+    """A command started by `start_command` and still running: `finish()` waits for it and returns its result,
+    `stop()` kills it (and every process it started) if it still runs."""
+
+    def __init__(self, command: list[str], timeout: float, env: dict[str, str] | None) -> None:
+        self.command, self.timeout = command, timeout
+        self.deadline = time.monotonic() + timeout
+        self.process = subprocess.Popen(command, cwd=REPO, env=clean_env() if env is None else env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        start_new_session=True)
+        self.result: subprocess.CompletedProcess | None = None
+
+    def finish(self) -> subprocess.CompletedProcess:
+        """Its result once it has ended and closed its output (every process it started holds the pipes); past its
+        `timeout` seconds from the start it is killed with every process it started, and AssertionError shows the
+        end of its output."""
+        if self.result is None:
+            try:
+                stdout, stderr = self.process.communicate(timeout=max(0.1, self.deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.stop()
+                stdout, stderr = self.process.communicate()
+                raise AssertionError(f"{self.command} ran over {self.timeout} s:\n{stdout[-3000:]}\n"
+                                     f"{stderr[-3000:]}") from None
+            self.result = subprocess.CompletedProcess(self.command, self.process.returncode, stdout, stderr)
+        return self.result
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> "Started":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Leaving a ``with start_command(...) as job:`` block stops the command if it still runs (a test that
+        failed before it called ``finish()``)."""
+        self.stop()
+
+
+def start_command(command: list[str], timeout: float, env: dict[str, str] | None = None) -> Started:
+    """Start `command` from `REPO` with `env` (default `clean_env()`) in a session of its own, its output captured
+    as text: `Started.finish()` collects it, within `timeout` seconds of now."""
+    return Started(command, timeout, env)
+
+
 def run_command(command: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run `command` from `REPO` with `env` (default `clean_env()`), its output captured as text.
 
     It runs in a session of its own, so that a command that runs past `timeout` seconds is killed with every process
     it started (workers included), and the test fails with the end of its output."""
-    with subprocess.Popen(command, cwd=REPO, env=clean_env() if env is None else env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, start_new_session=True) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            stdout, stderr = process.communicate()
-            raise AssertionError(f"{command} ran over {timeout} s:\n{stdout[-3000:]}\n{stderr[-3000:]}") from None
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    started = start_command(command, timeout, env)
+    try:
+        return started.finish()
+    finally:
+        started.stop()
 
 
 USAGE_ERROR = "shardfusion-train: error: "
@@ -315,6 +361,27 @@ def run_train(args: list[str], *, launcher: list[str] | None = None,
     """`python -m shardfusion.train ARGS` (or `LAUNCHER shardfusion.train ARGS`, e.g. torchrun ... -m) through
     `run_command`."""
     return run_command((launcher or [sys.executable, "-m"]) + ["shardfusion.train", *args], timeout)
+
+
+def start_train(args: list[str], *, timeout: float = TRAIN_TIMEOUT_S) -> Started:
+    """`python -m shardfusion.train ARGS` through `start_command`: running while the test goes on (e.g. a reference
+    run that the test reads only at its end); `Started.finish()` collects it."""
+    return start_command([sys.executable, "-m", "shardfusion.train", *args], timeout)
+
+
+def run_trains(*runs: list[str], timeout: float = TRAIN_TIMEOUT_S) -> list[subprocess.CompletedProcess]:
+    """Independent runs of `python -m shardfusion.train`, one per argument list, started together; their results
+    in the same order (each within `timeout` seconds of the start).
+
+    A tiny run spends most of its wall time in serial start-up (its launcher and its forkserver each import torch
+    and shardfusion, one core busy), so two runs started together take little more wall time than one on two
+    cores. Only for runs that do not depend on each other and whose checks do not depend on timing."""
+    started = [start_train(args, timeout=timeout) for args in runs]
+    try:
+        return [job.finish() for job in started]
+    finally:
+        for job in started:
+            job.stop()
 
 
 def train_usage_error(args: list[str], capsys: Any) -> str:

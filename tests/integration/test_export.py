@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from harness import REPO, run_distributed
+from harness import REPO, run_distributed, start_command
 from models import Block, TinyTransformer, make_batch
 
 RUN_BEFORE_TRAINER = REPO / "tests" / "fixtures" / "run-before-trainer"  # a byte-level GPT run, no tokenizer/
@@ -81,17 +81,20 @@ def test_export_loads_in_plain_pytorch_and_back_into_sharded(tmp_path, capsys):
             "assert set(missing) <= {'head.weight'} and not unexpected, (missing, unexpected); "
             f"x = torch.load({str(tmp_path / 'x.pt')!r}); torch.save(m(x).detach(), {str(tmp_path / 'plain.pt')!r})")
     torch.save(saved[0]["x"], tmp_path / "x.pt")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    # the plain model's command and an export of no checkpoint (into OUT, which holds the export now) run beside
+    # the import job (each command is mostly a Python start-up importing torch)
+    plain_model = start_command([sys.executable, "-c", code], 120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    bad = start_command([sys.executable, "-m", "shardfusion.export", str(tmp_path / "nothing"), str(out)], 120,
+                        env=dict(os.environ))
+    back = run_distributed(_import_job, 2, str(out), timeout=120)
+    proc = plain_model.finish()
     assert proc.returncode == 0, proc.stderr[-2000:]
     plain = torch.load(tmp_path / "plain.pt")
     torch.testing.assert_close(plain, saved[0]["logits"], rtol=1e-5, atol=1e-6)
-    back = run_distributed(_import_job, 2, str(out), timeout=120)
     for r in back:
         torch.testing.assert_close(r["logits"], saved[0]["logits"], rtol=1e-5, atol=1e-6)
         assert r["error"] is not None and "missing: ['pos']" in r["error"], r["error"]
-    bad = subprocess.run([sys.executable, "-m", "shardfusion.export", str(tmp_path / "nothing"), str(out)], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    bad = bad.finish()
     assert bad.returncode == 2 and "not readable" in bad.stderr, bad.stderr[-1000:]
     # the rest in this process (main, not a subprocess: no second torch start-up)
     from safetensors.torch import load_file

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import REPO, TRAIN_TIMEOUT_S, clean_env, run_train
+from harness import REPO, TRAIN_TIMEOUT_S, clean_env, run_train, run_trains, start_train
 from shardfusion.checkpoint import latest_checkpoint, read_all
 from shardfusion.train.metrics import read_metrics
 
@@ -79,24 +79,26 @@ def _run_until(command: list[str], env: dict, log: Path, ready) -> tuple[bool, i
 @pytest.mark.timeout(3 * TRAIN_TIMEOUT_S + 60)
 def test_killed_during_a_background_write_resumes_from_the_complete_checkpoint(tmp_path: Path) -> None:
     reference, out = tmp_path / "reference", tmp_path / "run"
-    _ok(run_train([*FLAGS, "--out", str(reference)]))
-    root = out / "checkpoints"
+    # the uninterrupted run goes on beside the killed one (the kill waits on a write held for DELAY_S, not on speed)
+    with start_train([*FLAGS, "--out", str(reference)]) as uninterrupted:
+        root = out / "checkpoints"
 
-    def writing_step_4() -> bool:  # step 2 published, the write of step 4 begun (its folder made by DCP's plan)
-        return (latest_checkpoint(str(root)) or "").endswith("step-2") and (root / "tmp-step-4").is_dir()
+        def writing_step_4() -> bool:  # step 2 published, the write of step 4 begun (its folder made by DCP's plan)
+            return (latest_checkpoint(str(root)) or "").endswith("step-2") and (root / "tmp-step-4").is_dir()
 
-    command = [sys.executable, "-m", "shardfusion.train", *FLAGS, "--async-save", "--out", str(out)]
-    killed, code = _run_until(command, {**clean_env(), "SHARDFUSION_TEST_SAVE_DELAY_S": DELAY_S},
-                              tmp_path / "killed.log", writing_step_4)
-    text = (tmp_path / "killed.log").read_text()
-    assert killed, f"the run ended (status {code}) before the write of step 4 began:\n{text[-3000:]}"
-    assert "step     2  saving" in text and "in the background" in text, text[-3000:]
-    assert not (root / "tmp-step-4" / ".metadata").exists() and not (root / "step-4").exists()
-    assert latest_checkpoint(str(root)) == str(root / "step-2")  # never the checkpoint being written
-    resumed = _ok(run_train([*FLAGS, "--async-save", "--out", str(out)]))
-    assert f"resuming at step 2 from {root / 'step-2'}" in resumed and "not an exact resume" not in resumed, \
-        resumed[-3000:]
-    assert "step     6  published" in resumed, resumed[-3000:]
+        command = [sys.executable, "-m", "shardfusion.train", *FLAGS, "--async-save", "--out", str(out)]
+        killed, code = _run_until(command, {**clean_env(), "SHARDFUSION_TEST_SAVE_DELAY_S": DELAY_S},
+                                  tmp_path / "killed.log", writing_step_4)
+        text = (tmp_path / "killed.log").read_text()
+        assert killed, f"the run ended (status {code}) before the write of step 4 began:\n{text[-3000:]}"
+        assert "step     2  saving" in text and "in the background" in text, text[-3000:]
+        assert not (root / "tmp-step-4" / ".metadata").exists() and not (root / "step-4").exists()
+        assert latest_checkpoint(str(root)) == str(root / "step-2")  # never the checkpoint being written
+        resumed = _ok(run_train([*FLAGS, "--async-save", "--out", str(out)]))
+        assert f"resuming at step 2 from {root / 'step-2'}" in resumed and "not an exact resume" not in resumed, \
+            resumed[-3000:]
+        assert "step     6  published" in resumed, resumed[-3000:]
+        _ok(uninterrupted.finish())
     _same_checkpoint(root / f"step-{STEPS}", reference / "checkpoints" / f"step-{STEPS}")
     _same_metrics(out, reference, after=2)
     published = sorted(p.name for p in root.iterdir())
@@ -115,8 +117,9 @@ def test_async_save_equals_sync_save_under_diloco_from_a_pretrained_folder(tmp_p
              "--eval-batches", "2", "--batch-size", "2", "--seq-len", "32", "--warmup", "1", "--data-bytes", "300000",
              "--sample-tokens", "0", "--no-progress"]
     sync, background = tmp_path / "sync", tmp_path / "async"
-    _ok(run_train([*flags, "--out", str(sync)]))
-    stdout = _ok(run_train([*flags, "--async-save", "--out", str(background)]))
+    results = run_trains([*flags, "--out", str(sync)], [*flags, "--async-save", "--out", str(background)])
+    _ok(results[0])
+    stdout = _ok(results[1])
     assert "LlamaForCausalLM" in stdout and "outer2 x inner1" in stdout, stdout[-3000:]
     assert "step     2  saving" in stdout and "step     4  published" in stdout, stdout[-3000:]
     for step in (2, 4):

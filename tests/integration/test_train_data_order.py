@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import REPO, TRAIN_TIMEOUT_S, run_train
+from harness import REPO, TRAIN_TIMEOUT_S, run_train, run_trains
 from shardfusion.train.metrics import read_metrics
 
 STEPS, STOP = 4, 2
@@ -53,8 +53,10 @@ def test_layouts_and_a_resume_at_another_world_size_see_one_data_order(tmp_path:
     assert corpus.stat().st_size == CORPUS_BYTES
     common = [*COMMON, "--data", str(corpus)]
     a, b = tmp_path / "a", tmp_path / "b"
-    _ok(run_train([*common, "--nproc", "1", "--global-batch-size", "8", "--out", str(a)]))
-    first = _ok(run_train([*common, "--nproc", "4", "--batch-size", "2", "--stop-after", str(STOP), "--out", str(b)]))
+    results = run_trains([*common, "--nproc", "1", "--global-batch-size", "8", "--out", str(a)],
+                         [*common, "--nproc", "4", "--batch-size", "2", "--stop-after", str(STOP), "--out", str(b)])
+    _ok(results[0])
+    first = _ok(results[1])
     resumed = _ok(run_train([*common, "--nproc", "2", "--out", str(b)]))
 
     config_a = json.loads((a / "config.json").read_text())
@@ -86,9 +88,11 @@ def test_tensor_and_context_parallel_runs_see_the_same_first_step(tmp_path: Path
     corpus.write_bytes(b"".join(p.read_bytes() for p in sorted((REPO / "shardfusion").rglob("*.py")))[:CORPUS_BYTES])
     common = [*COMMON, "--data", str(corpus), "--nproc", "4", "--global-batch-size", "8", "--steps", "1"]
     firsts = {}
-    for name, flags in (("default", []), ("mp2", ["--mp", "2"]), ("cp2", ["--cp", "2"])):
+    runs = {"default": [], "mp2": ["--mp", "2"], "cp2": ["--cp", "2"]}
+    results = run_trains(*([*common, *flags, "--out", str(tmp_path / name)] for name, flags in runs.items()))
+    for name, result in zip(runs, results):
         out = tmp_path / name
-        _ok(run_train([*common, *flags, "--out", str(out)]))
+        _ok(result)
         train, _ = read_metrics(out / "metrics.jsonl")
         firsts[name] = (train[0]["loss"], train[0]["grad_norm"])
         layout = json.loads((out / "config.json").read_text())["layout"]

@@ -21,12 +21,13 @@ tests/unit/test_train_dtype_flags.py).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness import TRAIN_TIMEOUT_S, run_train
+from harness import TRAIN_TIMEOUT_S, run_train, run_trains
 from shardfusion.checkpoint import read_all
 
 FLAGS = ["--preset", "tiny", "--experts", "0", "--batch-size", "4", "--seq-len", "64", "--data-bytes", "300000",
@@ -42,12 +43,14 @@ def _train(out: Path) -> list[tuple]:
 
 @pytest.mark.timeout(3 * TRAIN_TIMEOUT_S)
 def test_resume_mid_period_is_exact(tmp_path: Path) -> None:
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    result = run_train([*FLAGS, "--out", str(whole)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    result = run_train([*FLAGS, "--stop-after", "6", "--out", str(parts)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    result = run_train([*FLAGS, "--out", str(parts)])
+    whole, parts, other = tmp_path / "whole", tmp_path / "parts", tmp_path / "other-world-size"
+    for result in run_trains([*FLAGS, "--out", str(whole)], [*FLAGS, "--stop-after", "6", "--out", str(parts)]):
+        assert result.returncode == 0, result.stderr[-3000:]
+    # the uninterrupted run's last checkpoint (as the resumed run's, below), resumed at another world size
+    shutil.copytree(whole / "checkpoints" / "step-10", other / "checkpoints" / "step-10")
+    nproc2 = [*FLAGS, "--out", str(other), "--steps", "12"]
+    nproc2[nproc2.index("--nproc") + 1] = "2"
+    result, refused = run_trains([*FLAGS, "--out", str(parts)], nproc2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming at step 6" in result.stdout
     ours, theirs = _train(parts), _train(whole)
@@ -58,11 +61,8 @@ def test_resume_mid_period_is_exact(tmp_path: Path) -> None:
     for key in a:
         assert torch.equal(a[key], b[key]), key
     # at another world size the per-rank state cannot be put back: every rank refuses (no silent divergence)
-    nproc2 = [*FLAGS, "--out", str(parts), "--steps", "12"]
-    nproc2[nproc2.index("--nproc") + 1] = "2"
-    result = run_train(nproc2)
-    assert result.returncode != 0
-    assert "resume a DiLoCo run with the layout and world size it was saved with" in result.stdout + result.stderr
+    assert refused.returncode != 0
+    assert "resume a DiLoCo run with the layout and world size it was saved with" in refused.stdout + refused.stderr
     summary = json.loads((whole / "summary.json").read_text())
     assert summary["outer_sync"]["outer_steps"] == [3] and summary["outer_sync"]["every"] == 4
     assert summary["outer_sync"]["comm_dtype"] == "bf16"
@@ -87,10 +87,9 @@ def test_pipeline_stages_match_the_unpipelined_run_and_resume_mid_period(tmp_pat
     6 and the last validation loss (one model after the last outer step) come out right only if every rank's own
     stage state (shards, AdamW moments, snapshot, momentum) came back; replica 1's differs from the saved copy."""
     pp1, pp2 = tmp_path / "pp1", tmp_path / "pp2"
-    result = run_train([*PIPELINE, "--nproc", "2", "--out", str(pp1)])
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    result = run_train([*PIPELINE, "--nproc", "4", "--pp", "2", "--stop-after", "3", "--out", str(pp2)])
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for result in run_trains([*PIPELINE, "--nproc", "2", "--out", str(pp1)],
+                             [*PIPELINE, "--nproc", "4", "--pp", "2", "--stop-after", "3", "--out", str(pp2)]):
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     result = run_train([*PIPELINE, "--nproc", "4", "--pp", "2", "--out", str(pp2)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "resuming at step 3" in result.stdout and "pp2 x sharding2 (outer2 x inner1)" in result.stdout
@@ -151,11 +150,12 @@ def test_tensor_parallel_replicas_equal_mp1(tmp_path: Path) -> None:
     outer steps), the final validation loss and the final parameters are the --mp 1 run's to fp32 rounding (the
     tensor-parallel sums run in another order)."""
     mp, plain = tmp_path / "mp2", tmp_path / "mp1"
-    result = run_train([*PAIR_FLAGS, "--nproc", "4", "--fsdp-outer-degree", "2", "--mp", "2", "--out", str(mp)])
+    result, reference = run_trains(
+        [*PAIR_FLAGS, "--nproc", "4", "--fsdp-outer-degree", "2", "--mp", "2", "--out", str(mp)],
+        [*PAIR_FLAGS, "--nproc", "2", "--fsdp-outer-degree", "2", "--out", str(plain)])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "x mp2;" in result.stdout, result.stdout[-3000:]
-    result = run_train([*PAIR_FLAGS, "--nproc", "2", "--fsdp-outer-degree", "2", "--out", str(plain)])
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert reference.returncode == 0, reference.stderr[-3000:]
     (train, val), (ref_train, ref_val) = _records(mp), _records(plain)
     assert [(r["step"], r["outer_synced"]) for r in train] == [(r["step"], r["outer_synced"]) for r in ref_train]
     assert [r["step"] for r in train if r["outer_synced"]] == [2, 4]

@@ -5,7 +5,9 @@ of its own (2 gloo ranks), joined by a torchft lighthouse (benchmarks/ft.py star
   job (the reference): the same losses and gradient norms, and bitwise the same parameters (experts included) and
   optimizer state in the step-8 checkpoint. The first group, started alone with --ft-min-replicas 2, waits and says
   so until the second joins. The same parity, 4 steps, with a mode inside each group (the dense GPT): --mp 2, and
-  --init-from a Hugging Face folder (whose first loss is also a single-process transformers forward).
+  --init-from a Hugging Face folder (whose first loss is also a single-process transformers forward). The HSDP
+  reference runs beside the groups (its start-up overlaps theirs on two cores), with a longer lighthouse heartbeat
+  timeout, as no group dies there.
 - One group hung without dying (SIGSTOP inside step 10), then killed with SIGKILL inside step 60 and restarted at
   once, in one run (on two emulated nodes when network namespaces are available, else on loopback). The hang: the
   survivor's average runs into --ft-timeout, it discards that step and goes on alone; continued (SIGCONT), the hung
@@ -25,13 +27,14 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 import torch
 
 pytest.importorskip("torchft")
 
-from harness import REPO, TRAIN_TIMEOUT_S, run_train, train_usage_error  # noqa: E402
+from harness import REPO, TRAIN_TIMEOUT_S, start_train, train_usage_error  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 from benchmarks.ft import TRAIN, Replicas, free_port, read_run, run_scenario  # noqa: E402
@@ -45,6 +48,10 @@ HEARTBEAT_S, FT_TIMEOUT_S = 4.0, 5.0
 """The failure run's lighthouse heartbeat timeout (above benchmarks.ft's 2 s: a group's heartbeats starved for 2 s
 on a loaded machine made the other group go on without it) and --ft-timeout, above it, so that a hang's detection
 tells which one caught it."""
+PARITY_HEARTBEAT_MS = 10000
+"""The lighthouse's heartbeat timeout in the runs where every group stays alive: their HSDP reference runs beside
+them (`harness.start_train`), so a group's heartbeats may be starved longer than benchmarks.ft's 2 s; no group dies
+there, so nothing waits on this timeout."""
 CONSOLE_LINES = 40
 """At most this many console lines of a group's 8-step run: the job's own (the evaluations, the waits, the summary),
 not torchft's (about 9 per step at its default level: OUT/replica-<id>/torchft.log holds its Python side)."""
@@ -89,11 +96,9 @@ ranks is HSDP's replicate all-reduce of them). The other runs train the dense GP
 @pytest.mark.timeout(3 * TRAIN_TIMEOUT_S)
 def test_all_alive_equals_hsdp_and_waits_for_min_replicas(tmp_path: Path) -> None:
     ref = tmp_path / "hsdp"
-    result = run_train([*FLAGS, *MOE, "--nproc", "4", "--fsdp-outer-degree", "2", "--out", str(ref)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "; ep2" in result.stdout, result.stdout[-3000:]
     out = tmp_path / "ft"
-    with Replicas(out, [*FLAGS, *MOE]) as run:
+    with start_train([*FLAGS, *MOE, "--nproc", "4", "--fsdp-outer-degree", "2", "--out", str(ref)]) as reference, \
+            Replicas(out, [*FLAGS, *MOE], heartbeat_ms=PARITY_HEARTBEAT_MS) as run:
         run.start(0, extra=["--ft-min-replicas", "2"])
         run.until(lambda: "waiting at step 0" in run.log("replica0"), TRAIN_TIMEOUT_S, "replica group 0 waiting")
         time.sleep(2.0)
@@ -103,6 +108,9 @@ def test_all_alive_equals_hsdp_and_waits_for_min_replicas(tmp_path: Path) -> Non
         codes = run.wait(["replica0", "replica1"], TRAIN_TIMEOUT_S)
         assert codes == {"replica0": 0, "replica1": 0}, run.log("replica0")[-3000:] + run.log("replica1")[-3000:]
         assert "; ep2" in run.log("replica0"), run.log("replica0")[-3000:]
+        result = reference.finish()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "; ep2" in result.stdout, result.stdout[-3000:]
     _assert_equals_reference(out, ref, STEPS)
     for group in (0, 1):
         console = run.log(f"replica{group}").splitlines()
@@ -121,22 +129,24 @@ PARITY_STEPS = 4
 def _groups_equal_hsdp(tmp_path: Path, extra: list[str], shows: str, train: list[str] = TRAIN,
                        groups_only: tuple[str, ...] = (), groups_show: str = "") -> None:
     """2 replica groups x 2 ranks with the flags ``train`` + ``extra`` against HSDP outer 2 in one job of 4 ranks
-    with the same flags (the same global batch), `_assert_equals_reference` after `PARITY_STEPS` steps; ``shows``:
+    with the same flags (the same global batch; it runs beside the groups), `_assert_equals_reference` after
+    `PARITY_STEPS` steps; ``shows``:
     a piece of the console's layout line both runs must print (the mode is on); ``groups_only``: flags of the
     groups alone, which must print ``groups_show``."""
     flags = [*train, "--steps", str(PARITY_STEPS), "--warmup", "2", "--save-every", str(PARITY_STEPS),
              "--eval-every", str(PARITY_STEPS), *extra]
     ref = tmp_path / "hsdp"
-    result = run_train([*flags, "--nproc", "4", "--fsdp-outer-degree", "2", "--out", str(ref)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert shows in result.stdout, result.stdout[-3000:]
     out = tmp_path / "ft"
-    with Replicas(out, flags) as run:
+    with start_train([*flags, "--nproc", "4", "--fsdp-outer-degree", "2", "--out", str(ref)]) as reference, \
+            Replicas(out, flags, heartbeat_ms=PARITY_HEARTBEAT_MS) as run:
         for group in (0, 1):
             run.start(group, extra=["--ft-min-replicas", "2", *groups_only])
         codes = run.wait(["replica0", "replica1"], TRAIN_TIMEOUT_S)
         assert codes == {"replica0": 0, "replica1": 0}, run.log("replica0")[-3000:] + run.log("replica1")[-3000:]
         assert shows in run.log("replica0") and groups_show in run.log("replica0"), run.log("replica0")[-3000:]
+        result = reference.finish()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert shows in result.stdout, result.stdout[-3000:]
     _assert_equals_reference(out, ref, PARITY_STEPS)
 
 
@@ -318,26 +328,36 @@ def _records(out: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def diloco_hsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The synchronous-layout reference: one job, HSDP 2 x 2, --outer-sync diloco with the same flags."""
+def diloco_hsdp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], Path]]:
+    """The synchronous-layout reference: one job, HSDP 2 x 2, --outer-sync diloco with the same flags. Started when
+    the first test asks for it, it runs beside that test's replica groups: call the fixture for its folder, once
+    the groups are done (it waits for the job)."""
     ref = tmp_path_factory.mktemp("diloco-hsdp")
-    result = run_train([*DILOCO, "--nproc", "4", "--fsdp-outer-degree", "2", "--out", str(ref)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    return ref
+    job = start_train([*DILOCO, "--nproc", "4", "--fsdp-outer-degree", "2", "--out", str(ref)])
+
+    def finished() -> Path:
+        result = job.finish()
+        assert result.returncode == 0, result.stderr[-3000:]
+        return ref
+
+    yield finished
+    job.stop()
 
 
 @pytest.mark.timeout(3 * TRAIN_TIMEOUT_S)
-def test_diloco_across_replica_groups_equals_diloco_on_hsdp(tmp_path: Path, diloco_hsdp: Path) -> None:
+def test_diloco_across_replica_groups_equals_diloco_on_hsdp(tmp_path: Path,
+                                                            diloco_hsdp: Callable[[], Path]) -> None:
     """Two replica groups, each of 2 ranks, DiLoCo between them through torchft, against HSDP 2 x 2 with DiLoCo
     between its replicas: the same outer-step schedule, replica 0's losses and gradient norms step by step, and
     after the last outer step bitwise the same parameters (every group's) and outer state."""
     out = tmp_path / "ft"
-    with Replicas(out, DILOCO, join_ms=DILOCO_JOIN_MS) as run:
+    with Replicas(out, DILOCO, join_ms=DILOCO_JOIN_MS, heartbeat_ms=PARITY_HEARTBEAT_MS) as run:
         for group in (0, 1):
             run.start(group, extra=["--ft-min-replicas", "2"])
         codes = run.wait(["replica0", "replica1"], TRAIN_TIMEOUT_S)
         assert codes == {"replica0": 0, "replica1": 0}, run.log("replica0")[-3000:] + run.log("replica1")[-3000:]
-    ref = _records(diloco_hsdp)
+    hsdp = diloco_hsdp()
+    ref = _records(hsdp)
     assert [r["step"] for r in ref if r["outer_synced"]] == list(range(DILOCO_H, DILOCO_STEPS + 1, DILOCO_H))
     runs = [read_run(out, group) for group in (0, 1)]
     for run_ in runs:
@@ -353,7 +373,7 @@ def test_diloco_across_replica_groups_equals_diloco_on_hsdp(tmp_path: Path, dilo
     ft = [run_["summary"]["fault_tolerance"] for run_ in runs]
     assert ft[0]["shard_digests"] == ft[1]["shard_digests"]  # one model after the last outer step
     ours = read_all(str(out / "checkpoints" / f"step-{DILOCO_STEPS}"))
-    theirs = read_all(str(diloco_hsdp / "checkpoints" / f"step-{DILOCO_STEPS}"))
+    theirs = read_all(str(hsdp / "checkpoints" / f"step-{DILOCO_STEPS}"))
     model = [k for k in theirs if not k.startswith("rank/")]
     assert model and all(torch.equal(ours[k], theirs[k]) for k in model), [k for k in model
                                                                           if not torch.equal(ours[k], theirs[k])]
@@ -367,7 +387,7 @@ def _copy_checkpoint(src: Path, dst: Path, step: int) -> None:
 
 
 @pytest.mark.timeout(400)
-def test_diloco_a_group_killed_between_outer_steps(tmp_path: Path, diloco_hsdp: Path) -> None:
+def test_diloco_a_group_killed_between_outer_steps(tmp_path: Path, diloco_hsdp: Callable[[], Path]) -> None:
     """Group 1 killed inside step 6 (between the outer steps after steps 4 and 6) and restarted at once; group 0
     holds inside step 8 until the restarted group has resumed and joins the quorum, where it waits (alone it is
     not a majority of the live groups), so that they meet at the outer step after step 8.
@@ -379,6 +399,7 @@ def test_diloco_a_group_killed_between_outer_steps(tmp_path: Path, diloco_hsdp: 
     - the restarted group resumes from the checkpoint, is healed from the survivor at the outer step after step 8
       (taking part without a pseudo-gradient of its own), trains beside it from then on, and both end with bitwise
       the same parameters."""
+    hsdp = diloco_hsdp()  # done before the failure run starts: no job beside it
     out = tmp_path / "ft"
     kill_in, hold_in = 5, 7  # 0-based loop steps: inside steps 6 and 8 (job_ft.PAUSE_ENV)
     train = [*DILOCO[:DILOCO.index("--ft-timeout")], "--ft-timeout", str(FT_TIMEOUT_S), *DILOCO[DILOCO.index(
@@ -396,7 +417,7 @@ def test_diloco_a_group_killed_between_outer_steps(tmp_path: Path, diloco_hsdp: 
         survivor.unlink()
         codes = run.wait(["replica0", "replica1b"], TRAIN_TIMEOUT_S)
         assert codes == {"replica0": 0, "replica1b": 0}, run.log("replica0")[-3000:] + run.log("replica1b")[-3000:]
-    ref = _records(diloco_hsdp)
+    ref = _records(hsdp)
     alive, back = read_run(out, 0), read_run(out, 1)
     steps = alive["train"]
     assert [r["step"] for r in steps] == list(range(1, DILOCO_STEPS + 1))  # every step, no restart

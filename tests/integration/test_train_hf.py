@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from harness import TRAIN_TIMEOUT_S, run_command, run_train, train_usage_error  # noqa: E402
+from harness import TRAIN_TIMEOUT_S, run_command, run_train, run_trains, train_usage_error  # noqa: E402
 from shardfusion.checkpoint import read_all, read_meta  # noqa: E402
 from shardfusion.checkpoint.export import export  # noqa: E402
 from shardfusion.train.data import BatchSampler, load_corpus, split_corpus  # noqa: E402
@@ -52,10 +52,19 @@ def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
 
 
 @pytest.fixture(scope="module")
-def llama_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("llama")
-    _ok(run_train([*LLAMA, "--out", str(out)]))
-    return out
+def llama_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    """The uninterrupted run, and the first part of test_llama_exact_resume_after_stop's (--stop-after), started
+    together (`harness.run_trains`): (the run's --out, the part's --out, the part's stdout)."""
+    out, part = tmp_path_factory.mktemp("llama"), tmp_path_factory.mktemp("llama-part")
+    whole, first = run_trains([*LLAMA, "--out", str(out)],
+                              [*LLAMA, "--stop-after", str(SAVE_EVERY), "--out", str(part)])
+    _ok(whole)
+    return out, part, _ok(first)
+
+
+@pytest.fixture(scope="module")
+def llama_run(llama_runs: tuple[Path, Path, str]) -> Path:
+    return llama_runs[0]
 
 
 @pytest.mark.timeout(TRAIN_TIMEOUT_S + 30)
@@ -75,18 +84,18 @@ def test_llama_trains_on_the_default_data(llama_run: Path) -> None:
 
 
 @pytest.mark.timeout(2 * TRAIN_TIMEOUT_S + 60)
-def test_llama_exact_resume_after_stop(llama_run: Path, tmp_path: Path) -> None:
-    first = _ok(run_train([*LLAMA, "--stop-after", str(SAVE_EVERY), "--out", str(tmp_path)]))
+def test_llama_exact_resume_after_stop(llama_runs: tuple[Path, Path, str]) -> None:
+    llama_run, part, first = llama_runs  # the stopped run's folder: continued here
     assert "resuming" not in first
-    second = _ok(run_train([*LLAMA, "--out", str(tmp_path)]))
+    second = _ok(run_train([*LLAMA, "--out", str(part)]))
     assert f"resuming at step {SAVE_EVERY} from" in second and "not an exact resume" not in second, second
-    ours = read_all(str(tmp_path / "checkpoints" / f"step-{STEPS}"))
+    ours = read_all(str(part / "checkpoints" / f"step-{STEPS}"))
     theirs = read_all(str(llama_run / "checkpoints" / f"step-{STEPS}"))
     assert ours.keys() == theirs.keys() and any(k.endswith("/exp_avg_sq") for k in ours)
     assert "model/model.embed_tokens.weight" in ours and "model/lm_head.weight" not in ours  # tied: stored once
     for key in ours:
         assert torch.equal(ours[key], theirs[key]), key
-    train, val = read_metrics(tmp_path / "metrics.jsonl")
+    train, val = read_metrics(part / "metrics.jsonl")
     ref_train, ref_val = read_metrics(llama_run / "metrics.jsonl")
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     for mine, ref in zip(train, ref_train):

@@ -20,7 +20,7 @@ import pytest
 
 hf = pytest.importorskip("datasets")
 
-from harness import TRAIN_TIMEOUT_S, run_train, train_usage_error  # noqa: E402
+from harness import TRAIN_TIMEOUT_S, run_trains, train_usage_error  # noqa: E402
 from shardfusion.train.metrics import read_metrics  # noqa: E402
 
 STEPS = 3
@@ -55,8 +55,9 @@ def test_a_saved_dataset_trains_as_its_json_lines(tmp_path: Path) -> None:
     lines = tmp_path / "corpus.jsonl"
     lines.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
     ours, reference = tmp_path / "ours", tmp_path / "reference"
-    _ok(run_train([*COMMON, "--data", str(root), "--split", "train", "--out", str(ours)]))
-    _ok(run_train([*COMMON, "--data", str(lines), "--out", str(reference)]))
+    for result in run_trains([*COMMON, "--data", str(root), "--split", "train", "--out", str(ours)],
+                             [*COMMON, "--data", str(lines), "--out", str(reference)]):
+        _ok(result)
 
     assert _losses(ours) == _losses(reference)
     config = json.loads((ours / "config.json").read_text())

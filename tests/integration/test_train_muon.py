@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import TRAIN_TIMEOUT_S, run_train, train_usage_error
+from harness import TRAIN_TIMEOUT_S, run_train, run_trains, train_usage_error
 from shardfusion.checkpoint import read_all
 from shardfusion.train.metrics import read_metrics
 
@@ -44,16 +44,26 @@ def _ok(result: subprocess.CompletedProcess) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    out = tmp_path_factory.mktemp("muon")
-    return out, _ok(run_train([*MUON, "--nproc", "2", "--out", str(out)]))
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """The reference (Muon) and one AdamW step with its other flags, saved (--stop-after), started together
+    (`harness.run_trains`): {"muon" | "adamw": (--out, result)}."""
+    outs = {name: tmp_path_factory.mktemp(name) for name in ("muon", "adamw")}
+    results = run_trains([*MUON, "--nproc", "2", "--out", str(outs["muon"])],
+                         [*FLAGS, "--nproc", "2", "--stop-after", "1", "--out", str(outs["adamw"])])
+    return {name: (outs[name], result) for name, result in zip(outs, results)}
 
 
 @pytest.fixture(scope="module")
-def adamw_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def reference(runs: dict) -> tuple[Path, str]:
+    out, result = runs["muon"]
+    return out, _ok(result)
+
+
+@pytest.fixture(scope="module")
+def adamw_run(runs: dict) -> Path:
     """One AdamW step with the reference's other flags, saved (--stop-after)."""
-    out = tmp_path_factory.mktemp("adamw")
-    _ok(run_train([*FLAGS, "--nproc", "2", "--stop-after", "1", "--out", str(out)]))
+    out, result = runs["adamw"]
+    _ok(result)
     return out
 
 
@@ -93,7 +103,10 @@ def test_muon_resume_exact_and_at_another_world_size(reference: tuple[Path, str]
     split, wider = tmp_path / "split", tmp_path / "wider"
     _ok(run_train([*MUON, "--nproc", "2", "--stop-after", str(HALF), "--out", str(split)]))
     shutil.copytree(split, wider)
-    second = _ok(run_train([*MUON, "--nproc", "2", "--out", str(split)]))
+    # the exact resume and, from the same step-3 checkpoint, the resume at another world size, started together
+    second, third = (_ok(result) for result in run_trains(
+        [*MUON, "--nproc", "2", "--out", str(split)],
+        [*MUON, "--nproc", "4", "--fsdp-outer-degree", "1", "--out", str(wider)]))
     assert f"resuming at step {HALF} from" in second and "not an exact resume" not in second
     ours = read_all(str(split / "checkpoints" / f"step-{STEPS}"))
     theirs = read_all(str(out / "checkpoints" / f"step-{STEPS}"))
@@ -104,7 +117,6 @@ def test_muon_resume_exact_and_at_another_world_size(reference: tuple[Path, str]
     assert [r["loss"] for r in read_metrics(split / "metrics.jsonl")[0]] == [r["loss"] for r in ref_train]
 
     # 4 workers, inner 4: every owner layout differs from the saved run's (inner 2); the checkpoint reshards
-    third = _ok(run_train([*MUON, "--nproc", "4", "--fsdp-outer-degree", "1", "--out", str(wider)]))
     assert f"resuming at step {HALF} from" in third and "world size was 2, now 4" in third, third[-3000:]
     train, _ = read_metrics(wider / "metrics.jsonl")
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
@@ -174,10 +186,11 @@ def test_context_parallel_equals_cp1(tmp_path: Path) -> None:
     flags = [*FLAGS[:FLAGS.index("--experts")], "--experts", "0", "--optimizer", "muon", "--muon-lr", "0.02",
              "--steps", "4", "--eval-every", "4", "--save-every", "4", "--fsdp-outer-degree", "1"]
     cp, plain = tmp_path / "cp2", tmp_path / "cp1"
-    out = _ok(run_train([*flags, "--nproc", "4", "--cp", "2", "--reshard-policy", "auto", "--max-memory-per-rank",
-                         "64GB", "--out", str(cp)]))
+    results = run_trains([*flags, "--nproc", "4", "--cp", "2", "--reshard-policy", "auto", "--max-memory-per-rank",
+                          "64GB", "--out", str(cp)], [*flags, "--nproc", "2", "--out", str(plain)])
+    out = _ok(results[0])
     assert "x cp2 x" in out and "reshard policy auto: 2 of 2 units kept gathered" in out
-    _ok(run_train([*flags, "--nproc", "2", "--out", str(plain)]))
+    _ok(results[1])
     (train, val), (ref_train, ref_val) = read_metrics(cp / "metrics.jsonl"), read_metrics(plain / "metrics.jsonl")
     assert [r["step"] for r in train] == [r["step"] for r in ref_train] == [1, 2, 3, 4]
     assert train[0]["loss"] == pytest.approx(ref_train[0]["loss"], rel=FIRST_RTOL)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import TRAIN_TIMEOUT_S, run_train
+from harness import TRAIN_TIMEOUT_S, run_trains
 from shardfusion.checkpoint import read_all
 
 FLAGS = ["--preset", "tiny", "--n-layer", "6", "--experts", "4", "--top-k", "2", "--ep", "2",
@@ -50,17 +50,17 @@ def test_in_between_choice_equals_after_forward_bitwise(tmp_path: Path) -> None:
     needs = planned_needs(FLAGS, 4)
     assert needs[0] < needs[1] < needs[-1], needs  # one block kept is in between: neither extreme
     auto, plain = tmp_path / "auto", tmp_path / "after_forward"
-    result = run_train([*FLAGS, "--reshard-policy", "auto", "--max-memory-per-rank", str(needs[1]),
-                        "--async-save", "--out", str(auto)])  # its checkpoints written in the background
+    result, reference = run_trains([*FLAGS, "--reshard-policy", "auto", "--max-memory-per-rank", str(needs[1]),
+                                    "--async-save", "--out", str(auto)],  # its checkpoints written in the background
+                                   [*FLAGS, "--out", str(plain)])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "reshard policy auto: 1 of 6 units kept gathered from forward to backward (blocks.5)" in result.stdout, \
         result.stdout[-3000:]
     choice = json.loads((auto / "config.json").read_text())["reshard_choice"]
     assert choice["kept"] == ["blocks.5"] and choice["fits"] and choice["memory_bytes"] <= choice["budget"]
     assert tuple(choice["needs"]) == needs  # the wrap's estimate is the cost model's, on the real layout
-    result = run_train([*FLAGS, "--out", str(plain)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "reshard policy auto" not in result.stdout
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert "reshard policy auto" not in reference.stdout
     ours, theirs = _records(auto), _records(plain)
     keys = ("step", "loss", "grad_norm", "outer_synced", "val_loss")
     assert [{k: r.get(k) for k in keys} for r in ours] == [{k: r.get(k) for k in keys} for r in theirs]

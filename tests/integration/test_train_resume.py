@@ -21,13 +21,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from benchmarks.netcluster import descendants
-from harness import REPO, TRAIN_TIMEOUT_S, clean_env, run_train, train_usage_error
+from harness import REPO, TRAIN_TIMEOUT_S, clean_env, run_train, start_train, train_usage_error
 from shardfusion.checkpoint import latest_checkpoint, read_all, read_meta
 from shardfusion.checkpoint.export import export
 from shardfusion.models.gpt import GPT, GPTConfig
@@ -48,10 +49,19 @@ def _ok(result: subprocess.CompletedProcess) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], Path]]:
+    """The uninterrupted run, started when the first test asks for it: it runs beside that test's own runs (its
+    start-up overlaps theirs on two cores). Call the fixture for its folder: that waits for the run, which must
+    succeed."""
     out = tmp_path_factory.mktemp("reference")
-    _ok(run_train([*FLAGS, "--out", str(out)]))
-    return out
+    job = start_train([*FLAGS, "--out", str(out)])
+
+    def finished() -> Path:
+        _ok(job.finish())
+        return out
+
+    yield finished
+    job.stop()
 
 
 def _assert_same_run(out: Path, reference: Path, from_step: int, stopped_at: int | None = None) -> None:
@@ -77,14 +87,14 @@ def _assert_same_run(out: Path, reference: Path, from_step: int, stopped_at: int
 
 
 @pytest.mark.timeout(3 * 150 + 60)
-def test_exact_resume_after_stop(reference: Path, tmp_path: Path) -> None:
+def test_exact_resume_after_stop(reference: Callable[[], Path], tmp_path: Path) -> None:
     half = STEPS // 2
     first = _ok(run_train([*FLAGS, "--stop-after", str(half), "--out", str(tmp_path)]))
     assert "resuming" not in first
     assert latest_checkpoint(str(tmp_path / "checkpoints")).endswith(f"step-{half}")
     second = _ok(run_train([*FLAGS, "--out", str(tmp_path)]))
     assert f"resuming at step {half} from" in second and "not an exact resume" not in second
-    _assert_same_run(tmp_path, reference, from_step=half, stopped_at=half)
+    _assert_same_run(tmp_path, reference(), from_step=half, stopped_at=half)
     published = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-"))
     assert published == [f"step-{STEPS - SAVE_EVERY}", f"step-{STEPS}"]  # --keep 2
     # the export of the job's checkpoint carries the model config: a plain GPT is built from it and loads it
@@ -97,14 +107,15 @@ def test_exact_resume_after_stop(reference: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(150 + 150 + 60)
-def test_every_step_checkpoint_resumed_with_diloco_starts_a_new_period(reference: Path, tmp_path: Path) -> None:
+def test_every_step_checkpoint_resumed_with_diloco_starts_a_new_period(reference: Callable[[], Path],
+                                                                        tmp_path: Path) -> None:
     """The reference's last checkpoint (step 30, synchronous HSDP: no DiLoCo state) resumed with --outer-sync diloco
     for 4 more steps at H = 4: the run says it starts a new outer period; the first outer step comes at the next
     multiple of H (step 32); and the outer steps start from the loaded parameters: with the paper's outer optimizer
     (lr 0.7, Nesterov 0.9; plain averaging would hide a wrong snapshot) the validation loss goes on as the
     synchronous run left it, while a snapshot left at the initial weights the DiLoCo was built on (no reset after
     the load) ends 0.26 higher."""
-    shutil.copytree(reference, tmp_path, dirs_exist_ok=True)
+    shutil.copytree(reference(), tmp_path, dirs_exist_ok=True)
     flags = [*FLAGS, "--out", str(tmp_path), "--steps", str(STEPS + 4), "--outer-sync", "diloco", "--outer-every", "4",
              "--outer-lr", "0.7", "--outer-momentum", "0.9"]
     stdout = _ok(run_train(flags))
@@ -178,9 +189,11 @@ def _workers(launcher_pid: int) -> dict[int, int]:
 
 @pytest.mark.timeout(KILL_TIMEOUT_S + 150 + 60)
 @pytest.mark.parametrize("launcher", ["local", "torchrun"])
-def test_killed_worker_restarts_from_latest_checkpoint(reference: Path, tmp_path: Path, launcher: str) -> None:
+def test_killed_worker_restarts_from_latest_checkpoint(reference: Callable[[], Path], tmp_path: Path,
+                                                      launcher: str) -> None:
     """SIGKILL rank 2 once the first checkpoint is published: the elastic agent (the job's own launcher with
     --max-restarts, or torchrun's with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) restarts every worker, and they resume."""
+    ref = reference()  # done before this run starts: no job beside the kill
     log = tmp_path / "log.txt"
     if launcher == "local":
         command = [sys.executable, "-m", "shardfusion.train", *FLAGS, "--max-restarts", "2"]
@@ -214,7 +227,7 @@ def test_killed_worker_restarts_from_latest_checkpoint(reference: Path, tmp_path
     assert "resuming at step" in text, text[-4000:]
     resumed_at = int(text.split("resuming at step ")[1].split()[0])
     assert 0 < resumed_at < STEPS
-    _assert_same_run(tmp_path, reference, from_step=resumed_at)
+    _assert_same_run(tmp_path, ref, from_step=resumed_at)
 
 
 @pytest.mark.timeout(150)

@@ -4,11 +4,12 @@ ranks (--ranks-per-node, which reaches `sf.Topology(ranks_per_node=)`), one shar
 bitwise the same training losses (the backward computes with the forward's parameters), the same number of
 parameter all-gathers, fewer bytes of them across nodes (the backward's stay in the node)."""
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from harness import TRAIN_TIMEOUT_S, run_train
+from harness import TRAIN_TIMEOUT_S, run_trains
 from shardfusion.train.metrics import read_metrics
 
 RUN = ["--preset", "tiny", "--batch-size", "4", "--eval-every", "2", "--eval-batches", "1", "--data-bytes", "300000", "--sample-tokens", "0",
@@ -16,16 +17,16 @@ RUN = ["--preset", "tiny", "--batch-size", "4", "--eval-every", "2", "--eval-bat
        "--steps", "2", "--grad-accum", "2", "--clip", "0"]
 
 
-def _train(out: Path, *flags: str) -> list[dict]:
-    result = run_train([*RUN, *flags, "--out", str(out)])
+def _records(out: Path, result: subprocess.CompletedProcess) -> list[dict]:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return read_metrics(out / "metrics.jsonl")[0]
 
 
 @pytest.mark.timeout(2 * TRAIN_TIMEOUT_S + 30)
 def test_secondary_shard_is_bitwise_and_keeps_backward_gathers_in_the_node(tmp_path: Path) -> None:
-    plain = _train(tmp_path / "plain")
-    hpz = _train(tmp_path / "hpz", "--secondary-shard")
+    outs = {"plain": [], "hpz": ["--secondary-shard"]}  # started together (`harness.run_trains`)
+    results = run_trains(*([*RUN, *flags, "--out", str(tmp_path / name)] for name, flags in outs.items()))
+    plain, hpz = (_records(tmp_path / name, result) for name, result in zip(outs, results))
     assert [r["loss"] for r in hpz] == [r["loss"] for r in plain]
     for p, h in zip(plain, hpz):
         p_ag, h_ag = p["comm"]["inner_all_gather"], h["comm"]["inner_all_gather"]
