@@ -492,8 +492,8 @@ def reduce_scatter_exchange(received: torch.Tensor, send: torch.Tensor, group: P
 # group the all-gather runs as one send of the shard to each peer and one receive from each straight into its
 # slice of the output (the own slice copied in), and a reduce-scatter over a pair of ranks (HSDP's inner groups of
 # two) as one send and one receive of half the input, added to the own half. Same bytes on the wire, the same
-# results (a gather moves values; a sum of two is the same in either order); measured on 2 gloo ranks (1.6 MB
-# shards, 100 calls): CPU per call 1.7 -> 1.4 ms for the all-gather, 1.8 -> 1.1 ms for the reduce-scatter. Each
+# results (a gather moves values; a sum of two is the same in either order), less CPU: the `comm` step under
+# `after_backward` spends 0.97 x its CPU (benchmarks/results/paired-gloo-sends.md, paired with the tree before). Each
 # call's sends and receives carry their own tag (``_next_tag``), so calls in flight on one group never match each
 # other's. Larger reduce-scatters keep the all-to-all: their sum has an order, the one of the all-to-all's rows. A
 # dry run's fake groups (``is_fake``) issue the collectives themselves: they move nothing either way.
