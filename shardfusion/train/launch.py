@@ -133,13 +133,15 @@ def launch(worker: Callable[..., Any], args: tuple, nproc: int, threads_per_work
     the caller's changes to it do not carry over). OMP_NUM_THREADS is set for the children (unless already set) so
     that workers sharing a few cores do not oversubscribe them. ``device``: the workers' ("cpu" or "cuda"), which
     picks `start_method`. ``preload``: modules this run's workers import beyond `PRELOAD` (e.g. the checkpoint
-    modules of a run that saves), imported once by the forkserver after it. A worker that returns ends its process
+    modules of a run that saves), imported once by the forkserver after it; a forkserver this process already runs
+    (started by other code: it would not import them) is stopped first. A worker that returns ends its process
     with `exit_now(0)` once its return value has been handed back (see the module doc); one that raises exits as
     usual, non-zero.
     """
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker))
     method = start_method(device)
     if method == "forkserver":  # before the server starts (at the first worker), with the environment above
+        stop_forkserver()  # one this process already runs (started by other code) would ignore this run's preload
         multiprocessing.set_forkserver_preload([*PRELOAD, *preload])
     if max_restarts:
         os.environ[UNSHARED_STORE] = "1"  # a store of its own per restart (see `restart_problem`)

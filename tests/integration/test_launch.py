@@ -69,3 +69,17 @@ def test_the_launching_process_imports_none_of_the_heavy_modules() -> None:
                             timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "[]"
+
+
+def test_launch_replaces_a_forkserver_started_by_other_code():
+    """A forkserver this process already runs (here one preloading the checkpoint modules, as the test harness's
+    does) would fork the workers with its own modules and without this run's preload: launch starts its own."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(["shardfusion.checkpoint.save_load"])
+    forkserver.ensure_running()
+    assert forkserver._forkserver._forkserver_pid is not None
+    results = launch(_rank_times, (2,), nproc=2, threads_per_worker=1)
+    assert {r: v[0] for r, v in results.items()} == {0: 0, 1: 2}
+    for _, held in results.values():
+        assert held == {m: m == "torch._dynamo" for m in _WATCHED}
