@@ -392,7 +392,7 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Optional[ProcessG
             full.copy_(shard)
         return None
     record = _record("all_gather", group, full, category=category)
-    if _point_to_point(group):
+    if group_size(group) == 2 and _point_to_point(group):
         return _issue(record, _gloo_all_gather, full, shard, group=group, async_op=async_op, what=what)
     return _issue(record, _all_gather_base, full, shard, group=group, async_op=async_op, what=what)
 
@@ -488,15 +488,17 @@ def reduce_scatter_exchange(received: torch.Tensor, send: torch.Tensor, group: P
 # On a CPU node every byte a collective moves is copied by the host, so copies the algorithm does not need cost as
 # much as the transfer. gloo's all-gather into one tensor receives into a flat buffer of its own and then copies
 # it into the output (one extra pass over the whole gathered buffer, on gloo's worker thread); its all-to-all (our
-# reduce-scatter, below) copies this rank's own piece into a receive buffer as large as the input. So on a real gloo
-# group the all-gather runs as one send of the shard to each peer and one receive from each straight into its
-# slice of the output (the own slice copied in), and a reduce-scatter over a pair of ranks (HSDP's inner groups of
-# two) as one send and one receive of half the input, added to the own half. Same bytes on the wire, the same
-# results (a gather moves values; a sum of two is the same in either order), less CPU: the `comm` step under
+# reduce-scatter, below) copies this rank's own piece into a receive buffer as large as the input. So over a pair
+# of ranks on a real gloo group (HSDP's inner groups of two) the all-gather runs as one send of the shard and one
+# receive straight into the peer's slice of the output (the own slice copied in), and the reduce-scatter as one
+# send and one receive of half the input, added to the own half. For a pair that is the ring itself: the same
+# bytes on the wire and across nodes, the same results (a gather moves values; a sum of two is the same in either
+# order), less CPU. Larger groups keep gloo's collectives: sending a shard to every peer directly would put more
+# bytes across nodes than the ring (2 S instead of 1.5 S per rank for 4 ranks on 2 nodes), and a reduce-scatter's
+# sum over more than two has an order, the all-to-all's rows. The `comm` step under
 # `after_backward` spends 0.97 x its CPU (benchmarks/results/paired-gloo-sends.md, paired with the tree before). Each
 # call's sends and receives carry their own tag (``_next_tag``), so calls in flight on one group never match each
-# other's. Larger reduce-scatters keep the all-to-all: their sum has an order, the one of the all-to-all's rows. A
-# dry run's fake groups (``is_fake``) issue the collectives themselves: they move nothing either way.
+# other's. A dry run's fake groups (``is_fake``) issue the collectives themselves: they move nothing either way.
 
 
 def _point_to_point(group: Optional[ProcessGroup]) -> bool:
@@ -577,7 +579,7 @@ def _finish(work: _AllWorks, async_op: bool) -> Optional[_AllWorks]:
 
 def _gloo_all_gather(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False):
     """All-gather as sends and receives on gloo: this rank's shard to each peer, each peer's straight into its
-    slice of ``full``, this rank's own copied in."""
+    slice of ``full``, this rank's own copied in (used for pairs; correct for any group size)."""
     me, size, n, tag = dist.get_rank(group), dist.get_world_size(group), shard.numel(), _next_tag(group)
     peers = [i for i in range(size) if i != me]
     works = _exchange([(shard, i) for i in peers], [(full[i * n:(i + 1) * n], i) for i in peers], group, tag,
