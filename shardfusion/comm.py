@@ -392,7 +392,7 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Optional[ProcessG
             full.copy_(shard)
         return None
     record = _record("all_gather", group, full, category=category)
-    if group_size(group) == 2 and _point_to_point(group):
+    if _gloo_pair(group):
         return _issue(record, _gloo_all_gather, full, shard, group=group, async_op=async_op, what=what)
     return _issue(record, _all_gather_base, full, shard, group=group, async_op=async_op, what=what)
 
@@ -449,7 +449,7 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Optional[Proc
     # on gloo the record carries the all-to-all's split, so that its bytes across nodes are the exact ones
     record = _record("reduce_scatter", group, full, [full.numel() // size] * size if gloo else None,
                      category=category)
-    if gloo and size == 2 and _point_to_point(group):
+    if _gloo_pair(group):
         return _issue(record, _gloo_reduce_scatter_pair, shard, full, group=group, async_op=async_op)
     if gloo:
         # gloo runs a reduce-scatter as an all-reduce of the whole input plus copies (twice the ring volume); an
@@ -457,11 +457,9 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group: Optional[Proc
         # twice as fast on CPU.
         received = torch.empty_like(full)  # (G*S,): [source rank, shard]
         work = _issue(record, dist.all_to_all_single, received, full, group=group, async_op=async_op)
-        done = _SumShards(work, received, shard, group_size(group))
-        if not async_op:
-            done.wait()
-            return None
-        return done
+        # the G received pieces of this rank's shard summed in source-rank order, once the all-to-all is done
+        return _finish(_AllWorks([work] if work is not None else [],
+                                 lambda: torch.sum(received.view(size, -1), dim=0, out=shard)), async_op)
     return _issue(record, _reduce_scatter_base, shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
@@ -501,10 +499,10 @@ def reduce_scatter_exchange(received: torch.Tensor, send: torch.Tensor, group: P
 # other's. A dry run's fake groups (``is_fake``) issue the collectives themselves: they move nothing either way.
 
 
-def _point_to_point(group: Optional[ProcessGroup]) -> bool:
+def _gloo_pair(group: Optional[ProcessGroup]) -> bool:
     """Whether the all-gathers and reduce-scatters of ``group`` run as sends and receives ([Note: gloo collectives
-    as sends and receives]): a real gloo group of more than one rank."""
-    return group is not None and str(dist.get_backend(group)) == "gloo" and dist.get_world_size(group) > 1
+    as sends and receives]): a real (not fake) gloo group of exactly two ranks."""
+    return group is not None and dist.get_world_size(group) == 2 and str(dist.get_backend(group)) == "gloo"
 
 
 _p2p_tags: dict[ProcessGroup, int] = {}
@@ -549,7 +547,7 @@ def _next_tag(group: ProcessGroup) -> int:
 
 
 class _AllWorks:
-    """The work handles of one collective run as several sends and receives (or a receive then a local step):
+    """The work handles of one collective run as several (sends and receives, or an all-to-all) and its local step:
     ``wait()`` waits for each, then runs ``then`` (once); ``is_completed()`` when every one has."""
 
     def __init__(self, works: list, then: Optional[Callable[[], None]] = None) -> None:
@@ -602,27 +600,6 @@ def _gloo_reduce_scatter_pair(shard: torch.Tensor, full: torch.Tensor, group: Pr
 
 _gloo_all_gather.op_name = "all_gather"
 _gloo_reduce_scatter_pair.op_name = "reduce_scatter"
-
-
-class _SumShards:
-    """A reduce-scatter done as all-to-all + local sum: ``wait()`` waits for the all-to-all, then sums the G received
-    pieces of this rank's shard, in source-rank order, into ``shard`` (once)."""
-
-    def __init__(self, work: Any, received: torch.Tensor, shard: torch.Tensor, size: int) -> None:
-        self.work, self.received, self.shard, self.size = work, received, shard, size
-
-    def wait(self, *args, **kwargs) -> bool:
-        """Wait for the all-to-all, then sum the pieces into ``shard`` (the first call only). Returns True."""
-        if self.received is not None:
-            if self.work is not None:
-                self.work.wait(*args, **kwargs)
-            torch.sum(self.received.view(self.size, -1), dim=0, out=self.shard)
-            self.received = None
-        return True
-
-    def is_completed(self) -> bool:
-        """Whether the all-to-all has completed (the local sum runs in :meth:`wait`)."""
-        return self.received is None or self.work is None or self.work.is_completed()
 
 
 def all_reduce(tensor: torch.Tensor, group: Optional[ProcessGroup], op=dist.ReduceOp.SUM, async_op: bool = False,
