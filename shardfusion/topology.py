@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardfusion import arrival, comm
+from shardfusion._runtime.gloo_device import shared_gloo_device
 
 AXES = ("dp", "pp", "outer", "expert_inner", "ep", "sep", "cp", "mp")
 """The atomic axes of the rank grid, slowest first."""
@@ -368,42 +369,43 @@ class Topology:
         # the time of its size (_group_of); the mesh would create every group of the world, one new_group call each
         # (O(world) per axis), and is built on first use (`mesh`, `get_mesh`) with groups of its own.
         self._fake = backend == "fake"
-        self._mesh = None if self._fake else self._make_mesh()
-        self._kinds_of: dict[dist.ProcessGroup, list[str]] = {}  # the kinds each created group serves (accounting)
-        by_axes: dict[tuple[str, ...], dist.ProcessGroup] = {}
-        self._groups = {kind: self._make_group(kind, by_axes) for kind in KINDS
-                        if kind not in ("world", "ep", "replicate")}
-        # The replicate all-reduces may be issued while backward all-gathers run (overlap, set_is_last_backward), at
-        # moments that depend on timing: a group of their own keeps them from interleaving with the all-gathers of a
-        # kind over the same ranks (e.g. moe_sharding when expert_inner is 1).
-        replicate_size = self.degrees.dp * self.degrees.fsdp_outer_degree * self.degrees.sep * self.degrees.cp
-        self._groups["replicate"] = self._make_group("replicate", by_axes if replicate_size == 1 else {},
-                                                     twin=replicate_size > 1, name="replicate")
-        # The MoE all-to-alls get a group of their own, never shared with the all-gathers of an inner group over the
-        # same ranks, so the two streams of collectives cannot interleave differently on different ranks.
-        self._groups["ep"] = self._make_group("ep", {}, twin=d.ep > 1, name="ep_dispatch")
-        twins: dict[tuple[str, ...], dist.ProcessGroup] = {}
-        self._reduce_groups = {kind: self._make_group(kind, twins, twin=True)
-                               for kind in ("fsdp_inner", "expert_inner", "moe_sharding")}
-        # Name every group for communication accounting (accounting.py): a group shared by several kinds gets them
-        # all; the twins are "<kind>_reduce" and the all-to-all group "ep".
-        for group, kinds in self._kinds_of.items():
-            comm.label_group(group, kinds)
-        comm.label_group(dist.group.WORLD, "world")
-        self.stage_ranks = _group_of(d, "stage", self.rank)
-        """The global ranks of this rank's pipeline stage (the same pp index; the world when pp is 1), ascending:
-        those that make a sharded model's collective calls together (the arrival checks of ``arrival.py``)."""
-        # The first and the last rank of each pp group: the two pipeline ends, which hold a weight tied across
-        # stages (embedding and head; shardfusion.pipeline). Created on every rank, in one order, when pp > 1.
-        self._pipeline_ends = None
-        if d.pp > 1 and self._fake:
-            ends = _group_of(d, "pp", self.rank)[::d.pp - 1]
-            self._pipeline_ends = dist.new_group(ends, timeout=timeout) if self.rank in ends else None
-        elif d.pp > 1:
-            self._pipeline_ends, _ = dist.new_subgroups_by_enumeration(
-                [[g[0], g[-1]] for g in _ranks_of(d, "pp")], timeout=timeout)
-        if self._pipeline_ends is not None:  # None on the ranks of a middle pp index
-            comm.label_group(self._pipeline_ends, "pipeline_ends")
+        with shared_gloo_device():  # one loop thread for these groups: [Note: one gloo device for many groups]
+            self._mesh = None if self._fake else self._make_mesh()
+            self._kinds_of: dict[dist.ProcessGroup, list[str]] = {}  # the kinds each created group serves (accounting)
+            by_axes: dict[tuple[str, ...], dist.ProcessGroup] = {}
+            self._groups = {kind: self._make_group(kind, by_axes) for kind in KINDS
+                            if kind not in ("world", "ep", "replicate")}
+            # The replicate all-reduces may be issued while backward all-gathers run (overlap, set_is_last_backward), at
+            # moments that depend on timing: a group of their own keeps them from interleaving with the all-gathers of a
+            # kind over the same ranks (e.g. moe_sharding when expert_inner is 1).
+            replicate_size = self.degrees.dp * self.degrees.fsdp_outer_degree * self.degrees.sep * self.degrees.cp
+            self._groups["replicate"] = self._make_group("replicate", by_axes if replicate_size == 1 else {},
+                                                         twin=replicate_size > 1, name="replicate")
+            # The MoE all-to-alls get a group of their own, never shared with the all-gathers of an inner group over the
+            # same ranks, so the two streams of collectives cannot interleave differently on different ranks.
+            self._groups["ep"] = self._make_group("ep", {}, twin=d.ep > 1, name="ep_dispatch")
+            twins: dict[tuple[str, ...], dist.ProcessGroup] = {}
+            self._reduce_groups = {kind: self._make_group(kind, twins, twin=True)
+                                   for kind in ("fsdp_inner", "expert_inner", "moe_sharding")}
+            # Name every group for communication accounting (accounting.py): a group shared by several kinds gets them
+            # all; the twins are "<kind>_reduce" and the all-to-all group "ep".
+            for group, kinds in self._kinds_of.items():
+                comm.label_group(group, kinds)
+            comm.label_group(dist.group.WORLD, "world")
+            self.stage_ranks = _group_of(d, "stage", self.rank)
+            """The global ranks of this rank's pipeline stage (the same pp index; the world when pp is 1), ascending:
+            those that make a sharded model's collective calls together (the arrival checks of ``arrival.py``)."""
+            # The first and the last rank of each pp group: the two pipeline ends, which hold a weight tied across
+            # stages (embedding and head; shardfusion.pipeline). Created on every rank, in one order, when pp > 1.
+            self._pipeline_ends = None
+            if d.pp > 1 and self._fake:
+                ends = _group_of(d, "pp", self.rank)[::d.pp - 1]
+                self._pipeline_ends = dist.new_group(ends, timeout=timeout) if self.rank in ends else None
+            elif d.pp > 1:
+                self._pipeline_ends, _ = dist.new_subgroups_by_enumeration(
+                    [[g[0], g[-1]] for g in _ranks_of(d, "pp")], timeout=timeout)
+            if self._pipeline_ends is not None:  # None on the ranks of a middle pp index
+                comm.label_group(self._pipeline_ends, "pipeline_ends")
         self.forward_mode_checks = 0
         """How many forward-mode agreements this rank has joined (``check_forward_mode``; one arrival check each,
         through the store: no collective)."""
@@ -494,7 +496,8 @@ class Topology:
             return self.mesh[axes[0]]
         cache = self.__dict__.setdefault("_flat_meshes", {})
         if kind not in cache:
-            cache[kind] = self.mesh[axes]._flatten(f"{kind}_mesh", backend_override=self._override)
+            with shared_gloo_device():
+                cache[kind] = self.mesh[axes]._flatten(f"{kind}_mesh", backend_override=self._override)
         return cache[kind]
 
     def group_ranks(self, kind: str) -> list[list[int]]:

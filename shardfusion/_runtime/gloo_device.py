@@ -1,0 +1,77 @@
+"""One gloo transport device for a topology's groups of one rank: one network loop thread instead of one per group.
+
+[Note: one gloo device for many groups]
+Each ``ProcessGroupGloo`` that torch creates gets a transport device of its own, and each gloo TCP device runs a loop
+thread that waits for socket events with a 10 ms timeout: it wakes a hundred times a second, also when its group
+never communicates. A :class:`~shardfusion.topology.Topology` makes a group per mesh axis, per flattened axis set
+and per twin, groups of one rank included (an axis of degree 1), so each process ran about a dozen such threads.
+With fewer cores than busy threads every wake-up can preempt a training thread: DDP's step on 4 gloo ranks of the
+2-core machine, with 12 idle one-rank groups per rank beside it, took 1.04 x its step without them (1.06 x its CPU;
+``benchmarks/idle_groups.py``, ``benchmarks/results/idle-groups.md``).
+
+Gloo serves many contexts from one device (its loop watches the sockets of all of them) and ``ProcessGroupGloo``
+takes its devices in its options, but ``torch.distributed.new_group`` makes them itself. Inside
+:func:`shared_gloo_device`, the ``ProcessGroupGloo`` that ``torch.distributed`` constructs for a group of one rank
+is a subclass whose constructor passes one device set shared by the process (made as torch makes a group's own: one
+device per interface of ``GLOO_SOCKET_IFNAME``, else the default device; two work threads per device, as torch).
+A group of one rank has no peer and never sends, so sharing costs it nothing. Groups of several ranks keep a device
+each: one loop for several busy groups serializes their socket reads (measured: sharing one device among all of a
+step's groups made the HSDP 2 x 2 step slower, 1.34 against 1.29-1.31 x DDP's in the same harness). Everything else
+about the groups is torch's; the default group, made by ``init_process_group``, keeps its own device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Iterator
+
+import torch.distributed as dist
+
+_lock = threading.RLock()  # a Topology made inside another's creation (same thread) may nest
+_devices: list | None = None  # the process's shared device set, made at first use
+
+
+def _shared_devices(gloo: type) -> list:
+    """The devices the one-rank groups made in :func:`shared_gloo_device` use, made once per process as torch makes
+    a group's own (``GLOO_SOCKET_IFNAME``: one device per listed interface; else the default device)."""
+    global _devices
+    if _devices is None:
+        names = os.environ.get("GLOO_SOCKET_IFNAME", "")
+        if len(names) > 1:
+            _devices = [gloo.create_device(interface=name) for name in names.split(",")]
+        else:
+            _devices = [gloo.create_default_device()]
+    return _devices
+
+
+@contextlib.contextmanager
+def shared_gloo_device() -> Iterator[None]:
+    """Within this context the gloo groups of one rank that ``torch.distributed`` creates share one transport device
+    (see the note above); other groups are made as torch makes them. A no-op without gloo, or on a torch whose gloo
+    group takes no devices in its options. One thread at a time patches torch (a lock)."""
+    c10d = dist.distributed_c10d
+    gloo = getattr(c10d, "ProcessGroupGloo", None)
+    options = getattr(gloo, "_Options", None)
+    if gloo is None or options is None or not hasattr(options(), "_devices"):
+        yield
+        return
+
+    class _SharedDeviceGloo(gloo):
+        def __init__(self, store, rank, size, timeout=None, **kwargs):
+            if size > 1 or kwargs or not hasattr(timeout, "total_seconds"):  # made as torch makes it
+                super().__init__(store, rank, size, *([] if timeout is None else [timeout]), **kwargs)
+                return
+            opts = options()
+            opts._devices = devices = _shared_devices(gloo)  # made at the first one-rank group
+            opts._threads = 2 * len(devices)
+            opts._timeout = timeout
+            super().__init__(store, rank, size, opts)
+
+    with _lock:
+        c10d.ProcessGroupGloo = _SharedDeviceGloo
+        try:
+            yield
+        finally:
+            c10d.ProcessGroupGloo = gloo

@@ -1,0 +1,56 @@
+"""A Topology's gloo groups of one rank share one transport device ([Note: one gloo device for many groups] in
+shardfusion/_runtime/gloo_device.py): one network loop thread for all of them, the groups of several ranks keep
+their own, and every group still computes its sums; torch's class is back in place afterwards."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_distributed
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux /proc")
+
+
+def _loop_threads() -> int:
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().strip() == "gloo_tcp_loop"
+        except OSError:  # the thread ended meanwhile
+            pass
+    return count
+
+
+def _worker() -> dict:
+    from torch.distributed import distributed_c10d as c10d
+
+    import shardfusion as sf
+
+    original = c10d.ProcessGroupGloo
+    before_groups, before_threads = set(c10d._world.pg_map), _loop_threads()
+    topo = sf.Topology(sharding=-1, fsdp_outer_degree=2)
+    new = [pg for pg in c10d._world.pg_map if pg not in before_groups]
+    sums = []
+    for pg in new:  # every new group still works: the sum of (rank + 1) over its ranks
+        t = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(t, group=pg)
+        sums.append((float(t), float(sum(r + 1 for r in dist.get_process_group_ranks(pg)))))
+    sizes = [pg.size() for pg in new]
+    return {"sizes": sizes, "threads": _loop_threads() - before_threads, "sums": sums,
+            "restored": c10d.ProcessGroupGloo is original, "degrees": (topo.inner, topo.fsdp_outer_degree)}
+
+
+def test_groups_of_one_rank_share_one_loop_thread():
+    for rank, out in enumerate(run_distributed(_worker, 4, timeout=90)):
+        singles, multi = out["sizes"].count(1), sum(1 for s in out["sizes"] if s > 1)
+        assert out["degrees"] == (2, 2)
+        assert singles >= 2, f"rank {rank}: HSDP 2 x 2 on 4 ranks makes several one-rank groups, got {out['sizes']}"
+        # torch's default would start one loop per group: len(sizes); shared, the one-rank groups start one together
+        assert out["threads"] == multi + 1, (rank, out)
+        assert all(got == want for got, want in out["sums"]), (rank, out["sums"])
+        assert out["restored"], f"rank {rank}: torch's ProcessGroupGloo was not put back"
