@@ -356,8 +356,11 @@ def wait(work: Any, what: str) -> None:
     thread = threading.get_ident()
     waiting[thread] = (what, time.monotonic())
     try:
-        with explain_timeout(what):
-            work.wait()
+        work.wait()
+    except RuntimeError as e:  # as explain_timeout (inline: this runs for every wait of every step)
+        if getattr(e, "shardfusion_explained", False) or not _is_timeout(e):
+            raise
+        raise timeout_error(what, e) from e
     finally:
         waiting.pop(thread, None)
 
@@ -489,7 +492,8 @@ def reduce_scatter_exchange(received: torch.Tensor, send: torch.Tensor, group: P
 # reduce-scatter, below) copies this rank's own piece into a receive buffer as large as the input. So over a pair
 # of ranks on a real gloo group (HSDP's inner groups of two) the all-gather runs as one send of the shard and one
 # receive straight into the peer's slice of the output (the own slice copied in), and the reduce-scatter as one
-# send and one receive of half the input, added to the own half. For a pair that is the ring itself: the same
+# send and one receive of half the input, received straight into the output and the own half added in place (no
+# receive buffer; two passes over the shard where a separate buffer took three). For a pair that is the ring itself: the same
 # bytes on the wire and across nodes, the same results (a gather moves values; a sum of two is the same in either
 # order), less CPU. Larger groups keep gloo's collectives: sending a shard to every peer directly would put more
 # bytes across nodes than the ring (2 S instead of 1.5 S per rank for 4 ranks on 2 nodes), and a reduce-scatter's
@@ -501,8 +505,17 @@ def reduce_scatter_exchange(received: torch.Tensor, send: torch.Tensor, group: P
 
 def _gloo_pair(group: Optional[ProcessGroup]) -> bool:
     """Whether the all-gathers and reduce-scatters of ``group`` run as sends and receives ([Note: gloo collectives
-    as sends and receives]): a real (not fake) gloo group of exactly two ranks."""
-    return group is not None and dist.get_world_size(group) == 2 and str(dist.get_backend(group)) == "gloo"
+    as sends and receives]): a real (not fake) gloo group of exactly two ranks. Decided once per group (a group's
+    size and backend never change)."""
+    if group is None:
+        return False
+    pair = _pairs.get(group)
+    if pair is None:
+        pair = _pairs[group] = dist.get_world_size(group) == 2 and str(dist.get_backend(group)) == "gloo"
+    return pair
+
+
+_pairs: dict[ProcessGroup, bool] = {}
 
 
 _p2p_tags: dict[ProcessGroup, int] = {}
@@ -592,10 +605,24 @@ def _gloo_reduce_scatter_pair(shard: torch.Tensor, full: torch.Tensor, group: Pr
     as the all-to-all's in rank order)."""
     me, n, tag = dist.get_rank(group), shard.numel(), _next_tag(group)
     peer = 1 - me
-    received = torch.empty_like(shard)  # (S,)
-    works = _exchange([(full[peer * n:(peer + 1) * n], peer)], [(received, peer)], group, tag, "reduce_scatter", full)
     own = full[me * n:(me + 1) * n]
-    return _finish(_AllWorks(works, lambda: torch.add(own, received, out=shard)), async_op)
+    if _overlap(shard, full):  # the peer's half cannot land in the output before the own half is read
+        received = torch.empty_like(shard)  # (S,)
+        works = _exchange([(full[peer * n:(peer + 1) * n], peer)], [(received, peer)], group, tag, "reduce_scatter",
+                          full)
+        return _finish(_AllWorks(works, lambda: torch.add(own, received, out=shard)), async_op)
+    # the peer's half received straight into the output, the own half added in place: no buffer of its own, two
+    # passes over the shard instead of three
+    works = _exchange([(full[peer * n:(peer + 1) * n], peer)], [(shard, peer)], group, tag, "reduce_scatter", full)
+    return _finish(_AllWorks(works, lambda: shard.add_(own)), async_op)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of ``a`` and ``b`` (contiguous, on one device) may overlap."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 _gloo_all_gather.op_name = "all_gather"
