@@ -8,8 +8,9 @@ has a TCP event loop, ``gloo_tcp_loop``, and its work threads, ``pt_gloo_runloop
 replicate-sync thread (the outer all-reduces of HSDP, ``shardfusion/_runtime/replicate_sync.py``). Each rank reads
 its threads' user + system time from ``/proc/self/task/*/stat`` before and after the timed steps (Linux only); the
 report gives, per variant, the median step, and per thread kind the CPU milliseconds per step summed over the 4
-ranks, next to DDP's. Variants run interleaved, in rotated order, ``--rounds`` times; figures are medians over the
-rounds. The step is `benchmarks/step_worker.py`'s (forward, backward, clip to 1.0, AdamW, ``zero_grad``), on the
+ranks, next to DDP's; and the training thread's CPU by phase of the step (forward, backward, clipping, the optimizer
+step), from ``time.thread_time`` around each, summed over the ranks the same way. Variants run interleaved, in
+rotated order, ``--rounds`` times; figures are medians over the rounds. The step is `benchmarks/step_worker.py`'s (forward, backward, clip to 1.0, AdamW, ``zero_grad``), on the
 ``comm`` regime's GPT (8 blocks, d 256, batch 1, seq 64) unless ``--regime`` says otherwise; every variant's
 workers keep freed memory (``shardfusion.cpu_memory``).
 """
@@ -27,6 +28,9 @@ import torch
 VARIANTS = {"ddp": ("ddp", 1), "sf-outer1": ("shardfusion", 1), "sf-outer2": ("shardfusion", 2),
             "sf-outer4": ("shardfusion", 4)}
 """name: (step_worker variant, HSDP outer degree of the 4 ranks; outer 4: replicas only)."""
+PHASES = ("forward", "backward", "clip", "optimizer")
+"""The training thread's phases of a step (``time.thread_time`` around each): forward (the batch drawn included),
+backward, clipping, the optimizer step with ``zero_grad``."""
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -62,23 +66,32 @@ def _worker(variant: str, regime: str, outer: int, reshard: str, warmup: int, st
     batch, seq = REGIMES[regime][:2]
     gen = torch.Generator().manual_seed(43 + rank)
     before, t0 = {}, 0.0
+    phases = dict.fromkeys(PHASES, 0.0)  # the training thread's CPU seconds per phase, over the timed steps
     for i in range(warmup + steps):
         if i == warmup:
             dist.barrier()
             before, t0 = thread_cpu_s(), time.perf_counter()
+            phases = dict.fromkeys(PHASES, 0.0)
+        marks = [time.thread_time()]
         tok = torch.randint(0, 256, (batch, seq + 1), generator=gen)  # (B, T+1) int64
         _, loss = model(tok[:, :-1], tok[:, 1:])
+        marks.append(time.thread_time())
         loss.backward()
+        marks.append(time.thread_time())
         clip()
+        marks.append(time.thread_time())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        marks.append(time.thread_time())
+        for phase, a, b in zip(PHASES, marks, marks[1:]):
+            phases[phase] += b - a
     wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     after = thread_cpu_s()
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     kinds: dict[str, float] = {}
     for tid, (kind, cpu) in after.items():
         kinds[kind] = kinds.get(kind, 0.0) + (cpu - before.get(tid, (kind, 0.0))[1]) / steps
-    return {"step_s": float(wall) / steps, "cpu_s": kinds}
+    return {"step_s": float(wall) / steps, "cpu_s": kinds, "phase_s": {k: v / steps for k, v in phases.items()}}
 
 
 def run(args) -> dict:
@@ -104,7 +117,8 @@ def run(args) -> dict:
                 for rank_out in out.values():
                     for kind, cpu in rank_out["cpu_s"].items():
                         kinds[kind] = kinds.get(kind, 0.0) + cpu
-                got[name] = {"step_s": out[0]["step_s"], "cpu_s": kinds}
+                phase_s = {p: sum(o["phase_s"][p] for o in out.values()) for p in PHASES}
+                got[name] = {"step_s": out[0]["step_s"], "cpu_s": kinds, "phase_s": phase_s}
             rounds.append(got)
     summary = {}
     for name in names:
@@ -113,6 +127,7 @@ def run(args) -> dict:
                          "cpu_s": {k: statistics.median(rd[name]["cpu_s"].get(k, 0.0) for rd in rounds)
                                    for k in kinds}}
         summary[name]["cpu_total_s"] = statistics.median(sum(rd[name]["cpu_s"].values()) for rd in rounds)
+        summary[name]["phase_s"] = {p: statistics.median(rd[name]["phase_s"][p] for rd in rounds) for p in PHASES}
     return {"config": vars(args), "env": record.as_dict(), "rounds": rounds, "summary": summary}
 
 
@@ -138,8 +153,12 @@ def report(result: dict) -> str:
     lines += ["", "Thread kinds: `main` (forward, backward, hooks, optimizer), `gloo_tcp_loop` (one per process "
               "group: socket I/O), `pt_gloo_runloop` (gloo's work threads: the collectives' algorithms and "
               "reductions), `python` (the other Python threads: here shardfusion's HSDP replicate-sync thread, which waits for a "
-              "reduce-scatter, adds it into the step's gradient, issues the all-reduce).", ""]
-    return "\n".join(lines)
+              "reduce-scatter, adds it into the step's gradient, issues the all-reduce).", "",
+              "The training thread by phase (CPU ms per step, summed over the 4 ranks; `time.thread_time` around "
+              "each phase):", "", "| variant | " + " | ".join(PHASES) + " |", "|---|" + "---|" * len(PHASES)]
+    for name, v in s.items():
+        lines.append(f"| {name} | " + " | ".join(f"{1e3 * v['phase_s'][p]:.1f}" for p in PHASES) + " |")
+    return "\n".join(lines + [""])
 
 
 def main(argv=None) -> None:
