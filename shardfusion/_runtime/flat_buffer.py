@@ -243,6 +243,7 @@ class FlatBuffer:
         self.direct_grad: Optional[torch.Tensor] = None
         self.late_grad: Optional[torch.Tensor] = None
         self._stashed_grads: dict[int, Optional[torch.Tensor]] = {}  # fragment index -> its .grad before autograd
+        self._grad_slices: tuple[Optional[torch.Tensor], list[torch.Tensor]] = (None, [])  # (grad_shard, its views)
 
     # ---- replicas that step alone (DiLoCo's inner steps, shardfusion.diloco) --------------------------------------
     def set_replicate_sync(self, on: bool) -> None:
@@ -444,6 +445,9 @@ class FlatBuffer:
                 return  # [Note: quantized gradient reduce-scatter] in grad_wire.py
             if grad.dtype != comm_dtype:
                 grad = grad.to(comm_dtype)  # (P,)
+            if comm.group_size(self.reduce_group) == 1:  # S == P: the gradient is its own shard, nothing to copy
+                self._reduce_in, self._reduce_out, self._reduce_work = None, grad, None
+                return
             self._reduce_in = grad  # alive until the reduce-scatter completes
             self._reduce_out = torch.empty(self.layout.shard_numel, dtype=comm_dtype, device=self.full.device)
             self._reduce_work = comm.reduce_scatter(self._reduce_out, grad, self.reduce_group, async_op=True)
@@ -502,8 +506,14 @@ class FlatBuffer:
         return self.late_grad
 
     def _grad_slice(self, i: int) -> torch.Tensor:
-        off, n = self._frag_ranges[i]
-        return self.grad_shard[off:off + n].view(self._frag_shapes[i])
+        """Fragment ``i``'s view of ``grad_shard``, the fragment's shape; the views are made once per ``grad_shard``
+        tensor (it is kept across steps) and reused."""
+        base, slices = self._grad_slices
+        if base is not self.grad_shard:
+            slices = [self.grad_shard[off:off + n].view(shape)
+                      for (off, n), shape in zip(self._frag_ranges, self._frag_shapes)]
+            self._grad_slices = (self.grad_shard, slices)
+        return slices[i]
 
     def _attach_fragment_grads(self, skip: frozenset | set = frozenset()) -> None:
         """Make each fragment's ``.grad`` a view of ``grad_shard`` (re-attached after ``zero_grad(set_to_none)``),
