@@ -230,9 +230,6 @@ class FlatBuffer:
 
         self.grad_full: Optional[torch.Tensor] = None
         self.grad_views: list[torch.Tensor] = []
-        self._grad_alias_objs: list[torch.Tensor] = []  # see _grad_aliases
-        self._grad_alias_args: list[tuple] = []
-        self._attached: list[Optional[torch.Tensor]] = [None] * len(self.full_views)  # what each view.grad was set to
         self.grad_acc: Optional[torch.Tensor] = None
         self.grad_shard: Optional[torch.Tensor] = None
         self.step_grad: Optional[torch.Tensor] = None
@@ -398,38 +395,23 @@ class FlatBuffer:
         if self.grad_full is None:
             P = self.layout.padded_numel
             self.grad_full = torch.zeros(P, dtype=self.full.dtype, device=self.full.device)  # (P,) full's dtype
-            self.grad_views = self._grad_aliases(self.grad_full)
+            self.grad_views = [_alias(self.grad_full, s.offset, s.shape) for s in self.layout.slots]
             for i in range(len(self.full_views)):
                 self._attach_view_grad(i)
-        elif view_index is not None:
-            grad = self.full_views[view_index].grad
-            if grad is not self._attached[view_index] and not tp.same_storage(grad, self.grad_views[view_index]):
-                self._attach_view_grad(view_index)
-
-    def _grad_aliases(self, base: torch.Tensor) -> list[torch.Tensor]:
-        """Each slot's gradient over ``base`` (a new ``grad_full``), the parameter's shape: tensors made at the first
-        allocation and pointed at each new buffer after (``set_``), not made again per backward. Safe because a freed
-        buffer's views are detached first (``.grad = None``, ``grad_views = []``)."""
-        if not self._grad_alias_objs:
-            self._grad_alias_objs = [_alias(base, s.offset, s.shape) for s in self.layout.slots]
-            self._grad_alias_args = [(t.storage_offset(), t.shape, t.stride()) for t in self._grad_alias_objs]
-        else:
-            storage = base.untyped_storage()
-            for t, (offset, shape, stride) in zip(self._grad_alias_objs, self._grad_alias_args):
-                t.set_(storage, offset, shape, stride)
-        return list(self._grad_alias_objs)
+        elif view_index is not None and not tp.same_storage(self.full_views[view_index].grad,
+                                                            self.grad_views[view_index]):
+            self._attach_view_grad(view_index)
 
     def _attach_view_grad(self, i: int) -> None:
         """Make full view ``i``'s ``.grad`` its slice of ``grad_full`` (a DTensor over it for a DTensor view)."""
         spec, g = self.tp_specs[i], self.grad_views[i]
-        self.full_views[i].grad = self._attached[i] = g if spec is None else tp.as_dtensor(g, spec)
+        self.full_views[i].grad = g if spec is None else tp.as_dtensor(g, spec)
 
     def keep_grad_in_buffer(self, view_index: int) -> None:
         """After autograd accumulated into a full view: if it replaced the view's ``.grad`` by a new tensor (it does
         so in a backward with ``create_graph=True``), copy the value back into ``grad_full`` and re-attach the view."""
         view, alias = self.full_views[view_index], self.grad_views[view_index]
-        grad = view.grad
-        if grad is not None and grad is not self._attached[view_index] and not tp.same_storage(grad, alias):
+        if view.grad is not None and not tp.same_storage(view.grad, alias):
             with torch.no_grad():
                 alias.copy_(tp.local(view.grad))
             self._attach_view_grad(view_index)
