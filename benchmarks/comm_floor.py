@@ -25,17 +25,15 @@ the gap in `benchmarks/thread_cpu.py` (docs/benchmarks.md, "The collectives' flo
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import time
-from pathlib import Path
 
 import torch
+
+from benchmarks.rounds import add_run_args, interleaved, paired_summary, run_and_store
 
 ROOT, BLOCK, BLOCKS = 82_432, 789_760, 8
 """The comm regime's unit sizes in elements (``benchmarks.variants.unit_sizes``), checked by the worker."""
 VARIANTS = ("ddp", "pairs-torch", "pairs-shardfusion")
-RESULTS = Path(__file__).resolve().parent / "results"
 DDP_BUCKETS = (1 << 20, 25 << 20)  # bytes: DDP's first bucket, then its bucket_cap_mb default
 
 
@@ -161,27 +159,8 @@ def _worker(variant: str, warmup: int, steps: int) -> dict:
 
 
 def run(args) -> dict:
-    from benchmarks.provenance import RunRecord
-    from benchmarks.spawn import run_workers
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    rounds: list[dict] = []
-    with RunRecord() as record:
-        for r in range(args.rounds):
-            got = {}
-            for name in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
-                out = run_workers(_worker, (name, args.warmup, args.steps), 4)
-                if out is None:
-                    raise SystemExit(f"variant {name} failed")
-                got[name] = {  # per step: the slowest rank's wall time, the CPU summed over the ranks
-                    "wall_s": statistics.median(max(o["wall_s"][i] for o in out.values()) for i in range(args.steps)),
-                    "cpu_s": statistics.median(sum(o["cpu_s"][i] for o in out.values()) for i in range(args.steps))}
-            rounds.append(got)
-    summary = {name: {key: statistics.median(rd[name][key] for rd in rounds) for key in ("wall_s", "cpu_s")}
-               for name in VARIANTS}
-    for name in VARIANTS:  # paired: each round's ratio, then the median
-        summary[name]["cpu_vs_ddp"] = statistics.median(rd[name]["cpu_s"] / rd["ddp"]["cpu_s"] for rd in rounds)
-    return {"config": vars(args), "env": record.as_dict(), "rounds": rounds, "summary": summary}
+    rounds, env = interleaved(_worker, VARIANTS, args.rounds, lambda name: (name, args.warmup, args.steps), args.steps)
+    return {"config": vars(args), "env": env, "rounds": rounds, "summary": paired_summary(rounds, VARIANTS)}
 
 
 def report(result: dict) -> str:
@@ -194,7 +173,7 @@ def report(result: dict) -> str:
              "medians. CPU: seconds per step summed over the 4 ranks, every thread.", "", describe(result["env"]), "",
              "| variant | CPU ms per step | vs DDP (paired) | wall ms |", "|---|---|---|---|"]
     for name, v in s.items():
-        lines.append(f"| {name} | {1e3 * v['cpu_s']:.1f} | {v['cpu_vs_ddp']:.3f} | {1e3 * v['wall_s']:.1f} |")
+        lines.append(f"| {name} | {1e3 * v['cpu_s']:.1f} | {v['cpu_s_vs_ddp']:.3f} | {1e3 * v['wall_s']:.1f} |")
     lines += ["", "`pairs-torch` - `ddp`: the floor of HSDP 2 x 2's collectives on gloo beyond DDP's for the same "
               "bytes; `pairs-shardfusion` - `pairs-torch`: shardfusion's communication layer.", ""]
     return "\n".join(lines)
@@ -202,16 +181,8 @@ def report(result: dict) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--name", default="comm-floor")
-    p.add_argument("--out-dir", default=str(RESULTS))
-    args = p.parse_args(argv)
-    from benchmarks.provenance import write_result
-
-    result = run(args)
-    write_result(Path(args.out_dir), args.name, result, report(result))
+    add_run_args(p, "comm-floor")
+    run_and_store(p, run, report, argv)
 
 
 if __name__ == "__main__":

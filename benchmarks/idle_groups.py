@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from benchmarks.rounds import add_run_args, interleaved, paired_summary, run_and_store
+
 VARIANTS = ("ddp", "ddp+idle", "ddp+idle-shared")
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _worker(variant: str, groups: int, warmup: int, steps: int) -> dict:
@@ -66,30 +65,12 @@ def _worker(variant: str, groups: int, warmup: int, steps: int) -> dict:
 
 
 def run(args) -> dict:
-    from benchmarks.provenance import RunRecord
-    from benchmarks.spawn import run_workers
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    rounds: list[dict] = []
-    with RunRecord() as record:
-        for r in range(args.rounds):
-            got = {}
-            for name in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
-                out = run_workers(_worker, (name, args.groups, args.warmup, args.steps), 4)
-                if out is None:
-                    raise SystemExit(f"variant {name} failed")
-                got[name] = {
-                    "wall_s": statistics.median(max(o["wall_s"][i] for o in out.values()) for i in range(args.steps)),
-                    "cpu_s": statistics.median(sum(o["cpu_s"][i] for o in out.values()) for i in range(args.steps)),
-                    "threads": out[0]["threads"]}
-            rounds.append(got)
-    summary = {}
+    rounds, env = interleaved(_worker, VARIANTS, args.rounds, lambda name: (name, args.groups, args.warmup, args.steps),
+                              args.steps, keep=("threads",))
+    summary = paired_summary(rounds, VARIANTS)
     for name in VARIANTS:
-        summary[name] = {key: statistics.median(rd[name][key] for rd in rounds) for key in ("wall_s", "cpu_s")}
         summary[name]["threads"] = rounds[-1][name]["threads"]
-        for key in ("wall_s", "cpu_s"):
-            summary[name][f"{key}_vs_ddp"] = statistics.median(rd[name][key] / rd["ddp"][key] for rd in rounds)
-    return {"config": vars(args), "env": record.as_dict(), "rounds": rounds, "summary": summary}
+    return {"config": vars(args), "env": env, "rounds": rounds, "summary": summary}
 
 
 def report(result: dict) -> str:
@@ -111,16 +92,8 @@ def report(result: dict) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--groups", type=int, default=12)
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--name", default="idle-groups")
-    p.add_argument("--out-dir", default=str(RESULTS))
-    args = p.parse_args(argv)
-    from benchmarks.provenance import write_result
-
-    result = run(args)
-    write_result(Path(args.out_dir), args.name, result, report(result))
+    add_run_args(p, "idle-groups", rounds=4)
+    run_and_store(p, run, report, argv)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,10 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
+
+from benchmarks.rounds import add_run_args, rotated, run_and_store
 
 VARIANTS = {"ddp": ("ddp", 1), "sf-outer1": ("shardfusion", 1), "sf-outer2": ("shardfusion", 2),
             "sf-outer4": ("shardfusion", 4)}
@@ -31,7 +32,6 @@ VARIANTS = {"ddp": ("ddp", 1), "sf-outer1": ("shardfusion", 1), "sf-outer2": ("s
 PHASES = ("forward", "backward", "clip", "optimizer")
 """The training thread's phases of a step (``time.thread_time`` around each): forward (the batch drawn included),
 backward, clipping, the optimizer step with ``zero_grad``."""
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def thread_cpu_s() -> dict[str, tuple[str, float]]:
@@ -106,7 +106,7 @@ def run(args) -> dict:
     rounds: list[dict] = []
     with RunRecord() as record:
         for r in range(args.rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
+            order = rotated(names, r)
             got = {}
             for name in order:
                 variant, outer = VARIANTS[name]
@@ -166,16 +166,8 @@ def main(argv=None) -> None:
     p.add_argument("--variants", default="ddp,sf-outer1,sf-outer2", help=f"from {sorted(VARIANTS)}")
     p.add_argument("--regime", default="comm", choices=("comm", "compute", "tiny"))
     p.add_argument("--reshard", default="after_backward", choices=("after_forward", "after_backward"))
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--name", default="thread-cpu")
-    p.add_argument("--out-dir", default=str(RESULTS))
-    args = p.parse_args(argv)
-    from benchmarks.provenance import write_result
-
-    result = run(args)
-    write_result(Path(args.out_dir), args.name, result, report(result))
+    add_run_args(p, "thread-cpu")
+    run_and_store(p, run, report, argv)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,15 @@ def test_a_busy_thread_is_counted_and_the_caller_is_main():
 
 
 def test_report_gives_ratios_against_ddp():
-    summary = {"ddp": {"step_s": 0.2, "cpu_total_s": 0.4, "cpu_s": {"main": 0.3, "gloo_tcp_loop": 0.1}},
-               "sf-outer2": {"step_s": 0.25, "cpu_total_s": 0.5, "cpu_s": {"main": 0.35, "python": 0.15}}}
+    phases = {"forward": 0.05, "backward": 0.1, "clip": 0.01, "optimizer": 0.04}
+    summary = {"ddp": {"step_s": 0.2, "cpu_total_s": 0.4, "cpu_s": {"main": 0.3, "gloo_tcp_loop": 0.1},
+                       "phase_s": phases},
+               "sf-outer2": {"step_s": 0.25, "cpu_total_s": 0.5, "cpu_s": {"main": 0.35, "python": 0.15},
+                             "phase_s": dict(phases, backward=0.15)}}
     text = report({"summary": summary, "env": {},
                    "config": {"name": "x", "regime": "comm", "reshard": "after_backward", "rounds": 1, "warmup": 1,
                               "steps": 2}})
     row = next(line for line in text.splitlines() if line.startswith("| sf-outer2"))
     assert "| 250.0 | 1.250 | 500.0 | 1.250 | 350.0 | 0.0 | 150.0 |" in row  # main, gloo_tcp_loop, python
+    phase_rows = [line for line in text.splitlines() if line.startswith("| sf-outer2 |")]
+    assert phase_rows[-1] == "| sf-outer2 | 50.0 | 150.0 | 10.0 | 40.0 |"  # the training thread by phase, ms
