@@ -6,8 +6,9 @@ thread that waits for socket events with a 10 ms timeout: it wakes a hundred tim
 never communicates. A :class:`~shardfusion.topology.Topology` makes a group per mesh axis, per flattened axis set
 and per twin, groups of one rank included (an axis of degree 1), so each process ran about a dozen such threads.
 With fewer cores than busy threads every wake-up can preempt a training thread: DDP's step on 4 gloo ranks of the
-2-core machine, with 12 idle one-rank groups per rank beside it, took 1.04 x its step without them (1.06 x its CPU;
-``benchmarks/idle_groups.py``, ``benchmarks/results/idle-groups.md``).
+2-core machine, with 12 idle one-rank groups per rank beside it, took about 1.05 x its step without them, and as
+long as without them when those groups shared one device (``benchmarks/idle_groups.py``, its stored result
+``benchmarks/results/idle-groups.md``).
 
 Gloo serves many contexts from one device (its loop watches the sockets of all of them) and ``ProcessGroupGloo``
 takes its devices in its options, but ``torch.distributed.new_group`` makes them itself. Inside
@@ -15,8 +16,8 @@ takes its devices in its options, but ``torch.distributed.new_group`` makes them
 is a subclass whose constructor passes one device set shared by the process (made as torch makes a group's own: one
 device per interface of ``GLOO_SOCKET_IFNAME``, else the default device; two work threads per device, as torch).
 A group of one rank has no peer and never sends, so sharing costs it nothing. Groups of several ranks keep a device
-each: one loop for several busy groups serializes their socket reads (measured: sharing one device among all of a
-step's groups made the HSDP 2 x 2 step slower, 1.34 against 1.29-1.31 x DDP's in the same harness). Everything else
+each: one loop for several busy groups serializes their socket reads (a trial that put every group of the
+topology on one device made the HSDP 2 x 2 step slower, not faster). Everything else
 about the groups is torch's; the default group, made by ``init_process_group``, keeps its own device.
 """
 
