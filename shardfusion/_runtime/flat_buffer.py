@@ -243,7 +243,7 @@ class FlatBuffer:
         self.direct_grad: Optional[torch.Tensor] = None
         self.late_grad: Optional[torch.Tensor] = None
         self._stashed_grads: dict[int, Optional[torch.Tensor]] = {}  # fragment index -> its .grad before autograd
-        self._grad_slices: tuple[Optional[torch.Tensor], list[torch.Tensor]] = (None, [])  # (grad_shard, its views)
+        self._grad_slices: tuple = (None, [], [])  # (grad_shard, its views, their data_ptr): _grad_slice
 
     # ---- replicas that step alone (DiLoCo's inner steps, shardfusion.diloco) --------------------------------------
     def set_replicate_sync(self, on: bool) -> None:
@@ -507,13 +507,21 @@ class FlatBuffer:
 
     def _grad_slice(self, i: int) -> torch.Tensor:
         """Fragment ``i``'s view of ``grad_shard``, the fragment's shape; the views are made once per ``grad_shard``
-        tensor (it is kept across steps) and reused."""
-        base, slices = self._grad_slices
+        tensor (it is kept across steps) and reused, and one is made again if user code moved it off its place
+        (``p.grad.data = t`` or ``p.grad.set_(...)`` on the fragment's ``.grad``, which is this view)."""
+        base, slices, places = self._grad_slices
         if base is not self.grad_shard:
-            slices = [self.grad_shard[off:off + n].view(shape)
-                      for (off, n), shape in zip(self._frag_ranges, self._frag_shapes)]
-            self._grad_slices = (self.grad_shard, slices)
-        return slices[i]
+            slices = [self._make_grad_slice(k) for k in range(len(self.fragments))]
+            places = [t.data_ptr() for t in slices]
+            self._grad_slices = (self.grad_shard, slices, places)
+        t = slices[i]
+        if t.data_ptr() != places[i] or t.shape != self._frag_shapes[i]:
+            t = slices[i] = self._make_grad_slice(i)
+        return t
+
+    def _make_grad_slice(self, i: int) -> torch.Tensor:
+        off, n = self._frag_ranges[i]
+        return self.grad_shard[off:off + n].view(self._frag_shapes[i])
 
     def _attach_fragment_grads(self, skip: frozenset | set = frozenset()) -> None:
         """Make each fragment's ``.grad`` a view of ``grad_shard`` (re-attached after ``zero_grad(set_to_none)``),

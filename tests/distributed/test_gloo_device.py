@@ -50,7 +50,9 @@ def test_groups_of_one_rank_share_one_loop_thread():
         singles, multi = out["sizes"].count(1), sum(1 for s in out["sizes"] if s > 1)
         assert out["degrees"] == (2, 2)
         assert singles >= 2, f"rank {rank}: HSDP 2 x 2 on 4 ranks makes several one-rank groups, got {out['sizes']}"
-        # torch's default would start one loop per group: len(sizes); shared, the one-rank groups start one together
-        assert out["threads"] == multi + 1, (rank, out)
+        # torch's default would start one loop per group: len(sizes); shared, the one-rank groups start one together.
+        # Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch adds a helper gloo group of the same size beside each group.
+        helpers = multi if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL" else 0
+        assert out["threads"] == multi + helpers + 1, (rank, out)
         assert all(got == want for got, want in out["sums"]), (rank, out["sums"])
         assert out["restored"], f"rank {rank}: torch's ProcessGroupGloo was not put back"
