@@ -10,9 +10,9 @@ its threads' user + system time from ``/proc/self/task/*/stat`` before and after
 report gives, per variant, the median step, and per thread kind the CPU milliseconds per step summed over the 4
 ranks, next to DDP's; and the training thread's CPU by phase of the step (forward, backward, clipping, the optimizer
 step), from ``time.thread_time`` around each, summed over the ranks the same way. Variants run interleaved, in
-rotated order, ``--rounds`` times; figures are medians over the rounds. The step is `benchmarks/step_worker.py`'s (forward, backward, clip to 1.0, AdamW, ``zero_grad``), on the
-``comm`` regime's GPT (8 blocks, d 256, batch 1, seq 64) unless ``--regime`` says otherwise; every variant's
-workers keep freed memory (``shardfusion.cpu_memory``).
+rotated order, ``--rounds`` times; figures are medians over the rounds. The step is `benchmarks/step_worker.py`'s
+(forward, backward, clip to 1.0, AdamW, ``zero_grad``), on the ``comm`` regime's GPT (8 blocks, d 256, batch 1,
+seq 64) unless ``--regime`` says otherwise; every variant's workers keep freed memory (``shardfusion.cpu_memory``).
 """
 
 from __future__ import annotations
@@ -152,8 +152,8 @@ def report(result: dict) -> str:
                      f"{cells} |")
     lines += ["", "Thread kinds: `main` (forward, backward, hooks, optimizer), `gloo_tcp_loop` (one per process "
               "group: socket I/O), `pt_gloo_runloop` (gloo's work threads: the collectives' algorithms and "
-              "reductions), `python` (the other Python threads: here shardfusion's HSDP replicate-sync thread, which waits for a "
-              "reduce-scatter, adds it into the step's gradient, issues the all-reduce).", "",
+              "reductions), `python` (the other Python threads: here shardfusion's HSDP replicate-sync thread, "
+              "which waits for a reduce-scatter, adds it into the step's gradient, issues the all-reduce).", "",
               "The training thread by phase (CPU ms per step, summed over the 4 ranks; `time.thread_time` around "
               "each phase):", "", "| variant | " + " | ".join(PHASES) + " |", "|---|" + "---|" * len(PHASES)]
     for name, v in s.items():

@@ -493,9 +493,9 @@ def reduce_scatter_exchange(received: torch.Tensor, send: torch.Tensor, group: P
 # of ranks on a real gloo group (HSDP's inner groups of two) the all-gather runs as one send of the shard and one
 # receive straight into the peer's slice of the output (the own slice copied in), and the reduce-scatter as one
 # send and one receive of half the input, received straight into the output and the own half added in place (no
-# receive buffer; two passes over the shard where a separate buffer took three). For a pair that is the ring itself: the same
-# bytes on the wire and across nodes, the same results (a gather moves values; a sum of two is the same in either
-# order), less CPU. Larger groups keep gloo's collectives: sending a shard to every peer directly would put more
+# receive buffer; two passes over the shard where a separate buffer took three). For a pair that is the ring itself:
+# the same bytes on the wire and across nodes, the same results (a gather moves values; a sum of two is the same in
+# either order), less CPU. Larger groups keep gloo's collectives: sending a shard to every peer directly would put more
 # bytes across nodes than the ring (2 S instead of 1.5 S per rank for 4 ranks on 2 nodes), and a reduce-scatter's
 # sum over more than two has an order, the all-to-all's rows. The `comm` step under
 # `after_backward` spends 0.97 x its CPU (benchmarks/results/paired-gloo-sends.md, paired with the tree before). Each
@@ -515,13 +515,9 @@ def _gloo_pair(group: Optional[ProcessGroup]) -> bool:
     return pair
 
 
-_pairs: dict[ProcessGroup, bool] = {}
-
-
-_p2p_tags: dict[ProcessGroup, int] = {}
-_parts = threading.local()
-
-
+_pairs: dict[ProcessGroup, bool] = {}  # group -> whether it is a gloo pair (_gloo_pair)
+_p2p_tags: dict[ProcessGroup, int] = {}  # group -> the last tag its sends used (_next_tag)
+_parts = threading.local()  # .current: the collective whose sends this thread issues (collective_of_parts)
 _part_calls = itertools.count()
 
 
@@ -606,15 +602,11 @@ def _gloo_reduce_scatter_pair(shard: torch.Tensor, full: torch.Tensor, group: Pr
     me, n, tag = dist.get_rank(group), shard.numel(), _next_tag(group)
     peer = 1 - me
     own = full[me * n:(me + 1) * n]
-    if _overlap(shard, full):  # the peer's half cannot land in the output before the own half is read
-        received = torch.empty_like(shard)  # (S,)
-        works = _exchange([(full[peer * n:(peer + 1) * n], peer)], [(received, peer)], group, tag, "reduce_scatter",
-                          full)
-        return _finish(_AllWorks(works, lambda: torch.add(own, received, out=shard)), async_op)
-    # the peer's half received straight into the output, the own half added in place: no buffer of its own, two
-    # passes over the shard instead of three
-    works = _exchange([(full[peer * n:(peer + 1) * n], peer)], [(shard, peer)], group, tag, "reduce_scatter", full)
-    return _finish(_AllWorks(works, lambda: shard.add_(own)), async_op)
+    # the peer's half lands straight in the output and the own half is added in place (no buffer of its own, two
+    # passes over the shard instead of three), unless the output overlaps the input: the own half must be read first
+    received = torch.empty_like(shard) if _overlap(shard, full) else shard  # (S,)
+    works = _exchange([(full[peer * n:(peer + 1) * n], peer)], [(received, peer)], group, tag, "reduce_scatter", full)
+    return _finish(_AllWorks(works, lambda: torch.add(own, received, out=shard)), async_op)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
