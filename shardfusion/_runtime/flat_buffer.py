@@ -17,8 +17,9 @@ sharded or kept whole, dense or expert). ``P`` is the padded flat length (``layo
                   #       are leaf ``nn.Parameter`` views of it with the original shapes, put into the modules while
                   #       unsharded; they are created once and keep pointing at the same storage.
 - ``grad_full``   # (P,)  alive from the first gradient of a backward until its reduce-scatter completes (or, while
-                  #       gradient sync is off, across micro-batches). Each full view's ``.grad`` is a view of it, so
-                  #       autograd accumulates in place: no per-parameter copy. In ``full``'s dtype.
+                  #       gradient sync is off, across micro-batches). In ``full``'s dtype. Allocated uninitialized;
+                  #       each view's slice is written by its first gradient ([Note: first gradient by copy]), after
+                  #       which the view's ``.grad`` is that slice and autograd accumulates in place.
 - ``grad_acc``    # (P,)  mixed precision only, while gradient sync is off: the micro-batches' ``grad_full`` summed in
                   #       the shard's dtype (fp32), so accumulation across micro-batches never rounds to bf16.
 - ``grad_shard``  # (S,)  persistent once created. The sharded gradient the optimizer reads: each fragment's ``.grad``
@@ -40,6 +41,22 @@ sharded or kept whole, dense or expert). ``P`` is the padded flat length (``layo
                   #       ``.grad`` as it was. Folded into ``step_grad`` divided by the replicate group's size
                   #       (``fold_direct_grad``) before the replicate all-reduce, which so averages them over the
                   #       replicas: a term identical on every replica counts once, as unsharded.
+
+[Note: first gradient by copy]
+A parameter's first gradient in a buffer's lifetime is copied into its slice of ``grad_full``; later ones are added
+in place. ``grad_full`` is allocated uninitialized (only its padding is zeroed) and a full view's ``.grad`` is
+``None`` until its slice holds a value, so autograd hands the new gradient over (it takes the tensor the backward
+computed, no copy) and the view's post-accumulate hook copies it into the slice and makes the slice the view's
+``.grad``: one pass over the gradient (read it, write the slice), as DDP's reducer copies gradients into its buckets.
+Zeroing the buffer and letting autograd add into it took three (write zeros; read both, write the sum). Slices no
+gradient wrote (a parameter unused on this rank) are zeroed before the buffer is read whole (``_zero_unwritten``: the
+reduce-scatter, the mixed-precision accumulator). A DTensor view (tensor parallel) is the exception: its gradient
+may arrive with other placements (Partial, under sequence parallel) and must be added with DTensor semantics, so a
+pre-accumulate hook zeroes and attaches its slice first, as before. Under ``create_graph=True`` autograd leaves a new
+tensor in ``.grad`` (the gradient, or the out-of-place sum with the slice) and the hook copies it back likewise. Plain
+views need no pre-accumulate hook at all: 100 fewer Python calls per backward in the benchmark's GPT. Measured in
+docs/benchmarks.md ("The `after_backward` step against DDP's, decomposed").
+
 """
 
 from __future__ import annotations
@@ -71,6 +88,18 @@ def _alias(base: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Ten
     t = torch.empty(0, dtype=base.dtype, device=base.device)
     t.set_(base.untyped_storage(), base.storage_offset() + offset, shape, tuple(reversed(strides)))
     return t
+
+
+def _gaps(layout: FlatLayout) -> list[tuple[int, int]]:
+    """The ``[start, end)`` element ranges of a flat buffer of ``layout`` that no parameter covers (its padding)."""
+    gaps, at = [], 0
+    for s in sorted(layout.slots, key=lambda s: s.offset):
+        if s.offset > at:
+            gaps.append((at, s.offset))
+        at = max(at, s.end)
+    if layout.padded_numel > at:
+        gaps.append((at, layout.padded_numel))
+    return gaps
 
 
 class FlatBuffer:
@@ -230,6 +259,8 @@ class FlatBuffer:
 
         self.grad_full: Optional[torch.Tensor] = None
         self.grad_views: list[torch.Tensor] = []
+        self._grad_written: list[bool] = []  # per view: its slice of grad_full holds a gradient
+        self._grad_gaps = _gaps(layout)  # the padding of grad_full, zeroed at each allocation
         self.grad_acc: Optional[torch.Tensor] = None
         self.grad_shard: Optional[torch.Tensor] = None
         self.step_grad: Optional[torch.Tensor] = None
@@ -388,18 +419,32 @@ class FlatBuffer:
 
     # ---- gradients ---------------------------------------------------------------------------------------------
     def ensure_grad_full(self, view_index: Optional[int] = None) -> None:
-        """Allocate and zero ``grad_full`` if it is not alive, making each full view's ``.grad`` a view of it.
+        """Allocate ``grad_full`` if it is not alive (uninitialized but for its padding, which is zeroed).
 
-        With ``view_index``, also re-attach that one view's ``.grad`` (in case the user set it to ``None``).
+        With ``view_index`` (autograd is about to accumulate into that full view): if the view's slice holds a value,
+        make the view's ``.grad`` that slice (again, in case the user set it to ``None``), so autograd adds in place;
+        else leave its ``.grad`` ``None``, so autograd hands over the gradient itself and :meth:`keep_grad_in_buffer`
+        copies it in ([Note: first gradient by copy]).
         """
         if self.grad_full is None:
             P = self.layout.padded_numel
-            self.grad_full = torch.zeros(P, dtype=self.full.dtype, device=self.full.device)  # (P,) full's dtype
+            self.grad_full = torch.empty(P, dtype=self.full.dtype, device=self.full.device)  # (P,) full's dtype
+            for start, end in self._grad_gaps:
+                self.grad_full[start:end].zero_()
             self.grad_views = [_alias(self.grad_full, s.offset, s.shape) for s in self.layout.slots]
-            for i in range(len(self.full_views)):
-                self._attach_view_grad(i)
-        elif view_index is not None and not tp.same_storage(self.full_views[view_index].grad,
-                                                            self.grad_views[view_index]):
+            self._grad_written = [False] * len(self.grad_views)
+        if view_index is None:
+            return
+        view = self.full_views[view_index]
+        if not self._grad_written[view_index] and self.tp_specs[view_index] is not None:
+            # A DTensor view's gradient may come with other placements (Partial, under sequence parallel): autograd
+            # adds it into the zeroed slice with DTensor semantics instead of handing it over.
+            self.grad_views[view_index].zero_()
+            self._grad_written[view_index] = True
+        if not self._grad_written[view_index]:
+            if view.grad is not None:
+                view.grad = None
+        elif not tp.same_storage(view.grad, self.grad_views[view_index]):
             self._attach_view_grad(view_index)
 
     def _attach_view_grad(self, i: int) -> None:
@@ -408,13 +453,31 @@ class FlatBuffer:
         self.full_views[i].grad = g if spec is None else tp.as_dtensor(g, spec)
 
     def keep_grad_in_buffer(self, view_index: int) -> None:
-        """After autograd accumulated into a full view: if it replaced the view's ``.grad`` by a new tensor (it does
-        so in a backward with ``create_graph=True``), copy the value back into ``grad_full`` and re-attach the view."""
+        """After autograd accumulated into a full view: if its ``.grad`` is not its slice of ``grad_full`` (the
+        view's first gradient, handed over by autograd; or, in a backward with ``create_graph=True``, the sum autograd
+        made out of place), copy the value into the slice and make the view's ``.grad`` the slice."""
         view, alias = self.full_views[view_index], self.grad_views[view_index]
-        if view.grad is not None and not tp.same_storage(view.grad, alias):
+        if view.grad is None:
+            return
+        if not tp.same_storage(view.grad, alias):
             with torch.no_grad():
                 alias.copy_(tp.local(view.grad))
             self._attach_view_grad(view_index)
+        self._grad_written[view_index] = True
+
+    def grad_in_place(self, view_index: int) -> bool:
+        """Whether full view ``view_index``'s ``.grad`` is its slice of the live ``grad_full`` (autograd added into
+        it in place)."""
+        grad = self.full_views[view_index].grad
+        return grad is not None and self.grad_full is not None and tp.same_storage(grad, self.grad_views[view_index])
+
+    def _zero_unwritten(self) -> None:
+        """Zero the slices of ``grad_full`` that no gradient wrote (views that got none): before anything reads it
+        whole."""
+        for i, written in enumerate(self._grad_written):
+            if not written:
+                self.grad_views[i].zero_()
+                self._grad_written[i] = True
 
     def hold_grads(self) -> None:
         """End of a backward with gradient sync off: keep this backward's gradient for the next one. Under mixed
@@ -425,13 +488,17 @@ class FlatBuffer:
             if self.grad_acc is None:
                 self.grad_acc = torch.zeros(self.layout.padded_numel, dtype=self.shard.dtype,
                                             device=self.shard.device)  # (P,) fp32
+            self._zero_unwritten()
             self.grad_acc.add_(self.grad_full)
-            self.grad_full.zero_()
+            self._grad_written = [False] * len(self.grad_views)  # the next gradients overwrite (no zero pass)
+            for view in self.full_views:
+                view.grad = None  # so autograd hands the next one over instead of adding into the old values
 
     def reduce_scatter(self) -> None:
         """Issue the asynchronous reduce-scatter of ``grad_full`` (zeros if no gradient arrived on this rank), plus
         ``grad_acc`` if held, in ``grad_comm_dtype`` (or block-quantized: ``reduce_wire``)."""
         self.ensure_grad_full()
+        self._zero_unwritten()
         comm_dtype = self.grad_comm_dtype
         with torch.no_grad():
             grad = self.grad_full

@@ -8,8 +8,9 @@ Backward: all-gathers follow one order on every rank, the reverse of the order i
 pre-backward hooks in forward. When a unit's pre-backward hook fires, every unit up to it in that order that is
 sharded is all-gathered (so a unit whose outputs got no gradient on this rank is still gathered, as on the ranks
 where they did), and the next one is prefetched; the end of backward gathers what is left. Each full-shape view has a
-hook that makes sure the gradient buffer is alive before autograd accumulates into it, and a post-accumulate hook
-that counts arrivals; a unit whose trainable views all got their gradient is READY. Reduce-scatters are issued in one
+post-accumulate hook that puts its gradient into the unit's gradient buffer (allocating it at the unit's first
+gradient; [Note: first gradient by copy] in flat_buffer.py) and counts arrivals; a unit whose trainable views all got
+their gradient is READY. Reduce-scatters are issued in one
 fixed order (reverse unit order), as soon as the unit at the head of that order is READY, on a process group of their
 own, so every rank issues the same sequence whatever gradients it got (docs/design.md, invariant 1). A callback
 queued on the autograd engine flushes the rest at the end of backward: units that got no gradient reduce-scatter
@@ -182,7 +183,8 @@ class Scheduler:
                     handles.append(m.register_forward_hook(self._make_backward_hook_only(unit)))
             for g in unit.trainable_groups:
                 for i, view in enumerate(g.full_views):
-                    view.register_hook(self._make_pre_accumulate(g, i))
+                    if g.tp_specs[i] is not None:  # a DTensor view's slice is zeroed before autograd adds into it
+                        view.register_hook(self._make_pre_accumulate(g, i))
                     view.register_post_accumulate_grad_hook(self._make_post_accumulate(unit, g, i))
                 for i, frag in enumerate(g.fragments):
                     frag.register_hook(self._make_fragment_pre_accumulate(g, i))
@@ -357,21 +359,39 @@ class Scheduler:
             unit.reshard(keep_secondary=keep_secondary)
 
     def _make_pre_accumulate(self, group, view_index: int):
+        """A DTensor full view only: its gradient may come with other placements than the view's (Partial, under
+        sequence parallel), so its slice of the gradient buffer is zeroed and attached before autograd adds into it
+        with DTensor semantics ([Note: first gradient by copy] in flat_buffer.py)."""
         @compile_disable
         def hook(grad):
-            self._queue_callback()
-            _check_not_in_flight(group, view_index)
-            if group.grad_full is None:  # the unit's first gradient: its buffer comes after the reductions in flight
-                self._finish_issued_reduces()
+            self._before_buffer_write(group, view_index)
             group.ensure_grad_full(view_index)
             return grad
 
         return hook
 
+    def _before_buffer_write(self, group, view_index: int) -> None:
+        """A gradient is about to be written into ``group``'s gradient buffer: queue the end-of-backward callback (a
+        backward may reach no unit output's hook), handle a replicate all-reduce in flight, and complete the
+        reductions in flight before the unit's first gradient buffer is allocated ([Note: gradient reductions in
+        flight])."""
+        self._queue_callback()
+        _check_not_in_flight(group, view_index)
+        if group.grad_full is None:
+            self._finish_issued_reduces()
+
     def _make_post_accumulate(self, unit: Unit, group, view_index: int):
+        """Autograd accumulated a gradient into a full view: a first gradient (handed over by autograd) is copied into
+        the view's slice of the gradient buffer, later ones were added in place ([Note: first gradient by copy] in
+        flat_buffer.py); the arrival is counted, and the unit reduce-scattered or freed when that is its turn."""
         @compile_disable
         def hook(param):
             self._views_accumulated = True
+            if group.grad_full is None or not group.grad_in_place(view_index):
+                self._before_buffer_write(group, view_index)
+                group.ensure_grad_full()
+            else:  # added into a slice an earlier gradient wrote (no replicate all-reduce can be in flight)
+                self._queue_callback()
             group.keep_grad_in_buffer(view_index)
             ready = unit.grad_arrived()
             if ready or unit.holds_frozen:
