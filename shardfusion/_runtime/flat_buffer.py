@@ -457,11 +457,16 @@ class FlatBuffer:
         view's first gradient, handed over by autograd; or, in a backward with ``create_graph=True``, the sum autograd
         made out of place), copy the value into the slice and make the view's ``.grad`` the slice."""
         view, alias = self.full_views[view_index], self.grad_views[view_index]
-        if view.grad is None:
+        grad = view.grad
+        if grad is None:
             return
-        if not tp.same_storage(view.grad, alias):
+        if grad.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)): added into zeros
             with torch.no_grad():
-                alias.copy_(tp.local(view.grad))
+                alias.zero_().add_(grad)
+            self._attach_view_grad(view_index)
+        elif not tp.same_storage(grad, alias):
+            with torch.no_grad():
+                alias.copy_(tp.local(grad))
             self._attach_view_grad(view_index)
         self._grad_written[view_index] = True
 
@@ -469,7 +474,8 @@ class FlatBuffer:
         """Whether full view ``view_index``'s ``.grad`` is its slice of the live ``grad_full`` (autograd added into
         it in place)."""
         grad = self.full_views[view_index].grad
-        return grad is not None and self.grad_full is not None and tp.same_storage(grad, self.grad_views[view_index])
+        return (grad is not None and self.grad_full is not None and grad.layout == torch.strided
+                and tp.same_storage(grad, self.grad_views[view_index]))
 
     def _zero_unwritten(self) -> None:
         """Zero the slices of ``grad_full`` that no gradient wrote (views that got none): before anything reads it
