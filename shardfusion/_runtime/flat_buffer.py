@@ -52,7 +52,10 @@ Zeroing the buffer and letting autograd add into it took three (write zeros; rea
 gradient wrote (a parameter unused on this rank) are zeroed before the buffer is read whole (``_zero_unwritten``: the
 reduce-scatter, the mixed-precision accumulator). A DTensor view (tensor parallel) is the exception: its gradient
 may arrive with other placements (Partial, under sequence parallel) and must be added with DTensor semantics, so a
-pre-accumulate hook zeroes and attaches its slice first, as before. Under ``create_graph=True`` autograd leaves a new
+pre-accumulate hook zeroes and attaches its slice first, as before. So does a dry run (``comm.is_fake``): autograd
+never hands over a fake tensor (it clones it), which would count one gradient more than a real run holds at that
+moment; zeroing and adding in place holds what the real path holds (the buffer and the one incoming gradient), so
+the dry run's memory stays the real run's (``tests/distributed/test_dry_run_measured.py``). Under ``create_graph=True`` autograd leaves a new
 tensor in ``.grad`` (the gradient, or the out-of-place sum with the slice) and the hook copies it back likewise. Plain
 views need no pre-accumulate hook at all: 100 fewer Python calls per backward in the benchmark's GPT. Measured in
 docs/benchmarks.md ("The `after_backward` step against DDP's, decomposed").
@@ -418,13 +421,14 @@ class FlatBuffer:
         return out
 
     # ---- gradients ---------------------------------------------------------------------------------------------
-    def ensure_grad_full(self, view_index: Optional[int] = None) -> None:
+    def ensure_grad_full(self, view_index: Optional[int] = None, attach: bool = False) -> None:
         """Allocate ``grad_full`` if it is not alive (uninitialized but for its padding, which is zeroed).
 
         With ``view_index`` (autograd is about to accumulate into that full view): if the view's slice holds a value,
         make the view's ``.grad`` that slice (again, in case the user set it to ``None``), so autograd adds in place;
-        else leave its ``.grad`` ``None``, so autograd hands over the gradient itself and :meth:`keep_grad_in_buffer`
-        copies it in ([Note: first gradient by copy]).
+        else, with ``attach`` (or for a DTensor view) zero the slice and do the same, and without it leave the
+        view's ``.grad`` ``None``, so autograd hands over the gradient itself and :meth:`keep_grad_in_buffer` copies
+        it in ([Note: first gradient by copy]).
         """
         if self.grad_full is None:
             P = self.layout.padded_numel
@@ -436,9 +440,7 @@ class FlatBuffer:
         if view_index is None:
             return
         view = self.full_views[view_index]
-        if not self._grad_written[view_index] and self.tp_specs[view_index] is not None:
-            # A DTensor view's gradient may come with other placements (Partial, under sequence parallel): autograd
-            # adds it into the zeroed slice with DTensor semantics instead of handing it over.
+        if not self._grad_written[view_index] and (attach or self.tp_specs[view_index] is not None):
             self.grad_views[view_index].zero_()
             self._grad_written[view_index] = True
         if not self._grad_written[view_index]:
@@ -496,9 +498,7 @@ class FlatBuffer:
                                             device=self.shard.device)  # (P,) fp32
             self._zero_unwritten()
             self.grad_acc.add_(self.grad_full)
-            self._grad_written = [False] * len(self.grad_views)  # the next gradients overwrite (no zero pass)
-            for view in self.full_views:
-                view.grad = None  # so autograd hands the next one over instead of adding into the old values
+            self.grad_full.zero_()  # every slice written (zeros): the next gradients add in place
 
     def reduce_scatter(self) -> None:
         """Issue the asynchronous reduce-scatter of ``grad_full`` (zeros if no gradient arrived on this rank), plus

@@ -181,9 +181,10 @@ class Scheduler:
                 handles.append(last.register_forward_hook(self._make_post_forward(unit)))
                 for m in unit.modules[:-1]:
                     handles.append(m.register_forward_hook(self._make_backward_hook_only(unit)))
+            attach_first = comm.is_fake()  # a dry run: [Note: first gradient by copy] in flat_buffer.py
             for g in unit.trainable_groups:
                 for i, view in enumerate(g.full_views):
-                    if g.tp_specs[i] is not None:  # a DTensor view's slice is zeroed before autograd adds into it
+                    if attach_first or g.tp_specs[i] is not None:  # the slice zeroed and attached before autograd adds
                         view.register_hook(self._make_pre_accumulate(g, i))
                     view.register_post_accumulate_grad_hook(self._make_post_accumulate(unit, g, i))
                 for i, frag in enumerate(g.fragments):
@@ -359,13 +360,13 @@ class Scheduler:
             unit.reshard(keep_secondary=keep_secondary)
 
     def _make_pre_accumulate(self, group, view_index: int):
-        """A DTensor full view only: its gradient may come with other placements than the view's (Partial, under
-        sequence parallel), so its slice of the gradient buffer is zeroed and attached before autograd adds into it
-        with DTensor semantics ([Note: first gradient by copy] in flat_buffer.py)."""
+        """A DTensor full view (its gradient may come with other placements than the view's: Partial, under sequence
+        parallel) and any view in a dry run: its slice of the gradient buffer is zeroed and attached before autograd
+        adds into it ([Note: first gradient by copy] in flat_buffer.py)."""
         @compile_disable
         def hook(grad):
             self._before_buffer_write(group, view_index)
-            group.ensure_grad_full(view_index)
+            group.ensure_grad_full(view_index, attach=True)
             return grad
 
         return hook
