@@ -395,7 +395,7 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Optional[ProcessG
             full.copy_(shard)
         return None
     record = _record("all_gather", group, full, category=category)
-    if _gloo_pair(group):
+    if _gloo_pair(group) or _gloo_within_node(group):
         return _issue(record, _gloo_all_gather, full, shard, group=group, async_op=async_op, what=what)
     return _issue(record, _all_gather_base, full, shard, group=group, async_op=async_op, what=what)
 
@@ -495,10 +495,14 @@ def reduce_scatter_exchange(received: torch.Tensor, send: torch.Tensor, group: P
 # send and one receive of half the input, received straight into the output and the own half added in place (no
 # receive buffer; two passes over the shard where a separate buffer took three). For a pair that is the ring itself:
 # the same bytes on the wire and across nodes, the same results (a gather moves values; a sum of two is the same in
-# either order), less CPU. Larger groups keep gloo's collectives: sending a shard to every peer directly would put more
-# bytes across nodes than the ring (2 S instead of 1.5 S per rank for 4 ranks on 2 nodes), and a reduce-scatter's
-# sum over more than two has an order, the all-to-all's rows. The `comm` step under
-# `after_backward` spends 0.97 x its CPU (benchmarks/results/paired-gloo-sends.md, paired with the tree before). Each
+# either order), less CPU. The `comm` step under `after_backward` spends 0.97 x its CPU
+# (benchmarks/results/paired-gloo-sends.md, paired with the tree before). A larger group whose ranks lie in one node
+# (``Topology`` marks its groups, ``mark_within_node``) runs its all-gathers the same way: each rank's shard sent to
+# every peer and received straight into place, (G-1) S per rank on the wire as the ring, none across nodes, no copy of
+# the gathered buffer (FSDP over 4 ranks of one node, `after_backward`: 0.93 x the step time,
+# benchmarks/results/paired-direct-gather.md). A group across nodes keeps gloo's all-gather: sending a shard to every
+# peer directly would put more bytes across nodes than the ring (2 S instead of 1.5 S per rank for 4 ranks on 2
+# nodes). Reduce-scatters over more than two keep the all-to-all: their sum has an order, the all-to-all's rows. Each
 # call's sends and receives carry their own tag (``_next_tag``), so calls in flight on one group never match each
 # other's. A dry run's fake groups (``is_fake``) issue the collectives themselves: they move nothing either way.
 
@@ -515,6 +519,22 @@ def _gloo_pair(group: Optional[ProcessGroup]) -> bool:
     return pair
 
 
+def mark_within_node(group: Optional[ProcessGroup], ranks_per_node: int) -> None:
+    """Record whether the ranks of ``group`` lie in one node of ``ranks_per_node`` consecutive global ranks (a
+    ``Topology`` marks each group it makes): a real gloo group within one node runs its all-gathers as sends and
+    receives ([Note: gloo collectives as sends and receives]); an unmarked group only when it is a pair."""
+    if group is None or is_fake(group):
+        return
+    nodes = {r // ranks_per_node for r in dist.get_process_group_ranks(group)}
+    _within_node[group] = len(nodes) == 1 and str(dist.get_backend(group)) == "gloo"
+
+
+def _gloo_within_node(group: Optional[ProcessGroup]) -> bool:
+    """Whether ``group`` is a real gloo group marked as lying within one node (:func:`mark_within_node`)."""
+    return group is not None and _within_node.get(group, False)
+
+
+_within_node: dict[ProcessGroup, bool] = {}  # group -> a gloo group within one node (mark_within_node)
 _pairs: dict[ProcessGroup, bool] = {}  # group -> whether it is a gloo pair (_gloo_pair)
 _p2p_tags: dict[ProcessGroup, int] = {}  # group -> the last tag its sends used (_next_tag)
 _parts = threading.local()  # .current: the collective whose sends this thread issues (collective_of_parts)
@@ -586,7 +606,7 @@ def _finish(work: _AllWorks, async_op: bool) -> Optional[_AllWorks]:
 
 def _gloo_all_gather(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False):
     """All-gather as sends and receives on gloo: this rank's shard to each peer, each peer's straight into its
-    slice of ``full``, this rank's own copied in (used for pairs; correct for any group size)."""
+    slice of ``full``, this rank's own copied in (used for pairs and for groups within one node)."""
     me, size, n, tag = dist.get_rank(group), dist.get_world_size(group), shard.numel(), _next_tag(group)
     peers = [i for i in range(size) if i != me]
     works = _exchange([(shard, i) for i in peers], [(full[i * n:(i + 1) * n], i) for i in peers], group, tag,

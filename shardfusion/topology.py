@@ -391,6 +391,7 @@ class Topology:
             # all; the twins are "<kind>_reduce" and the all-to-all group "ep".
             for group, kinds in self._kinds_of.items():
                 comm.label_group(group, kinds)
+                comm.mark_within_node(group, self.ranks_per_node)  # how its all-gathers run on gloo (comm.py)
             comm.label_group(dist.group.WORLD, "world")
             self.stage_ranks = _group_of(d, "stage", self.rank)
             """The global ranks of this rank's pipeline stage (the same pp index; the world when pp is 1), ascending:

@@ -1,8 +1,9 @@
 """shardfusion.comm's all-gather and reduce-scatter against torch's collectives on gloo: over pairs (sends and
-receives, [Note: gloo collectives as sends and receives] in shardfusion/comm.py) and over 4 ranks (gloo's own),
-synchronous and asynchronous, several calls in flight at once, and a reduce-scatter whose output is the own half of
-its input (in place). Results must be bitwise those of the reference: a gather moves values, a sum of two is the
-same in either order."""
+receives, [Note: gloo collectives as sends and receives] in shardfusion/comm.py), over 4 ranks in one node (the
+all-gather as sends and receives, the reduce-scatter as gloo's all-to-all) and over 4 ranks declared as 2 nodes of 2
+(gloo's all-gather), synchronous and asynchronous, several calls in flight at once, and a reduce-scatter whose output
+is the own half of its input (in place). Results must be bitwise those of the reference: a gather moves values, a sum
+of two is the same in either order; and each call takes the path its group's layout says (counted)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,13 @@ def _worker() -> list[str]:
     from shardfusion import comm
 
     topo = sf.Topology(sharding=-1, fsdp_outer_degree=2)  # inner pairs {0,1}, {2,3}
+    two_nodes = sf.Topology(sharding=-1, ranks_per_node=2)  # its sharding group of 4 spans 2 nodes
     problems = []
     groups = {"pair": topo.get_group("fsdp_inner"), "reduce pair": topo.get_reduce_group("fsdp_inner"),
-              "four": topo.get_group("sharding")}
+              "four": topo.get_group("sharding"), "four over 2 nodes": two_nodes.get_group("sharding")}
+    exchanges = []  # the ops run as sends and receives, in call order
+    real_exchange = comm._exchange
+    comm._exchange = lambda *a, **k: exchanges.append(a[4]) or real_exchange(*a, **k)
     for name, group in groups.items():
         size, me = dist.get_world_size(group), dist.get_rank(group)
         ranks = dist.get_process_group_ranks(group)
@@ -49,6 +54,11 @@ def _worker() -> list[str]:
             for w in works:
                 if w is not None:
                     w.wait()
+            want_ops = {"pair": ["all_gather", "reduce_scatter"], "reduce pair": ["all_gather", "reduce_scatter"],
+                        "four": ["all_gather"], "four over 2 nodes": []}[name] * calls
+            if sorted(exchanges) != sorted(want_ops):
+                problems.append(f"{name}: sends and receives ran {exchanges}, expected {want_ops}")
+            exchanges.clear()
             for k in range(calls):
                 want_gather = torch.cat([everyone[k][r][r * N:(r + 1) * N] for r in range(size)])
                 want_reduce = everyone[k][0][me * N:(me + 1) * N].clone()
@@ -69,6 +79,7 @@ def _worker() -> list[str]:
                 work.wait()
             if not torch.equal(out, want):
                 problems.append(f"{name} async={async_op}: in-place reduce_scatter differs")
+            exchanges.clear()
     return problems
 
 

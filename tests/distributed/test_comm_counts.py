@@ -11,9 +11,9 @@ none when that group has one rank. Every record has nbytes == numel * 4 (fp32); 
 padded flat buffer F (sum of its parameters' numel <= F, F % I == 0), a reduce-scatter's too, an all-reduce's F / I.
 Every rank issues the same sequence of (op, numel). The totals are cross-checked with
 torch.distributed.tensor.debug.CommDebugMode, which counts the c10d ops independently of shardfusion's counter; on
-gloo the all-gathers and reduce-scatters over pairs of ranks run as sends and receives (comm.py, [Note: gloo collectives
-as sends and receives]), which CommDebugMode does not count: a dispatch mode of this file counts the c10d sends per
-group instead (one send per all-gather or reduce-scatter over a pair).
+gloo the all-gathers within a node and the reduce-scatters over pairs of ranks run as sends and receives (comm.py,
+[Note: gloo collectives as sends and receives]), which CommDebugMode does not count: a dispatch mode of this file counts
+the c10d sends per group instead (G - 1 sends per all-gather over G ranks, one per reduce-scatter over a pair).
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def _debug_counts(mode) -> dict[str, int]:
 
 def _send_counter(gather_group, reduce_group):
     """A dispatch mode counting the c10d sends on the inner gather group and the inner reduce group, read back as
-    collectives (``.counts()``): each all-gather or reduce-scatter over a pair sends one piece (over larger groups
-    they run as gloo's all-gather and an all-to-all, which CommDebugMode counts)."""
+    collectives (``.counts()``): an all-gather over G ranks of one node sends G - 1 pieces (one per peer), a
+    reduce-scatter over a pair one (over larger groups it runs as an all-to-all, which CommDebugMode counts)."""
     import torch
     import torch.distributed as dist
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -80,7 +80,8 @@ def _send_counter(gather_group, reduce_group):
             return func(*args, **(kwargs or {}))
 
         def counts(self) -> dict[str, int]:
-            return dict(self.sends)
+            peers = dist.get_world_size(gather_group) - 1  # pieces one all-gather sends
+            return {k: n // peers if k == "all_gather" else n for k, n in self.sends.items()}
 
     return SendCounter()
 
