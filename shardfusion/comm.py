@@ -499,7 +499,7 @@ def reduce_scatter_exchange(received: torch.Tensor, send: torch.Tensor, group: P
 # (benchmarks/results/paired-gloo-sends.md, paired with the tree before). A larger group whose ranks lie in one node
 # (``Topology`` marks its groups, ``mark_within_node``) runs its all-gathers the same way: each rank's shard sent to
 # every peer and received straight into place, (G-1) S per rank on the wire as the ring, none across nodes, no copy of
-# the gathered buffer (FSDP over 4 ranks of one node, `after_backward`: 0.93 x the step time,
+# the gathered buffer (FSDP over 4 ranks of one node, `after_backward`: 0.96 x the step time, paired,
 # benchmarks/results/paired-direct-gather.md). A group across nodes keeps gloo's all-gather: sending a shard to every
 # peer directly would put more bytes across nodes than the ring (2 S instead of 1.5 S per rank for 4 ranks on 2
 # nodes). Reduce-scatters over more than two keep the all-to-all: their sum has an order, the all-to-all's rows. Each
