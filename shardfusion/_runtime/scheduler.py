@@ -281,6 +281,7 @@ class Scheduler:
         unit.unshard()
         unit.ran_forward = True
         if _in_backward():  # recomputation (activation checkpointing): the unit is gathered for backward already
+            _refuse_reentrant_recompute(unit)
             return
         self._ran.append(unit)
         nxt = self._first_in_forward if unit is self.units[0] else self._next_in_forward.get(id(unit))
@@ -644,6 +645,25 @@ class _InputsGradDone(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.scheduler._inputs_grad_done(ctx.unit, ctx)
         return (None, None, *grads)
+
+
+def _refuse_reentrant_recompute(unit: Unit) -> None:
+    """Raise if ``unit`` runs again inside the backward of a reentrant activation checkpoint
+    (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``): its backward runs a nested backward over the
+    recomputed segment, whose end-of-backward callback would reduce-scatter every unit while the outer backward
+    still has gradients to bring (found wrong by 25-100 %, differently from run to run). The non-reentrant checkpoint
+    recomputes inside the one backward and is supported (docs/pytorch-habits.md, "Activation checkpointing").
+
+    Raises:
+        RuntimeError: on every rank that runs the checkpointed unit, naming it and the fix.
+    """
+    node = torch._C._current_autograd_node()
+    if node is not None and type(node).__name__ == "CheckpointFunctionBackward":
+        raise RuntimeError(
+            f"unit {unit.name!r} is recomputed by a reentrant activation checkpoint "
+            "(torch.utils.checkpoint.checkpoint(..., use_reentrant=True)), whose nested backward would reduce the "
+            "gradients before the outer backward has brought them all; pass use_reentrant=False (torch's "
+            "recommended form), which shardfusion supports")
 
 
 def _check_not_in_flight(group, index: int) -> None:
