@@ -560,11 +560,12 @@ class FlatBuffer:
         if self.step_grad is not None:
             return self.step_grad, False
         new = torch.empty_like if fresh_ok else torch.zeros_like
+        foreign = self._foreign_grads()  # tensors the user assigned: kept, and added to (sync_replicas)
         created = self.grad_shard is None
         if created:
-            self.grad_shard = new(self.shard)  # (S,)
+            self.grad_shard = (torch.zeros_like if foreign else new)(self.shard)  # (S,)
         user_grads = [f.grad for f in self.fragments if f.grad is not None]
-        if created or not user_grads or not self.grad_shard.any():
+        if not foreign and (created or not user_grads or not self.grad_shard.any()):
             if not fresh_ok:
                 self.grad_shard.zero_()
             self._attach_fragment_grads()
@@ -605,6 +606,23 @@ class FlatBuffer:
             g = self._grad_slice(i)
             if frag.grad is None or frag.grad.data_ptr() != g.data_ptr() or frag.grad.numel() != g.numel():
                 frag.grad = g
+
+    def _foreign_grads(self) -> list[int]:
+        """Indices of trainable fragments whose ``.grad`` is a tensor of the user's (``p.grad = t``), not their view
+        of ``grad_shard``: plain PyTorch adds the next gradient to it, so its value is kept."""
+        out = []
+        for i, frag in enumerate(self.fragments):
+            grad = self._stashed_grads.get(i, frag.grad)
+            if grad is None or not frag.requires_grad:
+                continue
+            if self.grad_shard is None:
+                out.append(i)
+                continue
+            g = self._grad_slice(i)
+            piece = tp.local(grad)
+            if piece.data_ptr() != g.data_ptr() or piece.numel() != g.numel():
+                out.append(i)
+        return out
 
     def _user_cleared(self) -> list[int]:
         """Indices of trainable fragments whose ``.grad`` the user set to ``None`` (e.g. ``zero_grad()``)."""
@@ -766,9 +784,14 @@ class FlatBuffer:
         with torch.no_grad():
             if self._sync_buf is not self.step_grad:
                 self.step_grad.copy_(self._sync_buf)
+            # a tensor the user assigned (into grad_shard, when this step's gradient is in a temporary): what this
+            # step's gradient is added to, as plain PyTorch adds to it
+            foreign = set(self._foreign_grads()) if self.step_grad is not self.grad_shard else set()
             for i, frag in enumerate(self.fragments):
                 if frag.grad is None:
                     self._grad_slice(i).zero_()
+                elif i in foreign:
+                    self._grad_slice(i).copy_(tp.local(frag.grad))
             if self.step_grad is not self.grad_shard:
                 self.grad_shard.add_(self.step_grad)
         self._sync_work, self._sync_buf, self._sync_started = None, None, False

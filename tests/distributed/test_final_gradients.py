@@ -119,3 +119,48 @@ def test_gradients_final_when_last_backward_returns(results, micro_batches, opti
             for n, want in ref["params"].items():
                 torch.testing.assert_close(got["params"][n], want, rtol=1e-5, atol=1e-6,
                                            msg=lambda m: f"{what}, rank {rank}: {n}: {m}")
+
+
+def _assigned_grad_job(stale: bool) -> dict:
+    """SGD steps where, after ``zero_grad()``, the user assigns ``p.grad`` (a tensor of their own) to the first
+    parameter before the backward; with ``stale``, a step ran before (its gradient left in the sharded buffer)."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    import shardfusion as sf
+
+    torch.manual_seed(0)
+    model = sf.fully_shard(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), sf.Topology(sharding=2),
+                           units=(nn.Linear,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(3))[dist.get_rank()]
+    for step in range(2 if stale else 1):
+        opt.zero_grad()
+        if step == (1 if stale else 0):
+            p = next(model.parameters())
+            p.grad = torch.full_like(p, 0.5)
+        model(x).square().mean().backward()
+        opt.step()
+    return sf.full_state_dict(model)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stale", [False, True], ids=["first-step", "after-a-step"])
+def test_a_grad_the_user_assigns_is_added_to(stale: bool):
+    """Plain PyTorch adds the backward's gradient to a ``.grad`` the user assigned; so does a sharded model (the
+    assigned value was dropped before)."""
+    import torch.nn as nn
+
+    got = run_distributed(_assigned_grad_job, 2, stale)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    xs = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(3))
+    for step in range(2 if stale else 1):
+        opt.zero_grad()
+        if step == (1 if stale else 0):
+            p = next(ref.parameters())
+            p.grad = torch.full_like(p, 0.5)
+        (ref(xs[0]).square().mean() / 2 + ref(xs[1]).square().mean() / 2).backward()
+        opt.step()
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(got[0][name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
