@@ -120,8 +120,9 @@ def theory(variant: str, root: int, blocks: list[int], inner: int, outer: int, b
     W = inner * outer
     if variant in DEEPSPEED_VARIANTS:
         return deepspeed_theory(variant, P, tied, inner, outer, b_p, b_g, gathers_per_block == 2)
-    if variant == "ddp":
-        return {"all_reduce/world": {"count": None, "wire_bytes": 2 * (W - 1) / W * P * b_g if W > 1 else 0.0}}
+    if variant == "ddp":  # over the world, which group_label names "inner" when the inner group is the world
+        key = "all_reduce/inner" if outer == 1 and inner > 1 else "all_reduce/world"
+        return {key: {"count": None, "wire_bytes": 2 * (W - 1) / W * P * b_g if W > 1 else 0.0}}
     out = {}
     n_units = len(blocks) + 1
     if inner > 1:
