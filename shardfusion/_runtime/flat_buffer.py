@@ -55,10 +55,11 @@ may arrive with other placements (Partial, under sequence parallel) and must be 
 pre-accumulate hook zeroes and attaches its slice first, as before. So does a dry run (``comm.is_fake``): autograd
 never hands over a fake tensor (it clones it), which would count one gradient more than a real run holds at that
 moment; zeroing and adding in place holds what the real path holds (the buffer and the one incoming gradient), so
-the dry run's memory stays the real run's (``tests/distributed/test_dry_run_measured.py``). Under ``create_graph=True`` autograd leaves a new
-tensor in ``.grad`` (the gradient, or the out-of-place sum with the slice) and the hook copies it back likewise. Plain
-views need no pre-accumulate hook at all: 100 fewer Python calls per backward in the benchmark's GPT. Measured in
-docs/benchmarks.md ("The `after_backward` step against DDP's, decomposed").
+the dry run's memory stays the real run's (``tests/distributed/test_dry_run_measured.py``). Under
+``create_graph=True`` autograd leaves a new tensor in ``.grad`` (the gradient, or the out-of-place sum with the
+slice) and the hook copies it back likewise. Plain views need no pre-accumulate hook at all: 100 fewer Python calls
+per backward in the benchmark's GPT. Measured in docs/benchmarks.md ("The `after_backward` step against DDP's,
+decomposed").
 
 """
 
@@ -560,11 +561,12 @@ class FlatBuffer:
         if self.step_grad is not None:
             return self.step_grad, False
         new = torch.empty_like if fresh_ok else torch.zeros_like
-        foreign = self._foreign_grads()  # tensors the user assigned: kept, and added to (sync_replicas)
+        user_grads = [f.grad for f in self.fragments if f.grad is not None]
+        # tensors the user assigned: kept, and added to (sync_replicas); none after zero_grad(set_to_none=True)
+        foreign = self._foreign_grads() if user_grads or self._stashed_grads else []
         created = self.grad_shard is None
         if created:
             self.grad_shard = (torch.zeros_like if foreign else new)(self.shard)  # (S,)
-        user_grads = [f.grad for f in self.fragments if f.grad is not None]
         if not foreign and (created or not user_grads or not self.grad_shard.any()):
             if not fresh_ok:
                 self.grad_shard.zero_()
