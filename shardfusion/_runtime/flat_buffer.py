@@ -422,14 +422,13 @@ class FlatBuffer:
         return out
 
     # ---- gradients ---------------------------------------------------------------------------------------------
-    def ensure_grad_full(self, view_index: Optional[int] = None, attach: bool = False) -> None:
-        """Allocate ``grad_full`` if it is not alive (uninitialized but for its padding, which is zeroed).
-
-        With ``view_index`` (autograd is about to accumulate into that full view): if the view's slice holds a value,
-        make the view's ``.grad`` that slice (again, in case the user set it to ``None``), so autograd adds in place;
-        else, with ``attach`` (or for a DTensor view) zero the slice and do the same, and without it leave the
-        view's ``.grad`` ``None``, so autograd hands over the gradient itself and :meth:`keep_grad_in_buffer` copies
+    def ensure_grad_full(self, view_index: Optional[int] = None) -> None:
+        """Allocate ``grad_full`` if it is not alive (uninitialized but for its padding, which is zeroed); the views'
+        ``.grad`` stay as they are, so autograd hands a first gradient over and :meth:`keep_grad_in_buffer` copies
         it in ([Note: first gradient by copy]).
+
+        With ``view_index`` (the pre-accumulate hook of a view autograd must add into: a DTensor view, any view in a
+        dry run): zero that view's slice if no gradient wrote it yet, and make the slice its ``.grad``.
         """
         if self.grad_full is None:
             P = self.layout.padded_numel
@@ -440,14 +439,10 @@ class FlatBuffer:
             self._grad_written = [False] * len(self.grad_views)
         if view_index is None:
             return
-        view = self.full_views[view_index]
-        if not self._grad_written[view_index] and (attach or self.tp_specs[view_index] is not None):
+        if not self._grad_written[view_index]:
             self.grad_views[view_index].zero_()
             self._grad_written[view_index] = True
-        if not self._grad_written[view_index]:
-            if view.grad is not None:
-                view.grad = None
-        elif not tp.same_storage(view.grad, self.grad_views[view_index]):
+        if not tp.same_storage(self.full_views[view_index].grad, self.grad_views[view_index]):
             self._attach_view_grad(view_index)
 
     def _attach_view_grad(self, i: int) -> None:
@@ -456,21 +451,19 @@ class FlatBuffer:
         self.full_views[i].grad = g if spec is None else tp.as_dtensor(g, spec)
 
     def keep_grad_in_buffer(self, view_index: int) -> None:
-        """After autograd accumulated into a full view: if its ``.grad`` is not its slice of ``grad_full`` (the
-        view's first gradient, handed over by autograd; or, in a backward with ``create_graph=True``, the sum autograd
-        made out of place), copy the value into the slice and make the view's ``.grad`` the slice."""
-        view, alias = self.full_views[view_index], self.grad_views[view_index]
-        grad = view.grad
+        """After autograd accumulated into a full view without adding into its slice of ``grad_full`` (not
+        :meth:`grad_in_place`: the view's first gradient, handed over by autograd; or, in a backward with
+        ``create_graph=True``, the sum autograd made out of place): copy the value into the slice and make the slice
+        the view's ``.grad``."""
+        grad, alias = self.full_views[view_index].grad, self.grad_views[view_index]
         if grad is None:
             return
-        if grad.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)): added into zeros
-            with torch.no_grad():
+        with torch.no_grad():
+            if grad.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)): added into zeros
                 alias.zero_().add_(grad)
-            self._attach_view_grad(view_index)
-        elif not tp.same_storage(grad, alias):
-            with torch.no_grad():
+            else:
                 alias.copy_(tp.local(grad))
-            self._attach_view_grad(view_index)
+        self._attach_view_grad(view_index)
         self._grad_written[view_index] = True
 
     def grad_in_place(self, view_index: int) -> bool:

@@ -367,7 +367,7 @@ class Scheduler:
         @compile_disable
         def hook(grad):
             self._before_buffer_write(group, view_index)
-            group.ensure_grad_full(view_index, attach=True)
+            group.ensure_grad_full(view_index)
             return grad
 
         return hook
@@ -389,12 +389,12 @@ class Scheduler:
         @compile_disable
         def hook(param):
             self._views_accumulated = True
-            if group.grad_full is None or not group.grad_in_place(view_index):
+            if group.grad_in_place(view_index):  # added into a slice an earlier gradient wrote (no replicate
+                self._queue_callback()  # all-reduce can be in flight)
+            else:
                 self._before_buffer_write(group, view_index)
                 group.ensure_grad_full()
-            else:  # added into a slice an earlier gradient wrote (no replicate all-reduce can be in flight)
-                self._queue_callback()
-            group.keep_grad_in_buffer(view_index)
+                group.keep_grad_in_buffer(view_index)
             ready = unit.grad_arrived()
             if ready or unit.holds_frozen:
                 self._reshard_if_done(unit)

@@ -55,7 +55,7 @@ def test_grad_full_padding_zeroed_and_unwritten_slices_zeroed_before_it_is_read(
     assert flat_buffer._gaps(layout), "the layout should have padding between parameters"
     buf = FlatBuffer(layout, params, device=torch.device("cpu"), shard_index=0, shard_group=None, reduce_group=None,
                      replicate_group=None, grad_divisor=1, data_parallel_group=None, is_expert=False, is_primary=True)
-    buf.ensure_grad_full(0)
+    buf.ensure_grad_full()
     for start, end in flat_buffer._gaps(layout):
         assert not buf.grad_full[start:end].any(), "padding left uninitialized"
     assert buf.full_views[0].grad is None, "a view's first gradient is handed over, not added into the slice"
