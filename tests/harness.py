@@ -101,6 +101,7 @@ def _worker(rank: int, world_size: int, store_path: str, pg_timeout_s: float, en
                                 timeout=timedelta(seconds=pg_timeout_s))
         initialized = True
         result = fn(*args, **kwargs)
+        _wait_for_peers(store, world_size, pg_timeout_s)
         # The standard pickler copies tensor data into the bytes. (The queue's own pickler would pass tensors as
         # shared-memory handles that die with this process, before the parent has read them.)
         report = (rank, "ok", pickle.dumps(result))
@@ -116,6 +117,18 @@ def _worker(rank: int, world_size: int, store_path: str, pg_timeout_s: float, en
             pass
     if report is not None:
         result_queue.put(report)
+
+
+def _wait_for_peers(store, world_size: int, timeout_s: float) -> None:
+    """Return once every rank's ``fn`` has returned (or after ``timeout_s``). A rank that tore its process groups
+    down while a peer was still connecting one of them (gloo's connectFullMesh, which completes on one side of a
+    pair before the other) made that peer fail with "Connection closed by peer"; a store counter, not a collective,
+    so that it works whatever state ``fn`` left the default group in."""
+    deadline = time.monotonic() + timeout_s
+    if store.add("harness/returned", 1) >= world_size:
+        return
+    while store.add("harness/returned", 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _context(env: dict[str, str] | None):
