@@ -1,4 +1,5 @@
-"""One gloo transport device for a topology's groups of one rank: one network loop thread instead of one per group.
+"""The gloo groups a topology makes: one transport device for its groups of one rank (one network loop thread instead
+of one per group), and their loop threads scheduled as batch work.
 
 [Note: one gloo device for many groups]
 Each ``ProcessGroupGloo`` that torch creates gets a transport device of its own, and each gloo TCP device runs a loop
@@ -19,6 +20,20 @@ A group of one rank has no peer and never sends, so sharing costs it nothing. Gr
 each: one loop for several busy groups serializes their socket reads (a trial that put every group of the
 topology on one device made the HSDP 2 x 2 step slower, not faster). Everything else
 about the groups is torch's; the default group, made by ``init_process_group``, keeps its own device.
+
+[Note: gloo loop threads as batch work]
+A gloo TCP pair has one lock. A thread that sends (the training thread's sends and receives, gloo's work threads in
+a collective) holds it while it writes a whole message into the socket; the device's loop thread, woken because the
+same socket has bytes to read, only tries the lock, and when it fails it returns to ``epoll_wait``, which reports the
+same bytes at once: it polls in a tight loop until the writer lets go (a ``perf`` probe on ``pthread_mutex_trylock``
+shows the failed tries, from ``Pair::handleEvents``, outnumbering the successful ones many times over). On a machine with fewer cores than busy
+threads the woken loop thread also preempts the writer, which then holds the lock for longer. Scheduled as
+``SCHED_BATCH`` (Linux, ``sched(7)``: fair share as before, but a wake-up never preempts the running thread), the
+loop thread waits for its turn instead, and the writer finishes. The threads a topology's groups start are moved to
+that policy when the groups are made (:func:`shared_gloo_device`): HSDP 2 x 2 and FSDP over 4 ranks under
+`after_backward` in `benchmarks/results/paired-gloo-batch.md`. Threads of groups made elsewhere (the default group,
+DDP's, torchft's) keep torch's scheduling. Where the policy does not exist (not Linux) nothing changes; on a node
+with idle cores a wake-up finds an idle core and the policy makes no difference.
 """
 
 from __future__ import annotations
@@ -50,8 +65,9 @@ def _shared_devices(gloo: type) -> list:
 @contextlib.contextmanager
 def shared_gloo_device() -> Iterator[None]:
     """Within this context the gloo groups of one rank that ``torch.distributed`` creates share one transport device
-    (see the note above); other groups are made as torch makes them. A no-op without gloo, or on a torch whose gloo
-    group takes no devices in its options. One thread at a time patches torch (a lock)."""
+    (see the note above); other groups are made as torch makes them. On leaving it, the gloo loop threads started
+    within are scheduled as batch work ([Note: gloo loop threads as batch work]). A no-op without gloo, or on a torch
+    whose gloo group takes no devices in its options. One thread at a time patches torch (a lock)."""
     c10d = dist.distributed_c10d
     gloo = getattr(c10d, "ProcessGroupGloo", None)
     options = getattr(gloo, "_Options", None)
@@ -71,8 +87,41 @@ def shared_gloo_device() -> Iterator[None]:
             super().__init__(store, rank, size, opts)
 
     with _lock:
+        before = loop_threads()
         c10d.ProcessGroupGloo = _SharedDeviceGloo
         try:
             yield
         finally:
             c10d.ProcessGroupGloo = gloo
+            _schedule_as_batch(loop_threads() - before)  # [Note: gloo loop threads as batch work]
+
+
+def loop_threads() -> set[int]:
+    """Thread ids of this process's gloo network loop threads (named ``gloo_tcp_loop``), read from Linux
+    ``/proc/self/task``; empty where that does not exist."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return set()
+    found = set()
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == "gloo_tcp_loop":
+                    found.add(int(tid))
+        except OSError:  # the thread ended meanwhile
+            continue
+    return found
+
+
+def _schedule_as_batch(tids: set[int]) -> None:
+    """Move threads ``tids`` to ``SCHED_BATCH`` ([Note: gloo loop threads as batch work]); a thread that ended or a
+    platform without the policy is left as it is."""
+    policy = getattr(os, "SCHED_BATCH", None)
+    if policy is None or not hasattr(os, "sched_setscheduler"):
+        return
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+        except OSError:
+            pass

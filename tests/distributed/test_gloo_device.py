@@ -1,6 +1,8 @@
 """A Topology's gloo groups of one rank share one transport device ([Note: one gloo device for many groups] in
 shardfusion/_runtime/gloo_device.py): one network loop thread for all of them, the groups of several ranks keep
-their own, and every group still computes its sums; torch's class is back in place afterwards."""
+their own, and every group still computes its sums; torch's class is back in place afterwards. The loop threads the
+topology started run as batch work, the default group's as torch left it ([Note: gloo loop threads as batch
+work])."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from harness import run_distributed
+from shardfusion._runtime.gloo_device import loop_threads
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux /proc")
 
@@ -32,6 +35,7 @@ def _worker() -> dict:
     import shardfusion as sf
 
     original = c10d.ProcessGroupGloo
+    default_loops = loop_threads()  # the default group's (init_process_group's), before the topology's
     before_groups, before_threads = set(c10d._world.pg_map), _loop_threads()
     topo = sf.Topology(sharding=-1, fsdp_outer_degree=2)
     new = [pg for pg in c10d._world.pg_map if pg not in before_groups]
@@ -41,8 +45,11 @@ def _worker() -> dict:
         dist.all_reduce(t, group=pg)
         sums.append((float(t), float(sum(r + 1 for r in dist.get_process_group_ranks(pg)))))
     sizes = [pg.size() for pg in new]
+    policies = {tid: os.sched_getscheduler(tid) for tid in loop_threads()}
     return {"sizes": sizes, "threads": _loop_threads() - before_threads, "sums": sums,
-            "restored": c10d.ProcessGroupGloo is original, "degrees": (topo.inner, topo.fsdp_outer_degree)}
+            "restored": c10d.ProcessGroupGloo is original, "degrees": (topo.inner, topo.fsdp_outer_degree),
+            "default_loops": sorted(policies[t] for t in default_loops), "new_loops":
+            sorted(policies[t] for t in set(policies) - default_loops)}
 
 
 def test_groups_of_one_rank_share_one_loop_thread():
@@ -56,3 +63,6 @@ def test_groups_of_one_rank_share_one_loop_thread():
         assert out["threads"] == multi + helpers + 1, (rank, out)
         assert all(got == want for got, want in out["sums"]), (rank, out["sums"])
         assert out["restored"], f"rank {rank}: torch's ProcessGroupGloo was not put back"
+        # [Note: gloo loop threads as batch work]: the topology's loops are batch work, the default group's is not
+        assert out["new_loops"] and set(out["new_loops"]) == {os.SCHED_BATCH}, (rank, out)
+        assert out["default_loops"] and os.SCHED_BATCH not in out["default_loops"], (rank, out)
