@@ -30,7 +30,10 @@ every variant. No timing is asserted.
 
 benchmarks/paired_commits.py runs end to end (the working tree against itself as a folder, the tiny regime, one
 round of one step per tree, 4 fresh gloo workers per run) and writes its JSON and markdown: both trees ran the same
-step (the same loss, exactly: the same code, seed and data). No timing is asserted."""
+step (the same loss, exactly: the same code, seed and data). No timing is asserted.
+
+benchmarks/gloo_spin.py runs end to end (4 gloo workers in 2 pairs, one round of two exchanges per variant; each
+worker checks the gathered values) and writes its JSON and markdown with both variants. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -232,3 +235,17 @@ def test_paired_commits_smoke(tmp_path):
     assert trees["baseline"]["loss_last"] == trees["candidate"]["loss_last"]
     assert all(t["median_s"] > 0 and t["median_cpu_s"] > 0 for t in trees.values())
     assert "| candidate |" in (tmp_path / "paired.md").read_text()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="the batch variant needs Linux's SCHED_BATCH")
+def test_gloo_spin_smoke(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [sys.executable, "-m", "benchmarks.gloo_spin", "--rounds", "1", "--warmup", "0", "--steps", "2",
+           "--numel", "1000", "--name", "spin", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, f"gloo_spin failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    summary = json.loads((tmp_path / "spin.json").read_text())["summary"]
+    assert set(summary) == {"torch", "batch"} and summary["torch"]["cpu_s_vs_torch"] == 1.0
+    assert all(v["wall_s"] > 0 and v["cpu_s"] > 0 for v in summary.values())
+    assert "| batch |" in (tmp_path / "spin.md").read_text()
