@@ -504,13 +504,14 @@ def reduce_scatter_exchange(received: torch.Tensor, send: torch.Tensor, group: P
 # peer directly would put more bytes across nodes than the ring (2 S instead of 1.5 S per rank for 4 ranks on 2
 # nodes). Reduce-scatters over more than two keep the all-to-all: their sum has an order, the all-to-all's rows. Each
 # call's sends and receives carry their own tag (``_next_tag``), so calls in flight on one group never match each
-# other's. Each rank posts its sends before its receives. A gloo send whose receive the peer has already posted is
-# written to the socket by the calling thread, holding the pair's lock; the network loop thread that reads the same
-# socket cannot take that lock meanwhile and polls again at once, burning a core until the write ends (see [Note: gloo
-# loop threads as batch work] in ``_runtime/gloo_device.py``). Posting the receive only after the send means the peer
-# writes its data after this rank's write, not into it (measured with the loop threads' scheduling, in
-# benchmarks/results/paired-gloo-batch.md). A dry run's fake groups (``is_fake``) issue the collectives themselves:
-# they move nothing either way.
+# other's. Each rank posts its sends before its receives. gloo writes a send whose receive the peer has already
+# posted at once, on the calling thread, holding the pair's lock; a send posted before that is queued, and the loop
+# thread of the pair writes it when the peer's receive-ready message arrives. With receives first, a peer's
+# receive-ready message was usually there by the time of the send, so the training thread wrote while the loop
+# thread, woken by the peer's data on the same socket, spun against the lock ([Note: gloo loop threads as batch work]
+# in ``_runtime/gloo_device.py``); with sends first, the sends usually go out from the loop thread, which also reads
+# that socket. Measured together with the loop threads' scheduling: benchmarks/results/paired-gloo-batch.md. A dry
+# run's fake groups (``is_fake``) issue the collectives themselves: they move nothing either way.
 
 
 def _gloo_pair(group: Optional[ProcessGroup]) -> bool:
@@ -564,8 +565,8 @@ def sends_are_parts() -> bool:
 def _exchange(sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.Tensor, int]], group: ProcessGroup,
               tag: int, op: str, full: torch.Tensor) -> list:
     """Post the sends ``(tensor, destination group rank)``, then the receives ``(tensor, source group rank)``, all
-    with ``tag``, as the parts of collective ``op`` of ``full``; their work handles. Sends first: a peer's data then
-    comes only after this rank has written its own ([Note: gloo collectives as sends and receives])."""
+    with ``tag``, as the parts of collective ``op`` of ``full``; their work handles. Sends first, so that gloo's loop
+    thread usually writes them ([Note: gloo collectives as sends and receives])."""
     _parts.current = (next(_part_calls), op, full)
     try:
         works = [dist.isend(t, group=group, group_dst=dst, tag=tag) for t, dst in sends]

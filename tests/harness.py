@@ -122,13 +122,16 @@ def _worker(rank: int, world_size: int, store_path: str, pg_timeout_s: float, en
 def _wait_for_peers(store, world_size: int, timeout_s: float) -> None:
     """Return once every rank's ``fn`` has returned (or after ``timeout_s``). A rank that tore its process groups
     down while a peer was still connecting one of them (gloo's connectFullMesh, which completes on one side of a
-    pair before the other) made that peer fail with "Connection closed by peer"; a store counter, not a collective,
-    so that it works whatever state ``fn`` left the default group in."""
-    deadline = time.monotonic() + timeout_s
+    pair before the other) made that peer fail with "Connection closed by peer". A store counter, not a collective,
+    so that it works whatever state ``fn`` left the default group in; the last rank to return sets the key the
+    others wait for."""
     if store.add("harness/returned", 1) >= world_size:
+        store.set("harness/all_returned", "1")
         return
-    while store.add("harness/returned", 0) < world_size and time.monotonic() < deadline:
-        time.sleep(0.01)
+    try:
+        store.wait(["harness/all_returned"], timedelta(seconds=timeout_s))
+    except RuntimeError:  # a peer failed or hangs: the parent reports it and ends this process
+        pass
 
 
 def _context(env: dict[str, str] | None):

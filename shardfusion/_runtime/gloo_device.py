@@ -26,14 +26,17 @@ A gloo TCP pair has one lock. A thread that sends (the training thread's sends a
 a collective) holds it while it writes a whole message into the socket; the device's loop thread, woken because the
 same socket has bytes to read, only tries the lock, and when it fails it returns to ``epoll_wait``, which reports the
 same bytes at once: it polls in a tight loop until the writer lets go (a ``perf`` probe on ``pthread_mutex_trylock``
-shows the failed tries, from ``Pair::handleEvents``, outnumbering the successful ones many times over). On a machine with fewer cores than busy
-threads the woken loop thread also preempts the writer, which then holds the lock for longer. Scheduled as
-``SCHED_BATCH`` (Linux, ``sched(7)``: fair share as before, but a wake-up never preempts the running thread), the
-loop thread waits for its turn instead, and the writer finishes. The threads a topology's groups start are moved to
-that policy when the groups are made (:func:`shared_gloo_device`): HSDP 2 x 2 and FSDP over 4 ranks under
-`after_backward` in `benchmarks/results/paired-gloo-batch.md`. Threads of groups made elsewhere (the default group,
-DDP's, torchft's) keep torch's scheduling. Where the policy does not exist (not Linux) nothing changes; on a node
-with idle cores a wake-up finds an idle core and the policy makes no difference.
+shows the failed tries, from ``Pair::handleEvents``, outnumbering the successful ones many times over). On a machine
+with fewer cores than busy threads the woken loop thread also preempts the writer, which then holds the lock for
+longer. Scheduled as ``SCHED_BATCH`` (Linux, ``sched(7)``: fair share as before, but a wake-up never preempts the
+running thread), the loop thread waits for its turn instead, and the writer finishes. The loop threads started while
+a topology makes its groups (:func:`shared_gloo_device`; also the node groups of ``secondary_shard.py``) are moved to
+that policy: HSDP 2 x 2 and FSDP over 4 ranks under `after_backward` in `benchmarks/results/paired-gloo-batch.md`
+and `paired-gloo-batch-fsdp4.md`; the exchange alone in `benchmarks/results/gloo-spin.md`. Threads of groups made
+elsewhere (the default group, DDP's, torchft's) keep torch's scheduling, unless another thread makes one during that
+window. A loop thread is found by the name it gives itself (``gloo_tcp_loop``, torch 2.13's gloo; an older gloo names
+none, and then nothing changes); where the policy does not exist (not Linux) nothing changes either. On a node with
+idle cores a wake-up finds an idle core and the policy makes no difference.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from typing import Iterator
 
 import torch.distributed as dist
@@ -65,17 +69,15 @@ def _shared_devices(gloo: type) -> list:
 @contextlib.contextmanager
 def shared_gloo_device() -> Iterator[None]:
     """Within this context the gloo groups of one rank that ``torch.distributed`` creates share one transport device
-    (see the note above); other groups are made as torch makes them. On leaving it, the gloo loop threads started
-    within are scheduled as batch work ([Note: gloo loop threads as batch work]). A no-op without gloo, or on a torch
-    whose gloo group takes no devices in its options. One thread at a time patches torch (a lock)."""
+    (see the note above; not on a torch whose gloo group takes no devices in its options); other groups are made as
+    torch makes them. On leaving it, the gloo loop threads started within are scheduled as batch work ([Note: gloo
+    loop threads as batch work]). One thread at a time patches torch (a lock)."""
     c10d = dist.distributed_c10d
     gloo = getattr(c10d, "ProcessGroupGloo", None)
     options = getattr(gloo, "_Options", None)
-    if gloo is None or options is None or not hasattr(options(), "_devices"):
-        yield
-        return
+    patch = gloo is not None and options is not None and hasattr(options(), "_devices")
 
-    class _SharedDeviceGloo(gloo):
+    class _SharedDeviceGloo(gloo if patch else object):
         def __init__(self, store, rank, size, timeout=None, **kwargs):
             if size > 1 or kwargs or not hasattr(timeout, "total_seconds"):  # made as torch makes it
                 super().__init__(store, rank, size, *([] if timeout is None else [timeout]), **kwargs)
@@ -87,31 +89,54 @@ def shared_gloo_device() -> Iterator[None]:
             super().__init__(store, rank, size, opts)
 
     with _lock:
-        before = loop_threads()
-        c10d.ProcessGroupGloo = _SharedDeviceGloo
+        before = _thread_names()
+        if patch:
+            c10d.ProcessGroupGloo = _SharedDeviceGloo
         try:
             yield
         finally:
-            c10d.ProcessGroupGloo = gloo
-            _schedule_as_batch(loop_threads() - before)  # [Note: gloo loop threads as batch work]
+            if patch:
+                c10d.ProcessGroupGloo = gloo
+            _schedule_as_batch(_new_loop_threads(before))  # [Note: gloo loop threads as batch work]
 
 
-def loop_threads() -> set[int]:
-    """Thread ids of this process's gloo network loop threads (named ``gloo_tcp_loop``), read from Linux
-    ``/proc/self/task``; empty where that does not exist."""
+def _thread_names() -> dict[int, str]:
+    """``{thread id: name}`` of this process's threads, read from Linux ``/proc/self/task``; empty where that does
+    not exist."""
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
-        return set()
-    found = set()
+        return {}
+    names = {}
     for tid in tids:
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() == "gloo_tcp_loop":
-                    found.add(int(tid))
+                names[int(tid)] = f.read().strip()
         except OSError:  # the thread ended meanwhile
             continue
-    return found
+    return names
+
+
+def loop_threads() -> set[int]:
+    """Thread ids of this process's gloo network loop threads (named ``gloo_tcp_loop``; empty where Linux
+    ``/proc/self/task`` does not exist)."""
+    return {tid for tid, name in _thread_names().items() if name == _LOOP}
+
+
+def _new_loop_threads(before: dict[int, str], wait_s: float = 0.2) -> set[int]:
+    """The loop threads started since ``before`` (:func:`_thread_names`). A thread is named by itself once it runs, so
+    a new thread still bearing its creator's name may be a loop thread that has not run yet: waited for (at most
+    ``wait_s`` seconds in all)."""
+    creator = _thread_names().get(threading.get_native_id(), "")
+    deadline = time.monotonic() + wait_s
+    while True:
+        new = {tid: name for tid, name in _thread_names().items() if tid not in before}
+        if not any(name == creator for name in new.values()) or time.monotonic() > deadline:
+            return {tid for tid, name in new.items() if name == _LOOP}
+        time.sleep(0.001)
+
+
+_LOOP = "gloo_tcp_loop"  # the name gloo's TCP loop thread gives itself (torch 2.13's gloo; older ones name none)
 
 
 def _schedule_as_batch(tids: set[int]) -> None:

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from shardfusion import comm
 from shardfusion._runtime import gather_wire
+from shardfusion._runtime.gloo_device import shared_gloo_device
 
 SHARD_KINDS = ("fsdp_inner", "expert_inner", "moe_sharding")
 """The kinds of group a flat buffer is sharded over (``wrap._GroupPlan.groups``)."""
@@ -125,7 +126,8 @@ def node_plans(topology, kinds: tuple[str, ...] = SHARD_KINDS) -> dict[str, Opti
 def _make_groups(slices: list[list[int]], size: int, topology) -> dist.ProcessGroup:
     if comm.is_fake():  # this rank's slice only, as Topology makes a dry run's groups
         return dist.new_group(next(s for s in slices if topology.rank in s), timeout=topology.timeout)
-    group, _ = dist.new_subgroups_by_enumeration(slices, timeout=topology.timeout)
+    with shared_gloo_device():  # its loop threads as the topology's: [Note: gloo loop threads as batch work]
+        group, _ = dist.new_subgroups_by_enumeration(slices, timeout=topology.timeout)
     return group
 
 

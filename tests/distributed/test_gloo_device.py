@@ -53,7 +53,10 @@ def _worker() -> dict:
 
 
 def test_groups_of_one_rank_share_one_loop_thread():
-    for rank, out in enumerate(run_distributed(_worker, 4, timeout=90)):
+    results = run_distributed(_worker, 4, timeout=90)
+    if not results[0]["default_loops"]:
+        pytest.skip("this torch's gloo does not name its loop threads (gloo_tcp_loop): nothing to count")
+    for rank, out in enumerate(results):
         singles, multi = out["sizes"].count(1), sum(1 for s in out["sizes"] if s > 1)
         assert out["degrees"] == (2, 2)
         assert singles >= 2, f"rank {rank}: HSDP 2 x 2 on 4 ranks makes several one-rank groups, got {out['sizes']}"
