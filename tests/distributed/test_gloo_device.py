@@ -18,17 +18,6 @@ from shardfusion._runtime.gloo_device import loop_threads
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux /proc")
 
 
-def _loop_threads() -> int:
-    count = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                count += f.read().strip() == "gloo_tcp_loop"
-        except OSError:  # the thread ended meanwhile
-            pass
-    return count
-
-
 def _worker() -> dict:
     from torch.distributed import distributed_c10d as c10d
 
@@ -36,7 +25,7 @@ def _worker() -> dict:
 
     original = c10d.ProcessGroupGloo
     default_loops = loop_threads()  # the default group's (init_process_group's), before the topology's
-    before_groups, before_threads = set(c10d._world.pg_map), _loop_threads()
+    before_groups = set(c10d._world.pg_map)
     topo = sf.Topology(sharding=-1, fsdp_outer_degree=2)
     new = [pg for pg in c10d._world.pg_map if pg not in before_groups]
     sums = []
@@ -46,7 +35,7 @@ def _worker() -> dict:
         sums.append((float(t), float(sum(r + 1 for r in dist.get_process_group_ranks(pg)))))
     sizes = [pg.size() for pg in new]
     policies = {tid: os.sched_getscheduler(tid) for tid in loop_threads()}
-    return {"sizes": sizes, "threads": _loop_threads() - before_threads, "sums": sums,
+    return {"sizes": sizes, "threads": len(loop_threads()) - len(default_loops), "sums": sums,
             "restored": c10d.ProcessGroupGloo is original, "degrees": (topo.inner, topo.fsdp_outer_degree),
             "default_loops": sorted(policies[t] for t in default_loops), "new_loops":
             sorted(policies[t] for t in set(policies) - default_loops)}
